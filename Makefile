@@ -1,0 +1,28 @@
+# Two entry points: `make demo` (compile + run the tiny example) and `make test`.
+PY      := .venv/bin/python
+VENV    := .venv/.installed
+
+.PHONY: demo test lint clean
+
+$(VENV): pyproject.toml
+	test -d .venv || python3 -m venv .venv
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(VENV)
+
+demo: $(VENV)
+	.venv/bin/zplan compile gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200 --gpus 1024 \
+	  --cluster dgx-a100-80g --global-batch 1536 -o out/gpt175b
+	.venv/bin/zplan compile examples/tiny.py --gpus 2 --cluster cpu-local --global-batch 8 --seq 64 \
+	  --precision fp32 -o out/tiny
+	bash out/tiny/launch/torchrun.sh --steps 20
+
+test: $(VENV)
+	.venv/bin/ruff check .
+	$(PY) -m pytest -q -n 2 tests
+
+lint: $(VENV)
+	.venv/bin/ruff check .
+
+clean:
+	rm -rf out build *.egg-info

@@ -1,0 +1,144 @@
+"""Built-in cluster profiles (vendor data sheets) and loading of user cluster files (YAML/JSON).
+
+Bandwidths are per GPU, per direction. Where a data sheet gives a node total or a bidirectional
+figure, the division is written out next to the number.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+from pydantic import ValidationError
+
+from zplan.errors import ClusterError
+from zplan.schemas.cluster import ClusterSpec, EfficiencySpec, GpuSpec
+
+GiB = 1024**3
+GB = 1e9
+TB = 1e12
+
+# Achieved fractions of peak for NVIDIA data-centre GPUs. Assumptions, printed in every report:
+# large bf16 GEMMs reach ~80% of tensor-core peak in cuBLAS; NCCL bus bandwidth reaches ~80% of
+# NVLink and ~90% of InfiniBand line rate (nccl-tests); PCIe copies ~80%.
+_NVIDIA_EFFICIENCY = EfficiencySpec(
+    gemm_max=0.80,
+    gemm_half_flops=2.0e9,
+    memory_bound=0.80,
+    intra_node_link=0.80,
+    inter_node_link=0.90,
+    host_link=0.80,
+)
+
+DGX_A100_80G = ClusterSpec(
+    name="dgx-a100-80g",
+    description="NVIDIA DGX A100 80GB: 8x A100-SXM4-80GB, NVSwitch, 8x HDR 200 Gb/s InfiniBand",
+    source="NVIDIA DGX A100 data sheet (2020); A100 80GB data sheet",
+    gpu=GpuSpec(
+        name="A100-SXM4-80GB",
+        hbm_bytes=80 * GB,
+        hbm_bandwidth_Bps=2039 * GB,
+        peak_bf16_flops=312 * TB,
+        peak_fp16_flops=312 * TB,
+        peak_fp32_flops=19.5 * TB,
+    ),
+    gpus_per_node=8,
+    intra_node_bandwidth_Bps=600 * GB / 2,  # NVLink 3: 600 GB/s bidirectional per GPU
+    inter_node_bandwidth_Bps=200e9 / 8,  # one 200 Gb/s HDR port per GPU = 25 GB/s
+    host_to_device_bandwidth_Bps=32 * GB,  # PCIe Gen4 x16 per direction
+    intra_node_latency_s=8e-6,
+    inter_node_latency_s=15e-6,
+    cpu_memory_bytes=2 * 1024 * GiB,  # 2 TB DDR4
+    cpu_memory_bandwidth_Bps=2 * 204.8 * GB,  # 2x AMD EPYC 7742, 8 channels DDR4-3200 each
+    nvme_bytes=int(30 * TB),  # 8x 3.84 TB U.2 NVMe
+    nvme_bandwidth_Bps=25 * GB,  # 8 PCIe Gen4 drives in RAID-0 (assumed, not in the data sheet)
+    framework_reserve_bytes=2 * GiB,
+    efficiency=_NVIDIA_EFFICIENCY,
+)
+
+DGX_H100 = ClusterSpec(
+    name="dgx-h100",
+    description="NVIDIA DGX H100: 8x H100-SXM5-80GB, NVSwitch, 8x NDR 400 Gb/s InfiniBand",
+    source="NVIDIA DGX H100 data sheet (2023); H100 data sheet (dense, no sparsity)",
+    gpu=GpuSpec(
+        name="H100-SXM5-80GB",
+        hbm_bytes=80 * GB,
+        hbm_bandwidth_Bps=3350 * GB,
+        peak_bf16_flops=989 * TB,
+        peak_fp16_flops=989 * TB,
+        peak_fp32_flops=67 * TB,
+    ),
+    gpus_per_node=8,
+    intra_node_bandwidth_Bps=900 * GB / 2,  # NVLink 4: 900 GB/s bidirectional per GPU
+    inter_node_bandwidth_Bps=400e9 / 8,  # one 400 Gb/s NDR port per GPU = 50 GB/s
+    host_to_device_bandwidth_Bps=64 * GB,  # PCIe Gen5 x16 per direction
+    intra_node_latency_s=6e-6,
+    inter_node_latency_s=12e-6,
+    cpu_memory_bytes=2 * 1024 * GiB,
+    cpu_memory_bandwidth_Bps=2 * 307.2 * GB,  # 2x Xeon 8480C, 8 channels DDR5-4800 each
+    nvme_bytes=int(30 * TB),
+    nvme_bandwidth_Bps=50 * GB,  # 8 PCIe Gen4/5 drives in RAID-0 (assumed)
+    framework_reserve_bytes=2 * GiB,
+    efficiency=_NVIDIA_EFFICIENCY,
+)
+
+DGX_H200 = DGX_H100.model_copy(
+    update={
+        "name": "dgx-h200",
+        "description": "NVIDIA DGX H200: 8x H200-SXM-141GB, NVSwitch, 8x NDR 400 Gb/s InfiniBand",
+        "source": "NVIDIA DGX H200 data sheet (2024); H200 data sheet (dense, no sparsity)",
+        "gpu": DGX_H100.gpu.model_copy(
+            update={"name": "H200-SXM-141GB", "hbm_bytes": 141 * GB, "hbm_bandwidth_Bps": 4800 * GB}
+        ),
+    }
+)
+
+DGX2_V100 = ClusterSpec(
+    name="dgx2-v100",
+    description="NVIDIA DGX-2: 16x V100-SXM3-32GB, NVSwitch, 8x EDR 100 Gb/s InfiniBand",
+    source="NVIDIA DGX-2 data sheet (2018); V100 data sheet. No bf16 on V100.",
+    gpu=GpuSpec(
+        name="V100-SXM3-32GB",
+        hbm_bytes=32 * GB,
+        hbm_bandwidth_Bps=900 * GB,
+        peak_bf16_flops=0.0,
+        peak_fp16_flops=125 * TB,
+        peak_fp32_flops=15.7 * TB,
+    ),
+    gpus_per_node=16,
+    intra_node_bandwidth_Bps=300 * GB / 2,  # NVLink 2 via NVSwitch: 300 GB/s bidirectional per GPU
+    inter_node_bandwidth_Bps=8 * 100e9 / 8 / 16,  # 8x 100 Gb/s EDR per node shared by 16 GPUs
+    host_to_device_bandwidth_Bps=16 * GB,  # PCIe Gen3 x16
+    intra_node_latency_s=10e-6,
+    inter_node_latency_s=20e-6,
+    cpu_memory_bytes=int(1.5 * 1024 * GiB),
+    cpu_memory_bandwidth_Bps=2 * 128 * GB,  # 2x Xeon 8168, 6 channels DDR4-2666 each
+    nvme_bytes=int(30 * TB),
+    nvme_bandwidth_Bps=12 * GB,  # 8 PCIe Gen3 drives in RAID-0 (assumed)
+    framework_reserve_bytes=int(1.5 * GiB),
+    efficiency=_NVIDIA_EFFICIENCY,
+)
+
+BUILTIN_CLUSTERS: dict[str, ClusterSpec] = {
+    c.name: c for c in (DGX_A100_80G, DGX_H100, DGX_H200, DGX2_V100)
+}
+
+
+def load_cluster(name_or_path: str) -> ClusterSpec:
+    """A built-in profile by name, or a ClusterSpec from a .yaml/.yml/.json file."""
+    if name_or_path in BUILTIN_CLUSTERS:
+        return BUILTIN_CLUSTERS[name_or_path]
+    path = Path(name_or_path)
+    if not path.is_file():
+        known = ", ".join(sorted(BUILTIN_CLUSTERS))
+        raise ClusterError(
+            f"unknown cluster '{name_or_path}': not a built-in profile ({known}) and not a file. "
+            "Pass one of those names or a YAML/JSON file with a ClusterSpec (see `zplan clusters --json`)."
+        )
+    try:
+        text = path.read_text()
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        return ClusterSpec.model_validate(data)
+    except (OSError, ValueError, yaml.YAMLError, ValidationError) as exc:
+        raise ClusterError(f"cluster file {path} is not a valid ClusterSpec: {exc}") from exc

@@ -1,0 +1,25 @@
+"""Pydantic models that cross module boundaries; their JSON Schema lives in schemas/json/."""
+
+from zplan.schemas.cluster import ClusterSpec, EfficiencySpec, GpuSpec
+from zplan.schemas.model import LayerCost, ModelSummary, TensorParallelRule
+from zplan.schemas.plan import (
+    PLAN_SCHEMA_VERSION,
+    Assumption,
+    Candidate,
+    Fingerprint,
+    MemoryBreakdown,
+    ParallelConfig,
+    Placement,
+    Plan,
+    Prediction,
+    RejectedFamily,
+    Stage,
+    TimeBreakdown,
+)
+from zplan.schemas.spec import Pins, TrainSpec
+
+__all__ = [
+    "PLAN_SCHEMA_VERSION", "Assumption", "Candidate", "ClusterSpec", "EfficiencySpec", "Fingerprint",
+    "GpuSpec", "LayerCost", "MemoryBreakdown", "ModelSummary", "ParallelConfig", "Pins", "Placement", "Plan",
+    "Prediction", "RejectedFamily", "Stage", "TensorParallelRule", "TimeBreakdown", "TrainSpec",
+]

@@ -1,0 +1,59 @@
+"""Numbers the planner knows about a model: what tracing (or a family formula) produced.
+
+The cost model and the solvers read only this, never torch objects.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+LayerKind = Literal["embedding", "block", "head", "other"]
+TPStyle = Literal["colwise", "rowwise"]
+
+
+class LayerCost(BaseModel):
+    """One pipeline unit: a top-level slice of the model that a stage boundary may not split."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(description="Module path of the unit, e.g. 'blocks.3' or 'wte'.")
+    kind: LayerKind = Field(description="embedding, block (a repeated unit), head, or other.")
+    params: int = Field(ge=0, description="Parameters owned by the unit.")
+    fwd_flops: float = Field(ge=0, description="Forward FLOPs for one sample (one sequence of seq_len).")
+    act_bytes: float = Field(
+        ge=0, description="Bytes saved for backward for one sample, no parallelism, at compute precision."
+    )
+
+
+class TensorParallelRule(BaseModel):
+    """How one Linear is split under tensor parallelism (Megatron column/row pairs)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    module: str = Field(description="Module path relative to its block, e.g. 'attn.qkv' or 'mlp.down'.")
+    style: TPStyle = Field(description="colwise: output features split; rowwise: input features split.")
+
+
+class ModelSummary(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(description="Human name: file stem or family spec.")
+    source: Literal["file", "family"] = Field(description="Traced from a model file or a closed-form family.")
+    tracer: str = Field(description="How the numbers were obtained: fx, export, hooks, or closed-form.")
+    num_blocks: int = Field(gt=0, description="Repeated blocks (transformer layers).")
+    hidden: int = Field(gt=0, description="Model width h.")
+    heads: int = Field(gt=0, description="Attention heads a.")
+    kv_heads: int = Field(gt=0, description="Key/value heads (grouped-query attention); = heads for MHA.")
+    ffn_hidden: int = Field(gt=0, description="MLP inner width.")
+    vocab: int = Field(gt=0, description="Vocabulary size V.")
+    seq_len: int = Field(gt=0, description="Sequence length s the FLOPs and activations are counted at.")
+    params: int = Field(gt=0, description="All parameters (tied weights once).")
+    layers: list[LayerCost] = Field(description="Pipeline units in execution order.")
+    block_prefix: str = Field(description="Module path of the block container, e.g. 'blocks' or 'model.layers'.")
+    tp_rules: list[TensorParallelRule] = Field(description="Column/row split of each Linear in a block.")
+
+    @property
+    def fwd_flops_per_sample(self) -> float:
+        return sum(layer.fwd_flops for layer in self.layers)

@@ -1,0 +1,136 @@
+"""The plan: the only contract between compile time and run time (DESIGN.md decision 1)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from zplan.schemas.cluster import ClusterSpec
+from zplan.schemas.model import ModelSummary
+from zplan.schemas.spec import Pins, Recompute, Tier, TrainSpec
+
+PLAN_SCHEMA_VERSION = 1
+Schedule = Literal["none", "1f1b", "interleaved-1f1b"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Fingerprint(_Frozen):
+    """What the plan was made for; the runtime refuses a run that differs."""
+
+    model_ref: str = Field(description="Model path or family spec as given on the command line.")
+    model_sha256: str = Field(description="SHA-256 of the model file's bytes, or of the family spec string.")
+    cluster: str = Field(description="Cluster profile name.")
+    world_size: int = Field(gt=0, description="Number of GPUs (processes) the plan needs.")
+
+
+class ParallelConfig(_Frozen):
+    tp: int = Field(gt=0, description="Tensor-parallel degree (innermost mesh dim).")
+    pp: int = Field(gt=0, description="Pipeline stages.")
+    dp: int = Field(gt=0, description="Data-parallel replicas (outermost mesh dim).")
+    micro_batch: int = Field(gt=0, description="Sequences per micro-batch per data-parallel rank.")
+    num_micro_batches: int = Field(gt=0, description="Micro-batches per step (gradient accumulation).")
+    zero_stage: Literal[0, 1, 2, 3] = Field(description="ZeRO stage over the data-parallel dim.")
+    recompute: Recompute = Field(description="Activation recompute mode.")
+    sequence_parallel: bool = Field(description="Megatron sequence parallelism (needs tp > 1).")
+    interleave: int = Field(gt=0, description="Model chunks per pipeline stage (1: plain 1F1B).")
+    schedule: Schedule = Field(description="Pipeline schedule.")
+    offload: Tier = Field(description="Where optimizer states live (ZeRO-3: parameters too): none=GPU.")
+
+
+class Stage(_Frozen):
+    index: int = Field(ge=0, description="Pipeline stage (with interleave: model chunk) index.")
+    first_layer: int = Field(ge=0, description="Index of the first unit in ModelSummary.layers.")
+    last_layer: int = Field(ge=0, description="Index of the last unit (inclusive).")
+    layer_names: list[str] = Field(description="Module paths of the units, first to last.")
+    fwd_flops_per_sample: float = Field(ge=0, description="Forward FLOPs of the stage for one sample.")
+    params: int = Field(ge=0, description="Parameters held by the stage (before tp/ZeRO sharding).")
+
+
+class Placement(_Frozen):
+    """Where each kind of model state lives, from planner.placement (CP-SAT)."""
+
+    parameters: Literal["gpu", "cpu", "nvme"] = Field(description="Tier of the fp16/bf16 parameters.")
+    gradients: Literal["gpu", "cpu", "nvme"] = Field(description="Tier of the gradients.")
+    optimizer: Literal["gpu", "cpu", "nvme"] = Field(description="Tier of fp32 master weights and Adam moments.")
+
+
+class MemoryBreakdown(_Frozen):
+    """Bytes per GPU on the most loaded pipeline stage."""
+
+    parameters: float = Field(description="Parameter bytes.")
+    gradients: float = Field(description="Gradient bytes.")
+    optimizer: float = Field(description="fp32 master weights + Adam moments.")
+    activations: float = Field(description="Activations of all in-flight micro-batches, plus logits.")
+    comm_buffers: float = Field(description="Collective buffers and ZeRO-3 gathered parameters.")
+    reserve: float = Field(description="Framework reserve (context, allocator).")
+    total: float = Field(description="Sum of the above.")
+    capacity: float = Field(description="Device memory.")
+    cpu_bytes_per_node: float = Field(description="Host bytes used by offloaded states, per node.")
+    nvme_bytes_per_node: float = Field(description="NVMe bytes used by offloaded states, per node.")
+
+
+class TimeBreakdown(_Frozen):
+    """Seconds per optimizer step; the parts add up to step_time_s."""
+
+    compute: float = Field(description="Forward, backward and recompute on the slowest stage.")
+    tensor_parallel: float = Field(description="Tensor-parallel collectives, not overlapped.")
+    pipeline_bubble: float = Field(description="Pipeline fill and drain.")
+    pipeline_p2p: float = Field(description="Stage-to-stage activation transfers.")
+    data_parallel: float = Field(description="Data-parallel / ZeRO collectives not hidden behind backward.")
+    offload: float = Field(description="Host/NVMe transfers and the CPU optimizer step, not overlapped.")
+    optimizer: float = Field(description="Optimizer step on the GPU.")
+
+
+class Prediction(_Frozen):
+    step_time_s: float = Field(description="Predicted seconds per optimizer step.")
+    tokens_per_s: float = Field(description="Global tokens per second.")
+    mfu: float = Field(description="Model FLOPs utilisation: model FLOPs / (time * gpus * peak).")
+    model_flops_per_step: float = Field(description="6*N*tokens-style model FLOPs (no recompute).")
+    memory: MemoryBreakdown = Field(description="Per-GPU memory on the most loaded stage.")
+    time: TimeBreakdown = Field(description="Where the step time goes.")
+    feasible: bool = Field(description="Fits device, host and NVMe capacity.")
+
+
+class Candidate(_Frozen):
+    """One evaluated configuration, for the report's Pareto chart and `zplan explain`."""
+
+    parallel: ParallelConfig = Field(description="The configuration.")
+    step_time_s: float = Field(description="Predicted seconds per step.")
+    memory_per_gpu_bytes: float = Field(description="Predicted bytes per GPU.")
+    feasible: bool = Field(description="Fits memory.")
+
+
+class RejectedFamily(_Frozen):
+    family: str = Field(description="A group of configurations, e.g. 'pp=1 (no pipeline)'.")
+    reason: Literal["memory", "bubble", "communication", "compute", "illegal"] = Field(
+        description="Dominant reason its best member lost."
+    )
+    detail: str = Field(description="One sentence with the numbers.")
+
+
+class Assumption(_Frozen):
+    name: str = Field(description="What is assumed.")
+    value: str = Field(description="The value used, with units.")
+    source: str = Field(description="Where it comes from.")
+
+
+class Plan(_Frozen):
+    schema_version: int = Field(default=PLAN_SCHEMA_VERSION, description="Plan format version.")
+    zplan_version: str = Field(description="zplan version that wrote the plan.")
+    fingerprint: Fingerprint = Field(description="Inputs the plan was made for.")
+    model: ModelSummary = Field(description="The traced or closed-form model.")
+    cluster: ClusterSpec = Field(description="The hardware profile, copied in full.")
+    train: TrainSpec = Field(description="Batch, sequence and precision.")
+    pins: Pins = Field(description="What the user fixed.")
+    parallel: ParallelConfig = Field(description="The chosen configuration.")
+    stages: list[Stage] = Field(description="Pipeline stages (pp * interleave chunks) in order.")
+    placement: Placement = Field(description="Tier of each model state.")
+    prediction: Prediction = Field(description="Predicted time and memory.")
+    candidates_evaluated: int = Field(description="Configurations the search scored.")
+    alternatives: list[Candidate] = Field(description="Best other configurations and the Pareto front.")
+    rejected: list[RejectedFamily] = Field(description="Why other families lost.")
+    assumptions: list[Assumption] = Field(description="Every number the prediction assumed.")
