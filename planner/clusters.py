@@ -1,4 +1,5 @@
-"""Built-in cluster profiles (vendor data sheets) and loading of user cluster files (YAML/JSON).
+"""Built-in cluster profiles (vendor data sheets; cpu-local measured, see cpu_local.py) and loading
+of user cluster files (YAML/JSON).
 
 Bandwidths are per GPU, per direction. Where a data sheet gives a node total or a bidirectional
 figure, the division is written out next to the number.
@@ -13,6 +14,7 @@ import yaml
 from pydantic import ValidationError
 
 from zplan.errors import ClusterError
+from zplan.planner.cpu_local import CPU_LOCAL
 from zplan.schemas.cluster import ClusterSpec, EfficiencySpec, GpuSpec
 
 GiB = 1024**3
@@ -121,7 +123,7 @@ DGX2_V100 = ClusterSpec(
 )
 
 BUILTIN_CLUSTERS: dict[str, ClusterSpec] = {
-    c.name: c for c in (DGX_A100_80G, DGX_H100, DGX_H200, DGX2_V100)
+    c.name: c for c in (DGX_A100_80G, DGX_H100, DGX_H200, DGX2_V100, CPU_LOCAL)
 }
 
 

@@ -1,0 +1,115 @@
+"""The DeepSpeed config equivalent to a plan, for users who train with DeepSpeed instead of zplan's runtime.
+
+Field names follow DeepSpeed's config reference (https://www.deepspeed.ai/docs/config-json/). The batch
+fields satisfy DeepSpeed's check train_batch_size == micro * accumulation * data-parallel size.
+What DeepSpeed cannot express from a config (the tensor-parallel layer plan, the pipeline stage
+boundaries, selective recompute) is listed by `deepspeed_config_notes` and printed in the report.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zplan.schemas.plan import Plan
+
+# Optimizer defaults of the emitted training script (AdamW, GPT-3 style hyper-parameters).
+ADAMW_PARAMS: dict[str, Any] = {"lr": 3.0e-4, "betas": [0.9, 0.95], "eps": 1.0e-8, "weight_decay": 0.1}
+GRADIENT_CLIPPING = 1.0
+# Where NVMe offload swaps to; DeepSpeed needs a path, the plan only a tier. Edit to the node's mount.
+DEFAULT_NVME_PATH = "/local_nvme"
+# ZeRO bucket sizes in elements: DeepSpeed's defaults (5e8), written out so the config is explicit.
+BUCKET_ELEMENTS = 500_000_000
+
+
+def _offload_block(device: str) -> dict[str, Any]:
+    block: dict[str, Any] = {"device": device, "pin_memory": True}
+    if device == "nvme":
+        block["nvme_path"] = DEFAULT_NVME_PATH
+    return block
+
+
+def _zero_block(plan: Plan) -> dict[str, Any]:
+    parallel, placement = plan.parallel, plan.placement
+    zero: dict[str, Any] = {
+        "stage": parallel.zero_stage,
+        "overlap_comm": parallel.zero_stage > 0,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": BUCKET_ELEMENTS,
+        "allgather_bucket_size": BUCKET_ELEMENTS,
+    }
+    if parallel.zero_stage == 0:
+        return zero
+    if placement.optimizer != "gpu":
+        zero["offload_optimizer"] = _offload_block(placement.optimizer)
+    if parallel.zero_stage == 3 and placement.parameters != "gpu":
+        zero["offload_param"] = _offload_block(placement.parameters)
+    return zero
+
+
+def _precision_blocks(plan: Plan) -> dict[str, Any]:
+    precision = plan.train.precision
+    fp16: dict[str, Any] = {"enabled": precision == "fp16"}
+    if precision == "fp16":  # dynamic loss scaling, DeepSpeed's recommended settings
+        fp16.update({"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
+                     "min_loss_scale": 1})
+    return {"bf16": {"enabled": precision == "bf16"}, "fp16": fp16}
+
+
+def deepspeed_config(plan: Plan) -> dict[str, Any]:
+    """A dict DeepSpeed's parser (deepspeed.runtime.config.DeepSpeedConfig) accepts at the plan's dp."""
+    parallel = plan.parallel
+    config: dict[str, Any] = {
+        "train_batch_size": plan.train.global_batch,
+        "train_micro_batch_size_per_gpu": parallel.micro_batch,
+        "gradient_accumulation_steps": parallel.num_micro_batches,
+        "gradient_clipping": GRADIENT_CLIPPING,
+        "steps_per_print": 10,
+        "wall_clock_breakdown": False,
+        "optimizer": {"type": "AdamW", "params": dict(ADAMW_PARAMS)},
+        "zero_optimization": _zero_block(plan),
+        **_precision_blocks(plan),
+    }
+    if parallel.recompute != "none":
+        config["activation_checkpointing"] = {
+            "partition_activations": parallel.tp > 1,  # shard saved inputs across the tensor-parallel group
+            "cpu_checkpointing": False,
+            "contiguous_memory_optimization": False,
+            "synchronize_checkpoint_boundary": False,
+            "profile": False,
+        }
+    if parallel.tp > 1:
+        config["tensor_parallel"] = {"autotp_size": parallel.tp}
+    if parallel.pp > 1:
+        config["pipeline"] = {
+            "stages": parallel.pp,
+            "partition": "parameters",
+            "activation_checkpoint_interval": 1 if parallel.recompute == "full" else 0,
+        }
+    return config
+
+
+def deepspeed_config_notes(plan: Plan) -> list[str]:
+    """What the DeepSpeed config does not carry over from the plan, one sentence each."""
+    parallel = plan.parallel
+    notes = [f"Optimizer hyper-parameters (AdamW lr={ADAMW_PARAMS['lr']:g}, weight decay "
+             f"{ADAMW_PARAMS['weight_decay']:g}) and gradient clipping {GRADIENT_CLIPPING:g} are defaults, "
+             "not part of the plan."]
+    if parallel.tp > 1:
+        notes.append(f"Tensor parallelism (tp={parallel.tp}) is set as DeepSpeed AutoTP; Megatron-style "
+                     "models pass their own mpu instead. The column/row split of each Linear is in train.py.")
+    if parallel.pp > 1:
+        notes.append(f"Pipeline parallelism needs deepspeed.pipe.PipelineModule(num_stages={parallel.pp}); "
+                     "the plan's stage boundaries are listed in the Stages table.")
+        if parallel.interleave > 1:
+            notes.append("DeepSpeed's pipeline engine has no interleaved schedule; the plan's "
+                         f"{parallel.interleave} chunks per stage run as plain 1F1B there.")
+        if parallel.zero_stage >= 2:
+            notes.append("DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only.")
+    if parallel.recompute == "selective":
+        notes.append("Selective recompute (attention only) has no DeepSpeed config switch; the model's "
+                     "checkpointing calls decide what is recomputed.")
+    if parallel.sequence_parallel:
+        notes.append("Megatron sequence parallelism has no DeepSpeed config switch.")
+    if "nvme" in plan.placement.model_dump().values():
+        notes.append(f"NVMe offload swaps to {DEFAULT_NVME_PATH}; change nvme_path to the node's NVMe mount.")
+    return notes

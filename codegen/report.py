@@ -1,0 +1,303 @@
+"""Report builders: the chart data and tables of report.html and report.md, read from the Plan.
+
+Charts are plain data here (dataclasses); codegen/svg_charts.py draws them. The pipeline timeline is
+a schematic: it replays the schedule's order of forward and backward slots with forward = 1 unit and
+backward = 2 units per model chunk, to show the shape of the schedule, not a prediction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from zplan.codegen.context import (
+    MEMORY_PARTS,
+    TIME_PARTS,
+    format_bytes,
+    format_count,
+    format_percent,
+    format_rate,
+    format_seconds,
+    plan_context,
+    share,
+    yes_no,
+)
+from zplan.schemas.plan import Candidate, ParallelConfig, Plan
+
+MAX_DRAWN_MICRO_BATCHES = 16
+FORWARD_UNITS = 1
+BACKWARD_UNITS = 2
+
+
+@dataclass(frozen=True)
+class Segment:
+    key: str
+    label: str
+    value: float  # bytes or seconds
+    display: str
+    percent: str
+
+
+@dataclass(frozen=True)
+class MemoryChart:
+    segments: list[Segment]
+    total_bytes: float
+    capacity_bytes: float
+
+
+@dataclass(frozen=True)
+class TimeChart:
+    segments: list[Segment]
+    step_time_s: float
+
+
+@dataclass(frozen=True)
+class Slot:
+    stage: int  # pipeline rank
+    start: int  # schematic time units
+    duration: int
+    kind: str  # "F" (forward) or "B" (backward)
+    micro_batch: int
+    chunk: int  # model chunk on this rank (interleaved schedules)
+
+
+@dataclass(frozen=True)
+class PipelineTimeline:
+    stages: int
+    chunks: int
+    schedule: str
+    drawn_micro_batches: int
+    total_micro_batches: int
+    slots: list[Slot]
+
+    @property
+    def total_units(self) -> int:
+        return max((slot.start + slot.duration for slot in self.slots), default=0)
+
+
+@dataclass(frozen=True)
+class ParetoPoint:
+    step_time_s: float
+    memory_bytes: float
+    feasible: bool
+    on_front: bool
+    chosen: bool
+    label: str
+
+
+@dataclass(frozen=True)
+class ParetoChart:
+    points: list[ParetoPoint]
+    capacity_bytes: float
+
+
+def memory_chart(plan: Plan) -> MemoryChart:
+    memory = plan.prediction.memory
+    segments = [
+        Segment(key, label, getattr(memory, key), format_bytes(getattr(memory, key)),
+                format_percent(share(getattr(memory, key), memory.capacity)))
+        for key, label in MEMORY_PARTS
+    ]
+    return MemoryChart(segments=segments, total_bytes=memory.total, capacity_bytes=memory.capacity)
+
+
+def time_chart(plan: Plan) -> TimeChart:
+    time, step_time_s = plan.prediction.time, plan.prediction.step_time_s
+    segments = [
+        Segment(key, label, getattr(time, key), format_seconds(getattr(time, key)),
+                format_percent(share(getattr(time, key), step_time_s)))
+        for key, label in TIME_PARTS
+    ]
+    return TimeChart(segments=segments, step_time_s=step_time_s)
+
+
+def _slot_order(stage: int, stages: int, chunks: int, micro_batches: int) -> list[tuple[str, int, int]]:
+    """(kind, chunk, micro_batch) in the order one pipeline rank runs them (Megatron-LM's 1F1B and
+    interleaved 1F1B, Narayanan et al. 2021, section 2.2): warm-up forwards, then one forward and one
+    backward in turn, then the remaining backwards. Micro-batches go through the chunks in groups of
+    `stages`; backwards visit the chunks in reverse."""
+    forwards, backwards = [], []
+    for group_start in range(0, micro_batches, stages):
+        group = range(group_start, min(group_start + stages, micro_batches))
+        for chunk in range(chunks):
+            forwards += [(chunk, mb) for mb in group]
+            backwards += [(chunks - 1 - chunk, mb) for mb in group]
+    total = len(forwards)
+    if chunks == 1:
+        warmup = min(stages - stage - 1, total)
+    else:
+        warmup = min((stages - stage - 1) * 2 + (chunks - 1) * stages, total)
+    order = [("F", *forwards[i]) for i in range(warmup)]
+    for i in range(total - warmup):
+        order += [("F", *forwards[warmup + i]), ("B", *backwards[i])]
+    order += [("B", *backwards[i]) for i in range(total - warmup, total)]
+    return order
+
+
+def _dependency(kind: str, stage: int, chunk: int, mb: int, stages: int, chunks: int) -> tuple | None:
+    """The slot whose output this slot needs: the previous stage (forward) or the next (backward)."""
+    if kind == "F":
+        if stage > 0:
+            return ("F", stage - 1, chunk, mb)
+        return ("F", stages - 1, chunk - 1, mb) if chunk > 0 else None
+    if stage < stages - 1:
+        return ("B", stage + 1, chunk, mb)
+    return ("B", 0, chunk + 1, mb) if chunk < chunks - 1 else ("F", stage, chunk, mb)
+
+
+def _replay(stages: int, chunks: int, micro_batches: int) -> list[Slot] | None:
+    """Start every slot as early as its rank and its dependency allow; None if the order deadlocks."""
+    orders = [_slot_order(stage, stages, chunks, micro_batches) for stage in range(stages)]
+    next_index, free_at = [0] * stages, [0] * stages
+    end_of: dict[tuple, int] = {}
+    slots: list[Slot] = []
+    remaining = sum(len(order) for order in orders)
+    while remaining:
+        progressed = False
+        for stage in range(stages):
+            while next_index[stage] < len(orders[stage]):
+                kind, chunk, mb = orders[stage][next_index[stage]]
+                dependency = _dependency(kind, stage, chunk, mb, stages, chunks)
+                if dependency is not None and dependency not in end_of:
+                    break
+                start = max(free_at[stage], end_of.get(dependency, 0))
+                duration = FORWARD_UNITS if kind == "F" else BACKWARD_UNITS
+                slots.append(Slot(stage, start, duration, kind, mb, chunk))
+                end_of[(kind, stage, chunk, mb)] = free_at[stage] = start + duration
+                next_index[stage] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            return None
+    return sorted(slots, key=lambda slot: (slot.stage, slot.start))
+
+
+def pipeline_timeline(
+    parallel: ParallelConfig, max_micro_batches: int = MAX_DRAWN_MICRO_BATCHES
+) -> PipelineTimeline:
+    """The first micro-batches of one step on every pipeline rank (all of them if few).
+
+    Interleaved schedules need whole groups of `pp` micro-batches, so the cap rounds down to one."""
+    stages, chunks, total = parallel.pp, parallel.interleave, parallel.num_micro_batches
+    drawn = min(total, max_micro_batches)
+    if chunks > 1 and total >= stages:
+        drawn = max(stages, drawn - drawn % stages)
+    slots = _replay(stages, chunks, drawn)
+    schedule = parallel.schedule
+    if slots is None:  # an order Megatron would not run (fewer micro-batches than stages): draw plain 1F1B
+        chunks, schedule = 1, "1f1b"
+        slots = _replay(stages, 1, drawn) or []
+    return PipelineTimeline(stages=stages, chunks=chunks, schedule=schedule, drawn_micro_batches=drawn,
+                            total_micro_batches=total, slots=slots)
+
+
+def timeline_as_text(timeline: PipelineTimeline) -> list[str]:
+    """One line per pipeline rank, one character per time unit: F/B for even chunks, f/b for odd, '.' idle."""
+    lines = []
+    for stage in range(timeline.stages):
+        row = ["."] * timeline.total_units
+        for slot in (slot for slot in timeline.slots if slot.stage == stage):
+            mark = slot.kind if slot.chunk % 2 == 0 else slot.kind.lower()
+            row[slot.start:slot.start + slot.duration] = [mark] * slot.duration
+        lines.append(f"rank {stage:>2} |{''.join(row)}|")
+    return lines
+
+
+def describe_config(parallel: ParallelConfig) -> str:
+    parts = [f"tp={parallel.tp}", f"pp={parallel.pp}", f"dp={parallel.dp}", f"mb={parallel.micro_batch}",
+             f"ZeRO-{parallel.zero_stage}", f"recompute={parallel.recompute}"]
+    if parallel.sequence_parallel:
+        parts.append("SP")
+    if parallel.interleave > 1:
+        parts.append(f"v={parallel.interleave}")
+    if parallel.offload != "none":
+        parts.append(f"offload={parallel.offload}")
+    return " ".join(parts)
+
+
+def _pareto_front(points: list[tuple[float, float]]) -> set[int]:
+    """Indices of the points no other point beats on both step time and memory (lower is better)."""
+    front, best_time = set(), float("inf")
+    for index in sorted(range(len(points)), key=lambda i: (points[i][1], points[i][0])):
+        if points[index][0] < best_time:
+            front.add(index)
+            best_time = points[index][0]
+    return front
+
+
+def pareto_chart(plan: Plan) -> ParetoChart:
+    """The chosen plan and the alternatives; the front is drawn over the feasible ones."""
+    chosen = Candidate(parallel=plan.parallel, step_time_s=plan.prediction.step_time_s,
+                       memory_per_gpu_bytes=plan.prediction.memory.total, feasible=plan.prediction.feasible)
+    candidates = [chosen] + [alt for alt in plan.alternatives if alt.parallel != plan.parallel]
+    feasible = [i for i, c in enumerate(candidates) if c.feasible]
+    front = {feasible[i] for i in _pareto_front(
+        [(candidates[i].step_time_s, candidates[i].memory_per_gpu_bytes) for i in feasible])}
+    points = [
+        ParetoPoint(step_time_s=c.step_time_s, memory_bytes=c.memory_per_gpu_bytes, feasible=c.feasible,
+                    on_front=i in front, chosen=i == 0, label=describe_config(c.parallel))
+        for i, c in enumerate(candidates)
+    ]
+    return ParetoChart(points=points, capacity_bytes=plan.prediction.memory.capacity)
+
+
+def alternative_rows(chart: ParetoChart) -> list[dict[str, str]]:
+    ranked = sorted(chart.points, key=lambda p: (not p.feasible, p.step_time_s, p.memory_bytes, p.label))
+    return [
+        {"config": p.label, "step_time": format_seconds(p.step_time_s),
+         "memory": format_bytes(p.memory_bytes), "feasible": yes_no(p.feasible),
+         "pareto": yes_no(p.on_front), "chosen": yes_no(p.chosen)}
+        for p in ranked
+    ]
+
+
+def cluster_rows(plan: Plan) -> list[dict[str, str]]:
+    """The hardware numbers the prediction used, from the cluster profile copied into the plan."""
+    c, gpu, eff = plan.cluster, plan.cluster.gpu, plan.cluster.efficiency
+    rows = [
+        ("GPU", gpu.name), ("GPUs per node", str(c.gpus_per_node)),
+        ("HBM capacity", f"{format_bytes(gpu.hbm_bytes)} ({gpu.hbm_bytes / 1e9:.0f} GB)"),
+        ("HBM bandwidth", format_rate(gpu.hbm_bandwidth_Bps, "B")),
+        ("Peak bf16", format_rate(gpu.peak_bf16_flops, "FLOP") if gpu.peak_bf16_flops else "unsupported"),
+        ("Peak fp16", format_rate(gpu.peak_fp16_flops, "FLOP")),
+        ("Peak fp32", format_rate(gpu.peak_fp32_flops, "FLOP")),
+        ("Intra-node bandwidth (per GPU, per direction)", format_rate(c.intra_node_bandwidth_Bps, "B")),
+        ("Inter-node bandwidth (per GPU, per direction)", format_rate(c.inter_node_bandwidth_Bps, "B")),
+        ("Host-device bandwidth (per GPU)", format_rate(c.host_to_device_bandwidth_Bps, "B")),
+        ("Intra-node collective latency", format_seconds(c.intra_node_latency_s)),
+        ("Inter-node collective latency", format_seconds(c.inter_node_latency_s)),
+        ("CPU memory per node", format_bytes(c.cpu_memory_bytes)),
+        ("CPU memory bandwidth per node", format_rate(c.cpu_memory_bandwidth_Bps, "B")),
+        ("NVMe per node", format_bytes(c.nvme_bytes) if c.nvme_bytes else "none"),
+        ("NVMe bandwidth per node", format_rate(c.nvme_bandwidth_Bps, "B")),
+        ("Framework reserve per GPU", format_bytes(c.framework_reserve_bytes)),
+        ("GEMM efficiency curve",
+         f"{eff.gemm_max:.2f} x GEMM / (GEMM + {eff.gemm_half_flops / 1e9:.1f} GFLOP)"),
+        ("Memory-bound op efficiency", format_percent(eff.memory_bound)),
+        ("Intra-node link efficiency", format_percent(eff.intra_node_link)),
+        ("Inter-node link efficiency", format_percent(eff.inter_node_link)),
+        ("Host link efficiency", format_percent(eff.host_link)),
+    ]
+    return [{"name": name, "value": value} for name, value in rows]
+
+
+def report_context(plan: Plan) -> dict[str, Any]:
+    """Everything report.md.j2 and report.html.j2 read: plan_context plus chart data and tables."""
+    timeline = pipeline_timeline(plan.parallel)
+    pareto = pareto_chart(plan)
+    return {
+        **plan_context(plan),
+        "memory_chart": memory_chart(plan),
+        "time_chart": time_chart(plan),
+        "timeline": timeline,
+        "timeline_text": timeline_as_text(timeline),
+        "timeline_capped": timeline.drawn_micro_batches < timeline.total_micro_batches,
+        "pareto": pareto,
+        "alternative_rows": alternative_rows(pareto),
+        "pareto_front_count": sum(p.on_front for p in pareto.points),
+        "rejected_rows": [r.model_dump() for r in plan.rejected],
+        "assumption_rows": [a.model_dump() for a in plan.assumptions],
+        "cluster_rows": cluster_rows(plan),
+        "cluster_source": plan.cluster.source,
+        "total_params_display": format_count(plan.model.params),
+    }

@@ -1,0 +1,54 @@
+"""Every number a prediction rests on, as (name, value, source) rows for the report."""
+
+from __future__ import annotations
+
+from zplan.planner.cost.compute import BACKWARD_OVER_FORWARD, STREAMED_PER_SAVED_BYTE
+from zplan.planner.cost.memory import DDP_BUCKET_BYTES, HOST_USABLE_FRACTION, element_bytes
+from zplan.planner.cost.step import ADAM_BYTES_PER_PARAM
+from zplan.schemas.cluster import ClusterSpec
+from zplan.schemas.model import ModelSummary
+from zplan.schemas.plan import Assumption
+from zplan.schemas.spec import TrainSpec
+
+GB = 1e9
+
+
+def assumptions(cluster: ClusterSpec, summary: ModelSummary, train: TrainSpec) -> list[Assumption]:
+    gpu, eff = cluster.gpu, cluster.efficiency
+    src = cluster.source
+    rows = [
+        ("GPU", f"{gpu.name}, {cluster.gpus_per_node} per node", src),
+        (f"peak {train.precision} FLOP/s", f"{cluster.peak_flops(train.precision) / 1e12:.1f} TFLOP/s", src),
+        ("HBM capacity", f"{gpu.hbm_bytes / GB:.0f} GB", src),
+        ("HBM bandwidth", f"{gpu.hbm_bandwidth_Bps / GB:.0f} GB/s", src),
+        ("intra-node link", f"{cluster.intra_node_bandwidth_Bps / GB:.1f} GB/s per GPU per direction", src),
+        ("inter-node link", f"{cluster.inter_node_bandwidth_Bps / GB:.2f} GB/s per GPU per direction", src),
+        ("host-device link", f"{cluster.host_to_device_bandwidth_Bps / GB:.0f} GB/s per GPU", src),
+        ("collective latency", f"{cluster.intra_node_latency_s * 1e6:.0f} us intra, "
+                               f"{cluster.inter_node_latency_s * 1e6:.0f} us inter-node per step", src),
+        ("host memory", f"{cluster.cpu_memory_bytes / GB:.0f} GB, {cluster.cpu_memory_bandwidth_Bps / GB:.0f} GB/s "
+                        "per node", src),
+        ("NVMe", f"{cluster.nvme_bytes / GB:.0f} GB, {cluster.nvme_bandwidth_Bps / GB:.0f} GB/s per node", src),
+        ("framework reserve", f"{cluster.framework_reserve_bytes / 2**30:.1f} GiB per GPU", src),
+        ("GEMM efficiency curve", f"{eff.gemm_max:.2f} * x / (x + {eff.gemm_half_flops:.2g} FLOPs), "
+                                  "x = per-GPU MLP GEMM", "cluster profile (assumption)"),
+        ("memory-bound efficiency", f"{eff.memory_bound:.2f} of HBM bandwidth", "cluster profile (assumption)"),
+        ("link efficiency", f"NVLink {eff.intra_node_link:.2f}, network {eff.inter_node_link:.2f}, "
+                            f"PCIe {eff.host_link:.2f}", "cluster profile (assumption)"),
+        ("backward / forward FLOPs", f"{BACKWARD_OVER_FORWARD:.0f}x", "Narayanan et al. SC'21 Sec. 5.1"),
+        ("streamed / saved activation bytes", f"{STREAMED_PER_SAVED_BYTE} (memory-bound ops)",
+         "count of a Megatron GPT block's elementwise traffic (planner/cost/compute.py)"),
+        ("activation memory", "per-block saved bytes split replicated (10sbh) / tp-sharded",
+         "Korthikanti et al. MLSys'23 Table 2"),
+        ("model states", f"{element_bytes(train.precision)} B weight + {element_bytes(train.precision)} B gradient + "
+                         f"{8 if train.precision == 'fp32' else 12} B Adam per parameter", "Rajbhandari et al. SC'20"),
+        ("gradient reduction", f"in {train.precision}, DDP buckets of {DDP_BUCKET_BYTES // 2**20} MiB overlapped "
+                               "with the last micro-batch's backward", "torch DDP / FSDP2 defaults"),
+        ("GPU Adam step", f"{ADAM_BYTES_PER_PARAM:.0f} bytes streamed per parameter", "fused AdamW traffic"),
+        ("offload", "host transfers and the CPU Adam step are not overlapped with compute (conservative)",
+         "Ren et al. ATC'21 without delayed parameter update"),
+        ("host / NVMe usable", f"{HOST_USABLE_FRACTION:.0%} of capacity", "zplan default"),
+        ("model numbers", f"{summary.tracer} ({summary.source}); attention FLOPs halved by the causal mask",
+         "planner/trace.py or planner/family.py"),
+    ]
+    return [Assumption(name=n, value=v, source=s) for n, v, s in rows]

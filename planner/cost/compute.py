@@ -1,0 +1,70 @@
+"""Compute time of one micro-batch on one pipeline stage, vectorised over candidates.
+
+Time = FLOPs / (peak * eff(x)) + streamed bytes / (HBM bandwidth * memory_bound), where eff is the
+cluster's saturating efficiency curve in the size x of the layer's largest GEMM per GPU (the MLP
+up-projection, 2*b*s*h*ffn/tp FLOPs):
+    eff(x) = gemm_max * x / (x + gemm_half_flops)
+and the streamed bytes are those of the memory-bound operations (layer norm, softmax, dropout, bias,
+GeLU, residual adds). Counting their reads and writes in a GPT block with Megatron's fused kernels
+gives about 76*s*b*h + 13*a*s^2*b bytes in the forward against 34*s*b*h + 5*a*s^2*b bytes saved for
+backward (Korthikanti Table 2): about STREAMED_PER_SAVED_BYTE = 2.5 bytes streamed per byte saved;
+the backward streams twice the forward.
+Backward costs twice the forward (Narayanan et al. SC'21, Sec. 5.1: 3x forward for fwd+bwd).
+Recompute adds a forward pass (full) or the attention core (selective; Korthikanti et al. 2022,
+Sec. 5: softmax/dropout/QK^T/AV are re-run).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from zplan.planner.cost.inputs import Candidates, ModelNumbers
+from zplan.planner.cost.memory import attention_core_act_bytes, block_activation_bytes
+from zplan.schemas.cluster import ClusterSpec
+
+BACKWARD_OVER_FORWARD = 2.0
+STREAMED_PER_SAVED_BYTE = 2.5
+
+
+def gemm_efficiency(gemm_flops: np.ndarray, cluster: ClusterSpec) -> np.ndarray:
+    eff = cluster.efficiency
+    return eff.gemm_max * gemm_flops / (gemm_flops + eff.gemm_half_flops)
+
+
+def attention_core_fwd_flops(model: ModelNumbers) -> float:
+    """QK^T and AV of one causal sample: 2 matmuls * 2*s*s*h FLOPs, halved by the causal mask."""
+    return 2.0 * 2.0 * model.seq_len**2 * model.hidden / 2.0
+
+
+def recompute_fwd_flops(model: ModelNumbers, recompute: np.ndarray) -> np.ndarray:
+    """Extra forward FLOPs per block and sample re-run in backward: none, selective, full."""
+    per_mode = np.array([0.0, attention_core_fwd_flops(model), model.block_fwd_flops])
+    return per_mode[recompute]
+
+
+def block_time_s(
+    model: ModelNumbers, cand: Candidates, cluster: ClusterSpec, precision: str
+) -> np.ndarray:
+    """Forward + backward (+ recompute) seconds of one block for one micro-batch, per GPU."""
+    peak = cluster.peak_flops(precision)
+    b, t = cand.micro_batch, cand.tp
+    gemm_flops = 2.0 * b * model.seq_len * model.hidden * model.ffn_hidden / t
+    eff = gemm_efficiency(gemm_flops, cluster)
+    flops = b * ((1.0 + BACKWARD_OVER_FORWARD) * model.block_fwd_flops + recompute_fwd_flops(model, cand.recompute))
+    saved_fwd = block_activation_bytes(model, cand.with_recompute(0), precision)  # per GPU, one pass
+    core = b * attention_core_act_bytes(model, precision) / t
+    recomputed = np.select([cand.recompute == 1, cand.recompute == 2], [core, saved_fwd], 0.0)
+    streamed = STREAMED_PER_SAVED_BYTE * ((1.0 + BACKWARD_OVER_FORWARD) * saved_fwd + recomputed)
+    hbm = cluster.gpu.hbm_bandwidth_Bps * cluster.efficiency.memory_bound
+    return flops / t / (peak * eff) + streamed / hbm
+
+
+def edge_time_s(
+    fwd_flops: float, model: ModelNumbers, cand: Candidates, cluster: ClusterSpec, precision: str
+) -> np.ndarray:
+    """Forward + backward seconds of the embedding or head for one micro-batch (vocab-parallel)."""
+    peak = cluster.peak_flops(precision)
+    b, t = cand.micro_batch, cand.tp
+    gemm_flops = 2.0 * b * model.seq_len * model.hidden * model.vocab / t
+    eff = gemm_efficiency(gemm_flops, cluster)
+    return b * (1.0 + BACKWARD_OVER_FORWARD) * fwd_flops / t / (peak * eff)

@@ -1,0 +1,89 @@
+"""The numbers the cost model reads: candidate arrays and a model reduced to a few floats.
+
+Nothing here imports torch; the cost model is numpy over whole candidate arrays (DESIGN.md 2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import numpy as np
+
+from zplan.schemas.model import ModelSummary
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+OFFLOAD_TIERS = ("none", "cpu", "nvme")
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """One configuration per index; every field is an int64 array of the same length."""
+
+    tp: np.ndarray
+    pp: np.ndarray
+    dp: np.ndarray
+    micro_batch: np.ndarray
+    zero: np.ndarray
+    recompute: np.ndarray  # index into RECOMPUTE_MODES
+    sp: np.ndarray  # 0/1 sequence parallel
+    interleave: np.ndarray  # model chunks per stage, v
+    offload: np.ndarray  # index into OFFLOAD_TIERS
+
+    def __len__(self) -> int:
+        return len(self.tp)
+
+    def take(self, index: np.ndarray) -> Candidates:
+        return Candidates(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+
+    def with_recompute(self, mode: int) -> Candidates:
+        return replace(self, recompute=np.full_like(self.recompute, mode))
+
+    @staticmethod
+    def single(**values: int) -> Candidates:
+        return Candidates(**{k: np.asarray([v], dtype=np.int64) for k, v in values.items()})
+
+
+@dataclass(frozen=True)
+class ModelNumbers:
+    """A ModelSummary as floats: embedding, one average block, head (per sample at seq_len)."""
+
+    num_blocks: int
+    hidden: int
+    heads: int
+    ffn_hidden: int
+    vocab: int
+    seq_len: int
+    params: float  # all parameters
+    embed_params: float  # units before the first block
+    embed_fwd_flops: float
+    head_params: float  # units after the last block (0 when tied to the embedding)
+    head_fwd_flops: float
+    block_params: float  # mean over blocks
+    block_fwd_flops: float  # per sample
+    block_act_bytes: float  # per sample, no parallelism, at the compute precision
+    embed_act_bytes: float
+    head_act_bytes: float
+
+    @staticmethod
+    def from_summary(summary: ModelSummary) -> ModelNumbers:
+        blocks = [u for u in summary.layers if u.kind == "block"]
+        first = next(i for i, u in enumerate(summary.layers) if u.kind == "block")
+        pre, post = summary.layers[:first], summary.layers[first + len(blocks):]
+        return ModelNumbers(
+            num_blocks=len(blocks),
+            hidden=summary.hidden,
+            heads=summary.heads,
+            ffn_hidden=summary.ffn_hidden,
+            vocab=summary.vocab,
+            seq_len=summary.seq_len,
+            params=float(summary.params),
+            embed_params=float(sum(u.params for u in pre)),
+            embed_fwd_flops=float(sum(u.fwd_flops for u in pre)),
+            head_params=float(sum(u.params for u in post)),
+            head_fwd_flops=float(sum(u.fwd_flops for u in post)),
+            block_params=float(np.mean([u.params for u in blocks])),
+            block_fwd_flops=float(np.mean([u.fwd_flops for u in blocks])),
+            block_act_bytes=float(np.mean([u.act_bytes for u in blocks])),
+            embed_act_bytes=float(sum(u.act_bytes for u in pre)),
+            head_act_bytes=float(sum(u.act_bytes for u in post)),
+        )

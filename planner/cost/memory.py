@@ -1,0 +1,159 @@
+"""Bytes per GPU, vectorised over candidates; the most loaded of the first and last stage counts.
+
+Model states (Rajbhandari et al., ZeRO, SC'20, Sec. 3 and 5): with mixed-precision Adam a parameter
+costs 2 bytes (16-bit weight) + 2 (16-bit gradient) + K=12 (fp32 master, momentum, variance); stage 1
+shards the K bytes over dp, stage 2 the gradients too, stage 3 the weights too. In fp32 the weight is
+the master copy: 4 + 4 + 8.
+Activations per block (Korthikanti et al., MLSys'23, Table 2): of the block's saved bytes, 10*s*b*h
+(16-bit; layer-norm inputs, dropout masks, first-linear inputs) stay replicated under tensor parallel
+unless sequence parallel shards them; the rest is divided by tp. Selective recompute drops the
+attention-core bytes; full recompute keeps only the block input (2*s*b*h, /tp with sequence parallel)
+plus one block's activations live while it is recomputed.
+Pipeline in-flight micro-batches on the first stage: 1F1B min(p, m); interleaved with v chunks
+multiplies by (1 + (p-1)/(p*v)) (Korthikanti et al., Sec. 4.2.3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from zplan.planner.cost.inputs import Candidates, ModelNumbers
+from zplan.schemas.cluster import ClusterSpec
+
+DDP_BUCKET_BYTES = 25 * 1024**2  # torch DDP default bucket_cap_mb=25
+HOST_USABLE_FRACTION = 0.9  # leave 10% of host memory / NVMe to the OS and the data loader
+
+
+def element_bytes(precision: str) -> int:
+    return 4 if precision == "fp32" else 2
+
+
+def optimizer_bytes_per_param(precision: str) -> int:
+    """Adam: fp32 master + m + v (mixed precision, K=12) or m + v (fp32, the weight is the master)."""
+    return 8 if precision == "fp32" else 12
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-candidate arrays, bytes per GPU on the most loaded stage (host/NVMe: per node)."""
+
+    parameters: np.ndarray
+    gradients: np.ndarray
+    optimizer: np.ndarray
+    activations: np.ndarray
+    comm_buffers: np.ndarray
+    reserve: np.ndarray
+    total: np.ndarray
+    cpu_bytes_per_node: np.ndarray
+    nvme_bytes_per_node: np.ndarray
+    fits: np.ndarray  # bool: device, host and NVMe capacity all respected
+    stage_params: np.ndarray  # parameters per GPU on the most loaded stage (after tp)
+
+
+def blocks_per_stage(model: ModelNumbers, cand: Candidates) -> np.ndarray:
+    """Most blocks any stage holds (uniform split rounded up)."""
+    return np.ceil(model.num_blocks / cand.pp)
+
+
+def inflight_microbatches(cand: Candidates, num_micro_batches: np.ndarray) -> np.ndarray:
+    p, v = cand.pp.astype(float), cand.interleave.astype(float)
+    base = np.minimum(p, num_micro_batches)
+    return np.where(v > 1, base * (1.0 + (p - 1.0) / (p * v)), base)
+
+
+def block_activation_bytes(model: ModelNumbers, cand: Candidates, precision: str) -> np.ndarray:
+    """Saved bytes of one block for one micro-batch on one GPU, by recompute mode."""
+    elem = element_bytes(precision)
+    b, t, sp = cand.micro_batch.astype(float), cand.tp.astype(float), cand.sp.astype(bool)
+    s, h = model.seq_len, model.hidden
+    total = b * model.block_act_bytes
+    replicated = np.minimum(total, 5.0 * s * h * elem * b)  # 10*s*b*h at 16-bit
+    attention_core = b * attention_core_act_bytes(model, precision)
+    sharded = total - replicated
+    none = sharded / t + np.where(sp, replicated / t, replicated)
+    selective = none - attention_core / t
+    block_input = np.where(sp, s * b * h * elem / t, s * b * h * elem)
+    full = block_input
+    return np.select([cand.recompute == 0, cand.recompute == 1], [none, selective], full)
+
+
+def attention_core_act_bytes(model: ModelNumbers, precision: str) -> float:
+    """Bytes the attention core saves when it materialises softmax and dropout over (s, s):
+    5*a*s^2 per sample at 16-bit (Korthikanti Table 2), or 0 when the block's saved bytes are too
+    small to contain it (a fused / flash attention kernel saves only O(s*h))."""
+    materialised = 5.0 * model.heads * model.seq_len**2 * element_bytes(precision) / 2.0
+    return materialised if model.block_act_bytes > materialised else 0.0
+
+
+def memory_per_gpu(
+    model: ModelNumbers,
+    cand: Candidates,
+    cluster: ClusterSpec,
+    precision: str,
+    num_micro_batches: np.ndarray,
+) -> MemoryEstimate:
+    elem = element_bytes(precision)
+    k_opt = optimizer_bytes_per_param(precision)
+    t, p, dp, z = (cand.tp.astype(float), cand.pp, cand.dp.astype(float), cand.zero)
+    b = cand.micro_batch.astype(float)
+    s, h = model.seq_len, model.hidden
+    offloaded = cand.offload > 0
+
+    n_blocks = blocks_per_stage(model, cand)
+    single = p == 1
+    first_params = np.where(single, model.params, model.embed_params + n_blocks * model.block_params) / t
+    last_params = np.where(single, model.params, model.head_params + n_blocks * model.block_params) / t
+
+    def states(params_gpu: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        weights = elem * params_gpu / np.where(z == 3, dp, 1.0)
+        grads = elem * params_gpu / np.where(z >= 2, dp, 1.0)
+        optim = k_opt * params_gpu / np.where(z >= 1, dp, 1.0)
+        # Offload (ZeRO-Offload / ZeRO-Infinity): optimizer states leave the GPU; with stage >= 2 the
+        # gradients stream out; with stage 3 the weight shards live off the GPU too.
+        optim = np.where(offloaded, 0.0, optim)
+        grads = np.where(offloaded & (z >= 2), 0.0, grads)
+        weights = np.where(offloaded & (z == 3), 0.0, weights)
+        return weights, grads, optim
+
+    inflight = inflight_microbatches(cand, num_micro_batches)
+    act_block = block_activation_bytes(model, cand, precision)
+    live_block = np.where(cand.recompute == 2, b * model.block_act_bytes / t, 0.0)  # recomputed block
+    first_act = inflight * (n_blocks * act_block + b * s * h * elem) + live_block
+    logits = b * s * model.vocab * (elem + 4.0) / t  # 16-bit logits + fp32 softmax for the loss
+    last_act = n_blocks * act_block + live_block + logits + b * model.head_act_bytes / t
+    first_act = np.where(single, first_act + logits, first_act)
+
+    block_params_gpu = model.block_params / t
+    comm = np.where(z <= 1, 2.0 * np.minimum(DDP_BUCKET_BYTES, elem * first_params), 0.0)
+    comm = comm + np.where(z >= 2, 2.0 * elem * block_params_gpu * (1.0 + (z == 3)), 0.0)  # gathered
+    comm = comm + np.where(t > 1, 2.0 * b * s * h * elem, 0.0)  # sequence-parallel gather buffers
+
+    w1, g1, o1 = states(first_params)
+    w2, g2, o2 = states(last_params)
+    total1, total2 = w1 + g1 + o1 + first_act, w2 + g2 + o2 + last_act
+    use_first = total1 >= total2
+    pick = lambda a, c: np.where(use_first, a, c)  # noqa: E731
+    reserve = np.full(len(cand), float(cluster.framework_reserve_bytes))
+    weights, grads, optim, acts = pick(w1, w2), pick(g1, g2), pick(o1, o2), pick(first_act, last_act)
+    total = weights + grads + optim + acts + comm + reserve
+
+    # Host / NVMe: the offloaded states of every GPU of the node.
+    params_gpu = np.maximum(first_params, last_params)
+    off_bytes = (k_opt * params_gpu / np.where(z >= 1, dp, 1.0)
+                 + np.where(z == 3, elem * params_gpu / dp, 0.0)
+                 + np.where(z >= 2, elem * params_gpu / dp, 0.0))
+    per_node = off_bytes * cluster.gpus_per_node
+    cpu = np.where(cand.offload == 1, per_node, 0.0)
+    nvme = np.where(cand.offload == 2, per_node, 0.0)
+    fits = (
+        (total <= cluster.gpu.hbm_bytes)
+        & (cpu <= HOST_USABLE_FRACTION * cluster.cpu_memory_bytes)
+        & (nvme <= HOST_USABLE_FRACTION * cluster.nvme_bytes)
+    )
+    return MemoryEstimate(
+        parameters=weights, gradients=grads, optimizer=optim, activations=acts, comm_buffers=comm,
+        reserve=reserve, total=total, cpu_bytes_per_node=cpu, nvme_bytes_per_node=nvme, fits=fits,
+        stage_params=params_gpu,
+    )

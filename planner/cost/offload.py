@@ -1,0 +1,39 @@
+"""Per-step host and NVMe traffic of offloaded model states, vectorised over candidates.
+
+The same traffic rules as planner.placement (whose docstring cites ZeRO-Offload, Ren et al. ATC'21,
+and ZeRO-Infinity, Rajbhandari et al. SC'21), applied to the placement the search assumes for an
+offloading candidate: the optimizer on the offload tier, ZeRO >= 2 gradients streamed to the host,
+ZeRO-3 parameters on the offload tier. Per GPU, with shard = parameters this rank updates:
+  gradients down: every micro-batch's shard (ZeRO >= 2) or the reduced shard once (ZeRO-1)
+  weights up:     the updated shard (ZeRO < 3), or 2 fetches per micro-batch (ZeRO-3)
+  CPU Adam:       reads and writes the fp32 states, reads gradients, writes weights, at host bandwidth
+  NVMe:           reads and writes the optimizer states; ZeRO-3 weights read per fetch, written once
+Counted as not overlapped with compute.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from zplan.planner.cost.inputs import Candidates
+from zplan.planner.cost.memory import element_bytes, optimizer_bytes_per_param
+from zplan.schemas.cluster import ClusterSpec
+
+
+def offload_time_s(cand: Candidates, params_gpu: np.ndarray, num_micro_batches: np.ndarray,
+                   cluster: ClusterSpec, precision: str) -> np.ndarray:
+    elem = element_bytes(precision)
+    z, dp, m = cand.zero, cand.dp.astype(float), num_micro_batches
+    shard = params_gpu / np.where(z >= 1, dp, 1.0)
+    grads = elem * shard
+    optim = optimizer_bytes_per_param(precision) * shard
+    grads_down = np.where(z >= 2, m * grads, grads)
+    weights_up = np.where(z == 3, 2.0 * m * elem * shard, elem * shard)
+    eff = cluster.efficiency
+    host_s = (grads_down + weights_up) / (cluster.host_to_device_bandwidth_Bps * eff.host_link)
+    cpu_bw = cluster.cpu_memory_bandwidth_Bps * eff.memory_bound / cluster.gpus_per_node
+    cpu_adam_s = (2.0 * optim + grads + elem * shard) / cpu_bw
+    nvme_bw = max(cluster.nvme_bandwidth_Bps, 1.0) / cluster.gpus_per_node
+    nvme_bytes = 2.0 * optim + np.where(z == 3, (2.0 * m + 1.0) * elem * shard, 0.0)
+    total = host_s + cpu_adam_s + np.where(cand.offload == 2, nvme_bytes / nvme_bw, 0.0)
+    return np.where(cand.offload > 0, total, 0.0)

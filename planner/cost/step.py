@@ -1,0 +1,130 @@
+"""Seconds per optimizer step, vectorised over candidates; the sum of a breakdown that the report shows.
+
+Pipeline (Narayanan et al., SC'21, Sec. 2.2): with m micro-batches, p stages and v chunks per stage,
+    step = m * t_stage + (p - 1) / v * t_stage        (1F1B; interleaving divides the bubble by v)
+where t_stage is one micro-batch's forward+backward on the slowest stage. Interleaving multiplies
+stage-to-stage sends by v; sends use the scatter/gather optimisation (b*s*h/tp bytes, Sec. 4.1).
+Tensor parallel (Megatron, Shoeybi et al. 2019): 2 all-reduces of b*s*h in the forward and 2 in the
+backward per block (+2 for a full recompute); with sequence parallel the same volume as
+all-gather + reduce-scatter (Korthikanti et al. Sec. 4.2.2). Not overlapped.
+Data parallel / ZeRO (Rajbhandari et al. SC'20, Sec. 7): stages 0-1 all-reduce the gradients once per
+step, overlapped with the last micro-batch's backward (DDP buckets), and stage 1 all-gathers the
+updated weights after the step; stages 2-3 reduce-scatter gradients in every micro-batch's backward
+and all-gather weights before its forward (stage 3: again before its backward), overlapped with that
+micro-batch's compute.
+Offload: planner/cost/offload.py (ZeRO-Offload / ZeRO-Infinity traffic, not overlapped).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from zplan.planner.cost.comm import all_reduce_s, p2p_s, reduce_scatter_s
+from zplan.planner.cost.compute import BACKWARD_OVER_FORWARD, block_time_s, edge_time_s
+from zplan.planner.cost.inputs import Candidates, ModelNumbers
+from zplan.planner.cost.memory import MemoryEstimate, element_bytes, memory_per_gpu
+from zplan.planner.cost.offload import offload_time_s
+from zplan.schemas.cluster import ClusterSpec
+
+ADAM_BYTES_PER_PARAM = 30.0  # reads fp32 w, g, m, v (16) + writes w, m, v (12) + 16-bit copy (2)
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """Per-candidate arrays; the time parts add up to step_time_s."""
+
+    num_micro_batches: np.ndarray
+    compute_s: np.ndarray
+    tensor_parallel_s: np.ndarray
+    pipeline_bubble_s: np.ndarray
+    pipeline_p2p_s: np.ndarray
+    data_parallel_s: np.ndarray
+    offload_s: np.ndarray
+    optimizer_s: np.ndarray
+    step_time_s: np.ndarray
+    tokens_per_s: np.ndarray
+    mfu: np.ndarray
+    model_flops_per_step: float
+    memory: MemoryEstimate
+
+
+def stage_blocks_equivalent(model: ModelNumbers, cand: Candidates, edge_over_block: np.ndarray) -> np.ndarray:
+    """Load of the slowest stage in block-times when blocks are split as evenly as the embedding and
+    head (u block-times, on one stage) allow; the exact split comes later from planner.partition."""
+    L, p, u = float(model.num_blocks), cand.pp.astype(float), edge_over_block
+    whole = np.ceil((L + np.ceil(u)) / p)  # the edge stage gives up ceil(u) blocks
+    shared = np.maximum(0.0, np.ceil((L - (p - 1.0) * np.floor(u)) / p)) + u  # edges added on top
+    return np.where(p == 1, L + u, np.minimum(whole, shared))
+
+
+def gpu_adam_step_s(params: np.ndarray | float, cluster: ClusterSpec) -> np.ndarray | float:
+    """Fused AdamW on the GPU is memory-bound: ADAM_BYTES_PER_PARAM streamed per parameter."""
+    return params * ADAM_BYTES_PER_PARAM / (cluster.gpu.hbm_bandwidth_Bps * cluster.efficiency.memory_bound)
+
+
+def model_flops_per_sample(model: ModelNumbers) -> float:
+    """Forward + backward FLOPs of one sample, recompute excluded (the MFU numerator)."""
+    forward = model.num_blocks * model.block_fwd_flops + model.embed_fwd_flops + model.head_fwd_flops
+    return (1.0 + BACKWARD_OVER_FORWARD) * forward
+
+
+def estimate_step(
+    model: ModelNumbers,
+    cand: Candidates,
+    cluster: ClusterSpec,
+    precision: str,
+    global_batch: int,
+    stage_blocks: np.ndarray | None = None,
+) -> StepEstimate:
+    """Predict every candidate. `stage_blocks` overrides the slowest stage's load (block-times)."""
+    elem = element_bytes(precision)
+    t, p, dp, z, v = cand.tp, cand.pp, cand.dp, cand.zero, cand.interleave.astype(float)
+    b = cand.micro_batch.astype(float)
+    s, h = model.seq_len, model.hidden
+    m = global_batch / (dp * b)
+
+    # One micro-batch on the slowest stage.
+    block_s = block_time_s(model, cand, cluster, precision)
+    edges_s = (edge_time_s(model.embed_fwd_flops, model, cand, cluster, precision)
+               + edge_time_s(model.head_fwd_flops, model, cand, cluster, precision))
+    load = stage_blocks if stage_blocks is not None else stage_blocks_equivalent(model, cand, edges_s / block_s)
+    tp_collectives = 4.0 + 2.0 * (cand.recompute == 2)
+    one = np.ones_like(t)
+    block_tp_s = tp_collectives * all_reduce_s(b * s * h * elem, t, one, cluster)
+    compute_mb = load * block_s
+    tp_mb = np.floor(load) * block_tp_s
+    stage_s = compute_mb + tp_mb
+
+    bubble = (p - 1) / v * stage_s
+    crosses_node = t * dp >= cluster.gpus_per_node
+    p2p = np.where(p > 1, 2.0 * v * m * p2p_s(b * s * h * elem / t, crosses_node, cluster), 0.0)
+
+    memory = memory_per_gpu(model, cand, cluster, precision, m)
+    params_gpu = memory.stage_params
+    grads_bytes = elem * params_gpu
+    reduce_once = all_reduce_s(grads_bytes, dp, t, cluster)
+    gather_once = reduce_scatter_s(elem * params_gpu, dp, t, cluster)
+    backward_window = compute_mb * BACKWARD_OVER_FORWARD / (1.0 + BACKWARD_OVER_FORWARD)
+    stage01 = np.maximum(0.0, reduce_once - backward_window) + np.where(z == 1, gather_once, 0.0)
+    per_mb = reduce_scatter_s(grads_bytes, dp, t, cluster) + gather_once * np.where(z == 3, 2.0, 1.0)
+    first_block_gather = gather_once / np.maximum(load, 1.0)  # the first gather cannot overlap
+    stage23 = m * np.maximum(0.0, per_mb - compute_mb) + first_block_gather
+    dp_s = np.where(dp > 1, np.where(z <= 1, stage01, stage23), 0.0)
+
+    shard = params_gpu / np.where(z >= 1, dp, 1)
+    offload_s = offload_time_s(cand, params_gpu, m, cluster, precision)
+    optimizer_s = np.where(cand.offload == 0, gpu_adam_step_s(shard, cluster), 0.0)
+
+    compute_s = m * compute_mb
+    tp_s = m * tp_mb
+    step = compute_s + tp_s + bubble + p2p + dp_s + offload_s + optimizer_s
+    flops = model_flops_per_sample(model) * global_batch
+    gpus = t * p * dp
+    return StepEstimate(
+        num_micro_batches=m, compute_s=compute_s, tensor_parallel_s=tp_s, pipeline_bubble_s=bubble,
+        pipeline_p2p_s=p2p, data_parallel_s=dp_s, offload_s=offload_s, optimizer_s=optimizer_s,
+        step_time_s=step, tokens_per_s=global_batch * s / step,
+        mfu=flops / (step * gpus * cluster.peak_flops(precision)), model_flops_per_step=flops, memory=memory,
+    )

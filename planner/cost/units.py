@@ -1,0 +1,56 @@
+"""Per-pipeline-unit time and bytes for ONE candidate: the numbers planner.partition balances."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from zplan.planner.cost.comm import all_reduce_s
+from zplan.planner.cost.compute import block_time_s, edge_time_s
+from zplan.planner.cost.inputs import Candidates, ModelNumbers
+from zplan.planner.cost.memory import block_activation_bytes, element_bytes, optimizer_bytes_per_param
+from zplan.schemas.cluster import ClusterSpec
+from zplan.schemas.model import ModelSummary
+
+
+@dataclass(frozen=True)
+class UnitCosts:
+    """Arrays over ModelSummary.layers for one candidate (per GPU, one micro-batch)."""
+
+    time_s: np.ndarray  # forward + backward (+ recompute) + tensor-parallel collectives
+    static_bytes: np.ndarray  # model states held on the GPU
+    act_bytes: np.ndarray  # activations saved per in-flight micro-batch
+    block_time_s: float  # one average block, for converting a stage's time to block-times
+
+
+def unit_costs(summary: ModelSummary, cand: Candidates, cluster: ClusterSpec, precision: str) -> UnitCosts:
+    assert len(cand) == 1, "unit costs are for one candidate"
+    model = ModelNumbers.from_summary(summary)
+    elem = element_bytes(precision)
+    t, dp, z, off = int(cand.tp[0]), int(cand.dp[0]), int(cand.zero[0]), int(cand.offload[0])
+    b = int(cand.micro_batch[0])
+    tp_collectives = 4.0 + 2.0 * (cand.recompute[0] == 2)
+    block_s = float(block_time_s(model, cand, cluster, precision)[0])
+    block_s += float(tp_collectives * all_reduce_s(
+        np.array([b * model.seq_len * model.hidden * elem]), cand.tp, np.ones(1), cluster)[0])
+    block_act = float(block_activation_bytes(model, cand, precision)[0])
+
+    weight_b = elem / (dp if z == 3 else 1) * (0 if off and z == 3 else 1)
+    grad_b = elem / (dp if z >= 2 else 1) * (0 if off and z >= 2 else 1)
+    optim_b = optimizer_bytes_per_param(precision) / (dp if z >= 1 else 1) * (0 if off else 1)
+    per_param = weight_b + grad_b + optim_b
+
+    times, static, acts = [], [], []
+    for unit in summary.layers:
+        static.append(unit.params / t * per_param)
+        if unit.kind == "block":
+            scale = unit.fwd_flops / model.block_fwd_flops if model.block_fwd_flops else 1.0
+            times.append(block_s * scale)
+            acts.append(block_act * (unit.act_bytes / model.block_act_bytes if model.block_act_bytes else 1.0))
+        else:
+            times.append(float(edge_time_s(unit.fwd_flops, model, cand, cluster, precision)[0]))
+            logits = b * model.seq_len * model.vocab * (elem + 4.0) / t if unit.kind == "head" else 0.0
+            acts.append(b * model.seq_len * model.hidden * elem + logits)
+    return UnitCosts(time_s=np.array(times), static_bytes=np.array(static), act_bytes=np.array(acts),
+                     block_time_s=block_s)

@@ -1,0 +1,297 @@
+"""Place one GPU's share of model states (16-bit parameters, 16-bit gradients, fp32 optimizer states) on
+GPU memory, CPU memory or NVMe, with OR-Tools CP-SAT (DESIGN.md decision 3).
+
+Variables: 9 booleans x[state, tier], state in {params, grads, optimizer}, tier in {gpu, cpu, nvme}.
+
+Constraints
+* each state on exactly one tier; the sum of bytes on each tier <= that tier's free bytes per GPU
+  (stated exactly, in floating point, as clauses: no set of states that overflows a tier shares it);
+* the user's pin: offload "none" allows {gpu}, "cpu" {gpu, cpu}, "nvme" {gpu, cpu, nvme};
+* ZeRO semantics (as DeepSpeed implements them): parameters leave the GPU only under ZeRO-3
+  (``offload_param``); gradients leave the GPU only under ZeRO >= 2, and only to CPU memory, where the
+  CPU optimizer reads them; the optimizer may go to CPU under ZeRO >= 1 and to NVMe only under ZeRO-3
+  (ZeRO-Infinity's swapper); gradients on the CPU imply the optimizer is off the GPU (they move only to
+  feed the CPU Adam step).
+
+Objective: minimise the per-step transfer time, serial sum of three parts
+(``m`` = micro-batches per step, P/G/O = parameter/gradient/optimizer bytes per GPU):
+* host-device (PCIe) bytes / host_device_bytes_per_s:
+    - optimizer off GPU: gradients go to the CPU, G each micro-batch when they live on the CPU, G once
+      when they accumulate on the GPU (ZeRO-Offload, Ren et al. 2021, Sec. 4.1: fp16 gradients down,
+      fp16 parameters up); updated parameters P go back up when the parameters live on the GPU;
+    - parameters off GPU (ZeRO-3): fetched for every forward and backward, 2 m P (ZeRO-Infinity,
+      Rajbhandari et al. 2021, Sec. 5); with the optimizer on the GPU, updated parameters P go down;
+* NVMe bytes / nvme_bytes_per_s: optimizer on NVMe reads and writes its O bytes every step (2 O);
+  parameters on NVMe are read for every fetch (2 m P) and written once updated (P) (ZeRO-Infinity);
+* CPU Adam at memory bandwidth when the optimizer is off the GPU: reads and writes the fp32 states
+  (2 O), reads the gradients (G) and writes the 16-bit parameters (P), over cpu_memory_bytes_per_s.
+Ties are broken towards the faster tier (GPU before CPU before NVMe), so the answer is deterministic.
+Not modelled: GPU prefetch buffers and CPU staging buffers for NVMe (the caller leaves room for them).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Literal
+
+from ortools.sat.python import cp_model
+
+Tier = Literal["gpu", "cpu", "nvme"]
+TIERS: tuple[Tier, ...] = ("gpu", "cpu", "nvme")
+STATES = ("params", "grads", "optimizer")
+ALLOWED_TIERS_BY_OFFLOAD: dict[str, tuple[Tier, ...]] = {
+    "none": ("gpu",), "cpu": ("gpu", "cpu"), "nvme": ("gpu", "cpu", "nvme")}
+TIME_RESOLUTION = 10**9  # integer time units in the largest possible transfer time
+OVERFLOW_RESOLUTION = 10**6  # integer memory units in all state bytes, for the overflow diagnostic
+
+
+@dataclass(frozen=True)
+class TransferTimes:
+    """Per-step traffic of one placement on one GPU."""
+
+    host_device_bytes: float
+    nvme_bytes: float
+    host_device_s: float
+    nvme_s: float
+    cpu_optimizer_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.host_device_s + self.nvme_s + self.cpu_optimizer_s
+
+
+@dataclass(frozen=True)
+class PlacementResult:
+    """Tier of each model state, bytes per tier and predicted transfer time per step.
+
+    When ``feasible`` is False the tiers are the legal placement that overflows least, and
+    ``overflow_bytes`` says by how much each tier would have to grow for it to fit.
+    """
+
+    param_tier: Tier
+    grad_tier: Tier
+    optimizer_tier: Tier
+    gpu_bytes: float
+    cpu_bytes: float
+    nvme_bytes: float
+    transfer: TransferTimes
+    feasible: bool
+    optimal: bool
+    overflow_bytes: dict[str, float]  # tier -> bytes over capacity (all 0.0 when feasible)
+
+    @property
+    def total_transfer_s(self) -> float:
+        return self.transfer.total_s
+
+
+def legal_tiers(state: str, zero_stage: int, offload: str) -> tuple[Tier, ...]:
+    """Tiers a state may use under the ZeRO stage and the user's offload pin (module docstring)."""
+    pinned = ALLOWED_TIERS_BY_OFFLOAD[offload]
+    if state == "params":
+        by_zero: tuple[Tier, ...] = TIERS if zero_stage == 3 else ("gpu",)
+    elif state == "grads":
+        by_zero = ("gpu", "cpu") if zero_stage >= 2 else ("gpu",)
+    else:
+        by_zero = TIERS if zero_stage == 3 else ("gpu", "cpu") if zero_stage >= 1 else ("gpu",)
+    return tuple(t for t in by_zero if t in pinned)
+
+
+def transfer_times(
+    param_tier: Tier, grad_tier: Tier, optimizer_tier: Tier, *, param_bytes: float, grad_bytes: float,
+    optimizer_bytes: float, host_device_bytes_per_s: float, nvme_bytes_per_s: float,
+    cpu_memory_bytes_per_s: float, micro_batches_per_step: int = 1, param_update_bytes: float | None = None,
+    grad_update_bytes: float | None = None,
+) -> TransferTimes:
+    """Per-step transfer time of one placement (the objective of ``place_model_states``, in floats).
+
+    ``param_update_bytes`` / ``grad_update_bytes``: the share this rank's optimizer updates / consumes
+    when the state itself is replicated (ZeRO-1/2 weights, ZeRO-1 gradients: 1/dp of it); default all.
+    """
+    param_update = param_bytes if param_update_bytes is None else param_update_bytes
+    grad_update = grad_bytes if grad_update_bytes is None else grad_update_bytes
+    params_off, optimizer_off = param_tier != "gpu", optimizer_tier != "gpu"
+    fetches = 2 * micro_batches_per_step  # one forward and one backward per micro-batch
+    host_device = 0.0
+    nvme = 0.0
+    cpu_optimizer_s = 0.0
+    if optimizer_off:
+        host_device += grad_bytes * micro_batches_per_step if grad_tier == "cpu" else grad_update
+        host_device += param_update if not params_off else 0.0
+        cpu_optimizer_s = (2 * optimizer_bytes + grad_update + param_update) / cpu_memory_bytes_per_s
+    if optimizer_tier == "nvme":
+        nvme += 2 * optimizer_bytes
+    if params_off:
+        host_device += fetches * param_bytes + (param_bytes if not optimizer_off else 0.0)
+    if param_tier == "nvme":
+        nvme += (fetches + 1) * param_bytes
+    return TransferTimes(
+        host_device_bytes=host_device,
+        nvme_bytes=nvme,
+        host_device_s=host_device / host_device_bytes_per_s if host_device else 0.0,
+        nvme_s=nvme / nvme_bytes_per_s if nvme else 0.0,
+        cpu_optimizer_s=cpu_optimizer_s,
+    )
+
+
+def place_model_states(
+    *,
+    param_bytes: float,
+    grad_bytes: float,
+    optimizer_bytes: float,
+    gpu_free_bytes: float,
+    cpu_free_bytes: float,
+    nvme_free_bytes: float,
+    host_device_bytes_per_s: float,
+    nvme_bytes_per_s: float,
+    cpu_memory_bytes_per_s: float,
+    zero_stage: int,
+    offload: Literal["none", "cpu", "nvme"],
+    micro_batches_per_step: int = 1,
+    time_limit_s: float = 5.0,
+    param_update_bytes: float | None = None,
+    grad_update_bytes: float | None = None,
+) -> PlacementResult:
+    """Choose the tier of each model state: minimise per-step transfer time subject to tier capacities,
+    the offload pin and ZeRO semantics (objective and constraints in the module docstring).
+
+    Byte arguments are per GPU (already divided by the ZeRO sharding); ``*_free_bytes`` are what is left
+    for model states on that tier (GPU: after activations and buffers). Bandwidths are per GPU. Never
+    raises for lack of memory: returns ``feasible=False`` with the least-overflowing legal placement.
+    """
+    state_bytes = {"params": float(param_bytes), "grads": float(grad_bytes),
+                   "optimizer": float(optimizer_bytes)}
+    capacity = {"gpu": float(gpu_free_bytes), "cpu": float(cpu_free_bytes), "nvme": float(nvme_free_bytes)}
+    if zero_stage not in (0, 1, 2, 3) or offload not in ALLOWED_TIERS_BY_OFFLOAD:
+        raise ValueError(f"zero_stage must be 0..3 and offload none|cpu|nvme, got {zero_stage}, {offload!r}")
+    if micro_batches_per_step < 1 or any(v < 0 for v in (*state_bytes.values(), *capacity.values())):
+        raise ValueError("bytes and capacities must be >= 0 and micro_batches_per_step >= 1")
+    if min(host_device_bytes_per_s, nvme_bytes_per_s, cpu_memory_bytes_per_s) <= 0:
+        raise ValueError("bandwidths must be > 0")
+    bandwidths = dict(host_device_bytes_per_s=host_device_bytes_per_s, nvme_bytes_per_s=nvme_bytes_per_s,
+                      cpu_memory_bytes_per_s=cpu_memory_bytes_per_s)
+    updates = dict(param_update_bytes=float(param_bytes if param_update_bytes is None else param_update_bytes),
+                   grad_update_bytes=float(grad_bytes if grad_update_bytes is None else grad_update_bytes))
+    legal = {state: legal_tiers(state, zero_stage, offload) for state in STATES}
+
+    tiers, proven, _ = _solve(state_bytes, updates, capacity, legal, bandwidths, micro_batches_per_step, time_limit_s,
+                           allow_overflow=False)
+    feasible = tiers is not None
+    if tiers is None:  # nothing fits: the legal placement that overflows least, then the fastest
+        tiers, proven, _ = _solve(state_bytes, updates, capacity, legal, bandwidths, micro_batches_per_step,
+                               time_limit_s, allow_overflow=True)
+        assert tiers is not None, "a placement with unbounded overflow always exists"
+    used = {tier: sum(state_bytes[s] for s in STATES if tiers[s] == tier) for tier in TIERS}
+    return PlacementResult(
+        param_tier=tiers["params"],
+        grad_tier=tiers["grads"],
+        optimizer_tier=tiers["optimizer"],
+        gpu_bytes=used["gpu"],
+        cpu_bytes=used["cpu"],
+        nvme_bytes=used["nvme"],
+        transfer=transfer_times(tiers["params"], tiers["grads"], tiers["optimizer"], param_bytes=param_bytes,
+                                grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes,
+                                micro_batches_per_step=micro_batches_per_step, **bandwidths, **updates),
+        feasible=feasible,
+        optimal=proven,
+        overflow_bytes={tier: max(0.0, used[tier] - capacity[tier]) for tier in TIERS},
+    )
+
+
+def _solve(state_bytes, updates, capacity, legal, bandwidths, micro_batches_per_step, time_limit_s, *,
+           allow_overflow: bool) -> tuple[dict[str, Tier] | None, bool, float]:
+    """Build and solve the CP-SAT model. Returns ({state: tier} or None if infeasible, proven optimal,
+    the model's own transfer seconds for that placement: a cross-check of ``transfer_times``)."""
+    model = cp_model.CpModel()
+    on = {(s, t): model.new_bool_var(f"{s}_on_{t}") for s in STATES for t in TIERS}
+    for s in STATES:
+        model.add_exactly_one(on[s, t] for t in TIERS)
+        for t in TIERS:
+            if t not in legal[s]:
+                model.add(on[s, t] == 0)
+    optimizer_off, params_off = ~on["optimizer", "gpu"], ~on["params", "gpu"]
+    model.add_implication(on["grads", "cpu"], optimizer_off)  # gradients go down only to feed CPU Adam
+
+    def both(a, b, name):
+        """A boolean equal to a AND b."""
+        var = model.new_bool_var(name)
+        model.add_bool_and([a, b]).only_enforce_if(var)
+        model.add_bool_or([~a, ~b, var])
+        return var
+
+    # Transfer time of each term in seconds, by the boolean that switches it on (module docstring).
+    param_b, grad_b, optim_b = state_bytes["params"], state_bytes["grads"], state_bytes["optimizer"]
+    param_u, grad_u = updates["param_update_bytes"], updates["grad_update_bytes"]
+    m, fetches = micro_batches_per_step, 2 * micro_batches_per_step
+    pcie, nvme = bandwidths["host_device_bytes_per_s"], bandwidths["nvme_bytes_per_s"]
+    terms_s = [
+        (on["grads", "cpu"], grad_b * m / pcie),  # gradients streamed to CPU every micro-batch
+        (both(optimizer_off, on["grads", "gpu"], "grads_down_once"), grad_u / pcie),  # accumulated on GPU
+        (both(optimizer_off, on["params", "gpu"], "params_up_after_step"), param_u / pcie),
+        (params_off, fetches * param_b / pcie),  # ZeRO-3 fetches from CPU/NVMe every forward and backward
+        (both(on["optimizer", "gpu"], params_off, "params_down_after_step"), param_b / pcie),
+        (optimizer_off, (2 * optim_b + grad_u + param_u) / bandwidths["cpu_memory_bytes_per_s"]),  # CPU Adam
+        (on["optimizer", "nvme"], 2 * optim_b / nvme),  # optimizer states swapped in and out
+        (on["params", "nvme"], (fetches + 1) * param_b / nvme),  # fetch reads + write of updated params
+    ]
+    time_unit_s = max(sum(seconds for _, seconds in terms_s), 1e-30) / TIME_RESOLUTION
+    time_units = [(var, round(seconds / time_unit_s)) for var, seconds in terms_s]
+    # Lexicographic: time first, then tier rank (gpu 0, cpu 1, nvme 2); ranks sum to at most 6 < 8.
+    objective = [(var, 8 * units) for var, units in time_units]
+    objective += [(on[s, t], rank) for s in STATES for rank, t in enumerate(TIERS)]
+
+    if not allow_overflow:
+        # Capacity, exactly in floating point: no set of states whose bytes exceed a tier may share it.
+        for t in TIERS:
+            for size in (1, 2, 3):
+                for together in itertools.combinations(STATES, size):
+                    if sum(state_bytes[s] for s in together) > capacity[t]:
+                        model.add_bool_or([~on[s, t] for s in together])
+    else:
+        # Least overflow, in integer units of 1e-6 of all state bytes (a diagnostic: nearest rounding).
+        # Small integers on purpose: CP-SAT 9.15's presolve returned a wrong OPTIMAL on this model with
+        # byte-sized coefficients (~1e10) next to the AND auxiliaries.
+        memory_unit_bytes = max(sum(state_bytes.values()), 1.0) / OVERFLOW_RESOLUTION
+        state_units = [round(state_bytes[s] / memory_unit_bytes) for s in STATES]
+        overflow_vars = []
+        for t in TIERS:
+            capacity_units = round(min(capacity[t] / memory_unit_bytes, OVERFLOW_RESOLUTION))
+            overflow = model.new_int_var(0, OVERFLOW_RESOLUTION + len(STATES), f"{t}_overflow")
+            load = cp_model.LinearExpr.weighted_sum([on[s, t] for s in STATES], state_units)
+            model.add(load <= capacity_units + overflow)
+            overflow_vars.append(overflow)
+    time_expr = cp_model.LinearExpr.weighted_sum([v for v, _ in objective], [w for _, w in objective])
+    solver = _solver(time_limit_s)
+    if allow_overflow:  # first the least overflow, then the fastest placement with that overflow
+        total_overflow = cp_model.LinearExpr.sum(overflow_vars)
+        model.minimize(total_overflow)
+        if solver.solve(model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return None, False, float("nan")
+        model.add(total_overflow <= round(solver.objective_value))
+    model.minimize(time_expr)
+    status = solver.solve(model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None, status == cp_model.INFEASIBLE, float("nan")
+    tiers = {s: next(t for t in TIERS if solver.boolean_value(on[s, t])) for s in STATES}
+    model_time_s = sum(units * solver.value(var) for var, units in time_units) * time_unit_s
+    return tiers, status == cp_model.OPTIMAL, model_time_s
+
+
+def _solver(time_limit_s: float) -> cp_model.CpSolver:
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 2  # the former num_search_workers
+    solver.parameters.max_time_in_seconds = float(time_limit_s)
+    solver.parameters.random_seed = 0
+    return solver
+
+
+def enumerate_legal_placements(zero_stage: int, offload: str) -> list[dict[str, Tier]]:
+    """Every placement the pin and ZeRO stage allow (at most 18); for explanations and tests."""
+    legal = {state: legal_tiers(state, zero_stage, offload) for state in STATES}
+    placements = []
+    for combo in itertools.product(*(legal[s] for s in STATES)):
+        tiers = dict(zip(STATES, combo, strict=True))
+        if tiers["grads"] == "cpu" and tiers["optimizer"] == "gpu":
+            continue
+        placements.append(tiers)
+    return placements

@@ -1,0 +1,114 @@
+"""Pick the plan: score every legal candidate with the cost model, keep those that fit, refine the
+best few with the exact pipeline-stage partition (CP-SAT where memory binds), and take the fastest.
+
+Ranking: fastest predicted step first; ties go to less memory, then to the smaller (tp, pp, zero,
+recompute, offload), so the output is deterministic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from zplan.errors import SpecError
+from zplan.planner.cost.inputs import Candidates, ModelNumbers
+from zplan.planner.cost.step import StepEstimate, estimate_step
+from zplan.planner.cost.units import unit_costs
+from zplan.planner.enumerate import enumerate_candidates
+from zplan.planner.infeasible import raise_infeasible
+from zplan.planner.partition import PartitionResult, partition_layers, uniform_partition
+from zplan.schemas.cluster import ClusterSpec
+from zplan.schemas.model import ModelSummary
+from zplan.schemas.spec import Pins, TrainSpec
+
+REFINE_TOP_K = 6  # candidates re-scored with the exact stage partition
+
+
+@dataclass(frozen=True)
+class Scored:
+    """Every legal candidate with its estimate, plus the ranking."""
+
+    candidates: Candidates
+    estimate: StepEstimate
+    order: np.ndarray  # indices of feasible candidates, best first
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One candidate after refinement with its exact stage partition."""
+
+    candidate: Candidates  # length 1
+    estimate: StepEstimate  # length 1
+    partition: PartitionResult
+
+
+def score(
+    summary: ModelSummary, cluster: ClusterSpec, gpus: int, train: TrainSpec, pins: Pins
+) -> Scored:
+    cand = enumerate_candidates(summary, cluster, gpus, train.global_batch, pins)
+    est = estimate_step(ModelNumbers.from_summary(summary), cand, cluster, train.precision, train.global_batch)
+    feasible = np.nonzero(est.memory.fits)[0]
+    keys = (cand.offload[feasible], cand.recompute[feasible], cand.zero[feasible], cand.pp[feasible],
+            cand.tp[feasible], est.memory.total[feasible], est.step_time_s[feasible])
+    return Scored(candidates=cand, estimate=est, order=feasible[np.lexsort(keys)])
+
+
+def partition_for(summary: ModelSummary, cand: Candidates, cluster: ClusterSpec, train: TrainSpec,
+                  est: StepEstimate) -> PartitionResult:
+    """Exact stage boundaries for one candidate; interleaved schedules keep Megatron's uniform chunks."""
+    pp, v = int(cand.pp[0]), int(cand.interleave[0])
+    units = unit_costs(summary, cand, cluster, train.precision)
+    capacity = cluster.gpu.hbm_bytes - float(est.memory.reserve[0]) - float(est.memory.comm_buffers[0])
+    if v > 1:
+        return interleaved_partition(summary, units.time_s, pp * v)
+    inflight = np.minimum(np.arange(pp, 0, -1), est.num_micro_batches[0]).astype(float)
+    return partition_layers(units.time_s, units.static_bytes, units.act_bytes, pp, capacity, inflight)
+
+
+def interleaved_partition(summary: ModelSummary, unit_time_s: np.ndarray, chunks: int) -> PartitionResult:
+    """Megatron's interleaved layout: blocks split evenly over the chunks (enumeration made them
+    divide), units before the blocks join the first chunk and units after them the last."""
+    kinds = [u.kind for u in summary.layers]
+    first = kinds.index("block")
+    last = len(kinds) - 1 - kinds[::-1].index("block")
+    bounds = [(first + a, first + b) for a, b in uniform_partition(last - first + 1, chunks)]
+    bounds[0], bounds[-1] = (0, bounds[0][1]), (bounds[-1][0], len(kinds) - 1)
+    costs = [float(unit_time_s[a:b + 1].sum()) for a, b in bounds]
+    return PartitionResult(boundaries=bounds, stage_cost_s=costs, stage_bytes=[], max_cost_s=max(costs),
+                           optimal=False, feasible=True, solver="uniform-interleaved")
+
+
+def refine(summary: ModelSummary, cand: Candidates, cluster: ClusterSpec, train: TrainSpec) -> Choice | None:
+    """Re-estimate one candidate with its exact partition; None when no partition fits memory."""
+    model = ModelNumbers.from_summary(summary)
+    est = estimate_step(model, cand, cluster, train.precision, train.global_batch)
+    part = partition_for(summary, cand, cluster, train, est)
+    if not part.feasible:
+        return None
+    units = unit_costs(summary, cand, cluster, train.precision)
+    v = int(cand.interleave[0])
+    stage_blocks = np.array([part.max_cost_s * v / units.block_time_s])
+    exact = estimate_step(model, cand, cluster, train.precision, train.global_batch, stage_blocks=stage_blocks)
+    return Choice(candidate=cand, estimate=exact, partition=part)
+
+
+def choose(summary: ModelSummary, cluster: ClusterSpec, gpus: int, train: TrainSpec, pins: Pins,
+           scored: Scored) -> Choice:
+    """The fastest of the top candidates after refinement; raises InfeasibleError when none fits."""
+    if len(scored.candidates) == 0:
+        raise SpecError(
+            f"no legal configuration for {gpus} GPUs with pins {pins.model_dump(exclude_none=True)}: "
+            f"check that tp divides the {summary.heads} heads, pp <= {summary.num_blocks} blocks, "
+            f"dp*tp*pp = {gpus}, and the global batch {train.global_batch} divides by dp*micro_batch."
+        )
+    choices = []
+    for index in scored.order[: REFINE_TOP_K * 4]:
+        choice = refine(summary, scored.candidates.take(np.array([index])), cluster, train)
+        if choice is not None:
+            choices.append(choice)
+        if len(choices) == REFINE_TOP_K:
+            break
+    if not choices:
+        raise_infeasible(summary, cluster, gpus, train, pins, scored)
+    return min(choices, key=lambda c: float(c.estimate.step_time_s[0]))

@@ -1,0 +1,754 @@
+"""Trace a model file on the meta device into a ModelGraph and a ModelSummary.
+
+Three tracers produce the same normalised list of operations (TracedOp); the first that works wins:
+  fx      torch.fx.symbolic_trace, then shapes by running the graph on meta tensors;
+  hooks   the forward runs eagerly on meta tensors under a TorchFunctionMode that records every torch
+          call, with module forward hooks naming the module that made it (handles Python control flow,
+          e.g. Hugging Face models, which symbolic tracing cannot);
+  export  torch.export.export(strict=False) on meta, read from its aten graph.
+Every tracer runs the model for one sample (batch 1) of seq_len tokens, so all numbers are per sample.
+
+Costs per operation (rules in the tables below):
+  FLOPs      2*M*N*K for linear / matmul / bmm / addmm / baddbmm; scaled_dot_product_attention counted
+             here (torch's FlopCounterMode misses the CPU flash kernel): QK^T and AV are 2*B*H*T*S*D each,
+             halved when is_causal=True; elementwise operations count 0. Backward = 2x forward for these.
+  act bytes  tensors autograd saves for backward (see SAVED-TENSOR RULE below), at the compute precision.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from zplan.errors import SpecError, TraceError
+from zplan.planner.graph import ModelGraph
+from zplan.planner.model_file import load_model_file
+from zplan.schemas.model import LayerCost, ModelSummary, TensorParallelRule
+
+PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}  # bytes per floating-point element
+DEFAULT_SEQ_LEN = 2048  # tokens per sample when neither the caller nor the model file (SEQ_LEN) says
+
+# --- operation tables ------------------------------------------------------------------------------
+SDPA = "scaled_dot_product_attention"
+MATMUL_K_FROM_ARG0 = {"linear", "matmul", "mm", "bmm"}  # contraction length K = args[0].shape[-1]
+MATMUL_K_FROM_ARG1 = {"addmm", "baddbmm"}  # args[0] is the added term; K = args[1].shape[-1]
+MATMUL_OPS = MATMUL_K_FROM_ARG0 | MATMUL_K_FROM_ARG1
+NORM_EXTRA_BYTES_PER_ROW = {"layer_norm": 8, "rms_norm": 4, "group_norm": 8, "batch_norm": 8}  # fp32 stats
+# Ops whose output is the same values as args[0] (a view, or a dtype cast, which is free under the
+# all-floats-at-compute-precision convention): a tensor saved through any of them is charged once.
+ALIAS_OPS = {
+    "view", "reshape", "transpose", "permute", "t", "T", "mT", "contiguous", "unsqueeze", "squeeze", "flatten",
+    "unflatten", "expand", "expand_as", "view_as", "reshape_as", "_unsafe_view", "alias", "detach", "data",
+    "to", "type_as", "float", "half", "bfloat16", "type", "identity",
+}
+ADD_OPS = {"add", "add_"}
+
+# SAVED-TENSOR RULE (what autograd keeps for backward; one tensor is charged once, to the first
+# operation in execution order that saves it, identified through ALIAS_OPS):
+#   products (linear, matmul, mul, div): each operand when the other operand requires grad
+#     (linear saves its input because the weight requires grad: Korthikanti 2022 section 4.1);
+#   SAVES_INPUT ops: their activation inputs; SAVES_OUTPUT ops: their output;
+#   scaled_dot_product_attention: q, k, v, the output and a fp32 logsumexp (B, H, T), as a flash
+#     kernel does; no (T, T) scores are saved, unlike Korthikanti's unfused 5*a*s^2 term;
+#   norms: their input plus fp32 mean / rstd per row; dropout with p > 0: a 1-byte mask per element;
+#   additions, views and concatenations: nothing.
+# The loss's logits (B, T, V) are not charged here: the cost model counts them (planner/cost/memory.py).
+PRODUCT_OPS = MATMUL_OPS | {"mul", "div"}
+SAVES_INPUT = {"gelu", "silu", "pow", "layer_norm", "rms_norm", "group_norm", "batch_norm", "embedding", "log",
+               "sin", "cos", "var", "std", "norm", "softplus", "mish", "leaky_relu", "elu", "square"}
+SAVES_OUTPUT = {"relu", "tanh", "sigmoid", "exp", "softmax", "log_softmax", "_softmax", "_log_softmax",
+                "rsqrt", "sqrt", "reciprocal"}
+DROPOUT_OPS = {"dropout", "native_dropout", "feature_dropout"}
+
+
+def element_bytes(precision: str) -> int:
+    if precision not in PRECISION_BYTES:
+        raise SpecError(f"unknown precision {precision!r}: use one of {', '.join(PRECISION_BYTES)}.")
+    return PRECISION_BYTES[precision]
+
+
+# --- tracers: a model and one sample -> TracedOps in execution order ------------------------------------
+
+TRACERS = ("fx", "hooks", "export")
+
+
+@dataclass
+class TensorArg:
+    """One tensor an operation reads: another operation's output, a parameter, or a constant."""
+
+    producer: str | None  # name of the TracedOp that made it (None for parameters and constants)
+    param: str | None  # canonical parameter name (tied weights share one) when it is a parameter
+    shape: tuple[int, ...] | None  # None for a tuple of tensors (the input of a getitem)
+    dtype: torch.dtype | None
+    requires_grad: bool = False  # filled in by _build_graph
+
+
+@dataclass
+class TracedOp:
+    name: str
+    op: str  # normalised: 'linear', 'scaled_dot_product_attention', 'add', 'view', 'input', ...
+    target: str
+    module: str  # innermost module path that ran it ('' at the top level)
+    args: list[TensorArg]
+    shape: tuple[int, ...] | None  # None when the operation returns several tensors
+    dtype: torch.dtype | None
+    attrs: dict[str, Any] = field(default_factory=dict)  # is_causal, dropout_p
+
+
+@dataclass
+class RawTrace:
+    tracer: str
+    ops: list[TracedOp]
+
+
+_OPERATOR_NAMES = {
+    "__add__": "add", "__radd__": "add", "__iadd__": "add_", "iadd": "add_", "__sub__": "sub", "__rsub__": "sub",
+    "__mul__": "mul", "__rmul__": "mul", "__imul__": "mul_", "imul": "mul_", "__truediv__": "div",
+    "__rtruediv__": "div", "truediv": "div", "__matmul__": "matmul", "__rmatmul__": "matmul",
+    "__getitem__": "getitem", "__neg__": "neg", "__pow__": "pow", "__rpow__": "pow",
+}
+_MODULE_OPS = {nn.Linear: "linear", nn.Embedding: "embedding", nn.LayerNorm: "layer_norm", nn.RMSNorm: "rms_norm",
+               nn.GroupNorm: "group_norm", nn.Dropout: "dropout", nn.Identity: "identity"}
+_CONSTANT_TYPES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.Size, torch.layout,
+                   torch.memory_format, type(Ellipsis))
+_UNCACHEABLE = object()
+
+
+def _op_name(raw: str) -> str:
+    if "scaled_dot_product" in raw:
+        return SDPA  # F.scaled_dot_product_attention and its aten kernels
+    return _OPERATOR_NAMES.get(raw, raw)
+
+
+def _is_inplace(raw: str) -> bool:
+    return (raw.endswith("_") and not raw.startswith("_")) or raw in {"__iadd__", "__imul__", "iadd", "imul",
+                                                                        "__isub__", "__itruediv__", "__setitem__"}
+
+
+def _function_name(func: Any) -> str:
+    name = getattr(func, "__name__", None) or str(func)
+    if name == "__get__":  # a property such as Tensor.T or Tensor.data
+        name = getattr(getattr(func, "__self__", None), "__name__", "get")
+    return name
+
+
+def _cache_key(value: Any) -> Any:
+    """A hashable description of an argument: tensors by metadata, constants by value."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "meta":
+            return _UNCACHEABLE
+        return ("T", tuple(value.shape), value.stride(), value.dtype, value.requires_grad)
+    if isinstance(value, (tuple, list)):
+        parts = tuple(_cache_key(item) for item in value)
+        return _UNCACHEABLE if any(p is _UNCACHEABLE for p in parts) else (type(value).__name__, parts)
+    if isinstance(value, dict):
+        parts = tuple((key, _cache_key(item)) for key, item in value.items())
+        return _UNCACHEABLE if any(p is _UNCACHEABLE for _, p in parts) else ("dict", parts)
+    if isinstance(value, slice):
+        return _cache_key((value.start, value.stop, value.step))
+    if isinstance(value, _CONSTANT_TYPES):
+        return (type(value).__name__, value)
+    return _UNCACHEABLE
+
+
+class MetaOpCache:
+    """Outputs of operations on meta tensors, keyed by the operation and its arguments' metadata.
+
+    Meta kernels cost about a millisecond an operation (Python decompositions); blocks repeat, so a
+    96-block GPT runs each distinct operation once instead of 96 times (175B: 5 s -> 0.3 s)."""
+
+    def __init__(self) -> None:
+        self.specs: dict[Any, Any] = {}
+
+    def call(self, head: Any, fn: Any, args: tuple, kwargs: dict) -> Any:
+        key = _cache_key((args, kwargs))
+        if key is not _UNCACHEABLE:
+            key = (head, key)
+            try:
+                hash(key)
+            except TypeError:  # e.g. an unhashable callable as the operation
+                key = _UNCACHEABLE
+        if key is not _UNCACHEABLE and key in self.specs:
+            return self._rebuild(self.specs[key])
+        out = fn(*args, **kwargs)
+        spec = self._spec(out)
+        if key is not _UNCACHEABLE and spec is not _UNCACHEABLE:
+            self.specs[key] = spec
+        return out
+
+    def _spec(self, value: Any) -> Any:
+        if type(value) is torch.Tensor and value.device.type == "meta":
+            return ("T", tuple(value.shape), value.stride(), value.dtype, value.requires_grad)
+        if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
+            parts = [self._spec(item) for item in value]
+            return _UNCACHEABLE if any(p is _UNCACHEABLE for p in parts) else (type(value), parts)
+        return ("C", value) if isinstance(value, _CONSTANT_TYPES) else _UNCACHEABLE
+
+    def _rebuild(self, spec: Any) -> Any:
+        if spec[0] == "T":
+            _, shape, stride, dtype, grad = spec
+            tensor = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+            return tensor.requires_grad_() if grad and (dtype.is_floating_point or dtype.is_complex) else tensor
+        if spec[0] == "C":
+            return spec[1]
+        return spec[0](self._rebuild(item) for item in spec[1])
+
+
+class _ParamNames:
+    """Canonical names of a model's parameters and buffers, by object identity (tied weights: first name)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.params = {id(p): name for name, p in model.named_parameters()}
+
+    def arg(self, value: torch.Tensor, producer: str | None) -> TensorArg:
+        return TensorArg(producer=None if id(value) in self.params else producer, param=self.params.get(id(value)),
+                         shape=tuple(value.shape), dtype=value.dtype)
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    """Tensors inside nested tuples, lists, dicts and Hugging Face ModelOutputs, in order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors_in(item)]
+    return []
+
+
+def _input_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The graph nodes an fx node reads, in argument order, repeats kept (mul(x, x) reads x twice)."""
+    found: list[torch.fx.Node] = []
+    torch.fx.node.map_arg((node.args, node.kwargs), found.append)
+    return found
+
+
+def _argument(args: tuple, kwargs: dict, name: str, index: int, default: Any) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    return args[index] if len(args) > index else default
+
+
+def _attrs(op: str, args: tuple, kwargs: dict, schema: Any = None, module: nn.Module | None = None) -> dict:
+    """The non-tensor arguments the cost rules need: is_causal for attention, p for dropout."""
+    def value(name: str, index: int, default: Any) -> Any:
+        if schema is not None:
+            names = [a.name for a in schema.arguments]
+            index = names.index(name) if name in names else 10**6
+        return _argument(args, kwargs, name, index, default)
+
+    if op == SDPA:
+        return {"is_causal": bool(value("is_causal", 5, False))}
+    if op in DROPOUT_OPS:
+        if isinstance(module, nn.Dropout):
+            return {"dropout_p": module.p if module.training else 0.0}
+        training = value("training" if schema is None else "train", 2, True)
+        return {"dropout_p": float(value("p", 1, 0.5)) if training else 0.0}
+    return {}
+
+
+def _as_call(example_inputs: Any) -> tuple[tuple, dict]:
+    """Tensor -> (tensor,); tuple/list -> positional; dict -> keywords; tensors moved to meta."""
+    def meta(value: Any) -> Any:
+        return value.to("meta") if isinstance(value, torch.Tensor) else value
+
+    if isinstance(example_inputs, dict):
+        return (), {key: meta(value) for key, value in example_inputs.items()}
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(meta(value) for value in example_inputs), {}
+    return (meta(example_inputs),), {}
+
+
+class _CachingInterpreter(torch.fx.Interpreter):
+    def __init__(self, module: torch.fx.GraphModule, cache: MetaOpCache) -> None:
+        super().__init__(module, garbage_collect_values=False)
+        self.cache = cache
+
+    def call_module(self, target: str, args: tuple, kwargs: dict) -> Any:
+        module = self.fetch_attr(target)
+        shapes = tuple((n, tuple(t.shape), t.dtype) for n, t in module.state_dict(keep_vars=True).items())
+        return self.cache.call(("module", type(module), module.extra_repr(), shapes), module, args, kwargs)
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        if _is_inplace(_function_name(target)):
+            return target(*args, **kwargs)
+        return self.cache.call(("function", target), target, args, kwargs)
+
+    def call_method(self, target: str, args: tuple, kwargs: dict) -> Any:
+        if _is_inplace(target):
+            return getattr(args[0], target)(*args[1:], **kwargs)
+        return self.cache.call(("method", target), lambda s, *a, **k: getattr(s, target)(*a, **k), args, kwargs)
+
+
+def _trace_fx(model: nn.Module, args: tuple, kwargs: dict, cache: MetaOpCache) -> list[TracedOp]:
+    if kwargs:
+        raise TypeError("fx replays positional inputs only; example_inputs returned keywords")
+    module = torch.fx.symbolic_trace(model)
+    interpreter = _CachingInterpreter(module, cache)
+    interpreter.run(*args)
+    values, names, ops = interpreter.env, _ParamNames(model), []
+    for node in module.graph.nodes:
+        value = values.get(node)
+        if node.op in ("get_attr", "output") or not _tensors_in(value):
+            continue
+        stack = list((node.meta.get("nn_module_stack") or {}).values())
+        path, module_type = (stack[-1][0], stack[-1][1]) if stack else ("", None)
+        args_out = []
+        for arg_node in _input_nodes(node):
+            arg_value = values.get(arg_node)
+            if isinstance(arg_value, torch.Tensor):
+                args_out.append(names.arg(arg_value, None if arg_node.op == "get_attr" else arg_node.name))
+            elif _tensors_in(arg_value):
+                args_out.append(TensorArg(arg_node.name, None, None, None))
+        leaf = module.get_submodule(node.target) if node.op == "call_module" else None
+        if leaf is not None:
+            raw = _MODULE_OPS.get(type(leaf), type(leaf).__name__.lower())
+            args_out += [names.arg(p, None) for p in leaf.parameters()]
+        elif node.op == "placeholder":
+            raw = "input"
+        else:
+            raw = node.target if node.op == "call_method" else _function_name(node.target)
+        op = _op_name(raw)
+        single = isinstance(value, torch.Tensor)
+        ops.append(TracedOp(
+            name=node.name, op=op, target=str(node.target), module=path if module_type is not None else "",
+            args=args_out, shape=tuple(value.shape) if single else None, dtype=value.dtype if single else None,
+            attrs=_attrs(op, node.args, node.kwargs, module=leaf),
+        ))
+    return ops
+
+
+class _FunctionRecorder(torch.overrides.TorchFunctionMode):
+    """Records every torch function / Tensor method call that returns tensors (the 'hooks' tracer)."""
+
+    def __init__(self, names: _ParamNames, cache: MetaOpCache, module_stack: list[str]) -> None:
+        super().__init__()
+        self.names, self.cache, self.module_stack = names, cache, module_stack
+        self.ops: list[TracedOp] = []
+        self.producer: dict[int, str] = {}  # id(tensor) -> op name
+        self.keep_alive: list[Any] = []  # outputs stay referenced so ids stay unique
+
+    def add(self, op: TracedOp, outputs: list[torch.Tensor]) -> None:
+        self.ops.append(op)
+        self.keep_alive.append(outputs)
+        if op.shape is not None:
+            self.producer[id(outputs[0])] = op.name
+            return
+        for index, tensor in enumerate(outputs):
+            name = f"{op.name}_{index}"
+            self.ops.append(TracedOp(name, "getitem", "getitem", op.module, [TensorArg(op.name, None, None, None)],
+                                     tuple(tensor.shape), tensor.dtype))
+            self.producer[id(tensor)] = name
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        raw = _function_name(func)
+        if _is_inplace(raw):
+            out = func(*args, **kwargs)
+        else:
+            out = self.cache.call(("function", func), func, args, kwargs)
+        outputs = _tensors_in(out) if isinstance(out, (torch.Tensor, tuple, list)) else []
+        if outputs:
+            op = _op_name(raw)
+            tensor_args = [self.names.arg(t, self.producer.get(id(t))) for t in _tensors_in((args, kwargs))]
+            single = isinstance(out, torch.Tensor)
+            self.add(TracedOp(f"{op}_{len(self.ops)}", op, raw, self.module_stack[-1] if self.module_stack else "",
+                              tensor_args, tuple(out.shape) if single else None, out.dtype if single else None,
+                              _attrs(op, args, kwargs)), outputs)
+        return out
+
+
+def _trace_hooks(model: nn.Module, args: tuple, kwargs: dict, cache: MetaOpCache) -> list[TracedOp]:
+    stack: list[str] = []
+    recorder = _FunctionRecorder(_ParamNames(model), cache, stack)
+    for index, tensor in enumerate(_tensors_in((args, kwargs))):
+        recorder.add(TracedOp(f"input_{index}", "input", "input", "", [], tuple(tensor.shape), tensor.dtype),
+                     [tensor])
+
+    def enter(path: str) -> Any:
+        return lambda _module, _args: stack.append(path)  # returns None: inputs unchanged
+
+    def leave(_module: nn.Module, _args: Any, _output: Any) -> None:
+        stack.pop()  # returning None keeps the output unchanged
+
+    handles = []
+    for path, module in model.named_modules():
+        handles.append(module.register_forward_pre_hook(enter(path)))
+        handles.append(module.register_forward_hook(leave, always_call=True))
+    try:
+        with torch.device("meta"), recorder:
+            model(*args, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return recorder.ops
+
+
+class _TensorOutputs(nn.Module):
+    """Wraps a model so its outputs are a tuple of tensors (export rejects e.g. Hugging Face caches)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+        return tuple(_tensors_in(self.inner(*args, **kwargs)))
+
+
+def _trace_export(model: nn.Module, args: tuple, kwargs: dict, cache: MetaOpCache) -> list[TracedOp]:
+    wrapper = _TensorOutputs(model)
+    program = torch.export.export(wrapper, args, kwargs, strict=False)
+    signature, names = program.graph_signature, _ParamNames(model)
+    param_of = {placeholder: names.params.get(id(wrapper.get_parameter(fqn)))
+                for placeholder, fqn in signature.inputs_to_parameters.items()}
+    user_inputs, ops = set(signature.user_inputs), []
+    for node in program.graph.nodes:
+        value = node.meta.get("val")
+        if node.op != "call_function" and node.name not in user_inputs or not _tensors_in(value):
+            continue
+        stack = list((node.meta.get("nn_module_stack") or {}).values())
+        path = stack[-1][0].removeprefix("inner").removeprefix(".") if stack else ""
+        args_out: list[TensorArg] = []
+        for arg in _input_nodes(node):
+            arg_value = arg.meta.get("val")
+            if arg.name in param_of:
+                args_out.append(TensorArg(None, param_of[arg.name], tuple(arg_value.shape), arg_value.dtype))
+            elif isinstance(arg_value, torch.Tensor):
+                producer = arg.name if arg.op == "call_function" or arg.name in user_inputs else None
+                args_out.append(TensorArg(producer, None, tuple(arg_value.shape), arg_value.dtype))
+            elif _tensors_in(arg_value):
+                args_out.append(TensorArg(arg.name, None, None, None))
+        schema = getattr(node.target, "_schema", None)
+        raw = "input" if node.op == "placeholder" else getattr(node.target, "_opname", _function_name(node.target))
+        op = _op_name(raw)
+        single = isinstance(value, torch.Tensor)
+        ops.append(TracedOp(node.name, op, str(node.target), path, args_out,
+                            tuple(value.shape) if single else None, value.dtype if single else None,
+                            _attrs(op, node.args, node.kwargs, schema=schema)))
+    return ops
+
+
+_TRACER_FUNCTIONS = {"fx": _trace_fx, "hooks": _trace_hooks, "export": _trace_export}
+
+
+def run_tracers(model: nn.Module, example_inputs: Any, tracers: tuple[str, ...] = TRACERS) -> RawTrace:
+    """Try each tracer in order; the first that works gives the trace. All failing raises TraceError."""
+    args, kwargs = _as_call(example_inputs)
+    cache, failures = MetaOpCache(), []
+    for tracer in tracers:
+        if tracer not in _TRACER_FUNCTIONS:
+            raise ValueError(f"unknown tracer {tracer!r}; known: {TRACERS}")
+        try:
+            ops = _TRACER_FUNCTIONS[tracer](model, args, kwargs, cache)
+        except Exception as exc:  # each tracer fails in its own way; the next one may work
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            failures.append(f"{tracer}: {type(exc).__name__}: {message[:300]}")
+            continue
+        return RawTrace(tracer=tracer, ops=ops)
+    raise TraceError(
+        f"could not trace {type(model).__name__} ({'; '.join(failures)}). Make forward() run on the meta "
+        "device from shapes alone (no .item(), .tolist() or branches on tensor values), and define "
+        "example_inputs(batch_size, seq_len) in the model file if forward does not take token ids (B, T)."
+    )
+
+
+def trace_model_file(path: str | Path, seq_len: int | None, precision: str, *,
+                     build_overrides: dict[str, Any] | None = None,
+                     tracers: tuple[str, ...] = TRACERS) -> tuple[ModelGraph, ModelSummary]:
+    """Load a model file, build it on meta and trace one sample of seq_len tokens (None: the file's
+    SEQ_LEN, else DEFAULT_SEQ_LEN); see trace_module."""
+    model_file = load_model_file(path)
+    seq_len = seq_len or model_file.seq_len or DEFAULT_SEQ_LEN
+    model = model_file.build(device="meta", **(build_overrides or {}))
+    with torch.device("meta"):
+        inputs = model_file.example_inputs(1, seq_len)
+    return trace_module(model, inputs, seq_len, precision, name=model_file.name, tracers=tracers)
+
+
+def trace_module(model: nn.Module, example_inputs: Any, seq_len: int, precision: str, *, name: str = "model",
+                 tracers: tuple[str, ...] = TRACERS) -> tuple[ModelGraph, ModelSummary]:
+    """Trace `model` (ideally on meta) called with `example_inputs` (a Tensor, tuple or dict of one sample)."""
+    element_bytes(precision)
+    prefix, num_blocks = find_block_container(model)
+    raw = run_tracers(model, example_inputs, tracers)
+    graph = _build_graph(raw, model, prefix, num_blocks, seq_len, precision)
+    return graph, _summarize(graph, raw, model, name)
+
+
+# --- structure ------------------------------------------------------------------------------------------
+
+def find_block_container(model: nn.Module) -> tuple[str, int]:
+    """The nn.ModuleList / nn.Sequential whose children all share one class and hold the most parameters:
+    the repeated transformer blocks, between which a pipeline may cut. Returns (path, number of blocks)."""
+    best: tuple[int, str, int] | None = None
+    for path, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) == 0:
+            continue
+        classes = {type(child) for child in module.children()}
+        if len(classes) != 1 or not path:
+            continue
+        size = sum(p.numel() for p in module.parameters())
+        if best is None or (size, len(module)) > (best[0], best[2]):
+            best = (size, path, len(module))
+    if best is None:
+        raise TraceError(
+            f"{type(model).__name__} has no repeated blocks: hold the transformer layers in an nn.ModuleList "
+            "(e.g. self.blocks = nn.ModuleList(Block() for _ in range(n))) so zplan can place pipeline cuts."
+        )
+    return best[1], best[2]
+
+
+def _block_of(module_path: str, prefix: str) -> int | None:
+    if not module_path.startswith(prefix + "."):
+        return None
+    head = module_path[len(prefix) + 1:].split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+# --- per-operation costs --------------------------------------------------------------------------------
+
+def forward_flops(op: TracedOp) -> float:
+    """Forward FLOPs of one operation (multiply-add = 2 FLOPs)."""
+    shapes = [arg.shape for arg in op.args]
+    if op.op in MATMUL_OPS and op.shape is not None:
+        k_arg = 0 if op.op in MATMUL_K_FROM_ARG0 else 1
+        if len(shapes) <= k_arg or not shapes[k_arg]:
+            return 0.0
+        return 2.0 * math.prod(op.shape) * shapes[k_arg][-1]  # 2 * M * N * K
+    if op.op == SDPA and len(shapes) >= 3 and all(shapes[:3]):
+        query, key, value = shapes[:3]  # (B, H, T, D), (B, Hkv, S, D), (B, Hkv, S, Dv)
+        rows = math.prod(query[:-1])  # B * H * T
+        full = 2.0 * rows * key[-2] * query[-1] + 2.0 * rows * key[-2] * value[-1]  # QK^T + AV
+        return full / 2.0 if op.attrs.get("is_causal") else full  # causal: half the (T, S) square
+    return 0.0
+
+
+def _saved_tensors(op: TracedOp, requires_grad: dict[str, bool]) -> tuple[list[int], bool, float]:
+    """(indices of args saved, whether the output is saved, extra bytes saved) under the rule above."""
+    arg_rg = [arg.requires_grad for arg in op.args]
+    if not requires_grad.get(op.name):
+        return [], False, 0.0
+    if op.op in PRODUCT_OPS:
+        saved = [i for i in range(len(op.args)) if any(rg for j, rg in enumerate(arg_rg) if j != i)]
+        if op.op in MATMUL_K_FROM_ARG1:
+            saved = [i for i in saved if i != 0]  # the added term (bias) is not needed for backward
+        return saved, False, 0.0
+    if op.op in SAVES_INPUT:
+        extra = 0.0
+        if op.op in NORM_EXTRA_BYTES_PER_ROW and op.shape:
+            extra = NORM_EXTRA_BYTES_PER_ROW[op.op] * math.prod(op.shape[:-1])
+        return [i for i, arg in enumerate(op.args) if arg.param is None], False, extra
+    if op.op in SAVES_OUTPUT:
+        return [], True, 0.0
+    if op.op == SDPA and op.args and op.args[0].shape:
+        logsumexp_bytes = 4.0 * math.prod(op.args[0].shape[:-1])  # fp32 (B, H, T)
+        return list(range(len(op.args))), True, logsumexp_bytes
+    if op.op in DROPOUT_OPS and op.attrs.get("dropout_p", 0.0) > 0 and op.shape:
+        return [], False, float(math.prod(op.shape))  # 1-byte mask (B, T, ...)
+    return [], False, 0.0
+
+
+def _tensor_bytes(shape: tuple[int, ...] | None, dtype: torch.dtype | None, float_bytes: int) -> float:
+    if shape is None or dtype is None:
+        return 0.0
+    itemsize = float_bytes if dtype.is_floating_point else dtype.itemsize
+    return float(math.prod(shape) * itemsize)
+
+
+# --- graph ----------------------------------------------------------------------------------------------
+
+def _build_graph(raw: RawTrace, model: nn.Module, prefix: str, num_blocks: int, seq_len: int,
+                 precision: str) -> ModelGraph:
+    float_bytes = element_bytes(precision)
+    ops = raw.ops
+    by_name = {op.name: op for op in ops}
+    param_rg = {name: p.requires_grad for name, p in model.named_parameters()}
+
+    requires_grad: dict[str, bool] = {}
+    alias_root: dict[str, str] = {}
+    for op in ops:
+        for arg in op.args:
+            arg.requires_grad = (param_rg.get(arg.param, False) if arg.param is not None
+                                 else requires_grad.get(arg.producer, False))
+        floating = op.dtype is None or op.dtype.is_floating_point
+        requires_grad[op.name] = floating and any(arg.requires_grad for arg in op.args)
+        source = op.args[0].producer if op.op in ALIAS_OPS and op.args else None
+        alias_root[op.name] = alias_root.get(source, op.name) if source else op.name
+
+    charged: set[str] = set()  # alias roots already charged
+    seen_params: set[str] = set()
+    blocks = [_block_of(op.module, prefix) for op in ops]
+    last_block_position = max((i for i, b in enumerate(blocks) if b is not None), default=-1)
+    graph = ModelGraph(tracer=raw.tracer, block_prefix=prefix, num_blocks=num_blocks, seq_len=seq_len,
+                       precision=precision)
+    current_block: int | None = None
+    for position, op in enumerate(ops):
+        saved_args, saves_output, act_bytes = _saved_tensors(op, requires_grad)
+        saved = [(op.args[i].producer, op.args[i].shape, op.args[i].dtype) for i in saved_args
+                 if op.args[i].param is None and op.args[i].producer is not None]
+        if saves_output:
+            saved.append((op.name, op.shape, op.dtype))
+        for producer, shape, dtype in saved:
+            root = alias_root.get(producer, producer)
+            if root not in charged:
+                charged.add(root)
+                act_bytes += _tensor_bytes(shape, dtype, float_bytes)
+        params = 0
+        for arg in op.args:
+            if arg.param is not None and arg.param not in seen_params:
+                seen_params.add(arg.param)
+                params += math.prod(arg.shape or ())
+        block = blocks[position]
+        if block is not None:
+            current_block = block
+        elif position > last_block_position:
+            current_block = None
+        if current_block is not None:
+            unit = f"{prefix}.{current_block}"
+        else:
+            unit = "head" if position > last_block_position >= 0 else "embedding"
+        fwd = forward_flops(op)
+        graph.add_op(
+            op.name, inputs=[a.producer for a in op.args if a.producer in by_name], op=op.op, target=op.target,
+            module=op.module, shape=op.shape, dtype=str(op.dtype) if op.dtype is not None else None,
+            fwd_flops=fwd, bwd_flops=2.0 * fwd, params=params, param_bytes=params * float_bytes,
+            act_bytes=act_bytes, block=current_block, unit=unit,
+        )
+    _mark_tensor_parallel(graph, model, range(num_blocks))
+    return graph
+
+
+def _mark_tensor_parallel(graph: ModelGraph, model: nn.Module, blocks: range) -> None:
+    """Megatron pairs (Shoeybi 2019): a Linear whose output reaches another Linear of the same block
+    through elementwise / attention operations, before rejoining the residual stream or a norm, is
+    colwise, and the Linear it reaches is rowwise (q/k/v -> attention -> out; up/gate -> act -> down)."""
+    def is_linear(name: str) -> bool:
+        data = graph[name]
+        if data["op"] != "linear":
+            return False
+        try:
+            return isinstance(model.get_submodule(data["module"]), nn.Linear)
+        except AttributeError:
+            return False
+
+    for block in blocks:
+        members = graph.nodes_of_block(block)
+        if not members:
+            continue
+        inside = set(members)
+        width = graph[members[-1]]["shape"]  # the block's output: the residual stream's shape
+        stream: set[str] = set()
+        for name in members:
+            outside_inputs = [p for p in graph.graph.predecessors(name) if p not in inside]
+            stream.update(p for p in outside_inputs if graph[p]["shape"] == width)
+            if graph[name]["op"] in ADD_OPS and any(p in stream for p in graph.graph.predecessors(name)):
+                stream.add(name)
+        for name in members:
+            if not is_linear(name) or graph[name]["tp_style"] == "rowwise":
+                continue
+            partners, queue, visited = [], deque(graph.graph.successors(name)), set()
+            while queue:
+                node = queue.popleft()
+                if node in visited or node not in inside or node in stream:
+                    continue
+                visited.add(node)
+                if is_linear(node):
+                    partners.append(node)
+                elif graph[node]["op"] not in NORM_EXTRA_BYTES_PER_ROW:
+                    queue.extend(graph.graph.successors(node))
+            if partners:
+                graph[name]["tp_style"] = "colwise"
+                for partner in partners:
+                    if graph[partner]["tp_style"] is None:
+                        graph[partner]["tp_style"] = "rowwise"
+
+
+# --- summary --------------------------------------------------------------------------------------------
+
+def _summarize(graph: ModelGraph, raw: RawTrace, model: nn.Module, name: str) -> ModelSummary:
+    prefix, num_blocks = graph.block_prefix, graph.num_blocks
+    by_name = {op.name: op for op in raw.ops}
+    units = ["embedding"] + [f"{prefix}.{i}" for i in range(num_blocks)] + ["head"]
+    params_of = dict.fromkeys(units, 0.0)
+    flops_of = dict.fromkeys(units, 0.0)
+    act_of = dict.fromkeys(units, 0.0)
+    for _, data in graph.iter_nodes():
+        params_of[data["unit"]] += data["params"]
+        flops_of[data["unit"]] += data["fwd_flops"]
+        act_of[data["unit"]] += data["act_bytes"]
+    all_params = dict(model.named_parameters())
+    unread = sum(p.numel() for p in all_params.values()) - sum(params_of.values())
+    params_of["embedding"] += max(unread, 0)  # parameters no traced operation reads (unused modules)
+    layers = [
+        LayerCost(name=unit, kind="embedding" if unit == "embedding" else "head" if unit == "head" else "block",
+                  params=int(params_of[unit]), fwd_flops=flops_of[unit], act_bytes=act_of[unit])
+        for unit in units
+    ]
+    block0 = graph.nodes_of_block(0)
+    hidden, vocab = _hidden_and_vocab(graph, by_name, block0)
+    heads, kv_heads = _heads(graph, by_name, block0)
+    styles = graph.tp_styles(0)
+    rowwise_inputs = [by_name[n].args[0].shape[-1] for n in block0
+                      if graph[n]["tp_style"] == "rowwise" and by_name[n].args[0].shape]
+    linear_outputs = [graph[n]["shape"][-1] for n in block0 if graph[n]["op"] == "linear" and graph[n]["shape"]]
+    ffn_hidden = max(rowwise_inputs or linear_outputs or [4 * hidden])
+    rules = [TensorParallelRule(module=module[len(f"{prefix}.0."):], style=style)
+             for module, style in styles.items()]
+    return ModelSummary(
+        name=name, source="file", tracer=graph.tracer, num_blocks=num_blocks, hidden=hidden, heads=heads,
+        kv_heads=kv_heads, ffn_hidden=ffn_hidden, vocab=vocab, seq_len=graph.seq_len,
+        params=sum(p.numel() for p in all_params.values()), layers=layers, block_prefix=prefix, tp_rules=rules,
+    )
+
+
+def _hidden_and_vocab(graph: ModelGraph, by_name: dict[str, TracedOp], block0: list[str]) -> tuple[int, int]:
+    """(h, V) from the token embedding's weight (V, h): the embedding fed by the model's input ids."""
+    embeddings = [by_name[n] for n, data in graph.iter_nodes(op="embedding")]
+    tables = [(op, arg.shape) for op in embeddings for arg in op.args if arg.param is not None and arg.shape]
+    fed_by_input = [(op, shape) for op, shape in tables
+                    if any(a.producer and graph[a.producer]["op"] == "input" for a in op.args)]
+    chosen = fed_by_input or sorted(tables, key=lambda t: -t[1][0])
+    if chosen:
+        return int(chosen[0][1][1]), int(chosen[0][1][0])
+    hidden = int(graph[block0[-1]]["shape"][-1]) if block0 else 1
+    outputs = [graph[n]["shape"] for n in graph.nodes() if graph[n]["unit"] == "head" and graph[n]["shape"]]
+    return hidden, int(outputs[-1][-1]) if outputs else 1
+
+
+def _heads(graph: ModelGraph, by_name: dict[str, TracedOp], block0: list[str]) -> tuple[int, int]:
+    """(heads, kv_heads) from the first attention of block 0: q (B, H, T, D), k (B, Hkv, S, D). When k was
+    repeated to H heads before attention, the ratio of the k and q projections' widths gives Hkv."""
+    for name in block0:
+        op = by_name[name]
+        if op.op == SDPA and len(op.args) >= 2 and op.args[0].shape and len(op.args[0].shape) >= 3:
+            heads, kv_heads = op.args[0].shape[-3], op.args[1].shape[-3]
+            q_linear, k_linear = (_nearest_linear_above(graph, a.producer) for a in op.args[:2])
+            if kv_heads == heads and q_linear and k_linear and q_linear != k_linear:
+                q_width, k_width = graph[q_linear]["shape"][-1], graph[k_linear]["shape"][-1]
+                if k_width < q_width and (heads * k_width) % q_width == 0:
+                    kv_heads = heads * k_width // q_width
+            return int(heads), int(kv_heads)
+        if op.op in {"matmul", "bmm"} and op.shape and len(op.shape) == 4 and all(a.param is None for a in op.args):
+            return int(op.shape[-3]), int(op.shape[-3])  # unfused attention scores (B, H, T, S)
+    return 1, 1
+
+
+def _nearest_linear_above(graph: ModelGraph, start: str | None) -> str | None:
+    queue, visited = deque([start] if start else []), set()
+    while queue:
+        name = queue.popleft()
+        if name in visited:
+            continue
+        visited.add(name)
+        if graph[name]["op"] == "linear":
+            return name
+        queue.extend(graph.graph.predecessors(name))
+    return None
+
+

@@ -1,0 +1,200 @@
+"""Apply a plan to a model: one function per step, called in DESIGN.md decision 5's fixed order.
+
+    apply_tensor_parallel -> apply_recompute -> apply_pipeline -> apply_data_parallel -> build_optimizer
+
+Each step stands on torch.distributed's own API (DESIGN.md decision 4) and returns the model it was
+given or its wrapped version. Steps that are not implemented yet for a degree > 1 say so; none of them
+pretends.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.checkpoint import checkpoint
+
+_NOT_YET = "lands with the runtime issue (#3)"
+_COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def transformer_blocks(model: nn.Module, block_prefix: str) -> list[nn.Module]:
+    """The repeated blocks in execution order, from the container at `block_prefix` (e.g. 'blocks')."""
+    container = model.get_submodule(block_prefix)
+    if isinstance(container, nn.ModuleDict):
+        return list(container.values())
+    if isinstance(container, (nn.ModuleList, nn.Sequential)):
+        return list(container)
+    kind = type(container).__name__
+    raise ValueError(f"{block_prefix} is a {kind}, not a ModuleList, Sequential or ModuleDict of blocks")
+
+
+# ---- 1. tensor parallel --------------------------------------------------------------------------
+
+
+def apply_tensor_parallel(
+    model: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[str, str], block_prefix: str, sequence_parallel: bool
+) -> nn.Module:
+    """Split each block's Linears column/row-wise over `tp_mesh` (tp_plan: path in block -> style)."""
+    if tp_mesh.size() == 1:
+        return model
+    raise NotImplementedError(f"tensor parallelism (tp={tp_mesh.size()}) {_NOT_YET}")
+
+
+# ---- 2. activation recompute ---------------------------------------------------------------------
+
+
+def _save_only_matmuls(ctx, op, *args, **kwargs):
+    """Selective-checkpoint policy: keep the GEMM outputs (the Linear projections), recompute the rest.
+
+    What is recomputed is the attention core (QK^T and attention x V as bmm, softmax, or the fused SDPA
+    op) and the cheap elementwise ops; the FLOP overhead is the attention core's, as in Megatron's
+    selective recompute (Korthikanti et al. 2022, section 4.2), and no (B, heads, T, T) tensor is kept.
+    """
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    saved = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+    return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_save_only_matmuls)
+
+
+def _checkpoint_forward(block: nn.Module, selective: bool) -> None:
+    # Replace the block's forward on the instance rather than wrapping the block in another module,
+    # so parameter names, the plan's layer names and state-dict keys stay what the model file defines.
+    original_forward = block.forward
+    extra = {"context_fn": _selective_context} if selective else {}
+
+    def forward(*args, **kwargs):
+        return checkpoint(original_forward, *args, use_reentrant=False, **extra, **kwargs)
+
+    block.forward = forward
+
+
+def apply_recompute(model: nn.Module, mode: str, block_prefix: str) -> nn.Module:
+    """Activation recompute per block: 'none'; 'full' keeps only each block's input and reruns the
+    block's forward in backward (torch.utils.checkpoint); 'selective' keeps the GEMM outputs and
+    recomputes the attention core and elementwise ops (torch's selective activation checkpoint API)."""
+    if mode == "none":
+        return model
+    if mode not in ("full", "selective"):
+        raise ValueError(f"recompute mode must be none, selective or full, got {mode!r}")
+    for block in transformer_blocks(model, block_prefix):
+        _checkpoint_forward(block, selective=mode == "selective")
+    return model
+
+
+# ---- 3. pipeline split ---------------------------------------------------------------------------
+
+
+def apply_pipeline(
+    model: nn.Module, pp_mesh: DeviceMesh, stage_layer_names: list[list[str]], schedule: str
+) -> nn.Module:
+    """Keep this rank's pipeline stage (units `stage_layer_names[stage]`) and run `schedule`."""
+    if pp_mesh.size() == 1:
+        return model
+    raise NotImplementedError(f"pipeline parallelism (pp={pp_mesh.size()}, {schedule}) {_NOT_YET}")
+
+
+# ---- 4. ZeRO / data parallel (with mixed precision and offload) ----------------------------------
+
+
+def _forward_under_autocast(model: nn.Module, device_type: str, dtype: torch.dtype) -> None:
+    original_forward = model.forward
+
+    def forward(*args, **kwargs):
+        with torch.autocast(device_type, dtype=dtype):
+            return original_forward(*args, **kwargs)
+
+    model.forward = forward
+
+
+def apply_data_parallel(
+    model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, precision: str, offload: str, block_prefix: str
+) -> nn.Module:
+    """Replicate or shard the model over `dp_mesh` by ZeRO stage.
+
+    0: DDP, gradients all-reduced.  1: DDP here, optimizer states sharded by build_optimizer
+    (ZeroRedundancyOptimizer).  2: FSDP2 fully_shard per block and at the root, parameters kept
+    gathered between forward and backward (reshard_after_forward=False), so gradients and optimizer
+    states are sharded.  3: the same with reshard_after_forward=True, parameters sharded too.
+    Mixed precision keeps fp32 master weights: FSDP2's MixedPrecisionPolicy (compute in bf16/fp16,
+    gradients reduced in fp32) for ZeRO 2/3, torch.autocast around the forward for ZeRO 0/1.
+    offload='cpu' (ZeRO 2/3): FSDP2's CPUOffloadPolicy keeps sharded parameters, gradients and the
+    optimizer step on the host (pin_memory only when there is a GPU: pinning needs one).
+    """
+    if offload == "nvme":
+        raise NotImplementedError(f"NVMe offload {_NOT_YET}")
+    compute_dtype = _COMPUTE_DTYPES.get(precision)
+    if precision != "fp32" and compute_dtype is None:
+        raise ValueError(f"precision must be bf16, fp16 or fp32, got {precision!r}")
+    device = next(model.parameters()).device
+    if zero_stage in (0, 1):
+        if offload == "cpu":
+            raise NotImplementedError(f"CPU offload with ZeRO {zero_stage} (zplan's CPU Adam) {_NOT_YET}")
+        from torch.nn.parallel import DistributedDataParallel
+
+        if compute_dtype is not None:
+            _forward_under_autocast(model, device.type, compute_dtype)
+        device_ids = [device] if device.type == "cuda" else None
+        return DistributedDataParallel(model, process_group=dp_mesh.get_group(), device_ids=device_ids)
+    if zero_stage not in (2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
+
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mp_policy = (
+        MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        if compute_dtype is not None
+        else MixedPrecisionPolicy()
+    )
+    offload_policy = (
+        CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload == "cpu" else OffloadPolicy()
+    )
+    options = dict(mesh=dp_mesh, reshard_after_forward=zero_stage == 3, mp_policy=mp_policy,
+                   offload_policy=offload_policy)
+    for block in transformer_blocks(model, block_prefix):
+        fully_shard(block, **options)
+    fully_shard(model, **options)  # the root: embedding, final norm, head
+    return model
+
+
+# ---- 5. optimizer ---------------------------------------------------------------------------------
+
+
+def adamw_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only (dim >= 2), none on biases and norms (nanoGPT's configure_optimizers)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return [group for group in groups if group["params"]]
+
+
+def build_optimizer(
+    model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, lr: float, weight_decay: float, offload: str,
+    precision: str = "fp32",
+) -> torch.optim.Optimizer:
+    """AdamW (fused kernel: ~7x foreach on CPU, DESIGN.md facts); ZeRO-1 shards its states over dp.
+
+    ZeRO 2/3 need nothing more: FSDP2's parameters are already shards, so the optimizer states are.
+    fp16 with ZeRO 2/3 uses the foreach kernel: the fused step rejects the shape-[1] inf flag that
+    FSDP's ShardedGradScaler hands it (torch 2.13).
+    """
+    groups = adamw_param_groups(model, weight_decay)
+    fused = not (precision == "fp16" and zero_stage in (2, 3))
+    if zero_stage == 1:
+        if offload != "none":
+            raise NotImplementedError(f"{offload} offload with ZeRO 1 {_NOT_YET}")
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        # overlap_with_ddp stays False: gloo refuses it (DESIGN.md facts).
+        return ZeroRedundancyOptimizer(
+            groups, optimizer_class=torch.optim.AdamW, process_group=dp_mesh.get_group(), lr=lr, fused=fused
+        )
+    return torch.optim.AdamW(groups, lr=lr, fused=fused)

@@ -1,0 +1,117 @@
+"""Read plan.json and refuse a run it was not made for, before any collective (DESIGN.md decision 1).
+
+Every rank runs the same check on the same inputs, so a mismatch stops all ranks with the same
+message instead of hanging one of them in a collective.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from zplan.errors import PlanMismatchError
+from zplan.schemas.plan import PLAN_SCHEMA_VERSION, Plan
+
+
+def load_plan(path: str | Path) -> Plan:
+    """The Plan in a plan.json file; PlanMismatchError when it is missing or not a valid plan."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise PlanMismatchError(
+            f"cannot read the plan {path}: {exc.strerror}. train.py expects plan.json beside it, as "
+            "`zplan compile` writes them."
+        ) from exc
+    try:
+        return Plan.model_validate_json(text)
+    except ValidationError as exc:
+        raise PlanMismatchError(
+            f"{path} is not a plan this zplan can read (it reads plan schema version "
+            f"{PLAN_SCHEMA_VERSION}): {exc.error_count()} validation error(s), first: "
+            f"{exc.errors()[0]['msg']} at {'.'.join(str(p) for p in exc.errors()[0]['loc'])}. "
+            "Recompile the model with this zplan."
+        ) from exc
+
+
+def model_file_sha256(path: str | Path) -> str:
+    """SHA-256 (hex) of the model file's bytes, as the plan's fingerprint records it."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _has(module_name: str, attribute: str) -> bool:
+    try:
+        return hasattr(importlib.import_module(module_name), attribute)
+    except ImportError:
+        return False
+
+
+def missing_torch_features(plan: Plan) -> list[str]:
+    """torch.distributed APIs the plan needs that this torch lacks (DESIGN.md decision 4)."""
+    p = plan.parallel
+    needed = [("torch.distributed.device_mesh", "init_device_mesh")]
+    if p.zero_stage == 1:
+        needed.append(("torch.distributed.optim", "ZeroRedundancyOptimizer"))
+    if p.zero_stage in (2, 3):
+        needed += [("torch.distributed.fsdp", "fully_shard"),
+                   ("torch.distributed.fsdp", "MixedPrecisionPolicy")]
+        if p.offload == "cpu":
+            needed.append(("torch.distributed.fsdp", "CPUOffloadPolicy"))
+    if p.tp > 1:
+        needed.append(("torch.distributed.tensor.parallel", "parallelize_module"))
+    if p.pp > 1:
+        needed.append(("torch.distributed.pipelining", "pipeline"))
+    if p.recompute == "selective":
+        needed.append(("torch.utils.checkpoint", "create_selective_checkpoint_contexts"))
+    return [f"{module}.{attr}" for module, attr in needed if not _has(module, attr)]
+
+
+def check_plan(plan: Plan, model_path: str | Path | None, world_size: int) -> None:
+    """Raise PlanMismatchError naming every way this run differs from what the plan was made for.
+
+    Checks: the model is a file (family specs cannot be built), the model file's SHA-256 against the
+    fingerprint, the world size against the fingerprint and tp * pp * dp, and the torch features the
+    plan needs. Touches no process group.
+    """
+    fp = plan.fingerprint
+    if plan.model.source == "family":
+        raise PlanMismatchError(
+            f"this plan was made for the family spec '{fp.model_ref}', which has no model code to run: "
+            "family specs are for planning only. Compile a model file instead, e.g. "
+            "`zplan compile model.py --gpus N`, and run the train.py it writes."
+        )
+    problems: list[str] = []
+    if model_path is None:
+        problems.append(f"no model file given; the plan was made for {fp.model_ref} (pass --model PATH)")
+    elif not Path(model_path).is_file():
+        problems.append(f"model file {model_path} does not exist (the plan was made for {fp.model_ref})")
+    elif model_file_sha256(model_path) != fp.model_sha256:
+        problems.append(
+            f"model file edited since the plan was made: recompile (sha256 of {model_path} is "
+            f"{model_file_sha256(model_path)[:12]}..., the plan's fingerprint says {fp.model_sha256[:12]}...)"
+        )
+    if world_size != fp.world_size:
+        problems.append(
+            f"world size: this run has {world_size} process(es), the plan was made for {fp.world_size}; "
+            f"launch with launch/torchrun.sh or recompile with --gpus {world_size}"
+        )
+    p = plan.parallel
+    if p.tp * p.pp * p.dp != fp.world_size:
+        problems.append(
+            f"the plan is inconsistent: tp*pp*dp = {p.tp * p.pp * p.dp} != its world size {fp.world_size}"
+        )
+    missing = missing_torch_features(plan)
+    if missing:
+        import torch
+
+        problems.append(
+            f"torch {torch.__version__} lacks {', '.join(missing)}, which the plan needs "
+            f"(ZeRO {p.zero_stage}, tp={p.tp}, pp={p.pp}, recompute={p.recompute}); install a newer torch"
+        )
+    if len(problems) == 1:
+        raise PlanMismatchError(f"plan does not match this run: {problems[0]}.")
+    if problems:
+        raise PlanMismatchError("plan does not match this run:\n" + "\n".join(f"  - {p}" for p in problems))

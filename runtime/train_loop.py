@@ -1,0 +1,235 @@
+"""The training loop of the emitted script: gradient accumulation, clipping, LR schedule, logging.
+
+One optimizer step = `num_micro_batches` forward/backward passes of `micro_batch` sequences on every
+data-parallel rank; the loss of each micro-batch is divided by num_micro_batches, and DDP / FSDP2
+average gradients over ranks, so the gradient is the mean over the global batch, as in one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from zplan.runtime.distributed import RunContext
+
+
+@dataclass(frozen=True)
+class WarmupCosine:
+    """Learning rate at optimizer step `step` (0-based): linear warmup, cosine to min_lr_ratio * max_lr."""
+
+    max_lr: float
+    warmup_steps: int
+    total_steps: int
+    min_lr_ratio: float = 0.1
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return self.max_lr * (step + 1) / self.warmup_steps
+        decay_steps = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / decay_steps)
+        min_lr = self.min_lr_ratio * self.max_lr
+        return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (self.max_lr - min_lr)
+
+
+def forward_batch(model: nn.Module, batch):
+    """model(batch) for a tensor, model(*batch) for a tuple/list, model(**batch) for a dict."""
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def _to_device(batch, device: torch.device):
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_to_device(v, device) for v in batch)
+    return batch
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
+
+
+def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this rank holds of parameters, gradients and optimizer states (its shards only)."""
+    params = list({id(p): p for p in model.parameters()}.values())
+    local_optimizer = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: this rank's shard
+    states = [v for s in local_optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return {
+        "parameters": sum(_local_bytes(p) for p in params),
+        "gradients": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": sum(_local_bytes(v) for v in states),
+    }
+
+
+def _loss_scaler(model: nn.Module, precision: str, device: torch.device):
+    """fp16 needs loss scaling (Micikevicius et al. 2018); bf16 and fp32 do not."""
+    if precision != "fp16":
+        return None
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):  # sharded gradients: the inf check is all-reduced over ranks
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device=device.type)
+    return torch.amp.GradScaler(device.type)
+
+
+def _grad_sync(model: nn.Module, last_micro_batch: bool):
+    """DDP all-reduces only after the last micro-batch; FSDP2 reduce-scatters each one (ZeRO keeps
+    gradients sharded, so accumulating them unsharded would defeat it)."""
+    if isinstance(model, DistributedDataParallel) and not last_micro_batch:
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def _mfu(model_flops_per_step: float, step_time_s: float, world_size: int, peak_flops: float) -> float:
+    """Model FLOPs utilisation (PaLM, Appendix B): achieved model FLOP/s over the peak of all devices."""
+    return model_flops_per_step / (step_time_s * world_size * peak_flops) if peak_flops > 0 else 0.0
+
+
+def _progress(ctx: RunContext):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    return Progress(
+        TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
+        TimeRemainingColumn(), disable=not ctx.is_main,
+    )
+
+
+def train(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data_iter: Iterator,
+    loss_fn: Callable,
+    *,
+    steps: int,
+    num_micro_batches: int,
+    micro_batch: int,
+    seq_len: int,
+    data_parallel_size: int,
+    grad_clip: float,
+    lr_schedule: Callable[[int], float],
+    log_json: str | Path | None,
+    ctx: RunContext,
+    predicted_step_time_s: float,
+    predicted_mfu: float,
+    model_flops_per_step: float,
+    peak_flops: float,
+    precision: str = "fp32",
+    predicted_model_state_bytes: float | None = None,
+) -> list[float]:
+    """Run `steps` optimizer steps; return the loss of each (mean over the global batch, every rank).
+
+    Rank 0 shows a progress bar, writes one JSON line per step to `log_json` (step, loss, lr,
+    grad_norm, tokens_per_s, step_time_s, mfu, predicted_mfu, predicted_step_time_s, model_state_bytes,
+    predicted_model_state_bytes) and prints measured against predicted at the end.
+    MFU = model_flops_per_step / (step_time_s * world_size * peak_flops)  (PaLM, Appendix B).
+    """
+    tokens_per_step = micro_batch * num_micro_batches * data_parallel_size * seq_len
+    scaler = _loss_scaler(model, precision, ctx.device)
+    log_file = open(log_json, "w") if (log_json and ctx.is_main) else None  # noqa: SIM115
+    losses: list[float] = []
+    step_times_s: list[float] = []
+    state_bytes: dict[str, int] = {}
+    model.train()
+    try:
+        with _progress(ctx) as progress:
+            task = progress.add_task("train", total=steps, status="")
+            for step in range(steps):
+                start = time.perf_counter()
+                lr = lr_schedule(step)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                loss_sum = torch.zeros((), device=ctx.device)  # sum of micro-batch losses / num_micro_batches
+                for micro in range(num_micro_batches):
+                    batch = _to_device(next(data_iter), ctx.device)
+                    with _grad_sync(model, last_micro_batch=micro == num_micro_batches - 1):
+                        loss = loss_fn(forward_batch(model, batch), batch) / num_micro_batches
+                        (scaler.scale(loss) if scaler else loss).backward()
+                    loss_sum += loss.detach().float()
+                if scaler:
+                    scaler.unscale_(optimizer)
+                grad_norm = torch.nn.utils.clip_grad_norm_(
+                    model.parameters(), grad_clip if grad_clip > 0 else math.inf
+                )
+                if isinstance(grad_norm, DTensor):
+                    grad_norm = grad_norm.full_tensor()
+                if scaler:
+                    scaler.step(optimizer)
+                    scaler.update()
+                else:
+                    optimizer.step()
+                if step == 0:
+                    state_bytes = model_state_bytes(model, optimizer)
+                optimizer.zero_grad(set_to_none=True)
+                dist.all_reduce(loss_sum)  # gloo has no AVG: sum, then divide
+                loss_value = loss_sum.item() / ctx.world_size
+                step_time_s = time.perf_counter() - start
+                losses.append(loss_value)
+                step_times_s.append(step_time_s)
+                mfu = _mfu(model_flops_per_step, step_time_s, ctx.world_size, peak_flops)
+                record = {
+                    "step": step + 1,
+                    "loss": loss_value,
+                    "lr": lr,
+                    "grad_norm": float(grad_norm),
+                    "tokens_per_s": tokens_per_step / step_time_s,
+                    "step_time_s": step_time_s,
+                    "mfu": mfu,
+                    "predicted_mfu": predicted_mfu,
+                    "predicted_step_time_s": predicted_step_time_s,
+                    "model_state_bytes": sum(state_bytes.values()),
+                    "predicted_model_state_bytes": predicted_model_state_bytes,
+                }
+                if log_file:
+                    log_file.write(json.dumps(record) + "\n")
+                    log_file.flush()
+                progress.update(
+                    task, advance=1,
+                    status=f"loss {loss_value:.4f}  {record['tokens_per_s']:,.0f} tok/s  mfu {mfu:.1%}",
+                )
+    finally:
+        if log_file:
+            log_file.close()
+    if ctx.is_main:
+        _print_summary(losses, step_times_s, state_bytes, model_flops_per_step, peak_flops, ctx,
+                       predicted_step_time_s, predicted_mfu, predicted_model_state_bytes)
+    return losses
+
+
+def _print_summary(losses, step_times_s, state_bytes, model_flops_per_step, peak_flops, ctx,
+                   predicted_step_time_s, predicted_mfu, predicted_model_state_bytes) -> None:
+    if not losses:
+        return
+    # The first step includes one-off work (allocations, FSDP lazy init): leave it out when we can.
+    step_time_s = statistics.median(step_times_s[1:] or step_times_s)
+    mfu = _mfu(model_flops_per_step, step_time_s, ctx.world_size, peak_flops)
+    mib = 2**20
+    predicted_states = (
+        f" (predicted {predicted_model_state_bytes / mib:.1f} MiB)" if predicted_model_state_bytes else ""
+    )
+    print(
+        f"trained {len(losses)} steps: loss {losses[0]:.4f} -> {losses[-1]:.4f}\n"
+        f"measured vs predicted: step time {step_time_s:.4f} s vs {predicted_step_time_s:.4f} s, "
+        f"MFU {mfu:.2%} vs {predicted_mfu:.2%}, "
+        f"model states {sum(state_bytes.values()) / mib:.1f} MiB per rank{predicted_states}",
+        flush=True,
+    )

@@ -1,0 +1,27 @@
+"""Write the trained weights as one consolidated file, whatever the plan sharded or wrapped.
+
+Stop-gap for comparing a run with a single process and for small models: every shard is gathered to
+rank 0 (torch.distributed.checkpoint.state_dict with full_state_dict), so the whole model passes
+through rank 0's host memory. Resharding checkpoints (torch.distributed.checkpoint) and `zplan export`
+land with the runtime issue (#3).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from zplan.runtime.distributed import RunContext
+
+
+def save_full_weights(model: nn.Module, path: str | Path, ctx: RunContext) -> None:
+    """torch.save {parameter name: full CPU tensor} on rank 0; names as the model file defines them
+    (no DDP 'module.' prefix). Every rank must call it: gathering the shards is a collective."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(model, options=options)
+    if ctx.is_main:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state, path)

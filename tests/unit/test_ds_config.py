@@ -1,0 +1,99 @@
+"""ds_config.json against DeepSpeed's own parser, at the plan's data-parallel size."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.plan_samples import sample_plan
+from zplan.codegen.ds_config import DEFAULT_NVME_PATH, deepspeed_config, deepspeed_config_notes
+from zplan.codegen.render import render_outputs
+
+deepspeed_runtime_config = pytest.importorskip("deepspeed.runtime.config")
+
+GPT_DP4 = {"pp": 2, "dp": 4, "micro_batch": 2, "num_micro_batches": 32, "interleave": 1, "schedule": "1f1b"}
+PLANS = {
+    "gpt3-175b tp8 pp8 dp1": lambda: sample_plan("gpt3-175b"),
+    "gpt3-175b tp8 pp2 dp4 fp16": lambda: sample_plan(
+        "gpt3-175b", parallel=GPT_DP4, train={"precision": "fp16"}),
+    "tiny dp2": lambda: sample_plan("tiny-dp"),
+    "tiny dp2 zero2 cpu offload": lambda: sample_plan(
+        "tiny-dp", parallel={"zero_stage": 2, "offload": "cpu"},
+        placement={"optimizer": "cpu", "gradients": "cpu"}),
+    "tiny dp2 zero3 nvme offload": lambda: sample_plan(
+        "tiny-dp", parallel={"zero_stage": 3, "offload": "nvme", "recompute": "full"},
+        placement={"parameters": "nvme", "gradients": "cpu", "optimizer": "nvme"},
+        train={"precision": "bf16"}),
+}
+
+
+class DataParallelOnly:
+    """The part of Megatron's mpu interface DeepSpeedConfig reads: the data-parallel world size."""
+
+    def __init__(self, dp: int):
+        self.dp = dp
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp
+
+
+@pytest.fixture
+def single_process(monkeypatch):
+    """DeepSpeedConfig asks deepspeed.comm for the rank first and, without a process group, falls back to a
+    world size of 1 whatever the mpu says; pretend to be rank 0 so the mpu's size is used."""
+    monkeypatch.setattr(deepspeed_runtime_config.dist, "get_rank", lambda *args, **kwargs: 0)
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_deepspeed_parser_accepts_config_at_plan_dp(name, single_process):
+    plan = PLANS[name]()
+    mpu = DataParallelOnly(plan.parallel.dp)
+    parsed = deepspeed_runtime_config.DeepSpeedConfig(deepspeed_config(plan), mpu=mpu)
+
+    assert parsed.world_size == plan.parallel.dp
+    assert parsed.train_batch_size == plan.train.global_batch
+    assert parsed.train_micro_batch_size_per_gpu == plan.parallel.micro_batch
+    assert parsed.gradient_accumulation_steps == plan.parallel.num_micro_batches
+    assert parsed.zero_optimization_stage == plan.parallel.zero_stage
+    assert parsed.bfloat16_config.enabled == (plan.train.precision == "bf16")
+    assert parsed.float16_config.enabled == (plan.train.precision == "fp16")
+    assert parsed.optimizer_name == "adamw"
+    assert parsed.gradient_clipping == 1.0
+
+
+def test_offload_devices_reach_deepspeed(single_process):
+    plan = PLANS["tiny dp2 zero3 nvme offload"]()
+    parsed = deepspeed_runtime_config.DeepSpeedConfig(deepspeed_config(plan), mpu=DataParallelOnly(2))
+    zero = parsed.zero_config
+    assert zero.offload_optimizer.device == "nvme"
+    assert zero.offload_param.device == "nvme"
+    assert str(zero.offload_param.nvme_path) == DEFAULT_NVME_PATH
+
+    cpu = deepspeed_config(PLANS["tiny dp2 zero2 cpu offload"]())["zero_optimization"]
+    assert cpu["offload_optimizer"]["device"] == "cpu"
+    assert "offload_param" not in cpu  # parameters offload only exists for ZeRO-3
+
+
+def test_parser_rejects_config_at_another_dp(single_process):
+    """The check the test above relies on: the batch fields must match the data-parallel size."""
+    plan = sample_plan("tiny-dp")
+    with pytest.raises(AssertionError, match="train_batch_size"):
+        deepspeed_runtime_config.DeepSpeedConfig(
+            deepspeed_config(plan), mpu=DataParallelOnly(plan.parallel.dp + 1))
+
+
+def test_written_file_is_the_config_with_sorted_keys(tmp_path):
+    plan = sample_plan("gpt3-175b")
+    render_outputs(plan, tmp_path, None)
+    text = (tmp_path / "ds_config.json").read_text()
+    assert json.loads(text) == deepspeed_config(plan)
+    assert text == json.dumps(deepspeed_config(plan), indent=2, sort_keys=True) + "\n"
+
+
+def test_notes_name_what_deepspeed_cannot_express():
+    notes = " ".join(deepspeed_config_notes(sample_plan("gpt3-175b")))
+    assert "PipelineModule(num_stages=8)" in notes
+    assert "interleaved" in notes
+    assert "AutoTP" in notes
+    assert not any("Pipeline" in note for note in deepspeed_config_notes(sample_plan("tiny-dp")))

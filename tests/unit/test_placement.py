@@ -1,0 +1,219 @@
+"""Model-state placement (GPU / CPU / NVMe) checked against brute force and hand computations."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from zplan.planner.placement import (
+    _solve,
+    enumerate_legal_placements,
+    place_model_states,
+    transfer_times,
+)
+
+GB = 1e9
+BANDWIDTHS = dict(host_device_bytes_per_s=25 * GB, nvme_bytes_per_s=3 * GB, cpu_memory_bytes_per_s=40 * GB)
+TIERS = ("gpu", "cpu", "nvme")
+
+
+def legal_by_hand(params, grads, optimizer, zero_stage, offload):
+    """The rules, written out independently of the module (DeepSpeed's ZeRO-Offload / ZeRO-Infinity)."""
+    pinned = {"none": {"gpu"}, "cpu": {"gpu", "cpu"}, "nvme": {"gpu", "cpu", "nvme"}}[offload]
+    if not {params, grads, optimizer} <= pinned:
+        return False
+    if params != "gpu" and zero_stage < 3:
+        return False
+    if grads != "gpu" and (zero_stage < 2 or grads == "nvme" or optimizer == "gpu"):
+        return False
+    if optimizer == "cpu" and zero_stage < 1:
+        return False
+    return not (optimizer == "nvme" and zero_stage < 3)
+
+
+def brute_force(sizes, capacity, zero_stage, offload, micro_batches, bandwidths=BANDWIDTHS):
+    """(least time, its tiers) over legal placements that fit, or (None, least total overflow)."""
+    best_time, best_tiers, least_overflow = np.inf, None, np.inf
+    for tiers in itertools.product(TIERS, repeat=3):
+        if not legal_by_hand(*tiers, zero_stage, offload):
+            continue
+        used = {t: sum(b for b, tier in zip(sizes, tiers, strict=True) if tier == t) for t in TIERS}
+        overflow = sum(max(0.0, used[t] - capacity[t]) for t in TIERS)
+        least_overflow = min(least_overflow, overflow)
+        if overflow == 0:
+            time_s = transfer_times(*tiers, param_bytes=sizes[0], grad_bytes=sizes[1],
+                                    optimizer_bytes=sizes[2], micro_batches_per_step=micro_batches,
+                                    **bandwidths).total_s
+            if time_s < best_time:
+                best_time, best_tiers = time_s, tiers
+    return (best_time, best_tiers) if best_tiers else (None, least_overflow)
+
+
+def place(sizes, capacity, zero_stage, offload, micro_batches=1, bandwidths=BANDWIDTHS):
+    return place_model_states(
+        param_bytes=sizes[0], grad_bytes=sizes[1], optimizer_bytes=sizes[2],
+        gpu_free_bytes=capacity["gpu"], cpu_free_bytes=capacity["cpu"], nvme_free_bytes=capacity["nvme"],
+        zero_stage=zero_stage, offload=offload, micro_batches_per_step=micro_batches, **bandwidths)
+
+
+def test_cp_sat_agrees_with_brute_force_on_random_instances():
+    rng = np.random.default_rng(0)
+    checked = infeasible = 0
+    distinct_choices = set()
+    for _ in range(150):
+        params = rng.uniform(1, 10) * GB
+        sizes = (params, params * rng.uniform(0.5, 2), params * rng.uniform(3, 8))
+        capacity = {t: rng.uniform(0, 1.2) * sum(sizes) for t in TIERS}
+        zero_stage, offload = int(rng.integers(0, 4)), str(rng.choice(["none", "cpu", "nvme"]))
+        micro_batches = int(rng.integers(1, 5))
+        # Bandwidths over two orders of magnitude, so that every term of the objective can decide.
+        bandwidths = {name: 10 ** rng.uniform(9, 11) for name in BANDWIDTHS}
+        expected_time, detail = brute_force(sizes, capacity, zero_stage, offload, micro_batches, bandwidths)
+        result = place(sizes, capacity, zero_stage, offload, micro_batches, bandwidths)
+        tiers = (result.param_tier, result.grad_tier, result.optimizer_tier)
+        assert legal_by_hand(*tiers, zero_stage, offload)
+        assert result.optimal
+        if expected_time is None:
+            infeasible += 1
+            assert not result.feasible
+            # The overflow diagnostic works at 1e-6 of all state bytes.
+            assert sum(result.overflow_bytes.values()) == pytest.approx(detail, rel=1e-6, abs=1e-5 * sum(sizes))
+        else:
+            checked += 1
+            distinct_choices.add(tiers)
+            assert result.feasible
+            assert result.total_transfer_s == pytest.approx(expected_time, rel=1e-6, abs=1e-12)
+            assert result.gpu_bytes <= capacity["gpu"] and result.cpu_bytes <= capacity["cpu"]
+            assert result.nvme_bytes <= capacity["nvme"]
+    assert checked > 30 and infeasible > 10 and len(distinct_choices) >= 6  # all branches exercised
+
+
+def test_cp_sat_agrees_with_brute_force_where_the_objective_decides():
+    # A GPU that holds some of the states, CPU memory that may or may not take the rest, ample NVMe:
+    # several placements fit and the transfer time decides between them.
+    rng = np.random.default_rng(1)
+    choices = set()
+    for _ in range(150):
+        params = rng.uniform(1, 10) * GB
+        sizes = (params, params * rng.uniform(0.5, 2), params * rng.uniform(1, 8))
+        capacity = {"gpu": rng.uniform(0.2, 1) * sum(sizes), "cpu": rng.uniform(0.1, 1.5) * sum(sizes),
+                    "nvme": 1e15}
+        zero_stage, micro_batches = int(rng.choice([1, 2, 3, 3, 3])), int(rng.integers(1, 9))
+        bandwidths = {name: 10 ** rng.uniform(9, 11) for name in BANDWIDTHS}
+        expected_time, expected_tiers = brute_force(sizes, capacity, zero_stage, "nvme", micro_batches,
+                                                    bandwidths)
+        if expected_time is None:
+            continue
+        result = place(sizes, capacity, zero_stage, "nvme", micro_batches, bandwidths)
+        assert result.total_transfer_s == pytest.approx(expected_time, rel=1e-6)
+        choices.add(expected_tiers)
+    assert len(choices) >= 8
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_cp_sat_objective_prices_every_placement_like_transfer_times(micro_batches):
+    # Force each legal placement in turn (one allowed tier per state): the CP-SAT objective's seconds
+    # must equal the float model's, term by term, or the solver optimises something else.
+    rng = np.random.default_rng(micro_batches)
+    sizes = {"params": 3 * GB, "grads": 5 * GB, "optimizer": 17 * GB}
+    bandwidths = {name: 10 ** rng.uniform(9, 11) for name in BANDWIDTHS}
+    plenty = {t: 1e15 for t in TIERS}
+    # the rank's update share of replicated states (e.g. 1/dp of them) differs from their size
+    updates = {"param_update_bytes": 1.5 * GB, "grad_update_bytes": 2 * GB}
+    for tiers in enumerate_legal_placements(3, "nvme"):
+        forced = {state: (tier,) for state, tier in tiers.items()}
+        found, proven, model_time_s = _solve(sizes, updates, plenty, forced, bandwidths, micro_batches, 5.0,
+                                             allow_overflow=False)
+        assert found == tiers and proven
+        expected = transfer_times(tiers["params"], tiers["grads"], tiers["optimizer"],
+                                  param_bytes=3 * GB, grad_bytes=5 * GB, optimizer_bytes=17 * GB,
+                                  micro_batches_per_step=micro_batches, **bandwidths, **updates)
+        assert model_time_s == pytest.approx(expected.total_s, rel=1e-6, abs=1e-9)
+
+
+def test_large_gradients_stay_on_the_gpu_and_parameters_go_instead():
+    # ZeRO-3, 4 micro-batches, GPU room for the 4 GB of gradients or the 1 GB of parameters, not both.
+    # Gradients on the CPU: 4 x 4 GB down + 1 GB up = 17 GB; parameters on the CPU: 8 fetches of 1 GB
+    # + 4 GB of gradients down once = 12 GB. The optimizer (12 GB) cannot stay on the GPU.
+    result = place((1 * GB, 4 * GB, 12 * GB), {"gpu": 4.5 * GB, "cpu": 100 * GB, "nvme": 0.0}, 3, "cpu",
+                   micro_batches=4)
+    assert (result.param_tier, result.grad_tier, result.optimizer_tier) == ("cpu", "gpu", "cpu")
+    assert result.transfer.host_device_bytes == 12 * GB
+
+
+def test_everything_fits_on_the_gpu_means_no_transfers():
+    result = place((2 * GB, 2 * GB, 12 * GB), {"gpu": 80 * GB, "cpu": 1e12, "nvme": 1e13}, 3, "nvme")
+    assert (result.param_tier, result.grad_tier, result.optimizer_tier) == ("gpu", "gpu", "gpu")
+    assert result.total_transfer_s == 0.0 and result.feasible
+
+
+def test_zero_offload_traffic_by_hand():
+    # ZeRO-Offload (Ren et al. 2021): 1B parameters on one GPU, optimizer and gradients on the CPU.
+    # Per step: 2 GB of fp16 gradients down, 2 GB of fp16 parameters up over PCIe; CPU Adam reads and
+    # writes 12 GB of fp32 states, reads 2 GB of gradients and writes 2 GB of parameters.
+    # A 3 GB GPU holds the parameters only, so the gradients go to the CPU as well.
+    result = place((2 * GB, 2 * GB, 12 * GB), {"gpu": 3 * GB, "cpu": 100 * GB, "nvme": 0.0}, 2, "cpu")
+    assert (result.param_tier, result.grad_tier, result.optimizer_tier) == ("gpu", "cpu", "cpu")
+    assert result.transfer.host_device_bytes == 4 * GB
+    assert result.transfer.host_device_s == pytest.approx(4 / 25)
+    assert result.transfer.cpu_optimizer_s == pytest.approx(28 / 40)
+    assert result.transfer.nvme_s == 0.0
+    assert (result.gpu_bytes, result.cpu_bytes) == (2 * GB, 14 * GB)
+
+
+def test_zero_infinity_nvme_traffic_by_hand():
+    # Everything on NVMe, 2 micro-batches: parameters read 4 times (2 forward + 2 backward) and written
+    # once; optimizer states read and written; PCIe carries the 4 fetches and the gradients twice.
+    tiny_gpu = {"gpu": 0.0, "cpu": 1.5 * GB, "nvme": 1e13}  # room on the CPU for the gradients only
+    result = place((1 * GB, 1 * GB, 6 * GB), tiny_gpu, 3, "nvme", micro_batches=2)
+    assert (result.param_tier, result.grad_tier, result.optimizer_tier) == ("nvme", "cpu", "nvme")
+    assert result.transfer.nvme_bytes == (4 + 1) * GB + 2 * 6 * GB
+    assert result.transfer.host_device_bytes == 4 * GB + 2 * GB
+
+
+def test_capacity_forces_offload_of_the_optimizer_first():
+    sizes = (2 * GB, 2 * GB, 12 * GB)
+    result = place(sizes, {"gpu": 10 * GB, "cpu": 100 * GB, "nvme": 0.0}, 2, "cpu")
+    assert result.feasible and result.optimizer_tier == "cpu" and result.param_tier == "gpu"
+    assert result.gpu_bytes <= 10 * GB
+    # Without CPU room the optimizer would have to go to NVMe, which needs ZeRO-3.
+    assert not place(sizes, {"gpu": 10 * GB, "cpu": 1 * GB, "nvme": 1e13}, 2, "nvme").feasible
+    nvme = place(sizes, {"gpu": 10 * GB, "cpu": 3 * GB, "nvme": 1e13}, 3, "nvme")
+    assert nvme.feasible and nvme.optimizer_tier == "nvme"
+
+
+def test_offload_none_never_leaves_the_gpu():
+    sizes = (2 * GB, 2 * GB, 12 * GB)
+    for zero_stage in range(4):
+        result = place(sizes, {"gpu": 1 * GB, "cpu": 1e12, "nvme": 1e13}, zero_stage, "none")
+        assert (result.param_tier, result.grad_tier, result.optimizer_tier) == ("gpu", "gpu", "gpu")
+        assert not result.feasible
+        assert result.overflow_bytes["gpu"] == pytest.approx(15 * GB)
+
+
+def test_below_zero_3_parameters_stay_on_the_gpu():
+    sizes = (2 * GB, 2 * GB, 12 * GB)
+    for zero_stage in range(3):
+        for gpu_free in (0.0, 3 * GB, 5 * GB, 16 * GB):
+            result = place(sizes, {"gpu": gpu_free, "cpu": 1e12, "nvme": 1e13}, zero_stage, "nvme")
+            assert result.param_tier == "gpu"
+            # What must stay on the GPU: everything (ZeRO-0), params + grads (ZeRO-1), params (ZeRO-2).
+            assert result.feasible == (gpu_free >= {0: 16, 1: 4, 2: 2}[zero_stage] * GB)
+            if zero_stage < 2:
+                assert result.grad_tier == "gpu"
+            assert result.optimizer_tier != "nvme"
+
+
+def test_enumerated_legal_placements_match_the_rules():
+    for zero_stage, offload in itertools.product(range(4), ("none", "cpu", "nvme")):
+        by_hand = {t for t in itertools.product(TIERS, repeat=3) if legal_by_hand(*t, zero_stage, offload)}
+        listed = {(p["params"], p["grads"], p["optimizer"])
+                  for p in enumerate_legal_placements(zero_stage, offload)}
+        assert listed == by_hand
+
+
+def test_bad_inputs_raise():
+    with pytest.raises(ValueError):
+        place((1.0, 1.0, 1.0), {"gpu": 1.0, "cpu": 1.0, "nvme": 1.0}, 4, "cpu")
+    with pytest.raises(ValueError):
+        place((1.0, 1.0, 1.0), {"gpu": 1.0, "cpu": 1.0, "nvme": 1.0}, 2, "disk")

@@ -1,0 +1,142 @@
+"""The runtime refuses a run its plan was not made for, with one message that names the difference."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed.fsdp
+
+from zplan.codegen.script import render_script_files
+from zplan.errors import PlanMismatchError
+from zplan.planner.cpu_local import CPU_LOCAL
+from zplan.runtime.plan_check import check_plan, load_plan
+from zplan.schemas import (
+    Fingerprint,
+    LayerCost,
+    MemoryBreakdown,
+    ModelSummary,
+    ParallelConfig,
+    Pins,
+    Placement,
+    Plan,
+    Prediction,
+    Stage,
+    TimeBreakdown,
+    TrainSpec,
+)
+
+MODEL_SOURCE = "import torch\n\ndef build_model():\n    return torch.nn.Linear(4, 4)\n"
+
+
+def make_plan(model_ref: str, sha256: str, *, world_size: int = 2, zero_stage: int = 0,
+              source: str = "file") -> Plan:
+    """A minimal data-parallel plan; only the fields the check reads matter."""
+    return Plan(
+        zplan_version="test",
+        fingerprint=Fingerprint(model_ref=model_ref, model_sha256=sha256, cluster=CPU_LOCAL.name,
+                                world_size=world_size),
+        model=ModelSummary(name="m", source=source, tracer="hand", num_blocks=1, hidden=4, heads=1, kv_heads=1,
+                           ffn_hidden=4, vocab=4, seq_len=4, params=20, block_prefix="blocks", tp_rules=[],
+                           layers=[LayerCost(name="blocks.0", kind="block", params=20, fwd_flops=0.0,
+                                             act_bytes=0.0)]),
+        cluster=CPU_LOCAL,
+        train=TrainSpec(global_batch=2 * world_size, seq_len=4, precision="fp32"),
+        pins=Pins(),
+        parallel=ParallelConfig(tp=1, pp=1, dp=world_size, micro_batch=2, num_micro_batches=1,
+                                zero_stage=zero_stage, recompute="none", sequence_parallel=False, interleave=1,
+                                schedule="none", offload="none"),
+        stages=[Stage(index=0, first_layer=0, last_layer=0, layer_names=["blocks.0"], fwd_flops_per_sample=0.0,
+                      params=20)],
+        placement=Placement(parameters="gpu", gradients="gpu", optimizer="gpu"),
+        prediction=Prediction(step_time_s=1.0, tokens_per_s=1.0, mfu=0.1, model_flops_per_step=1.0,
+                              memory=MemoryBreakdown(**{f: 0.0 for f in MemoryBreakdown.model_fields}),
+                              time=TimeBreakdown(**{f: 0.0 for f in TimeBreakdown.model_fields}), feasible=True),
+        candidates_evaluated=1, alternatives=[], rejected=[], assumptions=[],
+    )
+
+
+@pytest.fixture
+def model_file(tmp_path) -> Path:
+    path = tmp_path / "model.py"
+    path.write_text(MODEL_SOURCE)
+    return path
+
+
+def plan_for(model_file: Path, **kwargs) -> Plan:
+    return make_plan(str(model_file), hashlib.sha256(model_file.read_bytes()).hexdigest(), **kwargs)
+
+
+def test_matching_run_passes(model_file):
+    check_plan(plan_for(model_file), model_file, world_size=2)
+
+
+def test_wrong_world_size_names_both_sizes(model_file):
+    with pytest.raises(PlanMismatchError, match=r"world size: this run has 3 process\(es\), the plan was made "
+                                                r"for 2; .* --gpus 3"):
+        check_plan(plan_for(model_file), model_file, world_size=3)
+
+
+def test_edited_model_file_asks_to_recompile(model_file):
+    plan = plan_for(model_file)
+    model_file.write_text(MODEL_SOURCE + "# edited\n")
+    with pytest.raises(PlanMismatchError, match="model file edited since the plan was made: recompile"):
+        check_plan(plan, model_file, world_size=2)
+
+
+def test_every_difference_is_listed(model_file):
+    plan = plan_for(model_file)
+    model_file.write_text(MODEL_SOURCE + "# edited\n")
+    with pytest.raises(PlanMismatchError) as error:
+        check_plan(plan, model_file, world_size=4)
+    assert "model file edited" in str(error.value) and "world size" in str(error.value)
+
+
+def test_family_plan_cannot_run(model_file):
+    spec = "gpt:layers=2,hidden=64,heads=4,seq=64,vocab=256"
+    plan = make_plan(spec, hashlib.sha256(spec.encode()).hexdigest(), source="family")
+    with pytest.raises(PlanMismatchError, match="family specs are for planning only"):
+        check_plan(plan, None, world_size=2)
+
+
+def test_missing_torch_feature_is_named(model_file, monkeypatch):
+    monkeypatch.delattr(torch.distributed.fsdp, "fully_shard")
+    with pytest.raises(PlanMismatchError, match=r"lacks torch\.distributed\.fsdp\.fully_shard.*ZeRO 3"):
+        check_plan(plan_for(model_file, zero_stage=3), model_file, world_size=2)
+
+
+def test_load_plan_round_trip_and_errors(model_file, tmp_path):
+    plan = plan_for(model_file)
+    (tmp_path / "plan.json").write_text(plan.model_dump_json())
+    assert load_plan(tmp_path / "plan.json") == plan
+    with pytest.raises(PlanMismatchError, match="cannot read the plan"):
+        load_plan(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text('{"schema_version": 1}')
+    with pytest.raises(PlanMismatchError, match="not a plan this zplan can read"):
+        load_plan(tmp_path / "bad.json")
+
+
+def _run_emitted_script(plan: Plan, out_dir: Path, model_path: str | None) -> subprocess.CompletedProcess:
+    out_dir.mkdir()
+    (out_dir / "plan.json").write_text(plan.model_dump_json())
+    render_script_files(plan, out_dir, model_path)
+    return subprocess.run([sys.executable, str(out_dir / "train.py"), "--steps", "1"], capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.slow
+def test_emitted_script_exits_2_with_the_message(model_file, tmp_path):
+    """A plan for 2 processes started as one plain process, and a family plan: status 2, no traceback."""
+    result = _run_emitted_script(plan_for(model_file), tmp_path / "out", str(model_file))
+    assert result.returncode == 2, result.stderr
+    assert "zplan: error: plan does not match this run: world size: this run has 1" in result.stderr
+    assert "Traceback" not in result.stderr
+
+    spec = "gpt:layers=2,hidden=64,heads=4,seq=64,vocab=256"
+    family = make_plan(spec, hashlib.sha256(spec.encode()).hexdigest(), world_size=1, source="family")
+    result = _run_emitted_script(family, tmp_path / "family", None)
+    assert result.returncode == 2, result.stderr
+    assert "family specs are for planning only" in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,143 @@
+"""render_outputs: the files, their determinism, plan.json round trip, report.html as Chromium draws it."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from tests.plan_samples import sample_plan
+from zplan.codegen import render
+from zplan.schemas.plan import Plan
+
+CHROMIUM = Path("/usr/bin/chromium")
+REPORT_FILES = {"plan.json", "report.md", "report.html", "ds_config.json"}
+CHART_IDS = ("chart-memory", "chart-time", "chart-pipeline", "chart-pareto")
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    files = sorted(path for path in root.rglob("*") if path.is_file())
+    return {str(path.relative_to(root)): path.read_bytes() for path in files}
+
+
+@pytest.mark.parametrize("name", ["gpt3-175b", "tiny-dp"])
+def test_same_plan_renders_byte_identical_files(name, tmp_path):
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    second.mkdir()
+    written = render.render_outputs(sample_plan(name), first, "model.py")
+    render.render_outputs(sample_plan(name), second, "model.py")
+
+    assert REPORT_FILES <= {path.name for path in written}
+    assert all(path.is_file() and path.parent.is_relative_to(first) for path in written)
+    assert _tree(first) == _tree(second)
+
+
+def test_output_does_not_depend_on_the_hash_seed(tmp_path):
+    """Set or dict iteration that leaked into a file would differ between interpreters."""
+    render.render_outputs(sample_plan("gpt3-175b"), tmp_path, "model.py")
+    other = tmp_path / "other"
+    other.mkdir()
+    program = ("import sys; from pathlib import Path; from tests.plan_samples import sample_plan; "
+               "from zplan.codegen.render import render_outputs; "
+               "render_outputs(sample_plan('gpt3-175b'), Path(sys.argv[1]), 'model.py')")
+    subprocess.run([sys.executable, "-c", program, str(other)], check=True, timeout=60,
+                   cwd=Path(__file__).resolve().parents[2], env={**os.environ, "PYTHONHASHSEED": "12345"})
+    assert _tree(other) == {name: data for name, data in _tree(tmp_path).items() if not name.startswith("other")}
+
+
+def test_plan_json_round_trips(tmp_path):
+    plan = sample_plan("gpt3-175b")
+    render.render_outputs(plan, tmp_path, None)
+    text = (tmp_path / "plan.json").read_text()
+    assert text.endswith("}\n")
+    assert Plan.model_validate_json(text) == plan
+
+
+def test_missing_script_module_is_skipped_but_its_errors_are_not(tmp_path, monkeypatch):
+    def missing(name):
+        raise ModuleNotFoundError(f"No module named '{name}'", name=name)
+
+    monkeypatch.setattr(render.importlib, "import_module", missing)
+    written = render.render_outputs(sample_plan("tiny-dp"), tmp_path, None)
+    assert {path.name for path in written} == REPORT_FILES
+
+    def broken(name):
+        raise ModuleNotFoundError("No module named 'not_installed'", name="not_installed")
+
+    monkeypatch.setattr(render.importlib, "import_module", broken)
+    with pytest.raises(ModuleNotFoundError, match="not_installed"):
+        render.render_outputs(sample_plan("tiny-dp"), tmp_path, None)
+
+
+def test_html_is_self_contained():
+    html = render.render_reports(sample_plan("gpt3-175b"))["report.html"]
+    assert not re.search(r"""(src|href)\s*=|@import|url\(|<link|<script""", html, re.IGNORECASE)
+    assert set(re.findall(r"https?://[^\s\"'<>]+", html)) == {"http://www.w3.org/2000/svg"}
+    for chart_id in CHART_IDS:
+        assert html.count(f'id="{chart_id}"') == 1
+
+
+def test_plan_text_is_escaped_in_html():
+    plan = sample_plan("tiny-dp", assumptions=[{"name": "<b>bold</b>", "value": "a & b", "source": "s"}])
+    html = render.render_reports(plan)["report.html"]
+    assert "&lt;b&gt;bold&lt;/b&gt;" in html and "a &amp; b" in html
+    assert "<b>bold</b>" not in html
+
+
+class _MarksPerChart(HTMLParser):
+    """Counts the drawn elements inside each <svg id=...> of a DOM dump."""
+
+    def __init__(self):
+        super().__init__()
+        self.current: str | None = None
+        self.marks: dict[str, Counter] = {}
+        self.titles: Counter = Counter()
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "svg":
+            self.current = dict(attrs).get("id")
+            self.marks[self.current] = Counter()
+        elif self.current is not None:
+            self.marks[self.current][tag] += 1
+
+    def handle_endtag(self, tag):
+        if tag == "svg":
+            self.current = None
+
+
+def _chromium(*args: str, user_data_dir: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         f"--user-data-dir={user_data_dir}", *args],
+        capture_output=True, text=True, timeout=60, check=True,
+    )
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's chromium is not installed")
+def test_charts_are_drawn_in_headless_chromium(tmp_path):
+    plan = sample_plan("gpt3-175b")
+    out = tmp_path / "out"
+    out.mkdir()
+    render.render_outputs(plan, out, None)
+    dom = _chromium("--dump-dom", (out / "report.html").as_uri(), user_data_dir=tmp_path / "profile").stdout
+
+    parser = _MarksPerChart()
+    parser.feed(dom)
+    marks = parser.marks
+    assert set(CHART_IDS) <= set(marks)
+    assert marks["chart-memory"]["rect"] >= 1 + 6  # free-memory track + one segment per part
+    assert marks["chart-time"]["rect"] >= 7 + 2 * 7  # stacked bar + track and bar per part
+    parallel = plan.parallel
+    drawn_slots = 2 * parallel.pp * parallel.interleave * 16  # forward + backward, capped at 16 micro-batches
+    assert marks["chart-pipeline"]["rect"] >= parallel.pp + drawn_slots
+    assert marks["chart-pareto"]["circle"] >= 1 + len(plan.alternatives)
+    assert marks["chart-pareto"]["path"] == 1  # the Pareto front
+    assert all(marks[chart_id]["title"] > 0 for chart_id in CHART_IDS)

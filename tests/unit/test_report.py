@@ -1,0 +1,147 @@
+"""Report content: what report.md says, the chart data, the pipeline timeline against the bubble formula."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.plan_samples import sample_plan
+from zplan.codegen.context import (
+    MEMORY_PARTS,
+    TIME_PARTS,
+    format_bytes,
+    format_percent,
+    format_rate,
+    format_seconds,
+)
+from zplan.codegen.render import markdown_cell, render_reports
+from zplan.codegen.report import (
+    BACKWARD_UNITS,
+    FORWARD_UNITS,
+    _pareto_front,
+    pareto_chart,
+    pipeline_timeline,
+    timeline_as_text,
+)
+from zplan.schemas.plan import MemoryBreakdown, ParallelConfig, TimeBreakdown
+
+
+def _parallel(pp: int, interleave: int, micro_batches: int) -> ParallelConfig:
+    return ParallelConfig(
+        tp=1, pp=pp, dp=1, micro_batch=1, num_micro_batches=micro_batches, zero_stage=0, recompute="none",
+        sequence_parallel=False, interleave=interleave, offload="none",
+        schedule="none" if pp == 1 else ("interleaved-1f1b" if interleave > 1 else "1f1b"),
+    )
+
+
+@pytest.mark.parametrize("name", ["gpt3-175b", "tiny-dp"])
+def test_markdown_states_the_plan_and_every_assumption(name):
+    plan = sample_plan(name)
+    markdown = render_reports(plan)["report.md"]
+    parallel = plan.parallel
+    assert f"| Tensor parallel (tp) | {parallel.tp} " in markdown
+    assert f"| Pipeline parallel (pp) | {parallel.pp}," in markdown
+    assert f"| Data parallel (dp) | {parallel.dp} |" in markdown
+    assert f"| ZeRO stage | {parallel.zero_stage} |" in markdown
+    mesh = f"dp {parallel.dp} x pp {parallel.pp} x tp {parallel.tp} = {plan.fingerprint.world_size} GPUs"
+    assert mesh in markdown
+    for assumption in plan.assumptions:
+        assert f"| {assumption.name} | {assumption.value} | {assumption.source} |" in markdown
+    for rejected in plan.rejected:
+        assert rejected.detail in markdown
+    assert plan.cluster.gpu.name in markdown
+    assert format_seconds(plan.prediction.step_time_s) in markdown
+
+
+def test_markdown_table_cells_survive_pipes_and_newlines():
+    plan = sample_plan("tiny-dp", assumptions=[{"name": "a|b", "value": "1\n2", "source": "s"}])
+    assert "| a\\|b | 1 2 | s |" in render_reports(plan)["report.md"]
+    assert markdown_cell("x | y") == "x \\| y"
+
+
+def test_display_parts_cover_the_schema():
+    """A field added to the breakdowns must show up in the reports."""
+    assert {key for key, _ in TIME_PARTS} == set(TimeBreakdown.model_fields)
+    memory_fields = set(MemoryBreakdown.model_fields) - {"total", "capacity", "cpu_bytes_per_node",
+                                                          "nvme_bytes_per_node"}
+    assert {key for key, _ in MEMORY_PARTS} == memory_fields
+
+
+def test_formatting_by_hand():
+    assert format_bytes(80e9) == "74.51 GiB"
+    assert format_bytes(3 * 1024**2) == "3.0 MiB"
+    assert format_bytes(2 * 1024**4) == "2.00 TiB"
+    assert format_seconds(54.05) == "54.05 s"
+    assert format_seconds(2.1e-4) == "210.0 us"
+    assert format_seconds(0.7) == "700.0 ms"
+    assert format_percent(0.5089) == "50.9 %"
+    assert format_rate(2039e9, "B") == "2.039 TB/s"
+    assert format_rate(312e12, "FLOP") == "312 TFLOP/s"
+
+
+@pytest.mark.parametrize(("pp", "interleave", "micro_batches"),
+                         [(1, 1, 4), (4, 1, 8), (8, 1, 3), (4, 2, 8), (8, 2, 16), (4, 3, 12), (16, 4, 16)])
+def test_timeline_length_matches_the_bubble_formula(pp, interleave, micro_batches):
+    """Narayanan et al. 2021, section 2.2: a step takes m*v*(f+b) per rank plus a bubble of (p-1)(f+b)/v
+    full-stage units, i.e. (p-1)*(f+b) in units of one chunk's forward."""
+    timeline = pipeline_timeline(_parallel(pp, interleave, micro_batches))
+    per_rank_work = micro_batches * interleave * (FORWARD_UNITS + BACKWARD_UNITS)
+    assert timeline.total_units == per_rank_work + (pp - 1) * (FORWARD_UNITS + BACKWARD_UNITS)
+    assert len(timeline.slots) == 2 * pp * interleave * micro_batches
+
+
+@pytest.mark.parametrize(("pp", "interleave", "micro_batches"), [(4, 1, 8), (4, 2, 8), (3, 2, 7), (4, 2, 3)])
+def test_timeline_respects_data_dependencies(pp, interleave, micro_batches):
+    timeline = pipeline_timeline(_parallel(pp, interleave, micro_batches))
+    end = {(s.kind, s.stage, s.chunk, s.micro_batch): s.start + s.duration for s in timeline.slots}
+    start = {(s.kind, s.stage, s.chunk, s.micro_batch): s.start for s in timeline.slots}
+    virtual_stages = [(chunk, stage) for chunk in range(interleave) for stage in range(pp)]
+    for mb in range(timeline.drawn_micro_batches):
+        for earlier, later in zip(virtual_stages[:-1], virtual_stages[1:], strict=True):
+            assert start[("F", later[1], later[0], mb)] >= end[("F", earlier[1], earlier[0], mb)]
+            assert start[("B", earlier[1], earlier[0], mb)] >= end[("B", later[1], later[0], mb)]
+        assert start[("B", pp - 1, interleave - 1, mb)] >= end[("F", pp - 1, interleave - 1, mb)]
+    for stage in range(pp):  # a rank runs one slot at a time
+        slots = sorted((s for s in timeline.slots if s.stage == stage), key=lambda s: s.start)
+        assert all(a.start + a.duration <= b.start for a, b in zip(slots[:-1], slots[1:], strict=True))
+
+
+def test_timeline_is_capped_to_whole_groups_of_stages():
+    timeline = pipeline_timeline(_parallel(8, 2, 256))
+    assert (timeline.drawn_micro_batches, timeline.total_micro_batches) == (16, 256)
+    assert pipeline_timeline(_parallel(8, 2, 12)).drawn_micro_batches == 8
+    assert pipeline_timeline(_parallel(4, 1, 6)).drawn_micro_batches == 6
+    assert "capped" in render_reports(sample_plan("gpt3-175b"))["report.md"]
+
+
+def test_timeline_text_of_plain_1f1b():
+    lines = timeline_as_text(pipeline_timeline(_parallel(2, 1, 2)))
+    # rank 0: F0 F1, then waits for rank 1's backward of each micro-batch (2 units each).
+    assert lines == ["rank  0 |FF..BB.BB|", "rank  1 |.FBBFBB..|"]
+
+
+def test_pareto_front_by_hand():
+    # (time, memory): (3, 4) is beaten by (2, 3) on both; the others trade time for memory.
+    assert _pareto_front([(1, 5), (2, 3), (3, 4), (4, 1)]) == {0, 1, 3}
+
+
+def test_pareto_chart_marks_the_chosen_plan_and_never_puts_infeasible_points_on_the_front():
+    plan = sample_plan("gpt3-175b")
+    chart = pareto_chart(plan)
+    chosen = [point for point in chart.points if point.chosen]
+    assert len(chosen) == 1 and chosen[0].step_time_s == plan.prediction.step_time_s
+    assert chosen[0].on_front
+    assert not any(point.on_front and not point.feasible for point in chart.points)
+    assert any(not point.feasible for point in chart.points)
+    assert len(chart.points) == 1 + len(plan.alternatives)
+
+
+def test_reports_render_without_alternatives_for_a_deep_pipeline_that_does_not_fit():
+    plan = sample_plan(
+        alternatives=[], rejected=[], prediction={"feasible": False},
+        parallel={"tp": 1, "pp": 64, "interleave": 1, "schedule": "1f1b"},
+    )
+    reports = render_reports(plan)
+    assert "None recorded." in reports["report.md"]
+    assert "| Fits | no |" in reports["report.md"]
+    assert reports["report.md"].count("rank ") >= 64
+    assert reports["report.html"].count('id="chart-pareto"') == 1

@@ -1,0 +1,3 @@
+from zplan.cli import app
+
+app()

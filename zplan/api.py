@@ -1,0 +1,207 @@
+"""Public API: compile a plan, estimate one configuration, write the outputs atomically."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from zplan import __version__
+from zplan.errors import ClusterError, SpecError
+from zplan.planner.assumptions import assumptions
+from zplan.planner.clusters import load_cluster
+from zplan.planner.cost.inputs import OFFLOAD_TIERS, RECOMPUTE_MODES, Candidates, ModelNumbers
+from zplan.planner.cost.step import StepEstimate, estimate_step
+from zplan.planner.explain import alternatives, parallel_config, rejected_families
+from zplan.planner.model_input import summarize_model  # noqa
+from zplan.planner.placement_choice import PlacedStates, place
+from zplan.planner.search import choose, refine, score
+from zplan.schemas.cluster import ClusterSpec
+from zplan.schemas.model import ModelSummary
+from zplan.schemas.plan import Fingerprint, MemoryBreakdown, Plan, Prediction, Stage, TimeBreakdown
+from zplan.schemas.spec import Pins, TrainSpec
+
+
+@dataclass(frozen=True)
+class Request:
+    """A validated compile/estimate request."""
+
+    model_ref: str
+    summary: ModelSummary
+    cluster: ClusterSpec
+    gpus: int
+    train: TrainSpec
+    pins: Pins
+
+
+def prepare(model_ref: str, gpus: int, cluster: str, global_batch: int | None, seq_len: int | None,
+            precision: str, pins: Pins) -> Request:
+    """Load the cluster and the model and check the request; raises ZplanError subclasses."""
+    spec = load_cluster(cluster)
+    check_gpus(gpus, spec)
+    if spec.peak_flops(precision) <= 0:
+        raise SpecError(f"{spec.gpu.name} has no {precision} support: pass --precision fp16 (or fp32).")
+    check_pins(gpus, pins)
+    _, summary = summarize_model(model_ref, seq_len, precision)
+    batch = global_batch if global_batch is not None else default_global_batch(gpus, pins)
+    dp = pins.dp or (gpus // (pins.tp * pins.pp) if pins.tp and pins.pp else None)
+    if dp is not None and batch % dp:
+        raise SpecError(f"global batch {batch} does not divide by the data-parallel degree {dp}: pass "
+                        f"--global-batch {(batch // dp + 1) * dp} (a multiple of {dp}).")
+    train = TrainSpec(global_batch=batch, seq_len=summary.seq_len, precision=precision)
+    return Request(model_ref, summary, spec, gpus, train, pins)
+
+
+def default_global_batch(gpus: int, pins: Pins) -> int:
+    """One sequence per GPU's worth of data-parallel replicas, at least 8 (a safe default to edit)."""
+    return max(8, gpus)
+
+
+def check_gpus(gpus: int, cluster: ClusterSpec) -> None:
+    if gpus < 1:
+        raise ClusterError(f"--gpus must be at least 1 (got {gpus}).")
+    if gpus > cluster.gpus_per_node and gpus % cluster.gpus_per_node:
+        lower = gpus // cluster.gpus_per_node * cluster.gpus_per_node
+        raise ClusterError(
+            f"{gpus} GPUs is not a whole number of {cluster.name} nodes ({cluster.gpus_per_node} GPUs each): "
+            f"pass --gpus {lower} or {lower + cluster.gpus_per_node}."
+        )
+
+
+def check_pins(gpus: int, pins: Pins) -> None:
+    """Contradicting pins fail here, before any search, with the fix."""
+    tp, pp, dp = pins.tp or 1, pins.pp or 1, pins.dp or 1
+    if gpus % (tp * pp * dp):
+        raise SpecError(f"pins tp={tp} x pp={pp} x dp={dp} do not divide {gpus} GPUs: choose degrees whose "
+                        f"product divides {gpus}.")
+    if pins.tp and pins.pp and pins.dp and tp * pp * dp != gpus:
+        raise SpecError(f"tp*pp*dp = {tp * pp * dp} but --gpus is {gpus}: drop one pin or make the product "
+                        f"{gpus}.")
+    if pins.sequence_parallel and pins.tp == 1:
+        raise SpecError("--sequence-parallel needs tensor parallelism: drop it or pin --tp > 1.")
+    if pins.interleave and pins.interleave > 1 and pins.pp == 1:
+        raise SpecError("--interleave > 1 needs a pipeline: drop it or pin --pp > 1.")
+    if pins.offload in ("cpu", "nvme") and pins.zero == 0:
+        raise SpecError("offload needs ZeRO >= 1 (each rank steps its own optimizer shard): pass --zero 1, 2 "
+                        "or 3.")
+
+
+def fingerprint(req: Request) -> Fingerprint:
+    path = Path(req.model_ref)
+    data = path.read_bytes() if path.is_file() else req.model_ref.encode()
+    return Fingerprint(model_ref=req.model_ref, model_sha256=hashlib.sha256(data).hexdigest(),
+                       cluster=req.cluster.name, world_size=req.gpus)
+
+
+def prediction(est: StepEstimate, cluster: ClusterSpec, placed: PlacedStates | None = None) -> Prediction:
+    """Prediction of candidate 0 of `est`; `placed` replaces the model-state terms by the solver's placement."""
+    mem = est.memory
+    states = dict(parameters=float(mem.parameters[0]), gradients=float(mem.gradients[0]),
+                  optimizer=float(mem.optimizer[0]), cpu_bytes_per_node=float(mem.cpu_bytes_per_node[0]),
+                  nvme_bytes_per_node=float(mem.nvme_bytes_per_node[0]))
+    offload_s, optimizer_s = float(est.offload_s[0]), float(est.optimizer_s[0])
+    feasible = bool(mem.fits[0])
+    if placed is not None:
+        states = dict(parameters=placed.parameters, gradients=placed.gradients, optimizer=placed.optimizer,
+                      cpu_bytes_per_node=placed.cpu_bytes_per_node, nvme_bytes_per_node=placed.nvme_bytes_per_node)
+        offload_s, optimizer_s = placed.offload_s, placed.optimizer_s
+        feasible = feasible and placed.feasible
+    others = float(mem.activations[0] + mem.comm_buffers[0] + mem.reserve[0])
+    total = states["parameters"] + states["gradients"] + states["optimizer"] + others
+    step = float(est.step_time_s[0] - est.offload_s[0] - est.optimizer_s[0]) + offload_s + optimizer_s
+    return Prediction(
+        step_time_s=step, tokens_per_s=float(est.tokens_per_s[0] * est.step_time_s[0] / step),
+        mfu=float(est.mfu[0] * est.step_time_s[0] / step), model_flops_per_step=float(est.model_flops_per_step),
+        feasible=feasible and total <= cluster.gpu.hbm_bytes,
+        memory=MemoryBreakdown(activations=float(mem.activations[0]), comm_buffers=float(mem.comm_buffers[0]),
+                               reserve=float(mem.reserve[0]), total=total, capacity=float(cluster.gpu.hbm_bytes),
+                               **states),
+        time=TimeBreakdown(
+            compute=float(est.compute_s[0]), tensor_parallel=float(est.tensor_parallel_s[0]),
+            pipeline_bubble=float(est.pipeline_bubble_s[0]), pipeline_p2p=float(est.pipeline_p2p_s[0]),
+            data_parallel=float(est.data_parallel_s[0]), offload=offload_s, optimizer=optimizer_s),
+    )
+
+
+def compile_plan(req: Request) -> Plan:
+    """Search, refine and assemble the Plan (no files written)."""
+    scored = score(req.summary, req.cluster, req.gpus, req.train, req.pins)
+    choice = choose(req.summary, req.cluster, req.gpus, req.train, req.pins, scored)
+    cand, est = choice.candidate, choice.estimate
+    placed = place(cand, est, req.cluster, req.train)
+    layers = req.summary.layers
+    stages = [
+        Stage(index=s, first_layer=a, last_layer=b, layer_names=[u.name for u in layers[a:b + 1]],
+              fwd_flops_per_sample=float(sum(u.fwd_flops for u in layers[a:b + 1])),
+              params=int(sum(u.params for u in layers[a:b + 1])))
+        for s, (a, b) in enumerate(choice.partition.boundaries)
+    ]
+    return Plan(
+        zplan_version=__version__, fingerprint=fingerprint(req), model=req.summary, cluster=req.cluster,
+        train=req.train, pins=req.pins, parallel=parallel_config(cand, 0, est.num_micro_batches[0]),
+        stages=stages, placement=placed.placement, prediction=prediction(est, req.cluster, placed),
+        candidates_evaluated=len(scored.candidates), alternatives=alternatives(scored),
+        rejected=rejected_families(scored, choice, req.summary, req.cluster, req.train),
+        assumptions=assumptions(req.cluster, req.summary, req.train),
+    )
+
+
+def estimate_config(req: Request) -> dict:
+    """One fixed layout (tp, pp, [dp]); micro-batch and recompute etc. are the best unless pinned."""
+    scored = score(req.summary, req.cluster, req.gpus, req.train, req.pins)
+    cand, est = scored.candidates, scored.estimate
+    if len(cand) == 0:
+        raise SpecError("no legal configuration matches the pins: check tp divides heads, pp <= blocks, "
+                        "and the global batch divides by dp * micro-batch.")
+    if len(scored.order):
+        best = int(scored.order[0])
+    else:  # report the closest (least memory) configuration, marked infeasible
+        best = int(np.argmin(est.memory.total))
+    one = cand.take(np.array([best]))
+    refined = refine(req.summary, one, req.cluster, req.train) if len(scored.order) else None
+    final = refined.estimate if refined is not None else estimate_step(
+        ModelNumbers.from_summary(req.summary), one, req.cluster, req.train.precision, req.train.global_batch)
+    pred = prediction(final, req.cluster)
+    cfg = parallel_config(one, 0, final.num_micro_batches[0])
+    return {
+        "model": req.summary.name, "cluster": req.cluster.name, "gpus": req.gpus,
+        "global_batch": req.train.global_batch, "seq_len": req.train.seq_len, "precision": req.train.precision,
+        "config": cfg.model_dump(), "feasible": pred.feasible and refined is not None,
+        "step_time_s": pred.step_time_s, "tokens_per_s": pred.tokens_per_s, "mfu": pred.mfu,
+        "memory_per_gpu_bytes": pred.memory.total, "memory_breakdown": pred.memory.model_dump(),
+        "time_breakdown": pred.time.model_dump(), "candidates_evaluated": len(cand),
+    }
+
+
+def write_outputs(plan: Plan, out_dir: Path, model_ref: str) -> list[Path]:
+    """Render into a temporary sibling folder, then rename it into place: nothing half-written."""
+    from zplan.codegen.render import render_outputs
+
+    out_dir = out_dir.resolve()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        model_path = Path(model_ref)
+        script_model = os.path.relpath(model_path.resolve(), out_dir) if model_path.is_file() else None
+        render_outputs(plan, tmp, script_model)
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            out_dir.rename(old)
+            tmp.rename(out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return sorted(p for p in out_dir.rglob("*") if p.is_file())
+
+
+__all__ = ["OFFLOAD_TIERS", "RECOMPUTE_MODES", "Candidates", "Request", "compile_plan", "estimate_config",
+           "prepare", "write_outputs"]

@@ -1,0 +1,106 @@
+"""Terminal tables for the CLI (rich). Formatting only: no costs are computed here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import ValidationError
+from rich.console import Console
+from rich.table import Table
+
+from zplan.errors import ZplanError
+from zplan.schemas.cluster import ClusterSpec
+from zplan.schemas.plan import Plan
+
+GiB = 1024**3
+
+
+def default_out_dir(model_ref: str) -> Path:
+    stem = Path(model_ref).stem if Path(model_ref).is_file() else model_ref.split(":", 1)[0]
+    return Path("out") / stem
+
+
+def load_plan_file(path: Path) -> Plan:
+    try:
+        return Plan.model_validate_json(path.read_text())
+    except OSError as exc:
+        raise ZplanError(f"cannot read {path}: {exc.strerror}. Pass the plan.json written by `zplan compile`.") from exc
+    except ValidationError as exc:
+        raise ZplanError(f"{path} is not a zplan plan ({exc.error_count()} schema errors): recompile it.") from exc
+
+
+def _config_line(p) -> str:
+    sp = " +SP" if p.sequence_parallel else ""
+    return (f"tp={p.tp} pp={p.pp} dp={p.dp} micro-batch={p.micro_batch} x{p.num_micro_batches} "
+            f"ZeRO-{p.zero_stage} recompute={p.recompute}{sp} schedule={p.schedule}"
+            f"{f' v={p.interleave}' if p.interleave > 1 else ''} offload={p.offload}")
+
+
+def print_plan_summary(console: Console, plan: Plan, out_dir: Path, files: list[Path]) -> None:
+    pred, mem, t = plan.prediction, plan.prediction.memory, plan.prediction.time
+    table = Table(title=f"zplan: {plan.model.name} on {plan.fingerprint.world_size}x {plan.cluster.gpu.name}",
+                  show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("model", f"{plan.model.params / 1e9:.2f}B parameters, {plan.model.num_blocks} blocks "
+                           f"({plan.model.tracer})")
+    table.add_row("batch", f"{plan.train.global_batch} x {plan.train.seq_len} tokens, {plan.train.precision}")
+    table.add_row("plan", _config_line(plan.parallel))
+    table.add_row("step time", f"{pred.step_time_s:.3f} s  ({pred.tokens_per_s:,.0f} tokens/s, MFU {pred.mfu:.1%})")
+    table.add_row("time parts", f"compute {t.compute:.3f} s, TP {t.tensor_parallel:.3f}, bubble "
+                                f"{t.pipeline_bubble:.3f}, p2p {t.pipeline_p2p:.3f}, DP {t.data_parallel:.3f}, "
+                                f"offload {t.offload:.3f}, optimizer {t.optimizer:.3f}")
+    table.add_row("memory/GPU", f"{mem.total / GiB:.1f} of {mem.capacity / GiB:.1f} GiB (weights "
+                                f"{mem.parameters / GiB:.1f}, grads {mem.gradients / GiB:.1f}, optimizer "
+                                f"{mem.optimizer / GiB:.1f}, activations {mem.activations / GiB:.1f})")
+    table.add_row("searched", f"{plan.candidates_evaluated:,} configurations")
+    table.add_row("written", f"{out_dir}/ ({len(files)} files: plan.json, train.py, launch/, report.html, ...)")
+    console.print(table)
+
+
+def print_estimate(console: Console, result: dict) -> None:
+    table = Table(title=f"estimate: {result['model']} on {result['gpus']}x {result['cluster']}", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    c = result["config"]
+    table.add_row("config", f"tp={c['tp']} pp={c['pp']} dp={c['dp']} micro-batch={c['micro_batch']} "
+                            f"ZeRO-{c['zero_stage']} recompute={c['recompute']}")
+    table.add_row("feasible", "yes" if result["feasible"] else "NO (does not fit memory)")
+    table.add_row("step time", f"{result['step_time_s']:.3f} s, MFU {result['mfu']:.1%}")
+    table.add_row("memory/GPU", f"{result['memory_per_gpu_bytes'] / GiB:.1f} GiB")
+    console.print(table)
+
+
+def print_explanation(console: Console, plan: Plan) -> None:
+    console.print(f"[bold]chosen:[/] {_config_line(plan.parallel)}: {plan.prediction.step_time_s:.3f} s/step, "
+                  f"{plan.prediction.memory.total / GiB:.1f} GiB/GPU")
+    table = Table(title="best alternatives")
+    for col in ("#", "configuration", "step s", "vs chosen", "GiB/GPU"):
+        table.add_column(col)
+    ranked = sorted((c for c in plan.alternatives if c.feasible), key=lambda c: c.step_time_s)[:10]
+    for i, c in enumerate(ranked, 1):
+        ratio = c.step_time_s / plan.prediction.step_time_s - 1
+        table.add_row(str(i), _config_line(c.parallel), f"{c.step_time_s:.3f}", f"{ratio:+.1%}",
+                      f"{c.memory_per_gpu_bytes / GiB:.1f}")
+    console.print(table)
+    rej = Table(title="why other families lost")
+    for col in ("family", "reason", "detail"):
+        rej.add_column(col)
+    for r in plan.rejected:
+        rej.add_row(r.family, r.reason, r.detail)
+    console.print(rej)
+
+
+def print_clusters(console: Console, clusters: dict[str, ClusterSpec]) -> None:
+    table = Table(title="built-in clusters (per GPU; bandwidths per direction)")
+    for col in ("name", "GPU", "GPUs/node", "bf16 TFLOP/s", "HBM GB", "HBM GB/s", "NVLink GB/s", "network GB/s",
+                "PCIe GB/s", "host GB/node", "NVMe TB/node"):
+        table.add_column(col)
+    for c in clusters.values():
+        g = c.gpu
+        table.add_row(c.name, g.name, str(c.gpus_per_node), f"{g.peak_bf16_flops / 1e12:.0f}",
+                      f"{g.hbm_bytes / 1e9:.0f}", f"{g.hbm_bandwidth_Bps / 1e9:.0f}",
+                      f"{c.intra_node_bandwidth_Bps / 1e9:.0f}", f"{c.inter_node_bandwidth_Bps / 1e9:.2f}",
+                      f"{c.host_to_device_bandwidth_Bps / 1e9:.0f}", f"{c.cpu_memory_bytes / 1e9:.0f}",
+                      f"{c.nvme_bytes / 1e12:.0f}")
+    console.print(table)
