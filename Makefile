@@ -16,7 +16,7 @@ demo: $(VENV)
 	  --cluster dgx-a100-80g --global-batch 1536 -o out/gpt175b
 	.venv/bin/zplan compile examples/tiny.py --gpus 2 --cluster cpu-local --global-batch 8 --seq 64 \
 	  --precision fp32 -o out/tiny
-	bash out/tiny/launch/torchrun.sh --steps 20
+	PATH="$(CURDIR)/.venv/bin:$$PATH" bash out/tiny/launch/torchrun.sh --steps 20
 
 test: $(VENV)
 	.venv/bin/ruff check .

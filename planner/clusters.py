@@ -91,7 +91,7 @@ DGX_H200 = DGX_H100.model_copy(
         "description": "NVIDIA DGX H200: 8x H200-SXM-141GB, NVSwitch, 8x NDR 400 Gb/s InfiniBand",
         "source": "NVIDIA DGX H200 data sheet (2024); H200 data sheet (dense, no sparsity)",
         "gpu": DGX_H100.gpu.model_copy(
-            update={"name": "H200-SXM-141GB", "hbm_bytes": 141 * GB, "hbm_bandwidth_Bps": 4800 * GB}
+            update={"name": "H200-SXM-141GB", "hbm_bytes": int(141 * GB), "hbm_bandwidth_Bps": 4800 * GB}
         ),
     }
 )

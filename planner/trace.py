@@ -13,10 +13,17 @@ Costs per operation (rules in the tables below):
              here (torch's FlopCounterMode misses the CPU flash kernel): QK^T and AV are 2*B*H*T*S*D each,
              halved when is_causal=True; elementwise operations count 0. Backward = 2x forward for these.
   act bytes  tensors autograd saves for backward (see SAVED-TENSOR RULE below), at the compute precision.
+
+Known limits: export sees the causal mask Hugging Face materialises for it (attn_mask, is_causal=False)
+and so counts attention in full (hooks, which runs first, sees is_causal=True); operations without a rule
+(einsum, convolutions, nn.MultiheadAttention as an fx leaf) count 0 FLOPs.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -33,6 +40,7 @@ from zplan.schemas.model import LayerCost, ModelSummary, TensorParallelRule
 
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}  # bytes per floating-point element
 DEFAULT_SEQ_LEN = 2048  # tokens per sample when neither the caller nor the model file (SEQ_LEN) says
+TRACERS = ("fx", "hooks", "export")  # tried in this order
 
 # --- operation tables ------------------------------------------------------------------------------
 SDPA = "scaled_dot_product_attention"
@@ -73,9 +81,32 @@ def element_bytes(precision: str) -> int:
     return PRECISION_BYTES[precision]
 
 
-# --- tracers: a model and one sample -> TracedOps in execution order ------------------------------------
+# --- public entry points ------------------------------------------------------------------------------
 
-TRACERS = ("fx", "hooks", "export")
+def trace_model_file(path: str | Path, seq_len: int | None, precision: str, *,
+                     build_overrides: dict[str, Any] | None = None,
+                     tracers: tuple[str, ...] = TRACERS) -> tuple[ModelGraph, ModelSummary]:
+    """Load a model file, build it on meta and trace one sample of seq_len tokens (None: the file's
+    SEQ_LEN, else DEFAULT_SEQ_LEN); see trace_module."""
+    model_file = load_model_file(path)
+    seq_len = seq_len or model_file.seq_len or DEFAULT_SEQ_LEN
+    model = model_file.build(device="meta", **(build_overrides or {}))
+    with torch.device("meta"):
+        inputs = model_file.example_inputs(1, seq_len)
+    return trace_module(model, inputs, seq_len, precision, name=model_file.name, tracers=tracers)
+
+
+def trace_module(model: nn.Module, example_inputs: Any, seq_len: int, precision: str, *, name: str = "model",
+                 tracers: tuple[str, ...] = TRACERS) -> tuple[ModelGraph, ModelSummary]:
+    """Trace `model` (ideally on meta) called with `example_inputs` (a Tensor, tuple or dict of one sample)."""
+    element_bytes(precision)
+    prefix, num_blocks = find_block_container(model)
+    raw = run_tracers(model, example_inputs, tracers)
+    graph = _build_graph(raw, model, prefix, num_blocks, seq_len, precision)
+    return graph, _summarize(graph, raw, model, name)
+
+
+# --- tracers: a model and one sample -> TracedOps in execution order ------------------------------------
 
 
 @dataclass
@@ -401,9 +432,22 @@ class _TensorOutputs(nn.Module):
         return tuple(_tensors_in(self.inner(*args, **kwargs)))
 
 
+@contextlib.contextmanager
+def _quiet_torch_logs():
+    """torch.export logs graphs and guard failures at warning level; a failed fallback must not spill
+    them onto the user's terminal (the TraceError says what went wrong)."""
+    logging.disable(logging.CRITICAL)  # torch sets levels on its child loggers: disable them all
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        logging.disable(logging.NOTSET)
+
+
 def _trace_export(model: nn.Module, args: tuple, kwargs: dict, cache: MetaOpCache) -> list[TracedOp]:
     wrapper = _TensorOutputs(model)
-    program = torch.export.export(wrapper, args, kwargs, strict=False)
+    with _quiet_torch_logs():
+        program = torch.export.export(wrapper, args, kwargs, strict=False)
     signature, names = program.graph_signature, _ParamNames(model)
     param_of = {placeholder: names.params.get(id(wrapper.get_parameter(fqn)))
                 for placeholder, fqn in signature.inputs_to_parameters.items()}
@@ -456,29 +500,6 @@ def run_tracers(model: nn.Module, example_inputs: Any, tracers: tuple[str, ...] 
         "device from shapes alone (no .item(), .tolist() or branches on tensor values), and define "
         "example_inputs(batch_size, seq_len) in the model file if forward does not take token ids (B, T)."
     )
-
-
-def trace_model_file(path: str | Path, seq_len: int | None, precision: str, *,
-                     build_overrides: dict[str, Any] | None = None,
-                     tracers: tuple[str, ...] = TRACERS) -> tuple[ModelGraph, ModelSummary]:
-    """Load a model file, build it on meta and trace one sample of seq_len tokens (None: the file's
-    SEQ_LEN, else DEFAULT_SEQ_LEN); see trace_module."""
-    model_file = load_model_file(path)
-    seq_len = seq_len or model_file.seq_len or DEFAULT_SEQ_LEN
-    model = model_file.build(device="meta", **(build_overrides or {}))
-    with torch.device("meta"):
-        inputs = model_file.example_inputs(1, seq_len)
-    return trace_module(model, inputs, seq_len, precision, name=model_file.name, tracers=tracers)
-
-
-def trace_module(model: nn.Module, example_inputs: Any, seq_len: int, precision: str, *, name: str = "model",
-                 tracers: tuple[str, ...] = TRACERS) -> tuple[ModelGraph, ModelSummary]:
-    """Trace `model` (ideally on meta) called with `example_inputs` (a Tensor, tuple or dict of one sample)."""
-    element_bytes(precision)
-    prefix, num_blocks = find_block_container(model)
-    raw = run_tracers(model, example_inputs, tracers)
-    graph = _build_graph(raw, model, prefix, num_blocks, seq_len, precision)
-    return graph, _summarize(graph, raw, model, name)
 
 
 # --- structure ------------------------------------------------------------------------------------------

@@ -145,7 +145,7 @@ def train(
     """
     tokens_per_step = micro_batch * num_micro_batches * data_parallel_size * seq_len
     scaler = _loss_scaler(model, precision, ctx.device)
-    log_file = open(log_json, "w") if (log_json and ctx.is_main) else None  # noqa: SIM115
+    log_file = open(log_json, "w") if (log_json and ctx.is_main) else None
     losses: list[float] = []
     step_times_s: list[float] = []
     state_bytes: dict[str, int] = {}

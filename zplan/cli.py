@@ -58,7 +58,7 @@ def _pins(tp, pp, dp, zero, offload, micro_batch, recompute, sequence_parallel, 
 
 
 def _fail(exc: ZplanError) -> None:
-    err.print(f"[bold red]error:[/] {exc}", highlight=False)
+    err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True, markup=True)
     raise typer.Exit(code=2)
 
 

@@ -29,6 +29,13 @@ def load_plan_file(path: Path) -> Plan:
         raise ZplanError(f"{path} is not a zplan plan ({exc.error_count()} schema errors): recompile it.") from exc
 
 
+def _count(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n:.0f}"
+
+
 def _config_line(p) -> str:
     sp = " +SP" if p.sequence_parallel else ""
     return (f"tp={p.tp} pp={p.pp} dp={p.dp} micro-batch={p.micro_batch} x{p.num_micro_batches} "
@@ -42,7 +49,7 @@ def print_plan_summary(console: Console, plan: Plan, out_dir: Path, files: list[
                   show_header=False)
     table.add_column(style="bold")
     table.add_column()
-    table.add_row("model", f"{plan.model.params / 1e9:.2f}B parameters, {plan.model.num_blocks} blocks "
+    table.add_row("model", f"{_count(plan.model.params)} parameters, {plan.model.num_blocks} blocks "
                            f"({plan.model.tracer})")
     table.add_row("batch", f"{plan.train.global_batch} x {plan.train.seq_len} tokens, {plan.train.precision}")
     table.add_row("plan", _config_line(plan.parallel))
@@ -93,7 +100,8 @@ def print_explanation(console: Console, plan: Plan) -> None:
 
 def print_clusters(console: Console, clusters: dict[str, ClusterSpec]) -> None:
     table = Table(title="built-in clusters (per GPU; bandwidths per direction)")
-    for col in ("name", "GPU", "GPUs/node", "bf16 TFLOP/s", "HBM GB", "HBM GB/s", "NVLink GB/s", "network GB/s",
+    table.add_column("name", no_wrap=True)
+    for col in ("GPU", "GPUs/node", "bf16 TFLOP/s", "HBM GB", "HBM GB/s", "NVLink GB/s", "network GB/s",
                 "PCIe GB/s", "host GB/node", "NVMe TB/node"):
         table.add_column(col)
     for c in clusters.values():

@@ -51,11 +51,19 @@ def test_defaults_fill_missing_hooks(tmp_path):
     assert inputs.shape == (2, 5) and inputs.dtype == torch.long
     with pytest.raises(ModelLoadError, match="VOCAB_SIZE"):
         model_file.train_data(2, 5)
-    model_file.build(width=4)  # the keyword reaches build_model; the vocabulary comes from the Embedding
-    assert model_file.vocab_size == 32
+    model = model_file.build(width=4)  # the keyword reaches build_model
+    assert model[1].in_features == 4
+    assert model_file.vocab_size == 32  # found in the built model's nn.Embedding
     batch = next(model_file.train_data(3, 7, seed=1))
     assert batch.shape == (3, 7) and 0 <= batch.min() and batch.max() < 32
     assert torch.equal(batch, next(model_file.train_data(3, 7, seed=1)))  # seeded
+
+
+def test_sizes_passed_to_build_model_override_vocab_size():
+    model_file = load_model_file(EXAMPLES / "gpt.py")
+    assert model_file.vocab_size == 51200
+    model_file.build("meta", num_layers=1, hidden=32, heads=2, vocab_size=300, max_seq_len=16)
+    assert model_file.vocab_size == 300  # synthetic tokens must stay inside the built model's table
 
 
 def test_default_loss_is_next_token_cross_entropy():

@@ -246,6 +246,9 @@ def test_hugging_face_models_trace_through_the_fallback(llama):
         "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
         "mlp.down_proj": "rowwise"}
 
+    _, by_keyword = trace_module(model, {"input_ids": inputs}, S, "bf16")  # fx replays positional inputs only
+    assert by_keyword.tracer == "hooks" and by_keyword.fwd_flops_per_sample == summary.fwd_flops_per_sample
+
     gpt2_config = transformers.GPT2Config(n_layer=L, n_embd=H, n_head=A, vocab_size=V, n_positions=S,
                                           bos_token_id=0, eos_token_id=0)
     with torch.device("meta"):

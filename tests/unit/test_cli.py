@@ -1,0 +1,152 @@
+"""The command line: every bad input gives one ZplanError message, exit status 2, no traceback, and
+nothing written; good input writes the outputs and --json parses."""
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from zplan.cli import app
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "examples" / "tiny.py")
+GPT_SMALL = "gpt:layers=4,hidden=256,heads=8,seq=128,vocab=1000"
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def write(tmp_path, name, body):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+BAD_FILES = {
+    "missing": (None, "does not exist"),
+    "import_error": ("import not_a_module_zplan\n", "not_a_module_zplan"),
+    "no_build": ("import torch\nX = 1\n", "build_model"),
+    "not_module": ("def build_model():\n    return 42\n", "Module"),
+    "untraceable": ("""
+        import torch
+        from torch import nn
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb = nn.Embedding(10, 8)
+                self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+                self.out = nn.Linear(8, 10)
+            def forward(self, x):
+                h = self.emb(x)
+                for block in self.blocks:
+                    h = block(h)
+                if h.sum() > 0:  # depends on values: no tracer can follow it
+                    h = h * 2
+                return self.out(h)
+        def build_model():
+            return M()
+        """, "trace"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FILES))
+def test_bad_model_file_fails_cleanly(tmp_path, case):
+    body, needle = BAD_FILES[case]
+    model = str(tmp_path / "absent.py") if body is None else write(tmp_path, f"{case}.py", body)
+    out = tmp_path / "out"
+    result = run("compile", model, "--gpus", 2, "--cluster", "cpu-local", "-o", out)
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    assert needle.lower() in result.output.lower()
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--gpus", 8, "--cluster", "no-such-cluster"], "unknown cluster"),
+    (["--gpus", 12, "--cluster", "dgx-a100-80g"], "whole number"),
+    (["--gpus", 8, "--tp", 3], "divide"),
+    (["--gpus", 8, "--tp", 2, "--pp", 2, "--dp", 1], "tp*pp*dp"),
+    (["--gpus", 8, "--tp", 1, "--sequence-parallel"], "sequence-parallel"),
+    (["--gpus", 8, "--zero", 0, "--offload", "cpu"], "ZeRO"),
+    (["--gpus", 8, "--dp", 8, "--global-batch", 12], "does not divide"),
+    (["--gpus", 16, "--cluster", "dgx2-v100", "--precision", "bf16"], "fp16"),
+])
+def test_bad_request_fails_cleanly(tmp_path, args, needle):
+    out = tmp_path / "out"
+    result = run("compile", GPT_SMALL, *args, "-o", out)
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    assert needle.lower() in result.output.lower()
+    assert not out.exists()
+
+
+def test_bad_family_spec_names_the_key(tmp_path):
+    result = run("compile", "gpt:layers=4,hiddn=256", "--gpus", 8, "-o", tmp_path / "out")
+    assert result.exit_code == 2 and "hiddn" in result.output and "Traceback" not in result.output
+
+
+def test_nothing_fits_names_the_closest_plan_and_a_fix(tmp_path):
+    result = run("compile", "gpt:layers=128,hidden=25600,heads=160,seq=2048,vocab=51200", "--gpus", 8,
+                 "--global-batch", 8, "--offload", "none", "-o", tmp_path / "out")
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert "Closest" in text and "GiB" in text and "--gpus" in text
+    assert not (tmp_path / "out").exists()
+
+
+def test_compile_writes_everything_and_json_parses(tmp_path):
+    out = tmp_path / "plan"
+    result = run("compile", GPT_SMALL, "--gpus", 8, "--global-batch", 16, "-o", out, "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["parallel"]["tp"] * data["parallel"]["pp"] * data["parallel"]["dp"] == 8
+    names = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
+    assert names == {"plan.json", "train.py", "launch/torchrun.sh", "launch/slurm.sbatch", "report.md",
+                     "report.html", "ds_config.json"}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
+
+
+def test_pins_are_respected(tmp_path):
+    result = run("compile", GPT_SMALL, "--gpus", 8, "--global-batch", 16, "--tp", 2, "--pp", 2, "--zero", 1,
+                 "--micro-batch", 2, "--recompute", "full", "-o", tmp_path / "o", "--json")
+    assert result.exit_code == 0, result.output
+    p = json.loads(result.stdout)["parallel"]
+    assert (p["tp"], p["pp"], p["dp"], p["zero_stage"], p["micro_batch"], p["recompute"]) == (2, 2, 2, 1, 2, "full")
+
+
+def test_estimate_json_has_the_documented_keys():
+    result = run("estimate", GPT_SMALL, "--gpus", 8, "--tp", 2, "--pp", 1, "--global-batch", 16, "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    for key in ("step_time_s", "tokens_per_s", "mfu", "feasible", "memory_per_gpu_bytes", "memory_breakdown"):
+        assert key in data
+    assert data["config"]["tp"] == 2 and data["config"]["dp"] == 4
+
+
+def test_explain_and_clusters(tmp_path):
+    out = tmp_path / "p"
+    assert run("compile", GPT_SMALL, "--gpus", 8, "--global-batch", 16, "-o", out).exit_code == 0
+    result = run("explain", out / "plan.json")
+    assert result.exit_code == 0 and "best alternatives" in result.output and "why other families lost" in result.output
+    result = run("clusters")
+    for name in ("dgx-a100-80g", "dgx-h100", "dgx-h200", "dgx2-v100", "cpu-local"):
+        assert name in result.output
+    assert run("explain", tmp_path / "missing.json").exit_code == 2
+
+
+def test_cluster_file(tmp_path):
+    result = run("clusters", "--json")
+    spec = json.loads(result.stdout)["dgx-h100"]
+    spec["name"] = "my-h100"
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(spec))
+    result = run("compile", GPT_SMALL, "--gpus", 8, "--cluster", path, "-o", tmp_path / "o", "--json")
+    assert result.exit_code == 0, result.output
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\n")
+    result = run("compile", GPT_SMALL, "--gpus", 8, "--cluster", bad, "-o", tmp_path / "o2")
+    assert result.exit_code == 2 and "not a valid ClusterSpec" in result.output
