@@ -699,7 +699,10 @@ def _summarize(graph: ModelGraph, raw: RawTrace, model: nn.Module, name: str) ->
     params_of = dict.fromkeys(units, 0.0)
     flops_of = dict.fromkeys(units, 0.0)
     act_of = dict.fromkeys(units, 0.0)
+    modules_of: dict[str, dict[str, None]] = {unit: {} for unit in units}  # ordered sets
     for _, data in graph.iter_nodes():
+        if data["module"] and data["unit"] in ("embedding", "head"):
+            modules_of[data["unit"]][data["module"]] = None
         params_of[data["unit"]] += data["params"]
         flops_of[data["unit"]] += data["fwd_flops"]
         act_of[data["unit"]] += data["act_bytes"]
@@ -708,7 +711,8 @@ def _summarize(graph: ModelGraph, raw: RawTrace, model: nn.Module, name: str) ->
     params_of["embedding"] += max(unread, 0)  # parameters no traced operation reads (unused modules)
     layers = [
         LayerCost(name=unit, kind="embedding" if unit == "embedding" else "head" if unit == "head" else "block",
-                  params=int(params_of[unit]), fwd_flops=flops_of[unit], act_bytes=act_of[unit])
+                  params=int(params_of[unit]), fwd_flops=flops_of[unit], act_bytes=act_of[unit],
+                  modules=list(modules_of[unit]) or [unit])
         for unit in units
     ]
     block0 = graph.nodes_of_block(0)

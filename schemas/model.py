@@ -18,7 +18,10 @@ class LayerCost(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str = Field(description="Module path of the unit, e.g. 'blocks.3' or 'wte'.")
+    name: str = Field(description="Name of the unit: a block's module path ('blocks.3'), or 'embedding' / 'head' "
+                                  "for the modules before / after the blocks.")
+    modules: list[str] = Field(default_factory=list, description="Top-level module paths the unit runs, in order "
+                               "(e.g. ['wte', 'wpe']); empty for closed-form family models.")
     kind: LayerKind = Field(description="embedding, block (a repeated unit), head, or other.")
     params: int = Field(ge=0, description="Parameters owned by the unit.")
     fwd_flops: float = Field(ge=0, description="Forward FLOPs for one sample (one sequence of seq_len).")

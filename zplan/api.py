@@ -15,10 +15,10 @@ from zplan import __version__
 from zplan.errors import ClusterError, SpecError
 from zplan.planner.assumptions import assumptions
 from zplan.planner.clusters import load_cluster
-from zplan.planner.cost.inputs import OFFLOAD_TIERS, RECOMPUTE_MODES, Candidates, ModelNumbers
+from zplan.planner.cost.inputs import ModelNumbers
 from zplan.planner.cost.step import StepEstimate, estimate_step
 from zplan.planner.explain import alternatives, parallel_config, rejected_families
-from zplan.planner.model_input import summarize_model  # noqa
+from zplan.planner.model_input import summarize_model
 from zplan.planner.placement_choice import PlacedStates, place
 from zplan.planner.search import choose, refine, score
 from zplan.schemas.cluster import ClusterSpec
@@ -48,7 +48,7 @@ def prepare(model_ref: str, gpus: int, cluster: str, global_batch: int | None, s
         raise SpecError(f"{spec.gpu.name} has no {precision} support: pass --precision fp16 (or fp32).")
     check_pins(gpus, pins)
     _, summary = summarize_model(model_ref, seq_len, precision)
-    batch = global_batch if global_batch is not None else default_global_batch(gpus, pins)
+    batch = global_batch if global_batch is not None else default_global_batch(gpus)
     dp = pins.dp or (gpus // (pins.tp * pins.pp) if pins.tp and pins.pp else None)
     if dp is not None and batch % dp:
         raise SpecError(f"global batch {batch} does not divide by the data-parallel degree {dp}: pass "
@@ -57,8 +57,8 @@ def prepare(model_ref: str, gpus: int, cluster: str, global_batch: int | None, s
     return Request(model_ref, summary, spec, gpus, train, pins)
 
 
-def default_global_batch(gpus: int, pins: Pins) -> int:
-    """One sequence per GPU's worth of data-parallel replicas, at least 8 (a safe default to edit)."""
+def default_global_batch(gpus: int) -> int:
+    """One sequence per GPU, at least 8: a starting point; pass --global-batch for the real one."""
     return max(8, gpus)
 
 
@@ -179,7 +179,9 @@ def estimate_config(req: Request) -> dict:
 
 
 def write_outputs(plan: Plan, out_dir: Path, model_ref: str) -> list[Path]:
-    """Render into a temporary sibling folder, then rename it into place: nothing half-written."""
+    """Render everything into a temporary sibling folder first, so a failure leaves nothing half-written;
+    then rename it into place (a new folder) or move each file over its old version (an existing folder:
+    files zplan did not write there, such as logs or checkpoints, are kept)."""
     from zplan.codegen.render import render_outputs
 
     out_dir = out_dir.resolve()
@@ -188,20 +190,16 @@ def write_outputs(plan: Plan, out_dir: Path, model_ref: str) -> list[Path]:
     try:
         model_path = Path(model_ref)
         script_model = os.path.relpath(model_path.resolve(), out_dir) if model_path.is_file() else None
-        render_outputs(plan, tmp, script_model)
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            out_dir.rename(old)
+        written = [p.relative_to(tmp) for p in render_outputs(plan, tmp, script_model)]
+        if not out_dir.exists():
             tmp.rename(out_dir)
-            shutil.rmtree(old, ignore_errors=True)
         else:
-            tmp.rename(out_dir)
-    except BaseException:
+            for rel in written:
+                (out_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+                os.replace(tmp / rel, out_dir / rel)
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return sorted(p for p in out_dir.rglob("*") if p.is_file())
+    return sorted(out_dir / rel for rel in written)
 
 
-__all__ = ["OFFLOAD_TIERS", "RECOMPUTE_MODES", "Candidates", "Request", "compile_plan", "estimate_config",
-           "prepare", "write_outputs"]
+__all__ = ["Request", "compile_plan", "estimate_config", "prepare", "write_outputs"]

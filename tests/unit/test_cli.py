@@ -150,3 +150,16 @@ def test_cluster_file(tmp_path):
     bad.write_text("name: x\n")
     result = run("compile", GPT_SMALL, "--gpus", 8, "--cluster", bad, "-o", tmp_path / "o2")
     assert result.exit_code == 2 and "not a valid ClusterSpec" in result.output
+
+
+def test_recompiling_into_a_folder_keeps_files_zplan_did_not_write(tmp_path):
+    out = tmp_path / "plan"
+    assert run("compile", GPT_SMALL, "--gpus", 8, "--global-batch", 16, "-o", out).exit_code == 0
+    (out / "log.jsonl").write_text("keep me\n")
+    (out / "ckpt").mkdir()
+    (out / "ckpt" / "step-1").write_text("weights\n")
+    result = run("compile", GPT_SMALL, "--gpus", 8, "--global-batch", 32, "-o", out, "--json")
+    assert result.exit_code == 0, result.output
+    assert (out / "log.jsonl").read_text() == "keep me\n" and (out / "ckpt" / "step-1").exists()
+    assert json.loads((out / "plan.json").read_text())["train"]["global_batch"] == 32
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

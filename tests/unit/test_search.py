@@ -1,0 +1,72 @@
+"""The search against exhaustive references: its pick is the fastest feasible configuration after exact
+stage partitioning, its infeasibility advice really fits, and it never loses to a published layout."""
+
+import re
+
+import numpy as np
+import pytest
+
+from zplan.api import compile_plan, estimate_config, prepare
+from zplan.errors import InfeasibleError
+from zplan.planner.search import refine, score
+from zplan.schemas.spec import Pins
+
+SMALL = "gpt:layers=8,hidden=1024,heads=16,seq=512,vocab=8000"
+
+
+def test_pick_is_the_fastest_feasible_configuration_of_all():
+    req = prepare(SMALL, 8, "dgx-a100-80g", 8, None, "bf16", Pins())
+    plan = compile_plan(req)
+    scored = score(req.summary, req.cluster, req.gpus, req.train, req.pins)
+    assert len(scored.order) > 100
+    times = []
+    for i in scored.order:  # every feasible candidate, refined with its exact partition
+        choice = refine(req.summary, scored.candidates.take(np.array([i])), req.cluster, req.train)
+        if choice is not None:
+            times.append(float(choice.estimate.step_time_s[0]))
+    # the plan's time includes the placement solver, which can only remove transfers
+    assert plan.prediction.step_time_s <= min(times) * (1 + 1e-9)
+
+
+def test_nothing_fits_advice_is_checked_by_compiling_it():
+    spec = "gpt:layers=32,hidden=8192,heads=64,seq=2048,vocab=51200"  # ~26B parameters
+    with pytest.raises(InfeasibleError) as err:
+        compile_plan(prepare(spec, 2, "dgx-a100-80g", 8, None, "bf16", Pins(offload="none", tp=1)))
+    message = str(err.value)
+    assert "Closest" in message and "GiB" in message
+    gpus = int(re.search(r"--gpus (\d+)", message).group(1))
+    plan = compile_plan(prepare(spec, gpus, "dgx-a100-80g", 8, None, "bf16", Pins(offload="none", tp=1)))
+    assert plan.prediction.feasible
+    # and it is the fewest: one node-step fewer (or half, below a node) does not fit
+    fewer = gpus - 8 if gpus > 8 else gpus // 2
+    if fewer > 2:
+        with pytest.raises(InfeasibleError):
+            compile_plan(prepare(spec, fewer, "dgx-a100-80g", 8, None, "bf16", Pins(offload="none", tp=1)))
+
+
+def test_offload_suggestion_fits_when_it_is_offered():
+    spec = "gpt:layers=80,hidden=8192,heads=64,seq=2048,vocab=51200"
+    with pytest.raises(InfeasibleError) as err:
+        compile_plan(prepare(spec, 8, "dgx-a100-80g", 8, None, "bf16", Pins(offload="none", tp=1, pp=1)))
+    assert "--offload cpu" in str(err.value)
+    plan = compile_plan(prepare(spec, 8, "dgx-a100-80g", 8, None, "bf16", Pins(offload="cpu", tp=1, pp=1)))
+    assert plan.prediction.feasible and plan.placement.optimizer == "cpu"
+
+
+def test_plan_is_no_slower_than_the_published_megatron_layout():
+    # Korthikanti et al. 2022, GPT-3 175B on 64 A100s: tp=8, pp=8, micro-batch 1, interleave 3, SP+selective.
+    spec = "gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200"
+    published = Pins(tp=8, pp=8, dp=1, zero=0, micro_batch=1, interleave=3, recompute="selective",
+                     sequence_parallel=True, offload="none")
+    theirs = estimate_config(prepare(spec, 64, "dgx-a100-80g", 64, None, "bf16", published))
+    ours = compile_plan(prepare(spec, 64, "dgx-a100-80g", 64, None, "bf16", Pins()))
+    assert theirs["feasible"]
+    assert ours.prediction.step_time_s <= theirs["step_time_s"]
+
+
+def test_stage_partition_covers_every_unit_once_in_order():
+    plan = compile_plan(prepare(SMALL, 8, "dgx-a100-80g", 32, None, "bf16", Pins(pp=4, tp=1)))
+    names = [n for stage in plan.stages for n in stage.layer_names]
+    assert names == [u.name for u in plan.model.layers]
+    assert len(plan.stages) == 4 * plan.parallel.interleave
+    assert sum(s.params for s in plan.stages) == sum(u.params for u in plan.model.layers)
