@@ -25,6 +25,7 @@ from zplan.codegen.context import (
 from zplan.schemas.plan import Candidate, ParallelConfig, Plan
 
 MAX_DRAWN_MICRO_BATCHES = 16
+TABLE_BEST_FEASIBLE = 20  # the candidates table: the chosen plan, this many fastest feasible, the front
 FORWARD_UNITS = 1
 BACKWARD_UNITS = 2
 
@@ -241,14 +242,34 @@ def pareto_chart(plan: Plan) -> ParetoChart:
     return ParetoChart(points=points, capacity_bytes=plan.prediction.memory.capacity)
 
 
-def alternative_rows(chart: ParetoChart) -> list[dict[str, str]]:
+def table_points(chart: ParetoChart, best: int = TABLE_BEST_FEASIBLE) -> list[ParetoPoint]:
+    """The rows of the candidates table: the chosen plan, the `best` fastest feasible alternatives and the
+    Pareto front, fastest first (feasible before infeasible). The rest stay in plan.json."""
     ranked = sorted(chart.points, key=lambda p: (not p.feasible, p.step_time_s, p.memory_bytes, p.label))
+    fastest = [p for p in ranked if p.feasible and not p.chosen][:best]
+    return [p for p in ranked if p.chosen or p.on_front or any(p is q for q in fastest)]
+
+
+def alternative_rows(chart: ParetoChart, best: int = TABLE_BEST_FEASIBLE) -> list[dict[str, str]]:
+    chosen_time = next((p.step_time_s for p in chart.points if p.chosen), 0.0)
     return [
         {"config": p.label, "step_time": format_seconds(p.step_time_s),
+         "vs_chosen": "" if p.chosen or not chosen_time else f"{(p.step_time_s / chosen_time - 1) * 100:+.1f} %",
          "memory": format_bytes(p.memory_bytes), "feasible": yes_no(p.feasible),
          "pareto": yes_no(p.on_front), "chosen": yes_no(p.chosen)}
-        for p in ranked
+        for p in table_points(chart, best)
     ]
+
+
+def search_estimate_of_chosen(plan: Plan) -> str:
+    """The search's quick estimate for the chosen configuration, when the alternatives carry one that
+    differs from the refined prediction ('' otherwise)."""
+    quick = next((alt for alt in plan.alternatives if alt.parallel == plan.parallel), None)
+    if quick is None:
+        return ""
+    shown = f"{format_seconds(quick.step_time_s)} and {format_bytes(quick.memory_per_gpu_bytes)}"
+    refined = f"{format_seconds(plan.prediction.step_time_s)} and {format_bytes(plan.prediction.memory.total)}"
+    return "" if shown == refined else shown
 
 
 def cluster_rows(plan: Plan) -> list[dict[str, str]]:
@@ -285,6 +306,7 @@ def report_context(plan: Plan) -> dict[str, Any]:
     """Everything report.md.j2 and report.html.j2 read: plan_context plus chart data and tables."""
     timeline = pipeline_timeline(plan.parallel)
     pareto = pareto_chart(plan)
+    rows = alternative_rows(pareto)
     return {
         **plan_context(plan),
         "memory_chart": memory_chart(plan),
@@ -293,8 +315,15 @@ def report_context(plan: Plan) -> dict[str, Any]:
         "timeline_text": timeline_as_text(timeline),
         "timeline_capped": timeline.drawn_micro_batches < timeline.total_micro_batches,
         "pareto": pareto,
-        "alternative_rows": alternative_rows(pareto),
+        "alternative_rows": rows,
+        "candidate_count": len(pareto.points),
+        "alternatives_not_shown": len(pareto.points) - len(rows),
+        "alternatives_not_shown_infeasible": sum(not p.feasible for p in pareto.points) - sum(
+            row["feasible"] == "no" for row in rows),
+        "table_best_feasible": TABLE_BEST_FEASIBLE,
         "pareto_front_count": sum(p.on_front for p in pareto.points),
+        "chosen_on_front": any(p.chosen and p.on_front for p in pareto.points),
+        "search_estimate_of_chosen": search_estimate_of_chosen(plan),
         "rejected_rows": [r.model_dump() for r in plan.rejected],
         "assumption_rows": [a.model_dump() for a in plan.assumptions],
         "cluster_rows": cluster_rows(plan),

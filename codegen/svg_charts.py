@@ -7,13 +7,14 @@ the same plan always gives the same bytes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from html import escape
 from math import ceil, floor, log10
 
 from markupsafe import Markup
 
 from zplan.codegen.context import GiB, format_bytes, format_seconds
-from zplan.codegen.report import MemoryChart, ParetoChart, PipelineTimeline, TimeChart
+from zplan.codegen.report import MemoryChart, ParetoChart, ParetoPoint, PipelineTimeline, TimeChart
 
 WIDTH = 960
 FONT = 12
@@ -46,9 +47,11 @@ def _rect(x: float, y: float, w: float, h: float, fill: str, title: str = "", ex
 
 
 def _text(x: float, y: float, text: str, anchor: str = "start", size: int = FONT, fill: str = INK,
-          weight: str = "normal") -> str:
+          weight: str = "normal", halo: bool = False) -> str:
+    """A label; `halo` outlines it in white so it stays readable over marks."""
+    outline = ' stroke="#ffffff" stroke-width="3" paint-order="stroke"' if halo else ""
     return (f'<text x="{_n(x)}" y="{_n(y)}" text-anchor="{anchor}" font-size="{size}" fill="{fill}"'
-            f' font-weight="{weight}">{escape(text)}</text>')
+            f' font-weight="{weight}"{outline}>{escape(text)}</text>')
 
 
 def _line(x1: float, y1: float, x2: float, y2: float, stroke: str, dash: str = "", width: float = 1) -> str:
@@ -164,6 +167,12 @@ def pipeline_svg(timeline: PipelineTimeline) -> Markup:
     units = max(timeline.total_units, 1)
     unit_w = min(plot_w / units, 48.0)  # a short schedule stays readable instead of stretching
     label_every = ceil(16 / row_h)  # a rank label needs ~16 px of height
+    # A kind of slot (forward or backward) is numbered only if every slot of that kind has room for its
+    # number, so a row never shows some micro-batches numbered and others not.
+    digits = len(str(max((slot.micro_batch for slot in timeline.slots), default=0)))
+    narrowest = {kind: min(slot.duration for slot in timeline.slots if slot.kind == kind)
+                 for kind in {slot.kind for slot in timeline.slots}}
+    numbered = {kind for kind, units in narrowest.items() if units * unit_w >= 6 * digits + 6 and row_h >= 14}
     body = []
     for stage in range(timeline.stages):
         y = top + stage * row_h
@@ -181,17 +190,22 @@ def pipeline_svg(timeline: PipelineTimeline) -> Markup:
                    f"units {slot.start}-{slot.start + slot.duration}")
         body.append(_rect(x + 0.5, y + 1, width - 1, row_h - 2,
                           forward_color if slot.kind == "F" else backward_color, tooltip))
-        label = str(slot.micro_batch)
-        if width >= 6 * len(label) + 6 and row_h >= 14:
-            body.append(_text(x + width / 2, y + row_h / 2 + 4, label, "middle", 10, "#ffffff"))
+        if slot.kind in numbered:
+            body.append(_text(x + width / 2, y + row_h / 2 + 4, str(slot.micro_batch), "middle", 10, "#ffffff"))
     axis_y = top + timeline.stages * row_h + 4
     for tick in nice_ticks(0, units, 10, integer=True):
         if tick <= units:
             tick_x = plot_left + tick * unit_w
             body.append(_line(tick_x, axis_y, tick_x, axis_y + 5, MUTED))
             body.append(_text(tick_x, axis_y + 17, _tick_label(tick), "middle", 11, MUTED))
-    body.append(_text(plot_left, axis_y + 32, "time (units: forward of one model chunk = 1, backward = 2)",
-                      "start", 11, MUTED))
+    if numbered == {"F", "B"}:
+        numbers = "; the number in a slot is its micro-batch"
+    elif numbered:
+        numbers = f"; the number in a {'forward' if 'F' in numbered else 'backward'} slot is its micro-batch"
+    else:
+        numbers = "; hover a slot for its micro-batch"
+    caption = f"time (units: forward of one model chunk = 1, backward = 2){numbers}"
+    body.append(_text(plot_left, axis_y + 32, caption, "start", 11, MUTED))
     items = []
     for chunk in range(timeline.chunks):
         forward_color, backward_color = CHUNK_COLORS[chunk % len(CHUNK_COLORS)]
@@ -201,24 +215,104 @@ def pipeline_svg(timeline: PipelineTimeline) -> Markup:
     return _svg("chart-pipeline", bottom + 4, "Pipeline schedule timeline", body + legend)
 
 
-def pareto_svg(chart: ParetoChart) -> Markup:
-    """Step time against memory per GPU; the Pareto front joined by a line, the chosen plan ringed."""
-    left, right, top, bottom = 78, WIDTH - 30, 20, 360
-    memories = [p.memory_bytes / GiB for p in chart.points]
+# The Pareto chart's view: memory up to this many times the device capacity (or the largest feasible
+# point), step time up to this many times the chosen plan's (or the slowest point on the front).
+VIEW_CAPACITY_FACTOR = 2.0
+VIEW_TIME_FACTOR = 3.0
+PARETO_BOX = (78, WIDTH - 30, 20, 360)  # left, right, top, bottom of the plot area
+
+
+@dataclass(frozen=True)
+class ParetoView:
+    """The axes of the Pareto chart and the points that lie beyond them."""
+
+    x_ticks: list[float]  # GiB per GPU
+    y_ticks: list[float]  # step time, in time_unit
+    time_scale: float  # seconds -> time_unit
+    time_unit: str
+    capacity_in_view: bool
+    off_chart: list[ParetoPoint]  # drawn clipped at the edge of the plot
+
+    @property
+    def x_max_gib(self) -> float:
+        return self.x_ticks[-1]
+
+    @property
+    def y_max_s(self) -> float:
+        return self.y_ticks[-1] / self.time_scale
+
+    def beyond(self, point: ParetoPoint) -> tuple[bool, bool]:
+        """(past the right edge, past the top edge)."""
+        return point.memory_bytes / GiB > self.x_max_gib, point.step_time_s > self.y_max_s
+
+
+def pareto_view(chart: ParetoChart) -> ParetoView:
+    """Axes that show the region that matters: every feasible point, the chosen plan and the Pareto front.
+
+    Memory goes up to VIEW_CAPACITY_FACTOR x the device capacity (further if a feasible point or the
+    chosen plan needs it), step time up to VIEW_TIME_FACTOR x the chosen plan's (further if the front
+    needs it); a point beyond either is listed in off_chart and drawn at the edge."""
     capacity_gib = chart.capacity_bytes / GiB
-    capacity_in_view = max(memories, default=0) >= capacity_gib / 2  # else it would squash the points
+    points = chart.points
+    memories = [p.memory_bytes / GiB for p in points] or [capacity_gib]
+    times = [p.step_time_s for p in points] or [1.0]
+    kept = [p for p in points if p.feasible or p.chosen]
+    x_needed = max([p.memory_bytes / GiB for p in kept] + [VIEW_CAPACITY_FACTOR * capacity_gib])
+    x_high = min(max(memories), x_needed)
+    y_needed = max([p.step_time_s for p in points if p.on_front or p.chosen]
+                   + [VIEW_TIME_FACTOR * p.step_time_s for p in points if p.chosen], default=max(times))
+    y_high = min(max(times), y_needed)
+    capacity_in_view = x_high >= capacity_gib / 2  # else it would squash the points
     if capacity_in_view:
-        memories.append(capacity_gib)
-    times = [p.step_time_s for p in chart.points]
-    time_scale, time_unit = (1.0, "s") if max(times, default=1) >= 1 else (1e3, "ms")
-    x_ticks = nice_ticks(min(memories) * 0.95, max(memories) * 1.03, 8)
-    y_ticks = nice_ticks(min(times) * time_scale * 0.95, max(times) * time_scale * 1.03, 6)
+        x_high = max(x_high, capacity_gib)
+    x_low = min(min(memories), capacity_gib) if capacity_in_view else min(memories)
+    time_scale, time_unit = (1.0, "s") if y_high >= 1 else (1e3, "ms")
+    x_ticks = nice_ticks(x_low * 0.95, x_high * 1.03, 8)
+    y_ticks = nice_ticks(min(times) * time_scale * 0.95, y_high * time_scale * 1.03, 6)
+    view = ParetoView(x_ticks=x_ticks, y_ticks=y_ticks, time_scale=time_scale, time_unit=time_unit,
+                      capacity_in_view=capacity_in_view, off_chart=[])
+    return replace(view, off_chart=[p for p in points if any(view.beyond(p))])
+
+
+def _arrow(x: float, y: float, right: bool, up: bool, size: float = 7) -> str:
+    """Points of a triangle at (x, y) pointing right, up, or up-right (where the point really is)."""
+    dx, dy = (1.0 if right else 0.0), (-1.0 if up else 0.0)
+    norm = (dx * dx + dy * dy) ** 0.5 or 1.0
+    dx, dy = dx / norm, dy / norm
+    px, py = -dy, dx  # perpendicular
+    tip = (x + dx * size * 0.5, y + dy * size * 0.5)
+    base = (x - dx * size * 0.9, y - dy * size * 0.9)
+    corners = [tip, (base[0] + px * size * 0.75, base[1] + py * size * 0.75),
+               (base[0] - px * size * 0.75, base[1] - py * size * 0.75)]
+    return " ".join(f"{_n(cx)},{_n(cy)}" for cx, cy in corners)
+
+
+def _point_style(point: ParetoPoint) -> str:
+    if point.chosen:
+        return f'fill="#2f5d8a" stroke="{INK}" stroke-width="2.5"'
+    if point.on_front:
+        return 'fill="#4e79a7" stroke="#ffffff" stroke-width="1"'
+    if point.feasible:
+        return 'fill="#9aa5b1" fill-opacity="0.8"'
+    return f'fill="#ffffff" stroke="{ALERT}" stroke-width="1.5"'
+
+
+def pareto_svg(chart: ParetoChart) -> Markup:
+    """Step time against memory per GPU; the Pareto front joined by a line, the chosen plan ringed.
+
+    Points beyond the view (pareto_view) are drawn as triangles on the edge, pointing where they lie."""
+    left, right, top, bottom = PARETO_BOX
+    view = pareto_view(chart)
+    x_ticks, y_ticks, time_scale = view.x_ticks, view.y_ticks, view.time_scale
+    capacity_gib = chart.capacity_bytes / GiB
 
     def to_x(gib: float) -> float:
+        gib = min(gib, x_ticks[-1])
         return left + (gib - x_ticks[0]) / (x_ticks[-1] - x_ticks[0]) * (right - left)
 
     def to_y(seconds: float) -> float:
-        return bottom - (seconds * time_scale - y_ticks[0]) / (y_ticks[-1] - y_ticks[0]) * (bottom - top)
+        value = min(seconds * time_scale, y_ticks[-1])
+        return bottom - (value - y_ticks[0]) / (y_ticks[-1] - y_ticks[0]) * (bottom - top)
 
     body = []
     for tick in x_ticks:
@@ -230,15 +324,18 @@ def pareto_svg(chart: ParetoChart) -> Markup:
     body.append(_text((left + right) / 2, bottom + 38, "memory per GPU (GiB)", "middle", 12, MUTED))
     middle = _n((top + bottom) / 2)
     body.append(f'<text x="18" y="{middle}" text-anchor="middle" font-size="12" fill="{MUTED}" '
-                f'transform="rotate(-90 18 {middle})">step time ({time_unit})</text>')
-    if capacity_in_view:
+                f'transform="rotate(-90 18 {middle})">step time ({view.time_unit})</text>')
+    if view.capacity_in_view:
         capacity_x = to_x(capacity_gib)
+        label = f"device capacity {format_bytes(chart.capacity_bytes)}"
         body.append(_line(capacity_x, top, capacity_x, bottom, ALERT, "5 3", 1.5))
-        body.append(_text(capacity_x - 6, top + 12, f"device capacity {format_bytes(chart.capacity_bytes)}",
-                          "end", 11, ALERT))
+        if capacity_x - 6 - _text_width(label, 11) >= left + 4:  # room on the left of the line
+            body.append(_text(capacity_x - 6, top + 12, label, "end", 11, ALERT))
+        else:
+            body.append(_text(capacity_x + 6, top + 12, label, "start", 11, ALERT))
     else:
         off_scale = f"device capacity {format_bytes(chart.capacity_bytes)} (off scale)"
-        body.append(_text(right, top + 12, off_scale, "end", 11, ALERT))
+        body.append(_text(right - 6, top + 12, off_scale, "end", 11, ALERT))
     front = sorted((p for p in chart.points if p.on_front), key=lambda p: p.memory_bytes)
     if len(front) > 1:
         path = " ".join(f"{'M' if i == 0 else 'L'}{_n(to_x(p.memory_bytes / GiB))},{_n(to_y(p.step_time_s))}"
@@ -249,27 +346,47 @@ def pareto_svg(chart: ParetoChart) -> Markup:
         cx, cy = to_x(point.memory_bytes / GiB), to_y(point.step_time_s)
         status = "chosen" if point.chosen else ("Pareto front" if point.on_front else
                                                  ("feasible" if point.feasible else "does not fit"))
+        past_right, past_top = view.beyond(point)
+        where = ", beyond the chart" if past_right or past_top else ""
         tooltip = (f"{point.label}: {format_seconds(point.step_time_s)}, {format_bytes(point.memory_bytes)} "
-                   f"per GPU ({status})")
+                   f"per GPU ({status}{where})")
+        if past_right or past_top:
+            body.append(f'<polygon class="off-chart" points="{_arrow(cx, cy, past_right, past_top)}" '
+                        f"{_point_style(point)}>{_title(tooltip)}</polygon>")
+            continue
+        radius = 9 if point.chosen else (6 if point.on_front else 5)
+        body.append(f'<circle cx="{_n(cx)}" cy="{_n(cy)}" r="{radius}" {_point_style(point)}>'
+                    f"{_title(tooltip)}</circle>")
         if point.chosen:
-            style = f'r="9" fill="#2f5d8a" stroke="{INK}" stroke-width="2.5"'
-        elif point.on_front:
-            style = 'r="6" fill="#4e79a7" stroke="#ffffff" stroke-width="1"'
-        elif point.feasible:
-            style = 'r="5" fill="#9aa5b1" fill-opacity="0.8"'
-        else:
-            style = f'r="5" fill="#ffffff" stroke="{ALERT}" stroke-width="1.5"'
-        body.append(f'<circle cx="{_n(cx)}" cy="{_n(cy)}" {style}>{_title(tooltip)}</circle>')
-        if point.chosen:
-            body.append(_text(cx + 13, cy - 8, "chosen", size=12, weight="600"))
+            anchor, label_x = ("start", cx + 13) if cx + 13 + _text_width("chosen", 12) <= right else ("end", cx - 13)
+            body.append(_text(label_x, cy - 8, "chosen", anchor, 12, weight="600", halo=True))
     legend_y, legend_x = bottom + 62, left
-    legend_marks = ((f'r="7" fill="#2f5d8a" stroke="{INK}" stroke-width="2"', "chosen plan"),
+    legend_marks = [(f'r="7" fill="#2f5d8a" stroke="{INK}" stroke-width="2"', "chosen plan"),
                     ('r="6" fill="#4e79a7"', "Pareto front (feasible)"),
                     ('r="5" fill="#9aa5b1"', "other feasible"),
-                    (f'r="5" fill="#ffffff" stroke="{ALERT}" stroke-width="1.5"', "does not fit in memory"))
+                    (f'r="5" fill="#ffffff" stroke="{ALERT}" stroke-width="1.5"', "does not fit in memory")]
     for style, label in legend_marks:
         circle = f'<circle cx="{_n(legend_x + 6)}" cy="{_n(legend_y - 4)}" {style}>'
         body.append(f"{circle}{_title(label)}</circle>")
         body.append(_text(legend_x + 18, legend_y, label))
         legend_x += 40 + len(label) * 6.6
-    return _svg("chart-pareto", legend_y + 14, "Candidates: step time against memory per GPU", body)
+    height = legend_y + 14
+    if view.off_chart:
+        count = len(view.off_chart)
+        label = f"beyond the chart ({count})"
+        body.append(f'<polygon points="{_arrow(legend_x + 6, legend_y - 4, True, False)}" fill="#ffffff" '
+                    f'stroke="{MUTED}" stroke-width="1.5">{_title(label)}</polygon>')
+        body.append(_text(legend_x + 18, legend_y, label))
+        most_memory = max(p.memory_bytes for p in view.off_chart)
+        most_time = max(p.step_time_s for p in view.off_chart)
+        note = (f"{count} candidate{'s' if count != 1 else ''} off the chart (up to {format_bytes(most_memory)} "
+                f"per GPU, {format_seconds(most_time)} per step) drawn as triangles on its edge, pointing "
+                f"where they lie; plan.json lists them all.")
+        body.append(_text(left, legend_y + 22, note, size=11, fill=MUTED))
+        height += 22
+    return _svg("chart-pareto", height, "Candidates: step time against memory per GPU", body)
+
+
+def _text_width(text: str, size: int) -> float:
+    """A generous estimate of a label's width in px (sans-serif averages ~0.55 em per character)."""
+    return len(text) * size * 0.6

@@ -35,10 +35,11 @@ def transformer_blocks(model: nn.Module, block_prefix: str) -> list[nn.Module]:
 def apply_tensor_parallel(
     model: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[str, str], block_prefix: str, sequence_parallel: bool
 ) -> nn.Module:
-    """Split each block's Linears column/row-wise over `tp_mesh` (tp_plan: path in block -> style)."""
-    if tp_mesh.size() == 1:
-        return model
-    raise NotImplementedError(f"tensor parallelism (tp={tp_mesh.size()}) {_NOT_YET}")
+    """Split each block's Linears column/row-wise over `tp_mesh` (tp_plan: path in block -> style),
+    with sequence parallel when planned; everything else replicated over `tp_mesh` (runtime.tensor_parallel)."""
+    from zplan.runtime import tensor_parallel
+
+    return tensor_parallel.apply_tensor_parallel(model, tp_mesh, tp_plan, block_prefix, sequence_parallel)
 
 
 # ---- 2. activation recompute ---------------------------------------------------------------------
@@ -136,6 +137,11 @@ def apply_data_parallel(
     if zero_stage in (0, 1):
         if offload == "cpu":
             raise NotImplementedError(f"CPU offload with ZeRO {zero_stage} (zplan's CPU Adam) {_NOT_YET}")
+        from zplan.runtime import tensor_parallel
+
+        if tensor_parallel.has_tensor_parallel_parameters(model):  # tp > 1: DDP cannot hold DTensors
+            return tensor_parallel.replicate_over_data_parallel(model, dp_mesh, zero_stage, compute_dtype,
+                                                                block_prefix)
         from torch.nn.parallel import DistributedDataParallel
 
         if compute_dtype is not None:

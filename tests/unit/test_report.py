@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.plan_samples import sample_plan
 from zplan.codegen.context import (
     MEMORY_PARTS,
     TIME_PARTS,
+    GiB,
     format_bytes,
     format_percent,
     format_rate,
@@ -17,11 +20,16 @@ from zplan.codegen.render import markdown_cell, render_reports
 from zplan.codegen.report import (
     BACKWARD_UNITS,
     FORWARD_UNITS,
+    ParetoChart,
+    ParetoPoint,
     _pareto_front,
+    alternative_rows,
     pareto_chart,
     pipeline_timeline,
+    report_context,
     timeline_as_text,
 )
+from zplan.codegen.svg_charts import PARETO_BOX, pareto_svg, pareto_view
 from zplan.schemas.plan import MemoryBreakdown, ParallelConfig, TimeBreakdown
 
 
@@ -145,3 +153,89 @@ def test_reports_render_without_alternatives_for_a_deep_pipeline_that_does_not_f
     assert "| Fits | no |" in reports["report.md"]
     assert reports["report.md"].count("rank ") >= 64
     assert reports["report.html"].count('id="chart-pareto"') == 1
+
+
+def _point(label: str, seconds: float, gib: float, feasible: bool = True, on_front: bool = False,
+           chosen: bool = False) -> ParetoPoint:
+    return ParetoPoint(step_time_s=seconds, memory_bytes=gib * GiB, feasible=feasible, on_front=on_front,
+                       chosen=chosen, label=label)
+
+
+def _polygons(svg: str) -> dict[str, list[tuple[float, float]]]:
+    """Title text -> corner points of each off-chart triangle."""
+    found = re.findall(r'<polygon class="off-chart" points="([^"]+)"[^>]*><title>([^<]+)</title>', svg)
+    return {title: [tuple(map(float, xy.split(","))) for xy in points.split()] for points, title in found}
+
+
+def test_pareto_chart_clips_far_points_to_its_edge_and_counts_them():
+    capacity = 80e9  # 74.51 GiB
+    points = [
+        _point("chosen", 10.0, 40.0, on_front=True, chosen=True),
+        _point("small", 20.0, 10.0, on_front=True),
+        _point("big", 12.0, 60.0),
+        _point("huge", 15.0, 1400.0, feasible=False),  # far right
+        _point("slow", 400.0, 50.0, feasible=False),  # far up
+        _point("both", 1000.0, 2000.0, feasible=False),  # far up and right
+    ]
+    chart = ParetoChart(points=points, capacity_bytes=capacity)
+    view = pareto_view(chart)
+    assert 2 * capacity / GiB <= view.x_max_gib < 1400  # about twice the capacity, not 2000 GiB
+    assert 3 * 10.0 <= view.y_max_s < 400  # a few times the chosen plan's time, not 1000 s
+    assert [p.label for p in view.off_chart] == ["huge", "slow", "both"]
+
+    svg = str(pareto_svg(chart))
+    left, right, top, bottom = PARETO_BOX
+    triangles = _polygons(svg)
+    assert len(triangles) == 3
+    def centre(label):
+        corners = next(c for title, c in triangles.items() if title.startswith(f"{label}:"))
+        return sum(x for x, _ in corners) / 3, sum(y for _, y in corners) / 3
+    huge_x, huge_y = centre("huge")
+    assert abs(huge_x - right) < 6 and top < huge_y < bottom  # on the right edge, at its own step time
+    slow_x, slow_y = centre("slow")
+    assert abs(slow_y - top) < 6 and left < slow_x < right  # on the top edge, at its own memory
+    both_x, both_y = centre("both")
+    assert abs(both_x - right) < 6 and abs(both_y - top) < 6  # in the corner
+    assert all("beyond the chart" in title for title in triangles)
+    assert "3 candidates off the chart (up to 1.95 TiB per GPU, 1000.00 s per step)" in svg
+    assert "beyond the chart (3)" in svg
+    # the points in view stay circles inside the plot (3 here, plus 4 in the legend)
+    circles = re.findall(r'<circle cx="([\d.]+)" cy="([\d.]+)"', svg)
+    assert len(circles) == 3 + 4
+    assert all(left <= float(x) <= right and top <= float(y) <= bottom for x, y in circles[:3])
+    # the capacity label stays inside the plot
+    label = re.search(r'<text x="([\d.]+)" y="[\d.]+" text-anchor="(start|end)"[^>]*>device capacity', svg)
+    assert label is not None and left <= float(label.group(1)) <= right
+
+
+def test_pareto_chart_without_far_points_draws_no_triangles():
+    chart = pareto_chart(sample_plan("gpt3-175b"))
+    assert pareto_view(chart).off_chart == []
+    svg = str(pareto_svg(chart))
+    assert "<polygon" not in svg and "off the chart" not in svg
+
+
+def test_candidates_table_shows_the_chosen_plan_the_fastest_feasible_and_the_front():
+    points = [_point("chosen", 10.0, 40.0, on_front=True, chosen=True)]
+    points += [_point(f"fast{i:02d}", 11.0 + i, 50.0) for i in range(30)]
+    points += [_point("front", 90.0, 5.0, on_front=True), _point("no-fit", 5.0, 500.0, feasible=False)]
+    rows = alternative_rows(ParetoChart(points=points, capacity_bytes=80e9), best=5)
+    assert [row["config"] for row in rows] == ["chosen"] + [f"fast{i:02d}" for i in range(5)] + ["front"]
+    assert rows[0]["vs_chosen"] == "" and rows[1]["vs_chosen"] == "+10.0 %"
+
+
+def test_reports_say_how_many_alternatives_are_left_to_plan_json():
+    base = sample_plan("gpt3-175b")
+    template = base.alternatives[0].model_dump()
+    extra = [{**template, "parallel": {**template["parallel"], "micro_batch": 1 + i % 4,
+                                       "dp": 1, "tp": 8, "pp": 8, "num_micro_batches": 256},
+              "step_time_s": 70.0 + i, "memory_per_gpu_bytes": 60e9 + i * 1e8}
+             for i in range(40)]
+    plan = sample_plan("gpt3-175b", alternatives=[a.model_dump() for a in base.alternatives] + extra)
+    context = report_context(plan)
+    shown, total = len(context["alternative_rows"]), context["candidate_count"]
+    assert shown < total and context["alternatives_not_shown"] == total - shown
+    reports = render_reports(plan)
+    for name in ("report.md", "report.html"):
+        assert f"{total - shown} more configurations" in reports[name]
+        assert "zplan explain plan.json" in reports[name]

@@ -1,0 +1,323 @@
+"""Checkpoints that survive a kill and load under another plan (torch.distributed.checkpoint, DCP).
+
+A checkpoint folder (--checkpoint-dir) holds:
+
+    step-000120/                a complete checkpoint; the newest `keep` of them are kept
+        .metadata, *.distcp     DCP: the model's and the optimizer's state, keyed by parameter name
+        rank-00000.pt, ...      each rank's own state: RNG, data-iterator state, loss scaler
+        train_state.json        optimizer steps done, world size, wrappers of the run that wrote it
+        COMPLETE                written last: a step-* folder without it is not a checkpoint
+    .step-000140.tmp/           being written, or left by a crash: never read, removed by the next save
+
+Writing: every rank writes its shards into `.step-N.tmp` (DCP writes `.metadata` once all shards are
+on disk), then its rank file; a barrier; rank 0 writes train_state.json and COMPLETE, fsyncs, and
+renames the folder to `step-N` (atomic on a POSIX file system, which every rank must share); a
+barrier. A kill at any moment leaves either the previous checkpoints untouched plus a `.tmp` folder,
+or the new checkpoint complete.
+
+Resharding: tensors are saved as what get_state_dict returns with the default options, i.e. each
+rank's DTensor shards under FSDP2 (ZeRO 2/3) and replicated plain tensors under DDP (ZeRO 0/1; DCP
+writes each once), named by parameter FQN without wrapper prefixes; the optimizer's state is flattened
+to one entry per parameter (`optimizer.state.<fqn>.exp_avg`). Loading asks DCP for the tensors in the
+layout of the run that loads, whatever layout wrote them, so a checkpoint of ZeRO-3 on 2 ranks loads
+under ZeRO-0 or on 1 rank. ZeroRedundancyOptimizer (ZeRO-1) has no sharded state dict of its own (its
+state_dict() needs consolidate_state_dict() onto one rank); its local optimizer `.optim` holds this
+rank's partition, so each rank saves and loads the entries of its own parameters, and the union over
+ranks is the whole optimizer.
+
+Hyper-parameters (the optimizer's param_groups: lr, betas, weight decay, ...) are saved for reference
+but not loaded: they come from the script that resumes, as the LR schedule does (a function of the step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from zplan.errors import ZplanError
+from zplan.runtime.distributed import RunContext
+
+COMPLETE_MARKER = "COMPLETE"
+TRAIN_STATE_FILE = "train_state.json"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_TMP_DIR = re.compile(r"^\.step-(\d+)\.tmp$")
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # per-parameter keys: reshardable
+_PARAM_GROUPS_PREFIX = "param_groups."
+# Test-only hook: ZPLAN_TEST_PAUSE="<point>:<step>" makes every rank sleep at that point so that a test
+# can SIGKILL the run there. Points: "after-step" (train loop, step logged) and "before-rename"
+# (checkpoint written and marked complete, not yet renamed).
+TEST_PAUSE_ENV = "ZPLAN_TEST_PAUSE"
+
+
+class CheckpointError(ZplanError):
+    """No usable checkpoint where one was asked for, or one that does not fit the model."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """What the training loop saves and where it resumes from."""
+
+    directory: Path | None = None  # where step-N folders go; None: save nothing
+    every: int = 0  # save after every `every` optimizer steps (0: only after the last step)
+    keep: int = 3  # complete checkpoints kept in `directory`, newest first
+    resume: str | Path | None = None  # None: start fresh; "latest": newest in `directory`; or a path
+
+    def __post_init__(self):
+        if self.every < 0:
+            raise CheckpointError(f"--checkpoint-every must be >= 0, got {self.every}")
+        if self.keep < 1:
+            raise CheckpointError(f"--keep must be >= 1 (checkpoints kept), got {self.keep}")
+        if self.resume == "latest" and self.directory is None:
+            raise CheckpointError("--resume without a path needs --checkpoint-dir: give either")
+
+    def should_save(self, steps_done: int, total_steps: int) -> bool:
+        if self.directory is None:
+            return False
+        return steps_done == total_steps or (self.every > 0 and steps_done % self.every == 0)
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    path: Path
+    step: int  # optimizer steps done when it was saved
+    train_state: dict[str, Any]  # train_state.json
+    # This rank's rank file; when another world size wrote the checkpoint, rank 0's file without its
+    # RNG and data-iterator state (which belong to a rank of the other layout).
+    rank_state: dict[str, Any]
+
+
+# ---- finding checkpoints -------------------------------------------------------------------------
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def is_complete(path: Path) -> bool:
+    return _STEP_DIR.match(path.name) is not None and (path / COMPLETE_MARKER).is_file()
+
+
+def complete_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every complete checkpoint in `directory`, oldest first; [] when there is none."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = []
+    for child in directory.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and child.is_dir() and is_complete(child):
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def latest_checkpoint(directory: str | Path) -> Path | None:
+    """The newest complete checkpoint in `directory` (incomplete and .tmp folders are ignored)."""
+    found = complete_checkpoints(directory)
+    return found[-1][1] if found else None
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """`path` itself when it is a complete checkpoint, else the newest complete one inside it."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"no checkpoint at {path}: the path does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is a file; give a checkpoint folder (step-N) or the folder holding them")
+    if _STEP_DIR.match(path.name) or _TMP_DIR.match(path.name):
+        if is_complete(path):
+            return path
+        raise CheckpointError(
+            f"{path} is an incomplete checkpoint (no {COMPLETE_MARKER} marker, or never renamed from .tmp): "
+            f"its run was killed while writing it; use an older step-N folder beside it"
+        )
+    newest = latest_checkpoint(path)
+    if newest is None:
+        raise CheckpointError(
+            f"no complete checkpoint in {path}: expected step-N folders with a {COMPLETE_MARKER} marker "
+            "(train.py --checkpoint-dir writes them)"
+        )
+    return newest
+
+
+# ---- state dicts ---------------------------------------------------------------------------------
+
+
+def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """ZeroRedundancyOptimizer: the plain optimizer over this rank's partition; others as they are."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
+def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    return get_state_dict(model, _local_optimizer(optimizer), options=_OPTIONS)
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    import random
+
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    import random
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def pause_if_requested(point: str, step: int) -> None:
+    """Test-only: sleep forever at `point` of step `step` when ZPLAN_TEST_PAUSE says so."""
+    if os.environ.get(TEST_PAUSE_ENV) == f"{point}:{step}":
+        print(f"zplan test hook: paused at {point}:{step}", flush=True)
+        while True:
+            time.sleep(60)
+
+
+# ---- saving --------------------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    directory: str | Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    ctx: RunContext,
+    *,
+    keep: int,
+    layout: dict[str, Any] | None = None,
+    rank_state: dict[str, Any] | None = None,
+    data_state: Any = None,
+) -> Path:
+    """Write checkpoint `step` into `directory` (all ranks call it: DCP and the barriers are
+    collective) and keep the newest `keep`; return the complete checkpoint's folder.
+
+    layout: how this run splits the work (e.g. {"data_parallel_size": 2}); rank files are restored only
+    by a run of the same world size and layout. rank_state: this rank's extra state (e.g. the loss
+    scaler), saved beside its RNG state; data_state: the data iterator's state_dict() when it has one.
+    """
+    directory = Path(directory)
+    final = directory / step_dir_name(step)
+    tmp = directory / f".{final.name}.tmp"
+    if ctx.is_main:
+        directory.mkdir(parents=True, exist_ok=True)
+        for stale in directory.iterdir():  # crashed writes, ours included when re-saving a step
+            if _TMP_DIR.match(stale.name):
+                shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    dist.barrier()
+
+    model_state, optimizer_state = _state_dicts(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp)
+    rank_file = tmp / f"rank-{ctx.rank:05d}.pt"
+    torch.save({"rng": _rng_state(ctx.device), "data": data_state, **(rank_state or {})}, rank_file)
+    _fsync_file(rank_file)
+    dist.barrier()  # every rank's shards, the .metadata and every rank file are on disk
+
+    if ctx.is_main:
+        train_state = {
+            "format": FORMAT_VERSION,
+            "step": step,
+            "world_size": ctx.world_size,
+            "layout": layout or {},
+            "model_wrapper": type(model).__name__,
+            "optimizer": type(optimizer).__name__,
+            "torch": torch.__version__,
+        }
+        (tmp / TRAIN_STATE_FILE).write_text(json.dumps(train_state, indent=2) + "\n")
+        _fsync_file(tmp / TRAIN_STATE_FILE)
+        (tmp / COMPLETE_MARKER).write_text(f"step {step}\n")
+        _fsync_file(tmp / COMPLETE_MARKER)
+        _fsync_dir(tmp)
+        pause_if_requested("before-rename", step)
+        if final.exists():  # re-saving a step (a run resumed from an older checkpoint): replace it
+            replaced = directory / f".{final.name}.replaced"
+            shutil.rmtree(replaced, ignore_errors=True)
+            final.rename(replaced)
+            tmp.rename(final)
+            shutil.rmtree(replaced, ignore_errors=True)
+        else:
+            tmp.rename(final)
+        _fsync_dir(directory)
+        _prune(directory, keep, just_written=final)
+    dist.barrier()
+    return final
+
+
+def _prune(directory: Path, keep: int, just_written: Path) -> None:
+    """Delete all but the newest `keep` complete checkpoints (never the one just written)."""
+    found = complete_checkpoints(directory)
+    for _, path in found[: max(0, len(found) - keep)]:
+        if path != just_written:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+# ---- loading -------------------------------------------------------------------------------------
+
+
+def load_checkpoint(
+    path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: RunContext,
+    *, layout: dict[str, Any] | None = None,
+) -> LoadedCheckpoint:
+    """Load checkpoint `path` (a step-N folder, or a folder of them: the newest complete one) into the
+    model and optimizer as this run lays them out, and restore this rank's RNG state when the
+    checkpoint was written by the same world size and layout. All ranks call it (DCP's load is collective)."""
+    path = resolve_checkpoint(path)
+    train_state = json.loads((path / TRAIN_STATE_FILE).read_text())
+    model_state, optimizer_state = _state_dicts(model, optimizer)
+    # Ask DCP for every tensor in this run's layout; param_groups stay this script's hyper-parameters.
+    wanted_optimizer = {k: v for k, v in optimizer_state.items() if not k.startswith(_PARAM_GROUPS_PREFIX)}
+    try:
+        dcp.load({"model": model_state, "optimizer": wanted_optimizer}, checkpoint_id=path)
+    except Exception as error:  # DCP gathers every rank's error into one CheckpointException
+        raise CheckpointError(
+            f"checkpoint {path} does not fit this model and optimizer: {error}".strip()
+        ) from error
+    optimizer_state.update(wanted_optimizer)
+    set_state_dict(model, _local_optimizer(optimizer), model_state_dict=model_state,
+                   optim_state_dict=optimizer_state, options=_OPTIONS)
+
+    same_world = train_state["world_size"] == ctx.world_size and train_state.get("layout", {}) == (layout or {})
+    rank_file = path / f"rank-{(ctx.rank if same_world else 0):05d}.pt"
+    rank_state = torch.load(rank_file, weights_only=False)
+    if same_world:
+        _set_rng_state(rank_state["rng"], ctx.device)
+    else:
+        rank_state = {k: v for k, v in rank_state.items() if k not in ("rng", "data")}
+        if ctx.is_main:
+            print(f"zplan: {path} was written by {train_state['world_size']} processes "
+                  f"{train_state.get('layout', {})}, this run has {ctx.world_size} {layout or {}}: model and "
+                  "optimizer resharded; RNG and data-iterator state not restored", flush=True)
+    return LoadedCheckpoint(path=path, step=int(train_state["step"]), train_state=train_state,
+                            rank_state=rank_state)

@@ -1,0 +1,337 @@
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) and sequence parallelism (Korthikanti et al.
+2022, section 4.2.2) with DTensor's `parallelize_module` (DESIGN.md decision 4).
+
+The plan names each Linear of a block by its path inside the block and gives its split:
+
+    colwise  ColwiseParallel: weight (out/tp, in) and bias (out/tp,) per rank; input replicated (B, T, in),
+             output this rank's features (B, T, out/tp), a plain tensor.
+    rowwise  RowwiseParallel: weight (out, in/tp) per rank, bias replicated; input this rank's features
+             (B, T, in/tp), output summed over the tp ranks: all-reduced to (B, T, out), or with sequence
+             parallel reduce-scattered to this rank's tokens (B, T/tp, out).
+
+A colwise Linear of q, k or v hands each rank a whole number of heads, and attention keeps them when it
+reshapes with view(B, T, -1, head_dim) (DESIGN.md facts): a/tp query heads and, for grouped-query
+attention, kv_heads/tp key/value heads per rank, which pair up as in one process when tp divides
+kv_heads. The split is checked before anything is sharded (see check_block_split).
+
+Everything outside the plan (embeddings, norms, the output head) stays replicated: every tp rank holds
+and updates the same full tensors. Its parameters become Replicate DTensors on the tp mesh as well, so
+that every parameter of the model is a DTensor on one mesh: clip_grad_norm_ and the fused AdamW step
+refuse a mix of plain tensors and DTensors, and FSDP2 then shards all of them alike over dp. The module
+that owns such a parameter still computes on plain tensors: a forward pre-hook puts the parameter's
+local tensor in its place (to_local, whose backward hands the gradient back to the DTensor parameter as
+Replicate: it is the full gradient on every rank, computed from replicated activations) and the
+forward hook puts the parameter back. So activations between blocks and inside attention are plain
+tensors throughout (use_local_output=True everywhere) except under sequence parallel, below.
+
+Sequence parallel: between blocks each rank keeps its own T/tp tokens of the residual stream (B, T/tp, h).
+  - the first block's input is cut to this rank's tokens (backward: the gradient is all-gathered);
+  - norms inside blocks (classes named *Norm) run on their tokens with SequenceParallel: Replicate
+    parameters, gradients Partial until reduced; their output is a DTensor sharded on the sequence;
+  - the module holding colwise Linears (e.g. `attn`, `mlp`) all-gathers its DTensor inputs once, to
+    Replicate (backward: reduce-scatter), so that it sees the full (B, T, h) and its x.shape is global;
+  - rowwise Linears reduce-scatter to (B, T/tp, h) instead of all-reducing (same bytes: Megatron's point);
+  - the last block's output is all-gathered back to (B, T, h) for the replicated final norm and head.
+
+Initialisation: every rank builds the whole model under the same seed (runtime.materialize), then
+`parallelize_module` keeps each rank's slice (distribute_tensor from tp rank 0), so the weights equal a
+single process's. The full model passes through each process's memory once; materialising shard by
+shard is issue #3's later step.
+
+Not done yet: vocabulary-parallel embedding and head (with loss_parallel); parameterised modules inside
+a module that holds split Linears other than those Linears (e.g. a per-head q/k norm) are refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from zplan.errors import PlanMismatchError
+from zplan.runtime.apply import transformer_blocks
+
+STYLES = ("colwise", "rowwise")
+SEQUENCE_DIM = 1  # activations are (B, T, h)
+
+
+def _parent(path: str) -> str:
+    """'attn.q' -> 'attn'; 'qkv' -> '' (the block itself)."""
+    return path.rpartition(".")[0]
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """LayerNorm, RMSNorm and model files' own *Norm classes (e.g. LlamaRMSNorm)."""
+    return type(module).__name__.endswith("Norm")
+
+
+def _owns_parameters(module: nn.Module) -> bool:
+    return any(p is not None for p in module._parameters.values())
+
+
+# ---- the plan as ParallelStyles ---------------------------------------------------------------------
+
+
+def block_styles(tp_plan: dict[str, str], sequence_parallel: bool, norm_paths: list[str]) -> dict[str, ParallelStyle]:
+    """The ParallelStyle of each planned Linear (and, with sequence parallel, of each norm) of one block.
+
+    Without sequence parallel both styles take and give plain tensors (use_local_output=True).
+    With it, rowwise output is reduce-scattered over the sequence; a colwise Linear directly in the block
+    all-gathers its own input (one held by a sub-module gets it gathered by that sub-module's pre-hook).
+    """
+    styles: dict[str, ParallelStyle] = {}
+    for path, style in tp_plan.items():
+        if style not in STYLES:
+            raise PlanMismatchError(f"tensor-parallel style of {path!r} is {style!r}; expected one of {STYLES}")
+        if style == "colwise":
+            gathers_itself = sequence_parallel and not _parent(path)
+            styles[path] = ColwiseParallel(input_layouts=Shard(SEQUENCE_DIM)) if gathers_itself else ColwiseParallel()
+        else:
+            scatters = sequence_parallel
+            styles[path] = RowwiseParallel(output_layouts=Shard(SEQUENCE_DIM)) if scatters else RowwiseParallel()
+    if sequence_parallel:
+        for path in norm_paths:
+            styles[path] = SequenceParallel(sequence_dim=SEQUENCE_DIM)
+    return styles
+
+
+# ---- checks before anything is sharded ---------------------------------------------------------------
+
+
+def check_block_split(block: nn.Module, block_name: str, tp_plan: dict[str, str], tp: int,
+                      sequence_parallel: bool) -> list[str]:
+    """Raise PlanMismatchError when the plan cannot split this block over `tp` ranks; return the paths of
+    the block's norms (the modules sequence parallel runs token-wise)."""
+    problems = []
+    for path, style in tp_plan.items():
+        try:
+            linear = block.get_submodule(path)
+        except AttributeError:
+            problems.append(f"{block_name}.{path} does not exist")
+            continue
+        if not isinstance(linear, nn.Linear):
+            problems.append(f"{block_name}.{path} is a {type(linear).__name__}, not an nn.Linear")
+            continue
+        split_features = linear.out_features if style == "colwise" else linear.in_features
+        if split_features % tp:
+            side = "output" if style == "colwise" else "input"
+            problems.append(f"{block_name}.{path} has {split_features} {side} features, not a multiple of tp={tp}")
+            continue
+        head_dim = getattr(block.get_submodule(_parent(path)), "head_dim", None) if _parent(path) else None
+        if style == "colwise" and isinstance(head_dim, int) and (split_features // tp) % head_dim:
+            problems.append(f"{block_name}.{path} has {split_features // head_dim} heads of {head_dim}, "
+                            f"not a multiple of tp={tp}: a rank would hold part of a head")
+    split = set(tp_plan)
+    holders = {_parent(path) for path in split} - {""}
+    norms = []
+    for name, module in block.named_modules():
+        if not name or name in split or not _owns_parameters(module):
+            continue
+        inside_holder = any(name.startswith(holder + ".") for holder in holders)
+        if inside_holder:  # it would see this rank's features or heads only, its gradient a partial sum
+            problems.append(f"{block_name}.{name} ({type(module).__name__}) has parameters next to split Linears")
+        elif sequence_parallel and _is_norm(module):
+            norms.append(name)
+        elif sequence_parallel:  # it would see this rank's tokens only, its gradient a partial sum
+            problems.append(f"{block_name}.{name} ({type(module).__name__}) has parameters and is not a norm: "
+                            "sequence parallel cannot run it token-wise")
+    if problems:
+        raise PlanMismatchError(
+            f"the tensor-parallel plan does not fit the model at tp={tp}: " + "; ".join(problems)
+            + ". Recompile the plan for this model, or pin tp=1."
+        )
+    return norms
+
+
+# ---- hooks -------------------------------------------------------------------------------------------
+
+
+def _map_tensors(value, fn: Callable):
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, tuple):
+        return tuple(_map_tensors(v, fn) for v in value)
+    if isinstance(value, list):
+        return [_map_tensors(v, fn) for v in value]
+    if isinstance(value, dict):
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    return value
+
+
+def _gather_sequence_inputs(module: nn.Module, args: tuple, kwargs: dict):
+    """Pre-hook of a module holding colwise Linears under sequence parallel: DTensor inputs sharded on
+    the sequence become Replicate (one all-gather; backward reduce-scatter), and stay DTensors so the
+    colwise Linears' Partial input gradients are summed by that reduce-scatter."""
+    def gather(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, DTensor) and any(isinstance(p, Shard) for p in t.placements):
+            return t.redistribute(placements=[Replicate()])
+        return t
+
+    return _map_tensors(args, gather), _map_tensors(kwargs, gather)
+
+
+def _first_arg_hook(fn: Callable[[torch.Tensor], torch.Tensor]):
+    def hook(module: nn.Module, args: tuple):
+        return (fn(args[0]), *args[1:])
+
+    return hook
+
+
+def _first_output_hook(fn: Callable[[torch.Tensor], torch.Tensor]):
+    def hook(module: nn.Module, args: tuple, output):
+        if isinstance(output, torch.Tensor):
+            return fn(output)
+        return (fn(output[0]), *output[1:])  # blocks that return (hidden, extras...)
+
+    return hook
+
+
+def _scatter_sequence(tp_mesh: DeviceMesh) -> Callable[[torch.Tensor], torch.Tensor]:
+    """(B, T, h) replicated -> this rank's tokens (B, T/tp, h); backward all-gathers the gradient."""
+    tp = tp_mesh.size()
+
+    def scatter(x: torch.Tensor) -> torch.Tensor:
+        if x.size(SEQUENCE_DIM) % tp:
+            raise PlanMismatchError(
+                f"sequence parallel splits the sequence over tp={tp} ranks, but this batch has "
+                f"{x.size(SEQUENCE_DIM)} tokens per sequence: use a multiple of {tp}"
+            )
+        full = DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False)
+        return full.redistribute(placements=[Shard(SEQUENCE_DIM)]).to_local()
+
+    return scatter
+
+
+def _gather_sequence(tp_mesh: DeviceMesh) -> Callable[[torch.Tensor], torch.Tensor]:
+    """This rank's tokens (B, T/tp, h) -> (B, T, h) on every rank; backward keeps this rank's slice."""
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        if isinstance(x, DTensor):
+            return x.redistribute(placements=[Replicate()]).to_local()
+        local = DTensor.from_local(x, tp_mesh, [Shard(SEQUENCE_DIM)], run_check=False)
+        return local.redistribute(placements=[Replicate()]).to_local()
+
+    return gather
+
+
+# ---- replicated parameters ---------------------------------------------------------------------------
+
+
+def _compute_on_local_parameters(module: nn.Module, names: list[str]) -> None:
+    """Let `module` compute on plain tensors although its parameters `names` are Replicate DTensors.
+
+    The pre-hook puts each parameter's local tensor in its place (whatever parameter is registered at
+    that moment: FSDP2 swaps its own unsharded parameters in before this hook runs), the forward hook
+    puts the parameters back.
+    """
+    swapped: list[dict[str, torch.Tensor]] = []
+
+    def to_local(mod: nn.Module, args):
+        saved = {}
+        for name in names:
+            param = mod._parameters[name]
+            if isinstance(param, DTensor):
+                saved[name] = param
+                mod._parameters[name] = param.to_local()  # backward: Replicate gradient into `param`
+        swapped.append(saved)
+
+    def restore(mod: nn.Module, args, output):
+        mod._parameters.update(swapped.pop())
+
+    module.register_forward_pre_hook(to_local)
+    module.register_forward_hook(restore, always_call=True)
+
+
+def replicate_remaining_parameters(model: nn.Module, tp_mesh: DeviceMesh) -> int:
+    """Make every plain parameter a Replicate DTensor on `tp_mesh` (tied parameters stay one object) and
+    let its module keep computing on plain tensors. Returns how many parameters were converted."""
+    replicated: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        names = [n for n, p in module._parameters.items() if p is not None and not isinstance(p, DTensor)]
+        for name in names:
+            param = module._parameters[name]
+            if id(param) not in replicated:
+                # distribute_tensor broadcasts tp rank 0's values: replicas start equal even if the
+                # model file's initialisation is not deterministic across processes.
+                replicated[id(param)] = nn.Parameter(
+                    distribute_tensor(param.detach(), tp_mesh, [Replicate()]), requires_grad=param.requires_grad
+                )
+            module._parameters[name] = replicated[id(param)]
+        if names:
+            _compute_on_local_parameters(module, names)
+    return len(replicated)
+
+
+# ---- the step ----------------------------------------------------------------------------------------
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[str, str], block_prefix: str,
+                          sequence_parallel: bool) -> nn.Module:
+    """Split each block's planned Linears over `tp_mesh` (tp_plan: path inside the block -> 'colwise' or
+    'rowwise'), with sequence parallel when planned; replicate every other parameter over `tp_mesh`.
+
+    Returns `model`, changed in place. tp = 1 leaves it as it is.
+    """
+    tp = tp_mesh.size()
+    if tp == 1:
+        return model
+    if not tp_plan:
+        raise PlanMismatchError(f"the plan has tp={tp} but no tensor-parallel rules: recompile the plan")
+    blocks = transformer_blocks(model, block_prefix)
+    for index, block in enumerate(blocks):
+        name = f"{block_prefix}.{index}"
+        norms = check_block_split(block, name, tp_plan, tp, sequence_parallel)
+        parallelize_module(block, tp_mesh, block_styles(tp_plan, sequence_parallel, norms))
+        if sequence_parallel:
+            for holder in sorted({_parent(path) for path in tp_plan} - {""}):
+                block.get_submodule(holder).register_forward_pre_hook(_gather_sequence_inputs, with_kwargs=True)
+    if sequence_parallel:
+        blocks[0].register_forward_pre_hook(_first_arg_hook(_scatter_sequence(tp_mesh)))
+        blocks[-1].register_forward_hook(_first_output_hook(_gather_sequence(tp_mesh)))
+    replicate_remaining_parameters(model, tp_mesh)
+    return model
+
+
+# ---- data parallel over tensor-parallel parameters (ZeRO 0) -------------------------------------------
+
+
+def has_tensor_parallel_parameters(model: nn.Module) -> bool:
+    """True once apply_tensor_parallel made the parameters DTensors (tp > 1)."""
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def replicate_over_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int,
+                                 compute_dtype: torch.dtype | None, block_prefix: str) -> nn.Module:
+    """ZeRO 0 for a tensor-parallel model: parameters, gradients and optimizer states replicated over
+    `dp_mesh`, gradients all-reduced (averaged) in backward, per block so that the all-reduce of one
+    block overlaps the backward of the next.
+
+    DistributedDataParallel cannot: it broadcasts and buckets parameters as plain tensors and has no
+    rule for DTensors. FSDP2's replicate (torch.distributed._composable.replicate_with_fsdp, DDP built on
+    FSDP2's machinery) takes DTensor parameters and places them on the (dp, tp) mesh as (Replicate,
+    tp placement). Mixed precision as FSDP2: compute in `compute_dtype`, reduce gradients in fp32.
+    ZeRO 1 (ZeroRedundancyOptimizer) broadcasts parameters as plain tensors too, so it is refused here.
+    """
+    if zero_stage != 0:
+        raise NotImplementedError(
+            f"ZeRO {zero_stage} with tensor parallelism: ZeroRedundancyOptimizer cannot hold DTensor "
+            "parameters; pin zero=0 or zero=2 (which also shards the optimizer states) for now"
+        )
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mp_policy = (MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+                 if compute_dtype is not None else MixedPrecisionPolicy())
+    for block in transformer_blocks(model, block_prefix):
+        replicate(block, mesh=dp_mesh, mp_policy=mp_policy)
+    replicate(model, mesh=dp_mesh, mp_policy=mp_policy)  # the root: embedding, final norm, head
+    return model
