@@ -261,17 +261,6 @@ def alternative_rows(chart: ParetoChart, best: int = TABLE_BEST_FEASIBLE) -> lis
     ]
 
 
-def search_estimate_of_chosen(plan: Plan) -> str:
-    """The search's quick estimate for the chosen configuration, when the alternatives carry one that
-    differs from the refined prediction ('' otherwise)."""
-    quick = next((alt for alt in plan.alternatives if alt.parallel == plan.parallel), None)
-    if quick is None:
-        return ""
-    shown = f"{format_seconds(quick.step_time_s)} and {format_bytes(quick.memory_per_gpu_bytes)}"
-    refined = f"{format_seconds(plan.prediction.step_time_s)} and {format_bytes(plan.prediction.memory.total)}"
-    return "" if shown == refined else shown
-
-
 def cluster_rows(plan: Plan) -> list[dict[str, str]]:
     """The hardware numbers the prediction used, from the cluster profile copied into the plan."""
     c, gpu, eff = plan.cluster, plan.cluster.gpu, plan.cluster.efficiency
@@ -322,8 +311,6 @@ def report_context(plan: Plan) -> dict[str, Any]:
             row["feasible"] == "no" for row in rows),
         "table_best_feasible": TABLE_BEST_FEASIBLE,
         "pareto_front_count": sum(p.on_front for p in pareto.points),
-        "chosen_on_front": any(p.chosen and p.on_front for p in pareto.points),
-        "search_estimate_of_chosen": search_estimate_of_chosen(plan),
         "rejected_rows": [r.model_dump() for r in plan.rejected],
         "assumption_rows": [a.model_dump() for a in plan.assumptions],
         "cluster_rows": cluster_rows(plan),

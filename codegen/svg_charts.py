@@ -329,10 +329,11 @@ def pareto_svg(chart: ParetoChart) -> Markup:
         capacity_x = to_x(capacity_gib)
         label = f"device capacity {format_bytes(chart.capacity_bytes)}"
         body.append(_line(capacity_x, top, capacity_x, bottom, ALERT, "5 3", 1.5))
+        label_y = top + 28  # below the triangles of points beyond the top edge
         if capacity_x - 6 - _text_width(label, 11) >= left + 4:  # room on the left of the line
-            body.append(_text(capacity_x - 6, top + 12, label, "end", 11, ALERT))
+            body.append(_text(capacity_x - 6, label_y, label, "end", 11, ALERT, halo=True))
         else:
-            body.append(_text(capacity_x + 6, top + 12, label, "start", 11, ALERT))
+            body.append(_text(capacity_x + 6, label_y, label, "start", 11, ALERT, halo=True))
     else:
         off_scale = f"device capacity {format_bytes(chart.capacity_bytes)} (off scale)"
         body.append(_text(right - 6, top + 12, off_scale, "end", 11, ALERT))

@@ -31,12 +31,18 @@ def parallel_config(cand: Candidates, i: int, num_micro_batches: float) -> Paral
     )
 
 
-def _candidate(scored: Scored, i: int) -> Candidate:
-    est = scored.estimate
+def _candidate(scored: Scored, i: int, refined: dict[int, Choice | None]) -> Candidate:
+    """Quick-estimate numbers, or the exact-partition ones where the search refined the candidate (a
+    refinement that found no partition fitting memory marks it infeasible)."""
+    est, j, feasible = scored.estimate, i, bool(scored.estimate.memory.fits[i])
+    if i in refined:
+        feasible = refined[i] is not None
+        if feasible:
+            est, j = refined[i].estimate, 0
     return Candidate(
-        parallel=parallel_config(scored.candidates, i, est.num_micro_batches[i]),
-        step_time_s=float(est.step_time_s[i]), memory_per_gpu_bytes=float(est.memory.total[i]),
-        feasible=bool(est.memory.fits[i]),
+        parallel=parallel_config(scored.candidates, i, est.num_micro_batches[j]),
+        step_time_s=float(est.step_time_s[j]), memory_per_gpu_bytes=float(est.memory.total[j]),
+        feasible=feasible,
     )
 
 
@@ -48,8 +54,11 @@ def pareto_front(time_s: np.ndarray, memory: np.ndarray) -> np.ndarray:
     return order[keep]
 
 
-def alternatives(scored: Scored) -> list[Candidate]:
-    """Top feasible candidates, the Pareto front, and an even sample of the rest (for the scatter)."""
+def alternatives(scored: Scored, refined: dict[int, Choice | None], choice: Choice, summary: ModelSummary,
+                 cluster: ClusterSpec, train: TrainSpec) -> list[Candidate]:
+    """Top feasible candidates, the Pareto front, and an even sample of the rest (for the scatter).
+    Any whose quick estimate beats the chosen plan is refined first, so the lists never show a faster
+    configuration that the exact stage partition would not confirm."""
     est = scored.estimate
     top = list(scored.order[:TOP_ALTERNATIVES])
     feasible = scored.order
@@ -57,11 +66,15 @@ def alternatives(scored: Scored) -> list[Candidate]:
     front = list(front[:MAX_PARETO_POINTS])
     n = len(scored.candidates)
     background = list(np.linspace(0, n - 1, num=min(n, MAX_BACKGROUND_POINTS)).astype(int)) if n else []
+    chosen_s = float(choice.estimate.step_time_s[0])
     seen, picked = set(), []
-    for i in top + front + background:
-        if int(i) not in seen:
-            seen.add(int(i))
-            picked.append(_candidate(scored, int(i)))
+    for i in map(int, top + front + background):
+        if i in seen:
+            continue
+        seen.add(i)
+        if i not in refined and est.memory.fits[i] and est.step_time_s[i] <= chosen_s:
+            refined[i] = refine(summary, scored.candidates.take(np.array([i])), cluster, train)
+        picked.append(_candidate(scored, i, refined))
     return picked
 
 

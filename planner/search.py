@@ -22,7 +22,7 @@ from zplan.schemas.cluster import ClusterSpec
 from zplan.schemas.model import ModelSummary
 from zplan.schemas.spec import Pins, TrainSpec
 
-REFINE_TOP_K = 6  # candidates re-scored with the exact stage partition
+REFINE_TOP_K = 10  # candidates re-scored with the exact stage partition
 
 
 @dataclass(frozen=True)
@@ -94,21 +94,21 @@ def refine(summary: ModelSummary, cand: Candidates, cluster: ClusterSpec, train:
 
 
 def choose(summary: ModelSummary, cluster: ClusterSpec, gpus: int, train: TrainSpec, pins: Pins,
-           scored: Scored) -> Choice:
-    """The fastest of the top candidates after refinement; raises InfeasibleError when none fits."""
+           scored: Scored) -> tuple[Choice, dict[int, Choice | None]]:
+    """The fastest of the top candidates after refinement, and every refinement made (candidate index ->
+    Choice, or None where no stage partition fits memory); raises InfeasibleError when none fits."""
     if len(scored.candidates) == 0:
         raise SpecError(
             f"no legal configuration for {gpus} GPUs with pins {pins.model_dump(exclude_none=True)}: "
             f"check that tp divides the {summary.heads} heads, pp <= {summary.num_blocks} blocks, "
             f"dp*tp*pp = {gpus}, and the global batch {train.global_batch} divides by dp*micro_batch."
         )
-    choices = []
+    refined: dict[int, Choice | None] = {}
     for index in scored.order[: REFINE_TOP_K * 4]:
-        choice = refine(summary, scored.candidates.take(np.array([index])), cluster, train)
-        if choice is not None:
-            choices.append(choice)
-        if len(choices) == REFINE_TOP_K:
+        refined[int(index)] = refine(summary, scored.candidates.take(np.array([index])), cluster, train)
+        if sum(c is not None for c in refined.values()) == REFINE_TOP_K:
             break
+    choices = [c for c in refined.values() if c is not None]
     if not choices:
         raise_infeasible(summary, cluster, gpus, train, pins, scored)
-    return min(choices, key=lambda c: float(c.estimate.step_time_s[0]))
+    return min(choices, key=lambda c: float(c.estimate.step_time_s[0])), refined

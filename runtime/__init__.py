@@ -3,7 +3,7 @@
     ctx = init_distributed(); plan = load_plan(...); check_plan(plan, model_path, ctx.world_size)
     mesh = build_mesh(pp, dp, tp, device_type); model = build_model(build_fn, seed, device)
     apply_tensor_parallel -> apply_recompute -> apply_pipeline -> apply_data_parallel -> build_optimizer
-    train(model, optimizer, make_data_iter(...), loss_fn, ...)
+    train(model, optimizer, make_data_iter(...), loss_fn, ..., checkpoint=CheckpointConfig(...))
 """
 
 from zplan.planner.model_file import load_model_file  # the planner owns the model-file contract
@@ -14,6 +14,14 @@ from zplan.runtime.apply import (
     apply_tensor_parallel,
     build_optimizer,
 )
+from zplan.runtime.checkpoint import (
+    CheckpointConfig,
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    resolve_checkpoint,
+    save_checkpoint,
+)
 from zplan.runtime.data import make_data_iter, synthetic_token_batch, synthetic_token_batches
 from zplan.runtime.distributed import RunContext, close_distributed, init_distributed
 from zplan.runtime.materialize import build_model
@@ -23,9 +31,10 @@ from zplan.runtime.train_loop import WarmupCosine, train
 from zplan.runtime.weights_file import save_full_weights
 
 __all__ = [
-    "RunContext", "WarmupCosine", "apply_data_parallel", "apply_pipeline", "apply_recompute",
-    "apply_tensor_parallel", "build_mesh", "build_model", "build_optimizer", "check_plan",
-    "close_distributed", "init_distributed", "load_model_file", "load_plan", "make_data_iter",
-    "model_file_sha256", "save_full_weights", "synthetic_token_batch",
+    "CheckpointConfig", "CheckpointError", "RunContext", "WarmupCosine", "apply_data_parallel",
+    "apply_pipeline", "apply_recompute", "apply_tensor_parallel", "build_mesh", "build_model",
+    "build_optimizer", "check_plan", "close_distributed", "init_distributed", "latest_checkpoint",
+    "load_checkpoint", "load_model_file", "load_plan", "make_data_iter", "model_file_sha256",
+    "resolve_checkpoint", "save_checkpoint", "save_full_weights", "synthetic_token_batch",
     "synthetic_token_batches", "train",
 ]

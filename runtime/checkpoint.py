@@ -175,13 +175,20 @@ def _rng_state(device: torch.device) -> dict[str, Any]:
     return state
 
 
-def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+def restore_rng_state(rank_state: dict[str, Any], device: torch.device) -> bool:
+    """Set this process's RNGs as they were at the checkpoint; False when the checkpoint has no RNG
+    state for this rank (written by another world size or layout)."""
     import random
+
+    state = rank_state.get("rng")
+    if state is None:
+        return False
 
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
+    return True
 
 
 def _fsync_file(path: Path) -> None:
@@ -291,8 +298,9 @@ def load_checkpoint(
     *, layout: dict[str, Any] | None = None,
 ) -> LoadedCheckpoint:
     """Load checkpoint `path` (a step-N folder, or a folder of them: the newest complete one) into the
-    model and optimizer as this run lays them out, and restore this rank's RNG state when the
-    checkpoint was written by the same world size and layout. All ranks call it (DCP's load is collective)."""
+    model and optimizer as this run lays them out. All ranks call it (DCP's load is collective).
+    The RNG state comes back in `rank_state["rng"]` (same world size and layout only): restore it with
+    restore_rng_state once the data iterator has been fast-forwarded, which may draw random numbers."""
     path = resolve_checkpoint(path)
     train_state = json.loads((path / TRAIN_STATE_FILE).read_text())
     model_state, optimizer_state = _state_dicts(model, optimizer)
@@ -311,9 +319,7 @@ def load_checkpoint(
     same_world = train_state["world_size"] == ctx.world_size and train_state.get("layout", {}) == (layout or {})
     rank_file = path / f"rank-{(ctx.rank if same_world else 0):05d}.pt"
     rank_state = torch.load(rank_file, weights_only=False)
-    if same_world:
-        _set_rng_state(rank_state["rng"], ctx.device)
-    else:
+    if not same_world:
         rank_state = {k: v for k, v in rank_state.items() if k not in ("rng", "data")}
         if ctx.is_main:
             print(f"zplan: {path} was written by {train_state['world_size']} processes "

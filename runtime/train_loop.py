@@ -3,6 +3,11 @@
 One optimizer step = `num_micro_batches` forward/backward passes of `micro_batch` sequences on every
 data-parallel rank; the loss of each micro-batch is divided by num_micro_batches, and DDP / FSDP2
 average gradients over ranks, so the gradient is the mean over the global batch, as in one process.
+
+Checkpoints (runtime/checkpoint.py) are taken between optimizer steps. A resumed run continues as the
+interrupted one would have: model and optimizer states from the checkpoint, the LR from the schedule
+at the checkpoint's step, the data iterator at that step (its load_state_dict when it has one, else the
+micro-batches before are replayed and dropped), the RNG and the loss scaler as they were.
 """
 
 from __future__ import annotations
@@ -22,6 +27,15 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from zplan.runtime.checkpoint import (
+    CheckpointConfig,
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    pause_if_requested,
+    restore_rng_state,
+    save_checkpoint,
+)
 from zplan.runtime.distributed import RunContext
 
 
@@ -114,6 +128,45 @@ def _progress(ctx: RunContext):
     )
 
 
+def _checkpoint_to_resume(checkpoint: CheckpointConfig | None, ctx: RunContext) -> Path | None:
+    """The checkpoint to load, decided on rank 0 so that every rank loads the same one."""
+    if checkpoint is None or checkpoint.resume is None:
+        return None
+    choice: list[str | None] = [None]
+    if ctx.is_main:
+        if checkpoint.resume == "latest":
+            newest = latest_checkpoint(checkpoint.directory)
+            if newest is None:
+                print(f"zplan: no complete checkpoint in {checkpoint.directory} yet: starting from step 0",
+                      flush=True)
+            choice = [str(newest) if newest else None]
+        else:
+            choice = [str(checkpoint.resume)]
+    dist.broadcast_object_list(choice, src=0)
+    return Path(choice[0]) if choice[0] else None
+
+
+def _fast_forward(data_iter: Iterator, data_state, steps_done: int, num_micro_batches: int) -> None:
+    """Put the data iterator where it stood after `steps_done` optimizer steps."""
+    if data_state is not None and hasattr(data_iter, "load_state_dict"):
+        data_iter.load_state_dict(data_state)
+        return
+    for _ in range(steps_done * num_micro_batches):
+        next(data_iter)
+
+
+def _open_log(log_json: str | Path | None, ctx: RunContext, steps_done: int):
+    """Rank 0's JSON-lines log; a resumed run keeps the records up to its checkpoint and appends."""
+    if not (log_json and ctx.is_main):
+        return None
+    path = Path(log_json)
+    if steps_done == 0 or not path.exists():
+        return open(path, "w")
+    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= steps_done]
+    path.write_text("".join(line + "\n" for line in kept))
+    return open(path, "a")
+
+
 def train(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -135,8 +188,11 @@ def train(
     peak_flops: float,
     precision: str = "fp32",
     predicted_model_state_bytes: float | None = None,
+    checkpoint: CheckpointConfig | None = None,
 ) -> list[float]:
-    """Run `steps` optimizer steps; return the loss of each (mean over the global batch, every rank).
+    """Run optimizer steps up to `steps` in all; return the loss of each step run (mean over the global
+    batch, every rank). With `checkpoint.resume`, start after the checkpoint's step; with
+    `checkpoint.directory`, save there after every `checkpoint.every` steps and after the last.
 
     Rank 0 shows a progress bar, writes one JSON line per step to `log_json` (step, loss, lr,
     grad_norm, tokens_per_s, step_time_s, mfu, predicted_mfu, predicted_step_time_s, model_state_bytes,
@@ -145,15 +201,32 @@ def train(
     """
     tokens_per_step = micro_batch * num_micro_batches * data_parallel_size * seq_len
     scaler = _loss_scaler(model, precision, ctx.device)
-    log_file = open(log_json, "w") if (log_json and ctx.is_main) else None
+    # What a rank file's data-iterator and RNG state depend on: restored only under the same layout.
+    layout = {"data_parallel_size": data_parallel_size, "num_micro_batches": num_micro_batches,
+              "micro_batch": micro_batch}
+    start_step = 0
+    resume_from = _checkpoint_to_resume(checkpoint, ctx)
+    if resume_from is not None:
+        loaded = load_checkpoint(resume_from, model, optimizer, ctx, layout=layout)
+        start_step = loaded.step
+        if start_step > steps:
+            raise CheckpointError(f"{loaded.path} is at step {start_step}, beyond --steps {steps}: "
+                                  "pass the total number of steps of the run (at least the checkpoint's)")
+        if scaler is not None and loaded.rank_state.get("scaler") is not None:
+            scaler.load_state_dict(loaded.rank_state["scaler"])
+        _fast_forward(data_iter, loaded.rank_state.get("data"), start_step, num_micro_batches)
+        restore_rng_state(loaded.rank_state, ctx.device)  # after the fast-forward, which may draw
+        if ctx.is_main:
+            print(f"zplan: resumed from {loaded.path} (step {start_step} of {steps})", flush=True)
+    log_file = _open_log(log_json, ctx, start_step)
     losses: list[float] = []
     step_times_s: list[float] = []
     state_bytes: dict[str, int] = {}
     model.train()
     try:
         with _progress(ctx) as progress:
-            task = progress.add_task("train", total=steps, status="")
-            for step in range(steps):
+            task = progress.add_task("train", total=steps, completed=start_step, status="")
+            for step in range(start_step, steps):
                 start = time.perf_counter()
                 lr = lr_schedule(step)
                 for group in optimizer.param_groups:
@@ -177,7 +250,7 @@ def train(
                     scaler.update()
                 else:
                     optimizer.step()
-                if step == 0:
+                if step == start_step:
                     state_bytes = model_state_bytes(model, optimizer)
                 optimizer.zero_grad(set_to_none=True)
                 dist.all_reduce(loss_sum)  # gloo has no AVG: sum, then divide
@@ -206,6 +279,17 @@ def train(
                     task, advance=1,
                     status=f"loss {loss_value:.4f}  {record['tokens_per_s']:,.0f} tok/s  mfu {mfu:.1%}",
                 )
+                if checkpoint is not None and checkpoint.should_save(step + 1, steps):
+                    save_start = time.perf_counter()
+                    saved = save_checkpoint(
+                        checkpoint.directory, step + 1, model, optimizer, ctx, keep=checkpoint.keep,
+                        layout=layout, rank_state={"scaler": scaler.state_dict() if scaler else None},
+                        data_state=data_iter.state_dict() if hasattr(data_iter, "state_dict") else None,
+                    )
+                    if ctx.is_main:
+                        progress.console.print(
+                            f"checkpoint {saved} ({time.perf_counter() - save_start:.2f} s)")
+                pause_if_requested("after-step", step + 1)
     finally:
         if log_file:
             log_file.close()

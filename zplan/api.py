@@ -131,7 +131,7 @@ def prediction(est: StepEstimate, cluster: ClusterSpec, placed: PlacedStates | N
 def compile_plan(req: Request) -> Plan:
     """Search, refine and assemble the Plan (no files written)."""
     scored = score(req.summary, req.cluster, req.gpus, req.train, req.pins)
-    choice = choose(req.summary, req.cluster, req.gpus, req.train, req.pins, scored)
+    choice, refined = choose(req.summary, req.cluster, req.gpus, req.train, req.pins, scored)
     cand, est = choice.candidate, choice.estimate
     placed = place(cand, est, req.cluster, req.train)
     layers = req.summary.layers
@@ -145,7 +145,8 @@ def compile_plan(req: Request) -> Plan:
         zplan_version=__version__, fingerprint=fingerprint(req), model=req.summary, cluster=req.cluster,
         train=req.train, pins=req.pins, parallel=parallel_config(cand, 0, est.num_micro_batches[0]),
         stages=stages, placement=placed.placement, prediction=prediction(est, req.cluster, placed),
-        candidates_evaluated=len(scored.candidates), alternatives=alternatives(scored),
+        candidates_evaluated=len(scored.candidates),
+        alternatives=alternatives(scored, refined, choice, req.summary, req.cluster, req.train),
         rejected=rejected_families(scored, choice, req.summary, req.cluster, req.train),
         assumptions=assumptions(req.cluster, req.summary, req.train),
     )

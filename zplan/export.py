@@ -1,0 +1,146 @@
+"""`zplan export CKPT --to model.safetensors`: one consolidated weights file from a sharded checkpoint.
+
+The checkpoint (runtime/checkpoint.py) holds each rank's shards in DCP's format; its .metadata names
+every tensor with its full shape and dtype. The safetensors file's layout follows from that alone:
+
+    8 bytes   N, the header's length (little-endian u64)
+    N bytes   JSON header: {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}},
+              padded with spaces to a multiple of 8
+    ...       the tensors' bytes, back to back, in header order
+
+so the header is written first and the tensors are then read from the shards a chunk at a time (at
+most `max_chunk_bytes` of tensors per DCP read, a bigger tensor alone) and appended: the process holds
+one chunk, never the whole model. The file is written under a temporary name and renamed when complete.
+Only the model's tensors are exported (keys `model.<fqn>`), named as the model file names them, tied
+weights under each of their names, as `model.state_dict()` has them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from zplan.errors import ZplanError
+from zplan.runtime.checkpoint import CheckpointError, resolve_checkpoint
+
+MODEL_PREFIX = "model."
+DEFAULT_MAX_CHUNK_BYTES = 1 << 30  # 1 GiB of tensors in memory at a time
+# torch dtype -> safetensors dtype name (the safetensors format specification)
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+
+
+class ExportError(ZplanError):
+    """The export's output cannot be written, or the checkpoint holds something safetensors cannot."""
+
+
+def _model_tensors(checkpoint: Path) -> dict[str, tuple[torch.dtype, torch.Size]]:
+    """{checkpoint key: (dtype, full shape)} of the model's tensors, from DCP's metadata alone."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        metadata = FileSystemReader(checkpoint).read_metadata()
+    except Exception as error:
+        raise CheckpointError(f"cannot read the checkpoint metadata in {checkpoint}: {error}") from error
+    tensors = {
+        key: (entry.properties.dtype, entry.size)
+        for key, entry in metadata.state_dict_metadata.items()
+        if key.startswith(MODEL_PREFIX) and isinstance(entry, TensorStorageMetadata)
+    }
+    if not tensors:
+        raise CheckpointError(f"{checkpoint} holds no model tensors (no '{MODEL_PREFIX}*' entries)")
+    unsupported = sorted({str(dtype) for dtype, _ in tensors.values() if dtype not in SAFETENSORS_DTYPES})
+    if unsupported:
+        raise ExportError(f"safetensors has no dtype for {', '.join(unsupported)} in {checkpoint}")
+    return tensors
+
+
+def _nbytes(dtype: torch.dtype, shape: torch.Size) -> int:
+    return shape.numel() * torch.empty((), dtype=dtype).element_size()
+
+
+def _chunks(keys: list[str], sizes: dict[str, int], max_chunk_bytes: int) -> Iterator[list[str]]:
+    """Consecutive runs of `keys` of at most max_chunk_bytes each (a bigger tensor makes a chunk alone)."""
+    chunk, chunk_bytes = [], 0
+    for key in keys:
+        if chunk and chunk_bytes + sizes[key] > max_chunk_bytes:
+            yield chunk
+            chunk, chunk_bytes = [], 0
+        chunk.append(key)
+        chunk_bytes += sizes[key]
+    if chunk:
+        yield chunk
+
+
+def _load_chunk(checkpoint: Path, tensors: dict[str, tuple[torch.dtype, torch.Size]], keys: list[str]):
+    """The full tensors `keys`, assembled by DCP from whatever shards wrote them, in this process only."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    chunk = {key: torch.empty(tensors[key][1], dtype=tensors[key][0]) for key in keys}
+    with warnings.catch_warnings():  # no_dist=True is what we mean; DCP warns about it on every call
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(chunk, storage_reader=FileSystemReader(checkpoint), no_dist=True)
+    return chunk
+
+
+def _header(tensors: dict[str, tuple[torch.dtype, torch.Size]], keys: list[str], step: str) -> bytes:
+    header: dict = {"__metadata__": {"format": "pt", "zplan_checkpoint_step": step}}
+    offset = 0
+    for key in keys:
+        dtype, shape = tensors[key]
+        end = offset + _nbytes(dtype, shape)
+        header[key[len(MODEL_PREFIX):]] = {
+            "dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, end],
+        }
+        offset = end
+    encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    return struct.pack("<Q", len(encoded)) + encoded
+
+
+def export_checkpoint(
+    ckpt_dir: Path, out_file: Path, *, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
+) -> Path:
+    """Write the model weights of checkpoint `ckpt_dir` (a step-N folder, or a checkpoint folder: its
+    newest complete checkpoint) to the safetensors file `out_file`; return `out_file`.
+
+    Raises CheckpointError when `ckpt_dir` holds no complete checkpoint, ExportError when `out_file`
+    cannot be written (both ZplanError). Memory: about max_chunk_bytes, or the largest tensor.
+    """
+    checkpoint = resolve_checkpoint(ckpt_dir)
+    out_file = Path(out_file)
+    if out_file.is_dir():
+        raise ExportError(f"--to {out_file} is a folder; give a file name such as {out_file / 'model.safetensors'}")
+    tensors = _model_tensors(checkpoint)
+    keys = sorted(tensors)
+    sizes = {key: _nbytes(*tensors[key]) for key in keys}
+    step = checkpoint.name.removeprefix("step-").lstrip("0") or "0"
+
+    tmp = out_file.with_name(f".{out_file.name}.tmp")
+    try:
+        out_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(_header(tensors, keys, step))
+            for chunk_keys in _chunks(keys, sizes, max_chunk_bytes):
+                chunk = _load_chunk(checkpoint, tensors, chunk_keys)
+                for key in chunk_keys:
+                    # Raw bytes in the host's order (little-endian on x86 and ARM), as safetensors stores them.
+                    f.write(chunk.pop(key).contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(out_file)
+    except OSError as error:
+        tmp.unlink(missing_ok=True)
+        raise ExportError(f"cannot write {out_file}: {error.strerror or error}") from error
+    return out_file
