@@ -14,7 +14,7 @@ import numpy as np
 from zplan.errors import SpecError
 from zplan.planner.cost.inputs import Candidates, ModelNumbers
 from zplan.planner.cost.step import StepEstimate, estimate_step
-from zplan.planner.cost.units import unit_costs
+from zplan.planner.cost.units import UnitCosts, unit_costs
 from zplan.planner.enumerate import enumerate_candidates
 from zplan.planner.infeasible import raise_infeasible
 from zplan.planner.partition import PartitionResult, partition_layers, uniform_partition
@@ -54,11 +54,11 @@ def score(
     return Scored(candidates=cand, estimate=est, order=feasible[np.lexsort(keys)])
 
 
-def partition_for(summary: ModelSummary, cand: Candidates, cluster: ClusterSpec, train: TrainSpec,
+def partition_for(summary: ModelSummary, cand: Candidates, cluster: ClusterSpec, units: UnitCosts,
                   est: StepEstimate) -> PartitionResult:
-    """Exact stage boundaries for one candidate; interleaved schedules keep Megatron's uniform chunks."""
+    """Exact stage boundaries for one candidate; interleaved schedules keep Megatron's uniform chunks
+    (their memory was checked by the estimate, which counts the interleaved in-flight factor)."""
     pp, v = int(cand.pp[0]), int(cand.interleave[0])
-    units = unit_costs(summary, cand, cluster, train.precision)
     capacity = cluster.gpu.hbm_bytes - float(est.memory.reserve[0]) - float(est.memory.comm_buffers[0])
     if v > 1:
         return interleaved_partition(summary, units.time_s, pp * v)
@@ -83,10 +83,10 @@ def refine(summary: ModelSummary, cand: Candidates, cluster: ClusterSpec, train:
     """Re-estimate one candidate with its exact partition; None when no partition fits memory."""
     model = ModelNumbers.from_summary(summary)
     est = estimate_step(model, cand, cluster, train.precision, train.global_batch)
-    part = partition_for(summary, cand, cluster, train, est)
+    units = unit_costs(summary, cand, cluster, train.precision)
+    part = partition_for(summary, cand, cluster, units, est)
     if not part.feasible:
         return None
-    units = unit_costs(summary, cand, cluster, train.precision)
     v = int(cand.interleave[0])
     stage_blocks = np.array([part.max_cost_s * v / units.block_time_s])
     exact = estimate_step(model, cand, cluster, train.precision, train.global_batch, stage_blocks=stage_blocks)

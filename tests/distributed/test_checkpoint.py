@@ -88,6 +88,9 @@ class TinyGPT(nn.Module):
         self.ln_f = nn.LayerNorm(HIDDEN)
         self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
         self.head.weight = self.wte.weight
+        for p in self.parameters():
+            if p.dim() >= 2:
+                nn.init.normal_(p, std=0.02)
 
     def forward(self, idx):  # (B, T) -> (B, T, V)
         x = self.wte(idx) + self.wpe(torch.arange(idx.size(1)))
@@ -318,8 +321,10 @@ def test_zero3_checkpoint_resumes_under_another_plan(zero_stage, dp, zero3_run, 
     print(f"ZeRO-3 dp=2 step 2 -> ZeRO-{zero_stage} dp={dp}: next-step loss diff {next_step_diff:.2e}, "
           f"max loss diff over steps 3-4 {later_diff:.2e}, final max |weight diff| {weight_diff:.2e}")
     assert next_step_diff <= 1e-5
-    # Step 4's loss and the final weights depend on the Adam moments: the optimizer state resharded too.
-    assert later_diff <= 1e-5 and weight_diff <= 1e-5
+    # Step 4's loss and the final weights depend on the Adam moments: the optimizer state resharded
+    # too. Moments lost or misplaced would move weights by ~LR (3e-3); Adam's division by sqrt(v)
+    # turns a different reduction order's rounding into ~1e-5 where gradients are tiny, hence 1e-4.
+    assert later_diff <= 1e-5 and weight_diff <= 1e-4
 
 
 # ---- zplan export -----------------------------------------------------------------------------------
