@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from zplan.errors import ZplanError
@@ -204,6 +205,17 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def describe_dcp_error(error: BaseException) -> str:
+    """One line per distinct cause of a DCP failure (its CheckpointException carries every rank's
+    exception with a traceback, too long for a message that says what to do)."""
+    if not isinstance(error, CheckpointException):
+        return f"{type(error).__name__}: {error}"
+    causes: dict[str, list[int]] = {}
+    for rank, (exception, _) in sorted(error.failures.items()):
+        causes.setdefault(f"{type(exception).__name__}: {exception}", []).append(rank)
+    return "; ".join(f"{cause} (rank {', '.join(map(str, ranks))})" for cause, ranks in causes.items())
+
+
 def pause_if_requested(point: str, step: int) -> None:
     """Test-only: sleep forever at `point` of step `step` when ZPLAN_TEST_PAUSE says so."""
     if os.environ.get(TEST_PAUSE_ENV) == f"{point}:{step}":
@@ -308,9 +320,9 @@ def load_checkpoint(
     wanted_optimizer = {k: v for k, v in optimizer_state.items() if not k.startswith(_PARAM_GROUPS_PREFIX)}
     try:
         dcp.load({"model": model_state, "optimizer": wanted_optimizer}, checkpoint_id=path)
-    except Exception as error:  # DCP gathers every rank's error into one CheckpointException
+    except (Exception, CheckpointException) as error:  # CheckpointException: every rank's errors
         raise CheckpointError(
-            f"checkpoint {path} does not fit this model and optimizer: {error}".strip()
+            f"cannot load checkpoint {path} into this model and optimizer: {describe_dcp_error(error)}"
         ) from error
     optimizer_state.update(wanted_optimizer)
     set_state_dict(model, _local_optimizer(optimizer), model_state_dict=model_state,

@@ -135,16 +135,17 @@ def check_block_split(block: nn.Module, block_name: str, tp_plan: dict[str, str]
     holders = {_parent(path) for path in split} - {""}
     norms = []
     for name, module in block.named_modules():
-        if not name or name in split or not _owns_parameters(module):
+        if name in split or not _owns_parameters(module):
             continue
-        inside_holder = any(name.startswith(holder + ".") for holder in holders)
-        if inside_holder:  # it would see this rank's features or heads only, its gradient a partial sum
-            problems.append(f"{block_name}.{name} ({type(module).__name__}) has parameters next to split Linears")
-        elif sequence_parallel and _is_norm(module):
+        where, kind = (f"{block_name}.{name}" if name else block_name), type(module).__name__
+        if name in holders or any(name.startswith(holder + ".") for holder in holders):
+            # it would see this rank's features or heads only: its gradient, a partial sum
+            problems.append(f"{where} ({kind}) has parameters of its own beside the split Linears")
+        elif sequence_parallel and name and _is_norm(module):
             norms.append(name)
-        elif sequence_parallel:  # it would see this rank's tokens only, its gradient a partial sum
-            problems.append(f"{block_name}.{name} ({type(module).__name__}) has parameters and is not a norm: "
-                            "sequence parallel cannot run it token-wise")
+        elif sequence_parallel:  # it would see this rank's tokens only: its gradient, a partial sum
+            problems.append(f"{where} ({kind}) has parameters and is not a norm: sequence parallel cannot run "
+                            "it on this rank's tokens")
     if problems:
         raise PlanMismatchError(
             f"the tensor-parallel plan does not fit the model at tp={tp}: " + "; ".join(problems)
@@ -182,6 +183,9 @@ def _gather_sequence_inputs(module: nn.Module, args: tuple, kwargs: dict):
 
 def _first_arg_hook(fn: Callable[[torch.Tensor], torch.Tensor]):
     def hook(module: nn.Module, args: tuple):
+        if not args or not isinstance(args[0], torch.Tensor):
+            raise PlanMismatchError(f"sequence parallel needs the hidden states (B, T, h) as the first positional "
+                                    f"argument of each block; {type(module).__name__} was called without")
         return (fn(args[0]), *args[1:])
 
     return hook
@@ -215,10 +219,11 @@ def _scatter_sequence(tp_mesh: DeviceMesh) -> Callable[[torch.Tensor], torch.Ten
 def _gather_sequence(tp_mesh: DeviceMesh) -> Callable[[torch.Tensor], torch.Tensor]:
     """This rank's tokens (B, T/tp, h) -> (B, T, h) on every rank; backward keeps this rank's slice."""
     def gather(x: torch.Tensor) -> torch.Tensor:
-        if isinstance(x, DTensor):
-            return x.redistribute(placements=[Replicate()]).to_local()
-        local = DTensor.from_local(x, tp_mesh, [Shard(SEQUENCE_DIM)], run_check=False)
-        return local.redistribute(placements=[Replicate()]).to_local()
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, tp_mesh, [Shard(SEQUENCE_DIM)], run_check=False)
+        # clone: to_local() is a view, and FSDP2 warns about a block that returns one (an in-place op on
+        # it would skip FSDP's pre-backward hook); the copy costs less than the all-gather before it.
+        return x.redistribute(placements=[Replicate()]).to_local().clone()
 
     return gather
 

@@ -287,8 +287,8 @@ def train(
                         data_state=data_iter.state_dict() if hasattr(data_iter, "state_dict") else None,
                     )
                     if ctx.is_main:
-                        progress.console.print(
-                            f"checkpoint {saved} ({time.perf_counter() - save_start:.2f} s)")
+                        progress.console.print(f"checkpoint {saved} ({time.perf_counter() - save_start:.2f} s)",
+                                               soft_wrap=True, highlight=False)
                 pause_if_requested("after-step", step + 1)
     finally:
         if log_file:

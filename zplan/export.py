@@ -17,6 +17,7 @@ weights under each of their names, as `model.state_dict()` has them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -25,9 +26,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from zplan.errors import ZplanError
-from zplan.runtime.checkpoint import CheckpointError, resolve_checkpoint
+from zplan.runtime.checkpoint import CheckpointError, describe_dcp_error, resolve_checkpoint
 
 MODEL_PREFIX = "model."
 DEFAULT_MAX_CHUNK_BYTES = 1 << 30  # 1 GiB of tensors in memory at a time
@@ -90,7 +92,14 @@ def _load_chunk(checkpoint: Path, tensors: dict[str, tuple[torch.dtype, torch.Si
     chunk = {key: torch.empty(tensors[key][1], dtype=tensors[key][0]) for key in keys}
     with warnings.catch_warnings():  # no_dist=True is what we mean; DCP warns about it on every call
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(chunk, storage_reader=FileSystemReader(checkpoint), no_dist=True)
+        try:
+            dcp.load(chunk, storage_reader=FileSystemReader(checkpoint), no_dist=True)
+        except (Exception, CheckpointException) as error:  # a shard file missing or cut short
+            names = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+            raise CheckpointError(
+                f"cannot read {names} from {checkpoint} (a shard file lost or cut short?): "
+                f"{describe_dcp_error(error)}"
+            ) from error
     return chunk
 
 
@@ -141,6 +150,8 @@ def export_checkpoint(
             os.fsync(f.fileno())
         tmp.replace(out_file)
     except OSError as error:
-        tmp.unlink(missing_ok=True)
         raise ExportError(f"cannot write {out_file}: {error.strerror or error}") from error
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)  # left only when the export failed
     return out_file

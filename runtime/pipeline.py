@@ -1,0 +1,558 @@
+"""Pipeline parallelism: the model cut into stages at the plan's boundaries, run by a
+torch.distributed.pipelining schedule (GPipe, 1F1B or interleaved 1F1B; DESIGN.md decision 4).
+
+    run = build_pipeline(model, mesh["pp"], stage_modules, "1f1b", num_micro_batches, loss_fn, example)
+    loss = run.step(micro_batches)          # forward + backward of one optimizer step, on every pp rank
+    grad_norm = run.clip_grad_norm_(1.0)    # the norm over all stages, as one process would compute it
+    optimizer.step()                        # over run.parameters(): this rank's stages only
+
+Layout (Megatron's, Narayanan et al. 2021, section 2.2): with pp pipeline ranks and v model chunks per
+rank, stage s = c * pp + r is chunk c of pipeline rank r (torch's PipelineStage maps stage s to group
+rank s % pp). GPipe and 1F1B run one stage per rank (v = 1); interleaved 1F1B runs v >= 2.
+
+What a stage computes. stage_modules[s] lists the module paths stage s runs (the plan's units, e.g.
+['wte', 'wpe', 'blocks.0'], ['blocks.1', ...], [..., 'ln_f', 'lm_head']). A path whose parent is a
+ModuleList, ModuleDict or Sequential is a block; the paths before the first block are the embedding, the
+paths after the last block the head. Then:
+  - stage 0 runs the model's own forward (its class's `forward`, or `pipeline_embed` when the class
+    defines one) on a shallow copy of the model in which every block and head module is replaced by a
+    pass-through (returns its first argument). What the forward computes outside modules, e.g. the
+    token positions of a GPT's position embedding (`wpe(arange(T))`), is thereby computed as in one
+    process. What it returns is the hidden state entering the first block;
+  - then every stage runs its blocks in order, x = block(x);
+  - the last stage runs the head modules in order, x = module(x) (lm_head(ln_f(x))), or the class's
+    `pipeline_head(hidden)` when it defines one, called on a shallow copy that has the head modules.
+
+A model satisfies this contract when (examples/tiny.py, gpt.py and llama.py do):
+  1. its forward runs the embedding, then each block as x = block(x) with one tensor in and one tensor of
+     the same kind out (no extra arguments such as masks or rotary tables: compute those inside the
+     block), then the head modules in order, and returns the head's output;
+  2. after the blocks, the forward calls only head modules, or the class defines `pipeline_embed(self,
+     *inputs)` (the embedding alone) and `pipeline_head(self, hidden)` (e.g. a logit soft-cap);
+  3. the root module holds no parameters of its own (put them in a submodule inside a unit);
+  4. batches are tensors, or tuples, lists or dicts of tensors, with the batch in dim 0.
+build_pipeline checks the split: the stages composed in one process must reproduce model(example)
+(eval mode, within 1e-5), else PipelineSplitError says which of the above to fix.
+
+Parameters registered under several names (a tied output head: lm_head.weight is wte.weight) that end
+up on several pipeline ranks have their gradients summed over those ranks after each step (Megatron's
+embedding all-reduce); the norm for clipping counts them once. The losses of the micro-batches (the
+model file's loss_fn(outputs, batch), a mean per micro-batch) are averaged, and so are the gradients
+(each scaled by 1 / num_micro_batches), as one process accumulating the same micro-batches would.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.tensor import DTensor
+from torch.utils import _pytree as pytree
+
+from zplan.errors import ZplanError
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
+BLOCK_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+SPLIT_TOLERANCE = 1e-5  # max |stages composed - model(example)|, eval mode, fp32
+
+
+class PipelineSplitError(ZplanError):
+    """The plan's stages do not fit the model, or the model's forward cannot be cut at them."""
+
+
+class PassThrough(nn.Module):
+    """Stands in for a module that another stage runs: returns its first argument unchanged."""
+
+    def forward(self, x, *args, **kwargs):
+        return x
+
+
+# ---- which module does what ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UnitRoles:
+    """The module paths of all stages, sorted into embedding, blocks and head (see the module docstring)."""
+
+    embedding: tuple[str, ...]  # before the first block: stage 0 runs them inside the model's forward
+    head: tuple[str, ...]  # after the last block, in order: the last stage runs them
+    block_containers: tuple[str, ...]  # parents of the blocks, e.g. ('blocks',)
+    all_paths: frozenset[str]
+
+
+def _is_block(model: nn.Module, path: str) -> bool:
+    parent, _, _ = path.rpartition(".")
+    return bool(parent) and isinstance(model.get_submodule(parent), BLOCK_CONTAINERS)
+
+
+def unit_roles(model: nn.Module, stage_modules: Sequence[Sequence[str]]) -> UnitRoles:
+    """Check that `stage_modules` cover the model's parameters exactly once; sort the paths by role."""
+    if len(stage_modules) < 2:
+        raise PipelineSplitError(f"a pipeline needs at least 2 stages, got {len(stage_modules)}")
+    flat = [path for stage in stage_modules for path in stage]
+    for index, stage in enumerate(stage_modules):
+        if not stage:
+            raise PipelineSplitError(f"pipeline stage {index} runs no module: give every stage at least one unit")
+    for path in flat:
+        try:
+            model.get_submodule(path)
+        except AttributeError as error:
+            raise PipelineSplitError(
+                f"stage module {path!r} is not a module of {type(model).__name__}: the plan was made for "
+                "another model; compile it again for this model file") from error
+    seen: set[str] = set()
+    for path in flat:
+        clash = next((p for p in seen if p == path or path.startswith(p + ".") or p.startswith(path + ".")), None)
+        if clash is not None:
+            raise PipelineSplitError(f"module {path!r} is in two pipeline stages (with {clash!r}): each module "
+                                     "must belong to exactly one stage")
+        seen.add(path)
+    if dict(model.named_parameters(recurse=False)):
+        names = ", ".join(dict(model.named_parameters(recurse=False)))
+        raise PipelineSplitError(f"{type(model).__name__} holds parameters at its root ({names}), which no "
+                                 "pipeline stage can own: move them into a submodule (e.g. the embedding's)")
+    uncovered = [name for name, _ in model.named_parameters(remove_duplicate=False)
+                 if not any(name.startswith(path + ".") for path in flat)]
+    if uncovered:
+        raise PipelineSplitError(f"parameters {', '.join(uncovered[:5])} are in no pipeline stage: the stages "
+                                 "must list every module that holds parameters")
+    blocks = [i for i, path in enumerate(flat) if _is_block(model, path)]
+    if not blocks:
+        raise PipelineSplitError(f"none of the stage modules of {type(model).__name__} is a block (a child of a "
+                                 "ModuleList, ModuleDict or Sequential): keep the repeated blocks in one of those")
+    embedding, head = tuple(flat[: blocks[0]]), tuple(flat[blocks[-1] + 1:])
+    if not set(embedding) <= set(stage_modules[0]):
+        raise PipelineSplitError(f"the embedding modules {list(embedding)} must all be in pipeline stage 0")
+    if not set(head) <= set(stage_modules[-1]):
+        raise PipelineSplitError(f"the head modules {list(head)} must all be in the last pipeline stage")
+    containers = tuple(dict.fromkeys(flat[i].rpartition(".")[0] for i in blocks))
+    return UnitRoles(embedding=embedding, head=head, block_containers=containers, all_paths=frozenset(flat))
+
+
+# ---- stage modules -------------------------------------------------------------------------------
+
+
+def _attach(root: nn.Module, model: nn.Module, paths: Sequence[str], containers: Sequence[str]) -> None:
+    """Register model's modules at `paths` under `root` with the same names (parents as ModuleDicts), so
+    parameter names and state-dict keys stay the model file's ('blocks.3.attn.q.weight'). Every block
+    container is created, empty if the stage has none of its blocks (so root.get_submodule('blocks') works)."""
+    for path in [*containers, *paths]:
+        node = root
+        *parents, leaf = path.split(".")
+        for name in parents:
+            if name not in node._modules:
+                node.add_module(name, nn.ModuleDict())
+            node = node._modules[name]
+        if leaf not in node._modules:
+            node.add_module(leaf, model.get_submodule(path) if path in paths else nn.ModuleDict())
+
+
+def _skeleton(model: nn.Module, present: set[str], unit_paths: frozenset[str]) -> nn.Module:
+    """A shallow copy of `model` in which the unit modules not in `present` are PassThrough. Only the
+    modules on the way to a unit are copied; the modules kept are the model's own objects."""
+
+    def copy_along(module: nn.Module, prefix: str) -> nn.Module:
+        clone = copy.copy(module)
+        clone._modules = dict(module._modules)  # the copy shares the dict otherwise
+        for name, child in module._modules.items():
+            path = prefix + name
+            if path in unit_paths:
+                clone._modules[name] = child if path in present else PassThrough()
+            elif child is not None and any(unit.startswith(path + ".") for unit in unit_paths):
+                clone._modules[name] = copy_along(child, path + ".")
+        return clone
+
+    return copy_along(model, "")
+
+
+def _call_with_batch(fn: Callable, module: nn.Module, batch: Any) -> Any:
+    """fn(module, batch) for a tensor, fn(module, *batch) for a tuple/list, fn(module, **batch) for a dict
+    (the convention of runtime.train_loop.forward_batch)."""
+    if isinstance(batch, dict):
+        return fn(module, **batch)
+    if isinstance(batch, (tuple, list)):
+        return fn(module, *batch)
+    return fn(module, batch)
+
+
+class PipelineChunk(nn.Module):
+    """One pipeline stage (a model chunk): its modules under their original names, and the forward that
+    runs them (module docstring). Stage 0 takes the leaves of a batch (tensors) and rebuilds the batch;
+    the others take the hidden state of the stage before."""
+
+    def __init__(self, model: nn.Module, paths: Sequence[str], stage_index: int, num_stages: int,
+                 roles: UnitRoles):
+        super().__init__()
+        _attach(self, model, list(paths), roles.block_containers)
+        self._stage_index, self._num_stages = stage_index, num_stages
+        self._paths = tuple(paths)
+        model_class = type(model)
+        head_hook = getattr(model_class, "pipeline_head", None) if stage_index == num_stages - 1 else None
+        skipped = set(roles.embedding) | (set(roles.head) if head_hook else set())
+        self._run_paths = tuple(p for p in paths if p not in skipped)  # run as x = module(x), in order
+        # (shallow copy of the model, function to call on it): kept in tuples, not registered as submodules
+        self._embed: tuple[nn.Module, Callable] | None = None
+        self._head: tuple[nn.Module, Callable] | None = None
+        if stage_index == 0:
+            embed = getattr(model_class, "pipeline_embed", None) or model_class.forward
+            self._embed = (_skeleton(model, set(roles.embedding), roles.all_paths), embed)
+        if head_hook is not None:
+            self._head = (_skeleton(model, set(roles.head), roles.all_paths), head_hook)
+        self._batch_spec: pytree.TreeSpec | None = None  # stage 0: the structure of a batch
+
+    @property
+    def stage_index(self) -> int:
+        return self._stage_index
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        if self._embed is not None:
+            skeleton, embed = self._embed
+            skeleton.training = self.training
+            batch = pytree.tree_unflatten(list(args), self._batch_spec) if self._batch_spec else args[0]
+            x = _call_with_batch(embed, skeleton, batch)
+        elif len(args) == 1:
+            (x,) = args
+        else:
+            raise PipelineSplitError(f"pipeline stage {self._stage_index} received {len(args)} tensors: the "
+                                     "stages must pass one hidden-state tensor (a block returns one tensor)")
+        for path in self._run_paths:
+            x = self.get_submodule(path)(x)
+        if self._head is not None:
+            skeleton, head = self._head
+            skeleton.training = self.training
+            x = head(skeleton, x)
+        return x
+
+
+def batch_leaves(batch: Any) -> tuple[list[torch.Tensor], pytree.TreeSpec]:
+    """The tensors of a batch (a tensor, or a tuple/list/dict of tensors) and its structure."""
+    leaves, spec = pytree.tree_flatten(batch)
+    if not leaves or not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
+        kinds = sorted({type(leaf).__name__ for leaf in leaves})
+        raise PipelineSplitError(f"a batch under pipeline parallelism must be a tensor or a tuple, list or dict "
+                                 f"of tensors (split along dim 0); this one holds {kinds or 'nothing'}")
+    return leaves, spec
+
+
+def split_model(model: nn.Module, stage_modules: Sequence[Sequence[str]],
+                roles: UnitRoles | None = None) -> list[PipelineChunk]:
+    """Every stage of the pipeline, in one process (they share the model's modules)."""
+    roles = roles or unit_roles(model, stage_modules)
+    return [PipelineChunk(model, paths, index, len(stage_modules), roles)
+            for index, paths in enumerate(stage_modules)]
+
+
+def run_stages(chunks: Sequence[PipelineChunk], batch: Any) -> list[torch.Tensor]:
+    """The output of each stage for `batch`, the stages run one after the other in this process."""
+    leaves, spec = batch_leaves(batch)
+    outputs: list[torch.Tensor] = []
+    for chunk in chunks:
+        if chunk.stage_index == 0:
+            chunk._batch_spec = spec
+        outputs.append(chunk(*leaves) if chunk.stage_index == 0 else chunk(outputs[-1]))
+    return outputs
+
+
+def check_split(model: nn.Module, chunks: Sequence[PipelineChunk], example_batch: Any) -> list[torch.Tensor]:
+    """Run the stages one after the other on `example_batch` (eval mode, no grad) and compare with the
+    model's own forward; return each stage's output. Raises PipelineSplitError on a mismatch."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            expected = _call_with_batch(lambda module, *a, **k: module(*a, **k), model, example_batch)
+            outputs = run_stages(chunks, example_batch)
+    finally:
+        model.train(was_training)
+    got = outputs[-1]
+    if isinstance(expected, DTensor):
+        expected = expected.full_tensor()
+    if isinstance(got, DTensor):
+        got = got.full_tensor()
+    if not isinstance(expected, torch.Tensor) or not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+        raise PipelineSplitError(
+            f"the pipeline stages of {type(model).__name__} return {_describe(got)} where the model returns "
+            f"{_describe(expected)}: the forward must return the head's output tensor (or define pipeline_head)")
+    error = (got.float() - expected.float()).abs().max().item()
+    if not error <= SPLIT_TOLERANCE * max(1.0, expected.float().abs().max().item()):
+        raise PipelineSplitError(
+            f"the pipeline stages of {type(model).__name__} do not reproduce its forward (max difference "
+            f"{error:.3g}): stage 0 runs the forward with the blocks and head passed through, then each stage "
+            "runs its blocks as x = block(x) and the last the head modules in order. If the forward does more "
+            "after the blocks than calling head modules (a soft-cap, a scale), define pipeline_embed(self, "
+            "*inputs) and pipeline_head(self, hidden) on the model class (runtime/pipeline.py says more)")
+    return outputs
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
+
+
+# ---- tied parameters across pipeline ranks -------------------------------------------------------
+
+
+def _stage_of(name: str, stage_modules: Sequence[Sequence[str]]) -> int:
+    return next(i for i, paths in enumerate(stage_modules) if any(name.startswith(p + ".") for p in paths))
+
+
+def tied_parameters(model: nn.Module, stage_modules: Sequence[Sequence[str]], pp: int) -> list[tuple[str, ...]]:
+    """Names of each parameter registered under several names whose names fall on more than one pipeline
+    rank (e.g. ('wte.weight', 'lm_head.weight')), in a fixed order."""
+    names_of: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
+    tied = [tuple(names) for names in names_of.values()
+            if len({_stage_of(name, stage_modules) % pp for name in names}) > 1]
+    return sorted(tied)
+
+
+# ---- the run -------------------------------------------------------------------------------------
+
+
+class PipelineRun(nn.Module):
+    """This pipeline rank's part of the model, and the schedule that trains it.
+
+    As an nn.Module it holds this rank's stage modules under their original names (what the optimizer,
+    checkpoints and state dicts see: 'blocks.2.ln1.weight', not 'chunks.0....'); forward is not used:
+    call step(). `chunks` are the stage modules the schedule runs; data parallelism wraps them (DDP or
+    fully_shard, each chunk like a model) before the first step(), which builds the PipelineStages.
+    """
+
+    def __init__(self, chunks: list[PipelineChunk], model: nn.Module, roles: UnitRoles, group: dist.ProcessGroup,
+                 schedule: str, num_micro_batches: int, loss_fn: Callable, stage_examples: dict[int, tuple],
+                 tied: list[tuple[str, ...]], stage_modules: Sequence[Sequence[str]]):
+        super().__init__()
+        _attach(self, model, [p for chunk in chunks for p in chunk._paths], roles.block_containers)
+        self._chunks: list[nn.Module] = list(chunks)
+        self._stage_indices = [chunk.stage_index for chunk in chunks]
+        self._num_stages = len(stage_modules)
+        self._group = group
+        self._pp_rank, self._pp = dist.get_rank(group), dist.get_world_size(group)
+        self._schedule_name = schedule
+        self._num_micro_batches = num_micro_batches
+        self._loss_fn = loss_fn
+        self._stage_examples = stage_examples  # stage -> (input_args, output_args), one micro-batch
+        self._schedule = None
+        self._current_micro_batches: list[Any] = []
+        self._device = next(model.parameters()).device
+        # Tied parameters on several ranks: the process group of the ranks holding each (the pp group when
+        # all of them do), and whether this rank counts it in the gradient norm (the first holder does).
+        self._tied: list[tuple[str, dist.ProcessGroup]] = []
+        self._not_in_norm: set[str] = set()
+        pp_ranks = dist.get_process_group_ranks(group)
+        for names in tied:
+            holders = sorted({_stage_of(n, stage_modules) % self._pp for n in names})
+            if self._pp_rank not in holders:
+                continue
+            tied_group = group if len(holders) == self._pp else dist.new_group(
+                [pp_ranks[r] for r in holders], use_local_synchronization=True)
+            mine = next(n for n in names if _stage_of(n, stage_modules) % self._pp == self._pp_rank)
+            self._tied.append((mine, tied_group))
+            if self._pp_rank != holders[0]:
+                self._not_in_norm.add(mine)
+
+    @property
+    def chunks(self) -> list[nn.Module]:
+        """This rank's stage modules (wrap them in place for data parallelism before the first step)."""
+        return self._chunks
+
+    @property
+    def stage_indices(self) -> list[int]:
+        return list(self._stage_indices)
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a pipelined model runs through PipelineRun.step(micro_batches), not forward()")
+
+    def train(self, mode: bool = True) -> PipelineRun:
+        super().train(mode)
+        for chunk in self._chunks:
+            chunk.train(mode)
+        return self
+
+    def _build_schedule(self):
+        stages = []
+        for chunk, index in zip(self._chunks, self._stage_indices, strict=True):
+            input_args, output_args = self._stage_examples[index]
+            stages.append(PipelineStage(chunk, index, self._num_stages, self._device, input_args=input_args,
+                                        output_args=output_args, group=self._group))
+        schedule_class = SCHEDULES[self._schedule_name]
+        # scale_grads=False: step() divides the gradients by num_micro_batches itself, once per parameter
+        # (torch scales per stage, twice for a parameter shared by two chunks of one rank).
+        if schedule_class is ScheduleInterleaved1F1B:
+            return schedule_class(stages, self._num_micro_batches, loss_fn=self._micro_batch_loss,
+                                  scale_grads=False)
+        return schedule_class(stages[0], self._num_micro_batches, loss_fn=self._micro_batch_loss,
+                              scale_grads=False)
+
+    def _micro_batch_loss(self, output: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        # The schedule hands the loss a slice of `target`; step() passes the micro-batch indices as target,
+        # so that loss_fn receives the whole micro-batch (any structure), as in the non-pipelined loop.
+        return self._loss_fn(output, self._current_micro_batches[int(index.reshape(-1)[0])])
+
+    def step(self, micro_batches: Sequence[Any]) -> torch.Tensor:
+        """Forward and backward of one optimizer step over `micro_batches` (num_micro_batches batches as the
+        data iterator yields them, on the device; every pipeline rank passes the same ones). Gradients are
+        the mean over the micro-batches, tied gradients summed over ranks. Returns the mean loss, on every
+        pipeline rank."""
+        if len(micro_batches) != self._num_micro_batches:
+            raise ValueError(f"expected {self._num_micro_batches} micro-batches, got {len(micro_batches)}")
+        if self._schedule is None:
+            self._schedule = self._build_schedule()
+        self._current_micro_batches = list(micro_batches)
+        holds_first, holds_last = 0 in self._stage_indices, self._num_stages - 1 in self._stage_indices
+        args: tuple = ()
+        if holds_first:
+            per_micro = [batch_leaves(batch) for batch in micro_batches]
+            shapes = [tuple(t.shape) for t in per_micro[0][0]]
+            expected = [tuple(t.shape) for t in self._stage_examples[0][0]]
+            if shapes != expected:
+                raise ValueError(f"micro-batch tensors have shapes {shapes}, but the pipeline was built for "
+                                 f"{expected} (example_micro_batch must have the training micro-batch's shape)")
+            # the schedule splits each tensor along dim 0 into num_micro_batches equal parts: these ones
+            args = tuple(torch.cat(parts) for parts in zip(*(leaves for leaves, _ in per_micro), strict=True))
+        target = torch.arange(self._num_micro_batches) if holds_last else None
+        losses: list[torch.Tensor] = []
+        self._schedule.step(*args, target=target, losses=losses if holds_last else None, return_outputs=False)
+        self._current_micro_batches = []
+        for param in self.parameters():  # unique parameters of this rank
+            if param.grad is not None:
+                param.grad.div_(self._num_micro_batches)
+        for name, tied_group in self._tied:
+            grad = self.get_parameter(name).grad
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            dist.all_reduce(local, group=tied_group)
+        loss = (torch.stack([x.detach().float() for x in losses]).mean() if holds_last
+                else torch.zeros((), device=self._device))
+        dist.broadcast(loss, group=self._group, group_src=(self._num_stages - 1) % self._pp)
+        return loss
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over the whole pipeline: the norm of all stages' gradients (tied
+        ones counted once), the same on every rank; grads scaled by min(1, max_norm / (norm + 1e-6)).
+        max_norm <= 0 or inf: only the norm."""
+        named = [(name, p) for name, p in self.named_parameters() if p.grad is not None]
+        counted = [p.grad for name, p in named if name not in self._not_in_norm]
+        if counted:
+            local = torch.nn.utils.get_total_norm(counted, norm_type)
+            if isinstance(local, DTensor):
+                local = local.full_tensor()
+        else:
+            local = torch.zeros((), device=self._device)
+        local = local.float()
+        if math.isinf(norm_type):
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self._group)
+            total = local
+        else:
+            power = local**norm_type
+            dist.all_reduce(power, group=self._group)
+            total = power ** (1.0 / norm_type)
+        if max_norm > 0 and not math.isinf(max_norm):
+            coefficient = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+            for _, p in named:
+                p.grad.mul_(coefficient)
+        return total
+
+
+def _process_group(pp: DeviceMesh | dist.ProcessGroup) -> dist.ProcessGroup:
+    return pp.get_group() if isinstance(pp, DeviceMesh) else pp
+
+
+def _stage_examples(outputs: list[torch.Tensor], example_leaves: list[torch.Tensor]) -> dict[int, tuple]:
+    """(input_args, output_args) of every stage for one micro-batch: what PipelineStage needs to skip
+    shape inference. Activations between stages require grad (their gradient is sent back)."""
+
+    def activation(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        return t.requires_grad_(True) if t.is_floating_point() else t
+
+    examples = {}
+    for index, output in enumerate(outputs):
+        inputs = tuple(t.detach() for t in example_leaves) if index == 0 else (activation(outputs[index - 1]),)
+        examples[index] = (inputs, (activation(output),))
+    return examples
+
+
+def build_pipeline(
+    model: nn.Module,
+    pp: DeviceMesh | dist.ProcessGroup,
+    stage_modules: Sequence[Sequence[str]],
+    schedule: str,
+    num_micro_batches: int,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    example_micro_batch: Any,
+) -> PipelineRun:
+    """This rank's stages of `model` and `schedule` over them (module docstring).
+
+    stage_modules[s]: the module paths of stage s (plan units expanded with stage_module_paths); with
+    interleaved 1F1B, len(stage_modules) = v * pp and stage s is chunk s // pp of pipeline rank s % pp.
+    loss_fn(outputs, micro_batch) -> scalar mean over the micro-batch (the model file's loss_fn).
+    example_micro_batch: a batch with the training micro-batch's shapes, e.g. the model file's
+    example_inputs(micro_batch, seq_len), on the model's device; used to check the split and to give the
+    stages their activation shapes. Every rank must hold the whole model (as runtime.materialize builds
+    it); drop the reference to `model` afterwards so that only this rank's stages stay in memory.
+    """
+    if schedule not in SCHEDULES:
+        raise PipelineSplitError(f"pipeline schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    group = _process_group(pp)
+    pp_size, pp_rank = dist.get_world_size(group), dist.get_rank(group)
+    num_stages = len(stage_modules)
+    if num_stages % pp_size:
+        raise PipelineSplitError(f"{num_stages} stages cannot be spread evenly over {pp_size} pipeline ranks")
+    chunks_per_rank = num_stages // pp_size
+    if schedule != "interleaved-1f1b" and chunks_per_rank != 1:
+        raise PipelineSplitError(f"{schedule} runs one stage per pipeline rank: got {num_stages} stages for "
+                                 f"{pp_size} ranks (use interleaved-1f1b for {chunks_per_rank} chunks per rank)")
+    if schedule == "1f1b" and num_micro_batches < num_stages:
+        raise PipelineSplitError(f"1F1B needs at least as many micro-batches as stages: {num_micro_batches} "
+                                 f"< {num_stages}")
+    if schedule == "interleaved-1f1b" and num_micro_batches % max(1, num_micro_batches // pp_size):
+        raise PipelineSplitError(f"interleaved 1F1B needs num_micro_batches ({num_micro_batches}) to be a "
+                                 f"multiple of num_micro_batches // pp ({num_micro_batches // pp_size})")
+    roles = unit_roles(model, stage_modules)
+    chunks = split_model(model, stage_modules, roles)
+    example_leaves, _ = batch_leaves(example_micro_batch)
+    outputs = check_split(model, chunks, example_micro_batch)
+    examples = _stage_examples(outputs, example_leaves)
+    mine = [chunks[s] for s in range(pp_rank, num_stages, pp_size)]
+    tied = tied_parameters(model, stage_modules, pp_size)
+    return PipelineRun(mine, model, roles, group, schedule, num_micro_batches,
+                       loss_fn, {s: examples[s] for s in range(pp_rank, num_stages, pp_size)}, tied,
+                       stage_modules)
+
+
+# ---- helpers for the emitted script --------------------------------------------------------------
+
+
+def stage_module_paths(stage_layer_names: Sequence[Sequence[str]], layers: Sequence[Any]) -> list[list[str]]:
+    """The plan's stages (unit names, Stage.layer_names) as module paths: each unit's LayerCost.modules
+    (e.g. 'embedding' -> ['wte', 'wpe']), or the unit name itself when it lists none (a hand-made plan
+    whose units are module paths)."""
+    modules_of = {layer.name: list(layer.modules) for layer in layers}
+    return [[path for name in names for path in (modules_of.get(name) or [name])] for names in stage_layer_names]
+
+
+def gather_full_state_dict(run: PipelineRun) -> dict[str, torch.Tensor] | None:
+    """The whole model's state dict (full CPU tensors, original names) on pipeline rank 0, None on the
+    others. Collective over the pipeline group, and over data/tensor parallel meshes for DTensors."""
+    local = {}
+    for name, tensor in run.state_dict().items():
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        local[name] = full.detach().cpu()
+    gathered: list[dict | None] = [None] * run._pp if run._pp_rank == 0 else None
+    dist.gather_object(local, gathered, group=run._group, group_dst=0)
+    if run._pp_rank != 0:
+        return None
+    merged: dict[str, torch.Tensor] = {}
+    for part in gathered:
+        merged.update(part)
+    return merged

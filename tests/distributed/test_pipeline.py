@@ -1,0 +1,319 @@
+"""Pipeline parallelism (runtime/pipeline.py) under gloo against one process.
+
+Distributed (slow): examples/tiny.py with 4 blocks (tied output head, learned position embedding) trains
+3 AdamW steps with active gradient clipping, pp=2 under GPipe, 1F1B and interleaved 1F1B (2 chunks per
+rank, 4 stages), and dp=2 x pp=2 with DDP (ZeRO 0) and FSDP2 (ZeRO 3) over the dp sub-mesh. The loss and
+gradient norm of every step and the final parameters must equal one process training the same model on
+the same global batch, in plain torch, within 1e-5. The workers are this file run as a script.
+
+Single process (fast): the stages composed reproduce the model's forward for tiny.py, gpt.py and
+llama.py; a model whose forward does more after the head is refused unless it defines the hooks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+REPO = Path(__file__).resolve().parents[2]
+SEED, STEPS, LR, WEIGHT_DECAY, GRAD_CLIP = 5, 3, 1e-3, 0.1, 0.5
+VOCAB, SEQ_LEN, HIDDEN, HEADS, LAYERS = 64, 16, 32, 4, 4
+MICRO_BATCH, NUM_MICRO_BATCHES = 2, 4
+TOLERANCE = 1e-5
+
+UNITS = [  # as the tracer reports examples/tiny.py's units (schemas LayerCost: name, modules)
+    SimpleNamespace(name="embedding", modules=["wte", "wpe"]),
+    *(SimpleNamespace(name=f"blocks.{i}", modules=[f"blocks.{i}"]) for i in range(LAYERS)),
+    SimpleNamespace(name="head", modules=["ln_f", "lm_head"]),
+]
+STAGE_UNITS = {  # plan Stage.layer_names per schedule; interleaved: stage s is chunk s // pp of rank s % pp
+    "gpipe": [["embedding", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "head"]],
+    "1f1b": [["embedding", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "head"]],
+    "interleaved-1f1b": [["embedding", "blocks.0"], ["blocks.1"], ["blocks.2"], ["blocks.3", "head"]],
+}
+RUNS = {  # name -> (dp, schedule, ZeRO stage over dp)
+    2: {"gpipe": (1, "gpipe", 0), "1f1b": (1, "1f1b", 0), "interleaved-1f1b": (1, "interleaved-1f1b", 0)},
+    4: {"dp2-ddp-1f1b": (2, "1f1b", 0), "dp2-fsdp-interleaved": (2, "interleaved-1f1b", 3)},
+}
+
+
+def _import(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def tiny_model() -> nn.Module:
+    tiny = _import(REPO / "examples" / "tiny.py", "tiny_for_pipeline_test")
+    return tiny.build_model(num_layers=LAYERS, hidden=HIDDEN, heads=HEADS, vocab_size=VOCAB, max_seq_len=SEQ_LEN)
+
+
+def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+def adamw(params) -> torch.optim.Optimizer:
+    params = list(params)
+    return torch.optim.AdamW(
+        [{"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
+         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=LR, fused=True)
+
+
+def global_batch(dp: int, step: int) -> torch.Tensor:
+    from zplan.runtime.data import synthetic_token_batch
+
+    return synthetic_token_batch(VOCAB, SEQ_LEN, dp * MICRO_BATCH * NUM_MICRO_BATCHES, SEED, step)  # (B, T)
+
+
+# ---- the worker: one process of a torchrun-like launch ---------------------------------------------
+
+
+def _wrap_for_data_parallel(chunk: nn.Module, dp_mesh, zero_stage: int) -> nn.Module:
+    if zero_stage == 0:
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(chunk, process_group=dp_mesh.get_group())
+    from torch.distributed.fsdp import fully_shard
+
+    for block in chunk.get_submodule("blocks").values():
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=True)
+    return fully_shard(chunk, mesh=dp_mesh, reshard_after_forward=True)
+
+
+def _train_pipelined(mesh, dp: int, schedule: str, zero_stage: int):
+    import torch.distributed as dist
+
+    from zplan.runtime.pipeline import build_pipeline, gather_full_state_dict, stage_module_paths
+
+    torch.manual_seed(SEED)
+    model = tiny_model()
+    stages = stage_module_paths(STAGE_UNITS[schedule], UNITS)
+    example = torch.zeros(MICRO_BATCH, SEQ_LEN, dtype=torch.long)
+    run = build_pipeline(model, mesh["pp"], stages, schedule, NUM_MICRO_BATCHES, next_token_loss, example)
+    del model
+    if dp > 1:
+        for i, chunk in enumerate(run.chunks):
+            run.chunks[i] = _wrap_for_data_parallel(chunk, mesh["dp"], zero_stage)
+    optimizer = adamw(run.parameters())
+    dp_rank, per_rank = mesh["dp"].get_local_rank(), MICRO_BATCH * NUM_MICRO_BATCHES
+    losses, norms = [], []
+    run.train()
+    for step in range(STEPS):
+        mine = global_batch(dp, step)[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+        micro_batches = list(mine.split(MICRO_BATCH))
+        loss = run.step(micro_batches)
+        norm = run.clip_grad_norm_(GRAD_CLIP)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(loss, group=mesh["dp"].get_group())  # the mean over the global batch
+        losses.append(loss.item() / dp)
+        norms.append(float(norm))
+    return losses, norms, gather_full_state_dict(run)
+
+
+def worker(out_file: str, world: int) -> None:
+    from zplan.runtime.distributed import close_distributed, init_distributed
+    from zplan.runtime.mesh import build_mesh
+
+    ctx = init_distributed()
+    try:
+        results = {}
+        for name, (dp, schedule, zero_stage) in RUNS[world].items():
+            mesh = build_mesh(pp=world // dp, dp=dp, tp=1, device_type="cpu")
+            losses, norms, weights = _train_pipelined(mesh, dp, schedule, zero_stage)
+            results[name] = {"losses": losses, "norms": norms, "weights": weights}
+        if ctx.is_main:
+            torch.save(results, out_file)
+    finally:
+        close_distributed()
+
+
+# ---- the tests -----------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world: int, out_file: Path) -> dict:
+    """`world` processes of this file's worker with torchrun's environment (without torchrun's start-up)."""
+    port = str(_free_port())
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+           "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    processes = [
+        subprocess.Popen([sys.executable, __file__, str(out_file), str(world)], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+        for r in range(world)
+    ]
+    outputs = [p.communicate(timeout=240)[0] for p in processes]
+    assert all(p.returncode == 0 for p in processes), "\n".join(outputs)[-8000:]
+    return torch.load(out_file)
+
+
+def reference_run(dp: int) -> dict:
+    """One process, the whole global batch at once, plain torch."""
+    torch.manual_seed(SEED)
+    model = tiny_model()
+    optimizer = adamw(model.parameters())
+    losses, norms = [], []
+    for step in range(STEPS):
+        tokens = global_batch(dp, step)
+        loss = next_token_loss(model(tokens), tokens)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "norms": norms, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+@pytest.fixture(scope="module")
+def pipelined_runs(tmp_path_factory) -> dict:
+    return launch(2, tmp_path_factory.mktemp("pp2") / "results.pt")
+
+
+@pytest.fixture(scope="module")
+def pipelined_data_parallel_runs(tmp_path_factory) -> dict:
+    return launch(4, tmp_path_factory.mktemp("dp2pp2") / "results.pt")
+
+
+def _compare(name: str, got: dict, ref: dict) -> None:
+    loss_diff = max(abs(a - b) for a, b in zip(got["losses"], ref["losses"], strict=True))
+    norm_diff = max(abs(a - b) for a, b in zip(got["norms"], ref["norms"], strict=True))
+    assert set(got["weights"]) == set(ref["weights"])
+    param_diff = max((got["weights"][k] - ref["weights"][k]).abs().max().item() for k in ref["weights"])
+    print(f"{name}: max |loss - single process| = {loss_diff:.2e}, |grad norm - ...| = {norm_diff:.2e}, "
+          f"|parameter - ...| = {param_diff:.2e}")
+    assert max(ref["norms"]) > GRAD_CLIP  # clipping was active, so the norm over all stages mattered
+    assert ref["losses"][-1] < ref["losses"][0]  # it trains
+    assert loss_diff <= TOLERANCE, (got["losses"], ref["losses"])
+    assert norm_diff <= TOLERANCE, (got["norms"], ref["norms"])
+    assert param_diff <= TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b"])
+def test_pipeline_matches_single_process(schedule, pipelined_runs):
+    _compare(f"pp=2 {schedule}", pipelined_runs[schedule], reference_run(dp=1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RUNS[4]))
+def test_data_parallel_times_pipeline_matches_single_process(name, pipelined_data_parallel_runs):
+    _compare(f"dp=2 x pp=2 {name}", pipelined_data_parallel_runs[name], reference_run(dp=2))
+
+
+# ---- single process: the split and its contract --------------------------------------------------
+
+
+def _example_model(name: str) -> tuple[nn.Module, list[list[str]]]:
+    torch.manual_seed(SEED)
+    if name == "tiny":
+        return tiny_model(), [["wte", "wpe", "blocks.0"], ["blocks.1"], ["blocks.2"], ["blocks.3", "ln_f", "lm_head"]]
+    if name == "gpt":
+        gpt = _import(REPO / "examples" / "gpt.py", "gpt_for_pipeline_test")
+        model = gpt.build_model(num_layers=2, hidden=HIDDEN, heads=HEADS, vocab_size=VOCAB, max_seq_len=SEQ_LEN)
+        return model, [["wte", "wpe"], ["blocks.0", "blocks.1", "ln_f", "lm_head"]]
+    llama = _import(REPO / "examples" / "llama.py", "llama_for_pipeline_test")
+    model = llama.build_model(num_layers=2, hidden=HIDDEN, heads=HEADS, kv_heads=2, ffn_hidden=64, vocab_size=VOCAB)
+    return model, [["embed", "layers.0"], ["layers.1", "norm", "lm_head"]]
+
+
+@pytest.mark.parametrize("name", ["tiny", "gpt", "llama"])
+def test_stages_reproduce_the_forward_and_its_gradients(name):
+    """Composed in one process, the stages give the model's logits, and backward through them its gradients."""
+    from zplan.runtime.pipeline import check_split, run_stages, split_model
+
+    model, stages = _example_model(name)
+    chunks = split_model(model, stages)
+    tokens = global_batch(1, 0)[:4]  # (4, T): positions and tokens vary
+    check_split(model, chunks, tokens)
+    next_token_loss(model(tokens), tokens).backward()
+    expected = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    next_token_loss(run_stages(chunks, tokens)[-1], tokens).backward()
+    assert max((p.grad - expected[k]).abs().max().item() for k, p in model.named_parameters()) <= 1e-6
+    names = [n for chunk in chunks for n, _ in chunk.named_parameters()]
+    assert set(names) == {n for n, _ in model.named_parameters(remove_duplicate=False)}  # original names
+
+
+class SoftCapGPT(nn.Module):
+    """A forward that does more after the head (Gemma 2's logit soft-cap): with the head passed through,
+    stage 0 would soft-cap the hidden state, and the last stage would not soft-cap the logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, HIDDEN)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, HIDDEN)) for _ in range(2))
+        self.lm_head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, idx):
+        x = self.wte(idx)
+        for block in self.blocks:
+            x = block(x)
+        return 3.0 * torch.tanh(self.lm_head(x) / 3.0)
+
+
+def test_forward_with_work_after_the_head_needs_the_hooks():
+    from zplan.runtime.pipeline import PipelineSplitError, check_split, split_model
+
+    stages = [["wte", "blocks.0"], ["blocks.1", "lm_head"]]
+    tokens = global_batch(1, 0)[:2]
+    plain = SoftCapGPT()
+    with pytest.raises(PipelineSplitError, match="pipeline_head"):
+        check_split(plain, split_model(plain, stages), tokens)
+
+    class WithHooks(SoftCapGPT):  # the hooks say where the embedding and the head end
+        def pipeline_embed(self, idx):
+            return self.wte(idx)
+
+        def pipeline_head(self, x):
+            return 3.0 * torch.tanh(self.lm_head(x) / 3.0)
+
+    hooked = WithHooks()
+    outputs = check_split(hooked, split_model(hooked, stages), tokens)
+    assert torch.equal(outputs[0], hooked.blocks[0](hooked.wte(tokens)))  # stage 0: no soft-cap on the hidden state
+    assert torch.allclose(outputs[-1], hooked(tokens))
+
+
+def test_stage_lists_that_do_not_fit_the_model_are_refused():
+    from zplan.runtime.pipeline import PipelineSplitError, unit_roles
+
+    model = tiny_model()
+    blocks = [f"blocks.{i}" for i in range(LAYERS)]
+    cases = {
+        "is not a module of TinyGPT": [["wte", "wpe", "blocks.0"], ["nope", *blocks[1:], "ln_f", "lm_head"]],
+        "in no pipeline stage": [["wte", "wpe", *blocks], ["ln_f"]],  # lm_head missing
+        "two pipeline stages": [["wte", "wpe", *blocks], ["blocks.3", "ln_f", "lm_head"]],
+        "must all be in pipeline stage 0": [["wte"], ["wpe", *blocks, "ln_f", "lm_head"]],
+        "must all be in the last pipeline stage": [["wte", "wpe", *blocks, "ln_f"], ["lm_head"]],
+    }
+    for message, stages in cases.items():
+        with pytest.raises(PipelineSplitError, match=message):
+            unit_roles(model, stages)
+
+
+def test_stage_module_paths_expands_units():
+    from zplan.runtime.pipeline import stage_module_paths
+
+    assert stage_module_paths(STAGE_UNITS["1f1b"], UNITS) == [
+        ["wte", "wpe", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "ln_f", "lm_head"]]
+    assert stage_module_paths([["wte", "blocks.0"]], []) == [["wte", "blocks.0"]]  # units named by module path
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], int(sys.argv[2]))
