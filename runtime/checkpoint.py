@@ -47,7 +47,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from zplan.errors import ZplanError
+from zplan.errors import CheckpointError
 from zplan.runtime.distributed import RunContext
 
 COMPLETE_MARKER = "COMPLETE"
@@ -61,10 +61,6 @@ _PARAM_GROUPS_PREFIX = "param_groups."
 # can SIGKILL the run there. Points: "after-step" (train loop, step logged) and "before-rename"
 # (checkpoint written and marked complete, not yet renamed).
 TEST_PAUSE_ENV = "ZPLAN_TEST_PAUSE"
-
-
-class CheckpointError(ZplanError):
-    """No usable checkpoint where one was asked for, or one that does not fit the model."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +91,7 @@ class LoadedCheckpoint:
     path: Path
     step: int  # optimizer steps done when it was saved
     train_state: dict[str, Any]  # train_state.json
-    # This rank's rank file; when another world size wrote the checkpoint, rank 0's file without its
+    # This rank's rank file; when another world size or layout wrote the checkpoint, rank 0's file without its
     # RNG and data-iterator state (which belong to a rank of the other layout).
     rank_state: dict[str, Any]
 

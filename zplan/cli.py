@@ -1,4 +1,4 @@
-"""The `zplan` command line: compile | estimate | explain | clusters | probe.
+"""The `zplan` command line: compile | estimate | explain | export | clusters | probe.
 
 User errors (ZplanError) print one message on stderr, no traceback, and exit with status 2.
 """
@@ -150,6 +150,22 @@ def explain(plan_json: Path = typer.Argument(..., help="A plan.json written by `
     except ZplanError as exc:
         _fail(exc)
     print_explanation(out, plan)
+
+
+@app.command()
+def export(
+    checkpoint: Path = typer.Argument(..., help="A checkpoint folder (step-N) or a folder of them (newest is used)."),
+    to: Path = typer.Option(..., "--to", help="The .safetensors file to write."),
+) -> None:
+    """Consolidate a sharded training checkpoint into one safetensors file (read chunk by chunk)."""
+    from zplan.export import export_checkpoint
+
+    try:
+        with err.status(f"exporting {checkpoint}", spinner="dots"):
+            written = export_checkpoint(checkpoint, to)
+    except ZplanError as exc:
+        _fail(exc)
+    err.print(f"wrote {written}")
 
 
 @app.command()

@@ -31,3 +31,11 @@ class InfeasibleError(ZplanError):
 
 class PlanMismatchError(ZplanError):
     """The plan was made for another model, world size or torch."""
+
+
+class CheckpointError(ZplanError):
+    """No usable checkpoint where one was asked for, or one that does not fit the model."""
+
+
+class ExportError(ZplanError):
+    """The export's output cannot be written, or the checkpoint holds something safetensors cannot."""

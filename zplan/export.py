@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from zplan.errors import ZplanError
+from zplan.errors import ExportError
 from zplan.runtime.checkpoint import CheckpointError, describe_dcp_error, resolve_checkpoint
 
 MODEL_PREFIX = "model."
@@ -39,10 +39,6 @@ SAFETENSORS_DTYPES = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
 }
-
-
-class ExportError(ZplanError):
-    """The export's output cannot be written, or the checkpoint holds something safetensors cannot."""
 
 
 def _model_tensors(checkpoint: Path) -> dict[str, tuple[torch.dtype, torch.Size]]:

@@ -163,3 +163,9 @@ def test_recompiling_into_a_folder_keeps_files_zplan_did_not_write(tmp_path):
     assert (out / "log.jsonl").read_text() == "keep me\n" and (out / "ckpt" / "step-1").exists()
     assert json.loads((out / "plan.json").read_text())["train"]["global_batch"] == 32
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_export_of_a_missing_checkpoint_fails_cleanly(tmp_path):
+    result = run("export", tmp_path / "no-such-ckpt", "--to", tmp_path / "m.safetensors")
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert not (tmp_path / "m.safetensors").exists()
