@@ -3,6 +3,8 @@
 `sample_plan("gpt3-175b")`: GPT-3 175B (Brown et al. 2020, Table 2.1: 96 layers, h=12288, 96 heads,
 s=2048) on 64 dgx-a100-80g GPUs, tp=8 x pp=8 x dp=1, interleaved 1F1B with 2 chunks per stage.
 `sample_plan("tiny-dp")`: a 4-layer toy GPT, data parallel on 2 GPUs.
+`runnable_plan(model_path, ...)`: a plan for a real model file on a few CPU processes, for the tests that
+run the emitted train.py.
 
 Overrides are merged into the plan's JSON form (nested dicts merge field by field) and the result is
 validated, e.g. `sample_plan("tiny-dp", parallel={"zero_stage": 3, "offload": "nvme"})`.
@@ -11,9 +13,12 @@ The numbers are plausible, not predicted: codegen only displays them.
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
 from typing import Any
 
 from zplan.planner.clusters import BUILTIN_CLUSTERS
+from zplan.planner.cpu_local import CPU_LOCAL
 from zplan.schemas import (
     Assumption,
     Candidate,
@@ -232,3 +237,53 @@ def sample_plan(name: str = "gpt3-175b", **overrides: Any) -> Plan:
             value = value.model_dump(mode="json")
         data[key] = _merge(data[key], value) if key in data else value
     return Plan.model_validate(data)
+
+
+# ---- plans that run: a model file on tp x dp CPU processes -------------------------------------------
+
+
+def gpt_unit_names(layers: int) -> list[str]:
+    """The units of the runtime tests' tiny GPTs, in order: embeddings, blocks, final norm, head."""
+    return ["wte", "wpe", *(f"blocks.{i}" for i in range(layers)), "ln_f", "head"]
+
+
+def runnable_plan(model_ref: str | Path, *, units: list[str], hidden: int, heads: int, vocab: int, seq_len: int,
+                  micro_batch: int, num_micro_batches: int, tp: int = 1, dp: int = 1, zero_stage: int = 0,
+                  recompute: str = "none", sequence_parallel: bool = False, precision: str = "fp32",
+                  kv_heads: int | None = None, ffn_hidden: int | None = None,
+                  tp_rules: dict[str, str] | None = None, name: str = "tiny-gpt", source: str = "file",
+                  model_sha256: str | None = None) -> Plan:
+    """A hand-made plan, one pipeline stage on CPU_LOCAL: the fields the runtime reads are real, the
+    predictions are placeholders. The fingerprint hashes the file `model_ref` unless `model_sha256` is
+    given (a family spec); units named blocks.* are the blocks; ZeRO (and tp when > 1) count as pinned."""
+    if model_sha256 is None:
+        model_sha256 = hashlib.sha256(Path(model_ref).read_bytes()).hexdigest()
+    layers = [LayerCost(name=n, kind="block" if n.startswith("blocks") else "other", params=0, fwd_flops=0.0,
+                        act_bytes=0.0) for n in units]
+    return Plan(
+        zplan_version="test",
+        fingerprint=Fingerprint(model_ref=str(model_ref), model_sha256=model_sha256, cluster=CPU_LOCAL.name,
+                                world_size=tp * dp),
+        model=ModelSummary(
+            name=name, source=source, tracer="hand", num_blocks=sum(unit.kind == "block" for unit in layers),
+            hidden=hidden, heads=heads, kv_heads=kv_heads or heads, ffn_hidden=ffn_hidden or 4 * hidden,
+            vocab=vocab, seq_len=seq_len, params=1, layers=layers, block_prefix="blocks",
+            tp_rules=[TensorParallelRule(module=m, style=s) for m, s in (tp_rules or {}).items()],
+        ),
+        cluster=CPU_LOCAL,
+        train=TrainSpec(global_batch=micro_batch * num_micro_batches * dp, seq_len=seq_len, precision=precision),
+        pins=Pins(zero=zero_stage, tp=tp if tp > 1 else None),
+        parallel=ParallelConfig(
+            tp=tp, pp=1, dp=dp, micro_batch=micro_batch, num_micro_batches=num_micro_batches,
+            zero_stage=zero_stage, recompute=recompute, sequence_parallel=sequence_parallel, interleave=1,
+            schedule="none", offload="none",
+        ),
+        stages=[Stage(index=0, first_layer=0, last_layer=len(units) - 1, layer_names=list(units),
+                      fwd_flops_per_sample=0.0, params=0)],
+        placement=Placement(parameters="gpu", gradients="gpu", optimizer="gpu"),
+        prediction=Prediction(step_time_s=0.01, tokens_per_s=1.0, mfu=0.01, model_flops_per_step=1e6,
+                              memory=MemoryBreakdown(**dict.fromkeys(MemoryBreakdown.model_fields, 0.0)),
+                              time=TimeBreakdown(**dict.fromkeys(TimeBreakdown.model_fields, 0.0)),
+                              feasible=True),
+        candidates_evaluated=1, alternatives=[], rejected=[], assumptions=[],
+    )

@@ -10,36 +10,16 @@ test hook (ZPLAN_TEST_PAUSE) makes the processes sleep there, and the test kills
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from zplan.codegen.script import render_script_files
-from zplan.planner.cpu_local import CPU_LOCAL
+from tests.distributed.harness import Ranks, emit, max_weight_diff, read_log, train_args
+from tests.plan_samples import gpt_unit_names, runnable_plan
 from zplan.runtime.checkpoint import TEST_PAUSE_ENV
-from zplan.schemas import (
-    Fingerprint,
-    LayerCost,
-    MemoryBreakdown,
-    ModelSummary,
-    ParallelConfig,
-    Pins,
-    Placement,
-    Plan,
-    Prediction,
-    Stage,
-    TimeBreakdown,
-    TrainSpec,
-)
+from zplan.schemas import Plan
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +30,6 @@ LR = 3e-3
 GLOBAL_BATCH = 8  # sequences per step: dp * micro_batch * num_micro_batches in every plan
 MICRO_BATCH = 2
 VOCAB, SEQ_LEN, HIDDEN, HEADS, LAYERS = 64, 16, 32, 4, 2
-LAUNCH_TIMEOUT_S = 180
 
 # A GPT with tied embeddings and dropout (its rate from the environment, so that one file serves runs
 # with and without it: the plan checks the file's hash).
@@ -103,111 +82,22 @@ def build_model():
     return TinyGPT()
 '''
 
-UNIT_NAMES = ["wte", "wpe", *(f"blocks.{i}" for i in range(LAYERS)), "ln_f", "head"]
-
 
 def make_plan(model_path: Path, *, zero_stage: int, dp: int) -> Plan:
-    """A hand-made data-parallel plan: the fields the runtime reads are real, predictions placeholders."""
-    layers = [LayerCost(name=n, kind="block" if n.startswith("blocks") else "other", params=0, fwd_flops=0.0,
-                        act_bytes=0.0) for n in UNIT_NAMES]
-    return Plan(
-        zplan_version="test",
-        fingerprint=Fingerprint(model_ref=str(model_path), cluster=CPU_LOCAL.name, world_size=dp,
-                                model_sha256=hashlib.sha256(model_path.read_bytes()).hexdigest()),
-        model=ModelSummary(
-            name="tiny-gpt", source="file", tracer="hand", num_blocks=LAYERS, hidden=HIDDEN, heads=HEADS,
-            kv_heads=HEADS, ffn_hidden=4 * HIDDEN, vocab=VOCAB, seq_len=SEQ_LEN, params=1, layers=layers,
-            block_prefix="blocks", tp_rules=[],
-        ),
-        cluster=CPU_LOCAL,
-        train=TrainSpec(global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, precision="fp32"),
-        pins=Pins(zero=zero_stage),
-        parallel=ParallelConfig(
-            tp=1, pp=1, dp=dp, micro_batch=MICRO_BATCH, num_micro_batches=GLOBAL_BATCH // (dp * MICRO_BATCH),
-            zero_stage=zero_stage, recompute="none", sequence_parallel=False, interleave=1,
-            schedule="none", offload="none",
-        ),
-        stages=[Stage(index=0, first_layer=0, last_layer=len(UNIT_NAMES) - 1, layer_names=UNIT_NAMES,
-                      fwd_flops_per_sample=0.0, params=0)],
-        placement=Placement(parameters="gpu", gradients="gpu", optimizer="gpu"),
-        prediction=Prediction(step_time_s=0.01, tokens_per_s=1.0, mfu=0.01, model_flops_per_step=1e6,
-                              memory=MemoryBreakdown(**{f: 0.0 for f in MemoryBreakdown.model_fields}),
-                              time=TimeBreakdown(**{f: 0.0 for f in TimeBreakdown.model_fields}),
-                              feasible=True),
-        candidates_evaluated=1, alternatives=[], rejected=[], assumptions=[],
-    )
+    """A hand-made data-parallel plan for the tiny GPT."""
+    return runnable_plan(model_path, units=gpt_unit_names(LAYERS), hidden=HIDDEN, heads=HEADS, vocab=VOCAB,
+                         seq_len=SEQ_LEN, micro_batch=MICRO_BATCH, num_micro_batches=GLOBAL_BATCH // (dp * MICRO_BATCH),
+                         dp=dp, zero_stage=zero_stage)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Run:
-    """One launch of an emitted train.py on `world` processes with the environment torchrun gives
-    them (without torchrun's own start-up); each rank's output goes to out_dir/rank-R.out."""
-
-    def __init__(self, script: Path, args: list[str], world: int, *, dropout: float, pause: str | None = None):
-        self.script, self.world = script, world
-        self.outputs = [script.parent / f"rank-{rank}.{time.monotonic_ns()}.out" for rank in range(world)]
-        port = str(_free_port())
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TINY_GPT_DROPOUT": str(dropout)}
-        env.pop(TEST_PAUSE_ENV, None)
-        if pause:
-            env[TEST_PAUSE_ENV] = pause
-        if world > 1:
-            env.update(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=port)
-        self.processes = []
-        for rank, output in enumerate(self.outputs):
-            rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)} if world > 1 else env
-            with open(output, "w") as out:
-                self.processes.append(subprocess.Popen([sys.executable, str(script), *args], stdout=out,
-                                                       stderr=subprocess.STDOUT, env=rank_env))
-
-    def output(self) -> str:
-        return "\n".join(f"--- rank {rank}\n{path.read_text()}" for rank, path in enumerate(self.outputs))
-
-    def wait(self) -> str:
-        """Wait for a normal end; return every rank's output."""
-        try:
-            returncodes = [p.wait(timeout=LAUNCH_TIMEOUT_S) for p in self.processes]
-        finally:
-            self.kill()
-        assert max(returncodes) == 0, self.output()[-8000:]
-        return self.output()
-
-    def kill_when_paused(self, text: str) -> None:
-        """Wait until rank 0 printed `text` (it sleeps there), then SIGKILL every process."""
-        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-        while text not in self.outputs[0].read_text():
-            assert time.monotonic() < deadline, "never paused:\n" + self.output()[-8000:]
-            assert self.processes[0].poll() is None, "ended before pausing:\n" + self.output()[-8000:]
-            time.sleep(0.1)
-        self.kill()
-
-    def kill(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGKILL)
-            process.wait()
-
-
-def emit(plan: Plan, model_path: Path, out_dir: Path) -> Path:
-    out_dir.mkdir(parents=True)
-    (out_dir / "plan.json").write_text(plan.model_dump_json(indent=2))
-    render_script_files(plan, out_dir, os.path.relpath(model_path, out_dir))
-    return out_dir / "train.py"
+def launch(script: Path, args: list[str], world: int, *, dropout: float, pause: str | None = None) -> Ranks:
+    """`script` on `world` processes (logs beside it), dropout at `dropout`, paused where `pause` says."""
+    return Ranks([str(script), *args], world, script.parent / "logs",
+                 env={"TINY_GPT_DROPOUT": str(dropout), TEST_PAUSE_ENV: pause})
 
 
 def losses_by_step(log: Path) -> dict[int, float]:
-    return {record["step"]: record["loss"] for record in map(json.loads, log.read_text().splitlines())}
-
-
-def max_weight_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert set(a) == set(b)
-    return max((a[k] - b[k]).abs().max().item() for k in a)
+    return {record["step"]: record["loss"] for record in read_log(log)}
 
 
 def checkpoint_names(directory: Path) -> list[str]:
@@ -222,7 +112,7 @@ def model_path(tmp_path_factory) -> Path:
 
 
 def _common_args(steps: int, log: Path) -> list[str]:
-    return ["--steps", str(steps), "--seed", str(SEED), "--lr", str(LR), "--log-json", str(log)]
+    return train_args(steps, SEED, LR, log)
 
 
 # ---- kill and resume: ZeRO-1 (sharded optimizer) with dropout ------------------------------------
@@ -243,7 +133,7 @@ def uninterrupted(zero1_script, tmp_path_factory):
     """The reference: STEPS steps in one go, same flags (checkpointing included) as the killed runs."""
     work = tmp_path_factory.mktemp("uninterrupted")
     ckpt, log, weights = work / "ckpt", work / "log.jsonl", work / "weights.pt"
-    Run(zero1_script, _checkpointing_args(ckpt, log, weights), 2, dropout=0.1).wait()
+    launch(zero1_script, _checkpointing_args(ckpt, log, weights), 2, dropout=0.1).wait_ok()
     # Keep the last 2: step-000002 was deleted when step-000006 was complete.
     assert checkpoint_names(ckpt) == ["step-000004", "step-000006"]
     return losses_by_step(log), torch.load(weights)
@@ -253,11 +143,11 @@ def test_sigkill_mid_training_then_resume_is_identical(zero1_script, uninterrupt
     ckpt, log, weights = tmp_path / "ckpt", tmp_path / "log.jsonl", tmp_path / "weights.pt"
     args = _checkpointing_args(ckpt, log, weights)
     # Killed after step 5: checkpoints 2 and 4 are on disk, step 5's work is lost.
-    Run(zero1_script, args, 2, dropout=0.1, pause="after-step:5").kill_when_paused("paused at after-step:5")
+    launch(zero1_script, args, 2, dropout=0.1, pause="after-step:5").kill_when_paused("paused at after-step:5")
     assert checkpoint_names(ckpt) == ["step-000002", "step-000004"]
     assert max(losses_by_step(log)) == 5 and not weights.exists()
 
-    output = Run(zero1_script, args, 2, dropout=0.1).wait()  # the same command line again
+    output = launch(zero1_script, args, 2, dropout=0.1).wait_ok()  # the same command line again
     assert f"resumed from {ckpt / 'step-000004'} (step 4 of {STEPS})" in output
 
     ref_losses, ref_weights = uninterrupted
@@ -273,14 +163,14 @@ def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(zero1_script,
     ckpt, log, weights = tmp_path / "ckpt", tmp_path / "log.jsonl", tmp_path / "weights.pt"
     args = _checkpointing_args(ckpt, log, weights)
     # Killed with step 4's checkpoint fully written and even marked complete, but not yet renamed.
-    run = Run(zero1_script, args, 2, dropout=0.1, pause="before-rename:4")
+    run = launch(zero1_script, args, 2, dropout=0.1, pause="before-rename:4")
     run.kill_when_paused("paused at before-rename:4")
     assert checkpoint_names(ckpt) == [".step-000004.tmp", "step-000002"]
     written = checkpoint_names(ckpt / ".step-000004.tmp")
     assert {".metadata", "COMPLETE", "train_state.json"} <= set(written)  # only the rename makes a checkpoint
     assert json.loads((ckpt / "step-000002" / "train_state.json").read_text())["step"] == 2
 
-    output = Run(zero1_script, args, 2, dropout=0.1).wait()
+    output = launch(zero1_script, args, 2, dropout=0.1).wait_ok()
     assert f"resumed from {ckpt / 'step-000002'} (step 2 of {STEPS})" in output
     ref_losses, ref_weights = uninterrupted
     diff = max_weight_diff(torch.load(weights), ref_weights)
@@ -299,8 +189,8 @@ def zero3_run(model_path, tmp_path_factory):
     work = tmp_path_factory.mktemp("zero3")
     script = emit(make_plan(model_path, zero_stage=3, dp=2), model_path, work / "out")
     ckpt, log, weights = work / "ckpt", work / "log.jsonl", work / "weights.pt"
-    Run(script, [*_common_args(RESHARD_STEPS, log), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
-                 "--save-weights", str(weights)], 2, dropout=0.0).wait()
+    launch(script, [*_common_args(RESHARD_STEPS, log), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
+                    "--save-weights", str(weights)], 2, dropout=0.0).wait_ok()
     assert checkpoint_names(ckpt) == ["step-000002", "step-000004"]
     return ckpt, losses_by_step(log), torch.load(weights)
 
@@ -310,8 +200,8 @@ def test_zero3_checkpoint_resumes_under_another_plan(zero_stage, dp, zero3_run, 
     ckpt, ref_losses, ref_weights = zero3_run
     script = emit(make_plan(model_path, zero_stage=zero_stage, dp=dp), model_path, tmp_path / "out")
     log, weights = tmp_path / "log.jsonl", tmp_path / "weights.pt"
-    output = Run(script, [*_common_args(RESHARD_STEPS, log), "--resume", str(ckpt / "step-000002"),
-                          "--save-weights", str(weights)], dp, dropout=0.0).wait()
+    output = launch(script, [*_common_args(RESHARD_STEPS, log), "--resume", str(ckpt / "step-000002"),
+                             "--save-weights", str(weights)], dp, dropout=0.0).wait_ok()
     assert "resumed from" in output
     losses = losses_by_step(log)
     assert sorted(losses) == [3, 4]

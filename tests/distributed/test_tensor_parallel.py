@@ -11,47 +11,29 @@ Two references, both independent of the runtime's parallel code:
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
-import multiprocessing
-import os
-import runpy
-import socket
 import sys
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from zplan.codegen.script import render_script_files
-from zplan.planner.cpu_local import CPU_LOCAL
-from zplan.runtime.data import synthetic_token_batch
-from zplan.runtime.train_loop import WarmupCosine
-from zplan.schemas import (
-    Fingerprint,
-    LayerCost,
-    MemoryBreakdown,
-    ModelSummary,
-    ParallelConfig,
-    Pins,
-    Placement,
-    Plan,
-    Prediction,
-    Stage,
-    TensorParallelRule,
-    TimeBreakdown,
-    TrainSpec,
+from tests.distributed.harness import (
+    REPO,
+    Ranks,
+    import_file,
+    max_loss_diff,
+    max_weight_diff,
+    run_emitted_script,
+    train_single_process,
 )
+from tests.plan_samples import gpt_unit_names, runnable_plan
+from zplan.schemas import Plan
 
-REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
 SEED = 5
-LR = 1e-3  # the script's --lr; weight decay 0.1 and clipping at 1.0 are train.py's defaults
-WEIGHT_DECAY = 0.1
-GRAD_CLIP = 1.0
+LR = 1e-3  # the script's --lr; weight decay and clipping are train.py's defaults (harness.py)
 GLOBAL_BATCH = 4  # sequences per step in every configuration: dp * micro_batch * num_micro_batches
 VOCAB, SEQ_LEN, HIDDEN, HEADS, KV_HEADS, LAYERS = 64, 16, 32, 4, 2, 2
 
@@ -136,68 +118,6 @@ def build_model():
 
 TP_RULES = {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.o": "rowwise",
             "mlp.gate": "colwise", "mlp.up": "colwise", "mlp.down": "rowwise"}
-UNIT_NAMES = ["wte", "wpe", *(f"blocks.{i}" for i in range(LAYERS)), "ln_f", "head"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# Each rank is a child of one fork server that has imported torch and zplan's runtime once: a fresh
-# interpreter spends ~4 s of CPU on those imports, most of this file's time on 2 cores otherwise. The rank
-# then runs its script as __main__ (runpy) with the environment torchrun gives it, so the script's code
-# path is the same as under torchrun.
-_PRELOAD = ["torch", "torch.distributed.tensor.parallel", "torch.distributed.fsdp",
-            "torch.distributed._composable.replicate_with_fsdp", "zplan.runtime", "rich.progress",
-            *([__name__] if __name__ != "__main__" else [])]  # this file: each rank unpickles _rank_main from it
-
-
-def _rank_main(argv: list[str], env: dict[str, str], log_path: str) -> None:
-    """One rank: output to `log_path`, environment `env`, then `python argv...`; exits with its status."""
-    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.environ.update(env)
-    torch.set_num_threads(1)  # OMP_NUM_THREADS is read when torch loads, which was before the fork
-    sys.argv = list(argv)
-    status = 0
-    try:
-        runpy.run_path(argv[0], run_name="__main__")
-    except SystemExit as exit_:
-        status = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
-    except BaseException:
-        traceback.print_exc()
-        status = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
-
-
-def run_like_torchrun(world: int, argv: list[str], log_dir: Path) -> tuple[int, str]:
-    """Run `python argv...` as `world` ranks with the environment torchrun gives them (RANK, WORLD_SIZE,
-    MASTER_ADDR, ...); return the worst exit status and the ranks' output."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(_PRELOAD)  # takes effect when the fork server starts (first use)
-    port = str(_free_port())
-    log_dir.mkdir(parents=True, exist_ok=True)
-    processes = []
-    for rank in range(world):
-        env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
-        process = context.Process(target=_rank_main, args=(argv, env, str(log_dir / f"rank{rank}.log")))
-        process.start()
-        processes.append(process)
-    for process in processes:
-        process.join(timeout=240)
-    for process in processes:
-        if process.is_alive():  # a hung collective: stop the rank, report it
-            process.kill()
-            process.join()
-    logs = [log_dir / f"rank{rank}.log" for rank in range(world)]
-    output = "\n".join(log.read_text() if log.exists() else f"{log.name}: the rank did not start" for log in logs)
-    return max(abs(p.exitcode) if p.exitcode is not None else 1 for p in processes), output
 
 
 # ---- the emitted script against one process ------------------------------------------------------------
@@ -205,44 +125,11 @@ def run_like_torchrun(world: int, argv: list[str], log_dir: Path) -> tuple[int, 
 
 def make_plan(model_path: Path, *, tp: int, dp: int, zero_stage: int, sequence_parallel: bool,
               recompute: str = "none") -> Plan:
-    """A hand-made plan: the fields the runtime reads are real, the predictions are placeholders."""
-    micro_batch, num_micro_batches = GLOBAL_BATCH // dp // 2, 2
-    layers = [LayerCost(name=n, kind="block" if n.startswith("blocks") else "other", params=0, fwd_flops=0.0,
-                        act_bytes=0.0) for n in UNIT_NAMES]
-    return Plan(
-        zplan_version="test",
-        fingerprint=Fingerprint(model_ref=str(model_path), cluster=CPU_LOCAL.name, world_size=tp * dp,
-                                model_sha256=hashlib.sha256(model_path.read_bytes()).hexdigest()),
-        model=ModelSummary(
-            name="tiny-tp-gpt", source="file", tracer="hand", num_blocks=LAYERS, hidden=HIDDEN, heads=HEADS,
-            kv_heads=KV_HEADS, ffn_hidden=3 * HIDDEN, vocab=VOCAB, seq_len=SEQ_LEN, params=1, layers=layers,
-            block_prefix="blocks",
-            tp_rules=[TensorParallelRule(module=m, style=s) for m, s in TP_RULES.items()],
-        ),
-        cluster=CPU_LOCAL,
-        train=TrainSpec(global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, precision="fp32"),
-        pins=Pins(zero=zero_stage, tp=tp),
-        parallel=ParallelConfig(
-            tp=tp, pp=1, dp=dp, micro_batch=micro_batch, num_micro_batches=num_micro_batches,
-            zero_stage=zero_stage, recompute=recompute, sequence_parallel=sequence_parallel, interleave=1,
-            schedule="none", offload="none",
-        ),
-        stages=[Stage(index=0, first_layer=0, last_layer=len(UNIT_NAMES) - 1, layer_names=UNIT_NAMES,
-                      fwd_flops_per_sample=0.0, params=0)],
-        placement=Placement(parameters="gpu", gradients="gpu", optimizer="gpu"),
-        prediction=Prediction(step_time_s=0.01, tokens_per_s=1.0, mfu=0.01, model_flops_per_step=1e6,
-                              memory=MemoryBreakdown(**dict.fromkeys(MemoryBreakdown.model_fields, 0.0)),
-                              time=TimeBreakdown(**dict.fromkeys(TimeBreakdown.model_fields, 0.0)),
-                              feasible=True),
-        candidates_evaluated=1, alternatives=[], rejected=[], assumptions=[],
-    )
-
-
-def _import(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """A hand-made tp x dp plan for the tiny GPT, 2 micro-batches per step."""
+    return runnable_plan(model_path, units=gpt_unit_names(LAYERS), hidden=HIDDEN, heads=HEADS, vocab=VOCAB,
+                         seq_len=SEQ_LEN, micro_batch=GLOBAL_BATCH // dp // 2, num_micro_batches=2, tp=tp, dp=dp,
+                         zero_stage=zero_stage, recompute=recompute, sequence_parallel=sequence_parallel,
+                         kv_heads=KV_HEADS, ffn_hidden=3 * HIDDEN, tp_rules=TP_RULES, name="tiny-tp-gpt")
 
 
 @pytest.fixture(scope="module")
@@ -254,43 +141,9 @@ def model_path(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(model_path) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process, the whole global batch at once, plain torch AdamW (fused, as the runtime uses)."""
-    torch.manual_seed(SEED)
-    model = _import(model_path, "tiny_tp_gpt_reference").build_model()
-    params = list(model.parameters())
-    optimizer = torch.optim.AdamW(
-        [{"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
-         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=LR, fused=True,
-    )
-    schedule = WarmupCosine(max_lr=LR, warmup_steps=max(1, STEPS // 10), total_steps=STEPS)
-    losses = []
-    for step in range(STEPS):
-        for group in optimizer.param_groups:
-            group["lr"] = schedule(step)
-        tokens = synthetic_token_batch(VOCAB, SEQ_LEN, GLOBAL_BATCH, SEED, step)  # (B, T)
-        logits = model(tokens)  # (B, T, V)
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def run_emitted_script(plan: Plan, model_path: Path, out_dir: Path) -> tuple[list[dict], dict[str, torch.Tensor]]:
-    """Emit train.py for `plan`, run it on tp * dp processes; return (per-step records, final weights)."""
-    out_dir.mkdir(parents=True)
-    (out_dir / "plan.json").write_text(plan.model_dump_json(indent=2))
-    render_script_files(plan, out_dir, os.path.relpath(model_path, out_dir))
-    log, weights = out_dir / "log.jsonl", out_dir / "weights.pt"
-    args = ["--steps", str(STEPS), "--seed", str(SEED), "--lr", str(LR), "--log-json", str(log),
-            "--save-weights", str(weights)]
-    world = plan.parallel.tp * plan.parallel.dp
-    returncode, output = run_like_torchrun(world, [str(out_dir / "train.py"), *args], out_dir / "logs")
-    assert returncode == 0, output[-8000:]
-    records = [json.loads(line) for line in log.read_text().splitlines()]
-    return records, torch.load(weights)
+    build_model = import_file(model_path, "tiny_tp_gpt_reference").build_model
+    return train_single_process(build_model, steps=STEPS, seed=SEED, lr=LR, global_batch=GLOBAL_BATCH, vocab=VOCAB,
+                                seq_len=SEQ_LEN)
 
 
 @pytest.mark.slow
@@ -308,23 +161,23 @@ def test_emitted_script_matches_single_process(tp, dp, zero_stage, sequence_para
                                                 reference, tmp_path):
     plan = make_plan(model_path, tp=tp, dp=dp, zero_stage=zero_stage, sequence_parallel=sequence_parallel,
                      recompute=recompute)
-    records, weights = run_emitted_script(plan, model_path, tmp_path / "out")
+    records, weights = run_emitted_script(plan, model_path, tmp_path / "out", steps=STEPS, seed=SEED, lr=LR)
     ref_losses, ref_weights = reference
 
     losses = [r["loss"] for r in records]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    max_loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))
+    loss_diff = max_loss_diff(losses, ref_losses)
     assert set(weights) == set(ref_weights)
     assert all(weights[k].shape == ref_weights[k].shape for k in ref_weights)  # gathered, not shards
-    max_param_diff = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights)
+    param_diff = max_weight_diff(weights, ref_weights)
     print(f"tp={tp} dp={dp} ZeRO {zero_stage} sp={sequence_parallel} recompute={recompute}: "
-          f"max |loss - single process| = {max_loss_diff:.2e}, max |parameter - single process| = "
-          f"{max_param_diff:.2e}")
-    assert max_loss_diff <= 1e-5, (losses, ref_losses)
-    assert max_param_diff <= 1e-5
+          f"max |loss - single process| = {loss_diff:.2e}, max |parameter - single process| = "
+          f"{param_diff:.2e}")
+    assert loss_diff <= 1e-5, (losses, ref_losses)
+    assert param_diff <= 1e-5
     # the parameters moved (lr 1e-3 for 3 steps): equal weights are not just the initial ones
     torch.manual_seed(SEED)
-    initial = _import(model_path, "tiny_tp_gpt_initial").build_model().state_dict()
+    initial = import_file(model_path, "tiny_tp_gpt_initial").build_model().state_dict()
     assert max((weights[k] - initial[k]).abs().max().item() for k in initial) > 1e-4
 
 
@@ -352,7 +205,7 @@ def _examples_worker() -> None:
     mesh = build_mesh(pp=1, dp=1, tp=dist.get_world_size(), device_type="cpu")
     tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))  # (B, T)
     for file, (kwargs, prefix, colwise, rowwise) in EXAMPLES.items():
-        example = _import(REPO / "examples" / file, f"example_{file[:-3]}")
+        example = import_file(REPO / "examples" / file, f"example_{file[:-3]}")
         tp_plan = {**dict.fromkeys(colwise, "colwise"), **dict.fromkeys(rowwise, "rowwise")}
         for sequence_parallel in (False, True):
             models = []
@@ -383,8 +236,7 @@ def _examples_worker() -> None:
 
 @pytest.mark.slow
 def test_examples_keep_their_heads_under_tensor_parallel(tmp_path):
-    returncode, output = run_like_torchrun(2, [__file__, "examples"], tmp_path)
-    assert returncode == 0, output[-8000:]
+    output = Ranks([__file__, "examples"], 2, tmp_path).wait_ok()
     records = [json.loads(line[len("RESULT "):]) for line in output.splitlines() if line.startswith("RESULT ")]
     assert len(records) == 2 * len(EXAMPLES), output[-4000:]
     for record in records:
@@ -405,7 +257,7 @@ def test_splits_that_cannot_work_are_refused():
     from zplan.errors import PlanMismatchError
     from zplan.runtime.tensor_parallel import check_block_split
 
-    example = _import(REPO / "examples" / "llama.py", "example_llama_refusal")
+    example = import_file(REPO / "examples" / "llama.py", "example_llama_refusal")
     block = example.build_model(num_layers=1, hidden=64, heads=8, kv_heads=2, ffn_hidden=96, vocab_size=128).layers[0]
     plan = {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.o": "rowwise",
             "mlp.gate": "colwise", "mlp.up": "colwise", "mlp.down": "rowwise"}

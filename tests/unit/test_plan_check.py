@@ -10,24 +10,11 @@ from pathlib import Path
 import pytest
 import torch.distributed.fsdp
 
-from zplan.codegen.script import render_script_files
+from tests.distributed.harness import emit
+from tests.plan_samples import runnable_plan
 from zplan.errors import PlanMismatchError
-from zplan.planner.cpu_local import CPU_LOCAL
 from zplan.runtime.plan_check import check_plan, load_plan
-from zplan.schemas import (
-    Fingerprint,
-    LayerCost,
-    MemoryBreakdown,
-    ModelSummary,
-    ParallelConfig,
-    Pins,
-    Placement,
-    Plan,
-    Prediction,
-    Stage,
-    TimeBreakdown,
-    TrainSpec,
-)
+from zplan.schemas import Plan
 
 MODEL_SOURCE = "import torch\n\ndef build_model():\n    return torch.nn.Linear(4, 4)\n"
 
@@ -35,28 +22,9 @@ MODEL_SOURCE = "import torch\n\ndef build_model():\n    return torch.nn.Linear(4
 def make_plan(model_ref: str, sha256: str, *, world_size: int = 2, zero_stage: int = 0,
               source: str = "file") -> Plan:
     """A minimal data-parallel plan; only the fields the check reads matter."""
-    return Plan(
-        zplan_version="test",
-        fingerprint=Fingerprint(model_ref=model_ref, model_sha256=sha256, cluster=CPU_LOCAL.name,
-                                world_size=world_size),
-        model=ModelSummary(name="m", source=source, tracer="hand", num_blocks=1, hidden=4, heads=1, kv_heads=1,
-                           ffn_hidden=4, vocab=4, seq_len=4, params=20, block_prefix="blocks", tp_rules=[],
-                           layers=[LayerCost(name="blocks.0", kind="block", params=20, fwd_flops=0.0,
-                                             act_bytes=0.0)]),
-        cluster=CPU_LOCAL,
-        train=TrainSpec(global_batch=2 * world_size, seq_len=4, precision="fp32"),
-        pins=Pins(),
-        parallel=ParallelConfig(tp=1, pp=1, dp=world_size, micro_batch=2, num_micro_batches=1,
-                                zero_stage=zero_stage, recompute="none", sequence_parallel=False, interleave=1,
-                                schedule="none", offload="none"),
-        stages=[Stage(index=0, first_layer=0, last_layer=0, layer_names=["blocks.0"], fwd_flops_per_sample=0.0,
-                      params=20)],
-        placement=Placement(parameters="gpu", gradients="gpu", optimizer="gpu"),
-        prediction=Prediction(step_time_s=1.0, tokens_per_s=1.0, mfu=0.1, model_flops_per_step=1.0,
-                              memory=MemoryBreakdown(**{f: 0.0 for f in MemoryBreakdown.model_fields}),
-                              time=TimeBreakdown(**{f: 0.0 for f in TimeBreakdown.model_fields}), feasible=True),
-        candidates_evaluated=1, alternatives=[], rejected=[], assumptions=[],
-    )
+    return runnable_plan(model_ref, model_sha256=sha256, units=["blocks.0"], hidden=4, heads=1, vocab=4, seq_len=4,
+                         ffn_hidden=4, micro_batch=2, num_micro_batches=1, dp=world_size, zero_stage=zero_stage,
+                         source=source, name="m")
 
 
 @pytest.fixture
@@ -119,18 +87,17 @@ def test_load_plan_round_trip_and_errors(model_file, tmp_path):
         load_plan(tmp_path / "bad.json")
 
 
-def _run_emitted_script(plan: Plan, out_dir: Path, model_path: str | None) -> subprocess.CompletedProcess:
-    out_dir.mkdir()
-    (out_dir / "plan.json").write_text(plan.model_dump_json())
-    render_script_files(plan, out_dir, model_path)
-    return subprocess.run([sys.executable, str(out_dir / "train.py"), "--steps", "1"], capture_output=True,
-                          text=True, timeout=120)
+def _run_emitted_script(plan: Plan, out_dir: Path, model_path: Path | None) -> subprocess.CompletedProcess:
+    """train.py for `plan` run as a plain `python train.py` (a process of its own: its exit status and stderr
+    are what this checks)."""
+    script = emit(plan, model_path, out_dir)
+    return subprocess.run([sys.executable, str(script), "--steps", "1"], capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.slow
 def test_emitted_script_exits_2_with_the_message(model_file, tmp_path):
     """A plan for 2 processes started as one plain process, and a family plan: status 2, no traceback."""
-    result = _run_emitted_script(plan_for(model_file), tmp_path / "out", str(model_file))
+    result = _run_emitted_script(plan_for(model_file), tmp_path / "out", model_file)
     assert result.returncode == 2, result.stderr
     assert "zplan: error: plan does not match this run: world size: this run has 1" in result.stderr
     assert "Traceback" not in result.stderr
