@@ -93,12 +93,18 @@ def apply_recompute(model: nn.Module, mode: str, block_prefix: str) -> nn.Module
 
 
 def apply_pipeline(
-    model: nn.Module, pp_mesh: DeviceMesh, stage_layer_names: list[list[str]], schedule: str
+    model: nn.Module, pp_mesh: DeviceMesh, stage_layer_names: list[list[str]], schedule: str, *,
+    units=(), num_micro_batches: int = 1, loss_fn=None, example_micro_batch=None,
 ) -> nn.Module:
-    """Keep this rank's pipeline stage (units `stage_layer_names[stage]`) and run `schedule`."""
+    """Keep this rank's pipeline stages (units `stage_layer_names[stage]`; stage s is chunk s // pp of
+    pipeline rank s % pp) and run `schedule` over them: a runtime.pipeline.PipelineRun, trained through
+    its step() (runtime.train_loop does). `units`: the plan's LayerCost list (unit name -> module paths)."""
     if pp_mesh.size() == 1:
         return model
-    raise NotImplementedError(f"pipeline parallelism (pp={pp_mesh.size()}, {schedule}) {_NOT_YET}")
+    from zplan.runtime.pipeline import build_pipeline, stage_module_paths
+
+    stages = stage_module_paths(stage_layer_names, units)
+    return build_pipeline(model, pp_mesh, stages, schedule, num_micro_batches, loss_fn, example_micro_batch)
 
 
 # ---- 4. ZeRO / data parallel (with mixed precision and offload) ----------------------------------
@@ -128,6 +134,12 @@ def apply_data_parallel(
     offload='cpu' (ZeRO 2/3): FSDP2's CPUOffloadPolicy keeps sharded parameters, gradients and the
     optimizer step on the host (pin_memory only when there is a GPU: pinning needs one).
     """
+    from zplan.runtime.pipeline import PipelineRun
+
+    if isinstance(model, PipelineRun):  # each pipeline stage of this rank is data-parallel like a model
+        for index, chunk in enumerate(model.chunks):
+            model.chunks[index] = apply_data_parallel(chunk, dp_mesh, zero_stage, precision, offload, block_prefix)
+        return model
     if offload == "nvme":
         raise NotImplementedError(f"NVMe offload {_NOT_YET}")
     compute_dtype = _COMPUTE_DTYPES.get(precision)

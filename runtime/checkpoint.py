@@ -301,6 +301,14 @@ def _prune(directory: Path, keep: int, just_written: Path) -> None:
 # ---- loading -------------------------------------------------------------------------------------
 
 
+def _tied_key(key: str, tied_names: dict[str, str]) -> str:
+    """'state.lm_head.weight.exp_avg' -> 'state.wte.weight.exp_avg' for tied_names {'lm_head.weight': 'wte.weight'}."""
+    for name, first_name in tied_names.items():
+        if key.startswith(f"state.{name}."):
+            return f"state.{first_name}." + key[len(f"state.{name}."):]
+    return key
+
+
 def load_checkpoint(
     path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: RunContext,
     *, layout: dict[str, Any] | None = None,
@@ -314,13 +322,17 @@ def load_checkpoint(
     model_state, optimizer_state = _state_dicts(model, optimizer)
     # Ask DCP for every tensor in this run's layout; param_groups stay this script's hyper-parameters.
     wanted_optimizer = {k: v for k, v in optimizer_state.items() if not k.startswith(_PARAM_GROUPS_PREFIX)}
+    # A tied parameter's optimizer state is saved under its first name ('wte.weight'); a pipeline rank that
+    # holds it under another name ('lm_head.weight') reads that entry (PipelineRun.tied_names).
+    reads_from = {key: _tied_key(key, getattr(model, "tied_names", {})) for key in wanted_optimizer}
+    wanted_optimizer = {reads_from[key]: value for key, value in wanted_optimizer.items()}
     try:
         dcp.load({"model": model_state, "optimizer": wanted_optimizer}, checkpoint_id=path)
     except (Exception, CheckpointException) as error:  # CheckpointException: every rank's errors
         raise CheckpointError(
             f"cannot load checkpoint {path} into this model and optimizer: {describe_dcp_error(error)}"
         ) from error
-    optimizer_state.update(wanted_optimizer)
+    optimizer_state.update({key: wanted_optimizer[reads_from[key]] for key in reads_from})
     set_state_dict(model, _local_optimizer(optimizer), model_state_dict=model_state,
                    optim_state_dict=optimizer_state, options=_OPTIONS)
 

@@ -329,35 +329,36 @@ class PipelineRun(nn.Module):
     """
 
     def __init__(self, chunks: list[PipelineChunk], model: nn.Module, roles: UnitRoles, group: dist.ProcessGroup,
-                 schedule: str, num_micro_batches: int, loss_fn: Callable, stage_examples: dict[int, tuple],
+                 schedule: str, num_micro_batches: int, loss_fn: Callable,
                  tied: list[tuple[str, ...]], stage_modules: Sequence[Sequence[str]]):
         super().__init__()
         _attach(self, model, [p for chunk in chunks for p in chunk._paths], roles.block_containers)
         self._chunks: list[nn.Module] = list(chunks)
         self._stage_indices = [chunk.stage_index for chunk in chunks]
+        # stage 0's chunk as built (the wrappers of data parallelism replace it in `chunks`); in a tuple, so
+        # that it is not registered as a submodule (its modules are already, under their own names)
+        self._first_chunk = tuple(chunk for chunk in chunks if chunk.stage_index == 0)
         self._num_stages = len(stage_modules)
         self._group = group
         self._pp_rank, self._pp = dist.get_rank(group), dist.get_world_size(group)
         self._schedule_name = schedule
         self._num_micro_batches = num_micro_batches
         self._loss_fn = loss_fn
-        self._stage_examples = stage_examples  # stage -> (input_args, output_args), one micro-batch
         self._schedule = None
         self._current_micro_batches: list[Any] = []
         self._device = next(model.parameters()).device
-        # Tied parameters on several ranks: the process group of the ranks holding each (the pp group when
-        # all of them do), and whether this rank counts it in the gradient norm (the first holder does).
-        self._tied: list[tuple[str, dist.ProcessGroup]] = []
+        # Tied parameters on several ranks: this rank's name of each, the pipeline ranks holding it, and
+        # whether this rank counts it in the gradient norm (the first holder does).
+        self._tied: list[tuple[str, list[int]]] = []
+        self._tied_names: dict[str, str] = {}
         self._not_in_norm: set[str] = set()
-        pp_ranks = dist.get_process_group_ranks(group)
         for names in tied:
             holders = sorted({_stage_of(n, stage_modules) % self._pp for n in names})
             if self._pp_rank not in holders:
                 continue
-            tied_group = group if len(holders) == self._pp else dist.new_group(
-                [pp_ranks[r] for r in holders], use_local_synchronization=True)
             mine = next(n for n in names if _stage_of(n, stage_modules) % self._pp == self._pp_rank)
-            self._tied.append((mine, tied_group))
+            self._tied.append((mine, holders))
+            self._tied_names[mine] = names[0]
             if self._pp_rank != holders[0]:
                 self._not_in_norm.add(mine)
 
@@ -370,6 +371,13 @@ class PipelineRun(nn.Module):
     def stage_indices(self) -> list[int]:
         return list(self._stage_indices)
 
+    @property
+    def tied_names(self) -> dict[str, str]:
+        """{this rank's name of a tied parameter: its first name in the whole model}, e.g. {'lm_head.weight':
+        'wte.weight'} on the last rank. A checkpoint of the whole model keys a tied parameter's optimizer
+        state by the first name only, so loading one on this rank must read that name's entries."""
+        return dict(self._tied_names)
+
     def forward(self, *args, **kwargs):
         raise RuntimeError("a pipelined model runs through PipelineRun.step(micro_batches), not forward()")
 
@@ -379,12 +387,53 @@ class PipelineRun(nn.Module):
             chunk.train(mode)
         return self
 
-    def _build_schedule(self):
+    def _activation_examples(self, first_micro_batch: Any) -> dict[int, tuple[tuple, tuple]] | None:
+        """(inputs, outputs) of each local stage for one micro-batch, as meta tensors: one forward of every
+        stage, in stage order, under no_grad and through the chunks as wrapped for data parallelism (so
+        mixed precision shows in the dtypes); each rank sends the shapes and dtypes of its outputs to the
+        next stage's rank. None if an activation is a DTensor (sequence parallel): torch infers those.
+
+        torch's own inference (PipelineStage without example tensors) also runs a backward, which breaks
+        DDP's reducer with 2 chunks per rank (torch 2.13); the forward alone under no_grad does not."""
+
+        def meta(t: torch.Tensor, grad: bool) -> torch.Tensor:
+            t = torch.empty(t.shape, dtype=t.dtype, device="meta")
+            return t.requires_grad_(True) if grad and t.is_floating_point() else t
+
+        examples: dict[int, tuple[tuple, tuple]] = {}
+        has_dtensor = False
+        local = dict(zip(self._stage_indices, self._chunks, strict=True))
+        outputs: tuple = ()
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            for stage in range(self._num_stages):
+                if stage not in local:
+                    continue
+                if stage == 0:
+                    inputs = tuple(batch_leaves(first_micro_batch)[0])
+                elif stage - 1 in local:
+                    inputs = outputs
+                else:
+                    received: list[Any] = [None]
+                    dist.recv_object_list(received, group=self._group, group_src=(stage - 1) % self._pp)
+                    inputs = tuple(torch.zeros(shape, dtype=dtype, device=self._device)
+                                   for shape, dtype in received[0])
+                result = local[stage](*inputs)
+                outputs = result if isinstance(result, tuple) else (result,)
+                has_dtensor |= any(isinstance(t, DTensor) for t in (*inputs, *outputs))
+                examples[stage] = (tuple(meta(t, grad=stage > 0) for t in inputs),
+                                   tuple(meta(t, grad=True) for t in outputs))
+                if stage + 1 < self._num_stages and stage + 1 not in local:
+                    shapes = [(tuple(t.shape), t.dtype) for t in outputs]
+                    dist.send_object_list([shapes], group=self._group, group_dst=(stage + 1) % self._pp)
+        return None if has_dtensor else examples
+
+    def _build_schedule(self, first_micro_batch: Any):
+        examples = self._activation_examples(first_micro_batch)
         stages = []
         for chunk, index in zip(self._chunks, self._stage_indices, strict=True):
-            input_args, output_args = self._stage_examples[index]
-            stages.append(PipelineStage(chunk, index, self._num_stages, self._device, input_args=input_args,
-                                        output_args=output_args, group=self._group))
+            inputs, outputs = examples[index] if examples else (None, None)
+            stages.append(PipelineStage(chunk, index, self._num_stages, self._device, input_args=inputs,
+                                        output_args=outputs, group=self._group))
         schedule_class = SCHEDULES[self._schedule_name]
         # scale_grads=False: step() divides the gradients by num_micro_batches itself, once per parameter
         # (torch scales per stage, twice for a parameter shared by two chunks of one rank).
@@ -406,20 +455,16 @@ class PipelineRun(nn.Module):
         pipeline rank."""
         if len(micro_batches) != self._num_micro_batches:
             raise ValueError(f"expected {self._num_micro_batches} micro-batches, got {len(micro_batches)}")
-        if self._schedule is None:
-            self._schedule = self._build_schedule()
-        self._current_micro_batches = list(micro_batches)
         holds_first, holds_last = 0 in self._stage_indices, self._num_stages - 1 in self._stage_indices
         args: tuple = ()
         if holds_first:
             per_micro = [batch_leaves(batch) for batch in micro_batches]
-            shapes = [tuple(t.shape) for t in per_micro[0][0]]
-            expected = [tuple(t.shape) for t in self._stage_examples[0][0]]
-            if shapes != expected:
-                raise ValueError(f"micro-batch tensors have shapes {shapes}, but the pipeline was built for "
-                                 f"{expected} (example_micro_batch must have the training micro-batch's shape)")
+            self._first_chunk[0]._batch_spec = per_micro[0][1]  # stage 0 rebuilds a micro-batch from its tensors
             # the schedule splits each tensor along dim 0 into num_micro_batches equal parts: these ones
             args = tuple(torch.cat(parts) for parts in zip(*(leaves for leaves, _ in per_micro), strict=True))
+        if self._schedule is None:
+            self._schedule = self._build_schedule(micro_batches[0])
+        self._current_micro_batches = list(micro_batches)
         target = torch.arange(self._num_micro_batches) if holds_last else None
         losses: list[torch.Tensor] = []
         self._schedule.step(*args, target=target, losses=losses if holds_last else None, return_outputs=False)
@@ -427,14 +472,28 @@ class PipelineRun(nn.Module):
         for param in self.parameters():  # unique parameters of this rank
             if param.grad is not None:
                 param.grad.div_(self._num_micro_batches)
-        for name, tied_group in self._tied:
+        for name, holders in self._tied:
             grad = self.get_parameter(name).grad
-            local = grad.to_local() if isinstance(grad, DTensor) else grad
-            dist.all_reduce(local, group=tied_group)
+            self._sum_over_ranks(grad.to_local() if isinstance(grad, DTensor) else grad, holders)
         loss = (torch.stack([x.detach().float() for x in losses]).mean() if holds_last
                 else torch.zeros((), device=self._device))
         dist.broadcast(loss, group=self._group, group_src=(self._num_stages - 1) % self._pp)
         return loss
+
+    def _sum_over_ranks(self, local: torch.Tensor, holders: list[int]) -> None:
+        """local <- the sum of `local` over the pipeline ranks `holders`, added in rank order on each (so the
+        copies stay bit-identical). Point-to-point over the pp group: no process group per tied parameter."""
+        others = [r for r in holders if r != self._pp_rank]
+        received = {r: torch.empty_like(local) for r in others}
+        ops = [dist.P2POp(dist.isend, local, group=self._group, group_peer=r) for r in others]
+        ops += [dist.P2POp(dist.irecv, received[r], group=self._group, group_peer=r) for r in others]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        parts = {**received, self._pp_rank: local.clone()}
+        total = parts[holders[0]]
+        for r in holders[1:]:
+            total = total + parts[r]
+        local.copy_(total)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ over the whole pipeline: the norm of all stages' gradients (tied
@@ -467,21 +526,6 @@ def _process_group(pp: DeviceMesh | dist.ProcessGroup) -> dist.ProcessGroup:
     return pp.get_group() if isinstance(pp, DeviceMesh) else pp
 
 
-def _stage_examples(outputs: list[torch.Tensor], example_leaves: list[torch.Tensor]) -> dict[int, tuple]:
-    """(input_args, output_args) of every stage for one micro-batch: what PipelineStage needs to skip
-    shape inference. Activations between stages require grad (their gradient is sent back)."""
-
-    def activation(t: torch.Tensor) -> torch.Tensor:
-        t = t.detach()
-        return t.requires_grad_(True) if t.is_floating_point() else t
-
-    examples = {}
-    for index, output in enumerate(outputs):
-        inputs = tuple(t.detach() for t in example_leaves) if index == 0 else (activation(outputs[index - 1]),)
-        examples[index] = (inputs, (activation(output),))
-    return examples
-
-
 def build_pipeline(
     model: nn.Module,
     pp: DeviceMesh | dist.ProcessGroup,
@@ -496,10 +540,12 @@ def build_pipeline(
     stage_modules[s]: the module paths of stage s (plan units expanded with stage_module_paths); with
     interleaved 1F1B, len(stage_modules) = v * pp and stage s is chunk s // pp of pipeline rank s % pp.
     loss_fn(outputs, micro_batch) -> scalar mean over the micro-batch (the model file's loss_fn).
-    example_micro_batch: a batch with the training micro-batch's shapes, e.g. the model file's
-    example_inputs(micro_batch, seq_len), on the model's device; used to check the split and to give the
-    stages their activation shapes. Every rank must hold the whole model (as runtime.materialize builds
-    it); drop the reference to `model` afterwards so that only this rank's stages stay in memory.
+    example_micro_batch: a batch the model takes, e.g. the model file's example_inputs(micro_batch,
+    seq_len); used to check the split (check_split). The stages learn their activations' shapes and
+    dtypes at the first step(), from its first micro-batch through the chunks as data parallelism wrapped
+    them (PipelineRun._activation_examples). Every rank must hold the
+    whole model (as runtime.materialize builds it); drop the reference to `model` afterwards so that only
+    this rank's stages stay in memory.
     """
     if schedule not in SCHEDULES:
         raise PipelineSplitError(f"pipeline schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
@@ -520,14 +566,13 @@ def build_pipeline(
                                  f"multiple of num_micro_batches // pp ({num_micro_batches // pp_size})")
     roles = unit_roles(model, stage_modules)
     chunks = split_model(model, stage_modules, roles)
-    example_leaves, _ = batch_leaves(example_micro_batch)
-    outputs = check_split(model, chunks, example_micro_batch)
-    examples = _stage_examples(outputs, example_leaves)
+    device = next(model.parameters()).device
+    example_micro_batch = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t,
+                                          example_micro_batch)
+    check_split(model, chunks, example_micro_batch)
     mine = [chunks[s] for s in range(pp_rank, num_stages, pp_size)]
     tied = tied_parameters(model, stage_modules, pp_size)
-    return PipelineRun(mine, model, roles, group, schedule, num_micro_batches,
-                       loss_fn, {s: examples[s] for s in range(pp_rank, num_stages, pp_size)}, tied,
-                       stage_modules)
+    return PipelineRun(mine, model, roles, group, schedule, num_micro_batches, loss_fn, tied, stage_modules)
 
 
 # ---- helpers for the emitted script --------------------------------------------------------------

@@ -20,6 +20,14 @@ from zplan.runtime.distributed import RunContext
 def save_full_weights(model: nn.Module, path: str | Path, ctx: RunContext) -> None:
     """torch.save {parameter name: full CPU tensor} on rank 0; names as the model file defines them
     (no DDP 'module.' prefix). Every rank must call it: gathering the shards is a collective."""
+    from zplan.runtime.pipeline import PipelineRun, gather_full_state_dict
+
+    if isinstance(model, PipelineRun):  # each pipeline rank holds its stages: gather them to rank 0
+        state = gather_full_state_dict(model)
+        if ctx.is_main:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            torch.save(state, path)
+        return
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_model_state_dict(model, options=options)
     if ctx.is_main:

@@ -25,7 +25,7 @@ from tests.distributed.harness import (
 )
 from tests.plan_samples import gpt_unit_names, runnable_plan
 from zplan.runtime.data import synthetic_token_batch
-from zplan.schemas import Plan
+from zplan.schemas import Plan, Stage
 
 pytestmark = pytest.mark.slow
 
@@ -209,3 +209,30 @@ def test_recompute_modes_really_recompute(model_path):
     assert gemms["selective"] == gemms["none"], gemms
     assert attention == {"none": 0, "selective": LAYERS, "full": LAYERS}, attention
     assert torch.equal(grads["full"], grads["none"]) and torch.equal(grads["selective"], grads["none"])
+
+
+def pipeline_plan(model_path: Path, *, pp: int, dp: int, interleave: int, zero_stage: int) -> Plan:
+    """The tiny GPT split into pipeline stages (stage s is chunk s // pp of pipeline rank s % pp)."""
+    units = gpt_unit_names(LAYERS)  # wte, wpe, blocks.0, blocks.1, ln_f, head
+    groups = [units[:3], units[3:]] if interleave == 1 else [units[:2], units[2:3], units[3:4], units[4:]]
+    base = make_plan(model_path, zero_stage=zero_stage)
+    stages, first = [], 0
+    for index, names in enumerate(groups):
+        stages.append(Stage(index=index, first_layer=first, last_layer=first + len(names) - 1, layer_names=names,
+                            fwd_flops_per_sample=0.0, params=0))
+        first += len(names)
+    parallel = base.parallel.model_copy(update=dict(
+        pp=pp, dp=dp, num_micro_batches=GLOBAL_BATCH // (MICRO_BATCH * dp), interleave=interleave,
+        schedule="interleaved-1f1b" if interleave > 1 else "1f1b"))
+    fingerprint = base.fingerprint.model_copy(update=dict(world_size=pp * dp))
+    return base.model_copy(update=dict(parallel=parallel, stages=stages, fingerprint=fingerprint))
+
+
+@pytest.mark.parametrize("pp, dp, interleave, zero_stage", [(2, 1, 1, 0), (2, 1, 2, 1), (2, 2, 1, 3)])
+def test_pipeline_plan_matches_single_process(pp, dp, interleave, zero_stage, model_path, reference, tmp_path):
+    """The emitted train.py with a pipeline plan (1F1B or interleaved; alone or with data parallel)."""
+    plan = pipeline_plan(model_path, pp=pp, dp=dp, interleave=interleave, zero_stage=zero_stage)
+    records, weights = run_emitted_script(plan, model_path, tmp_path / "out", steps=STEPS, seed=SEED, lr=LR)
+    ref_losses, ref_weights = reference
+    assert max_loss_diff([r["loss"] for r in records], ref_losses) <= 1e-5
+    assert max_weight_diff(weights, ref_weights) <= 1e-5

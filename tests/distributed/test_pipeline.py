@@ -2,7 +2,8 @@
 
 Distributed (slow): examples/tiny.py with 4 blocks (tied output head, learned position embedding) trains
 3 AdamW steps with active gradient clipping, pp=2 under GPipe, 1F1B and interleaved 1F1B (2 chunks per
-rank, 4 stages), and dp=2 x pp=2 with DDP (ZeRO 0) and FSDP2 (ZeRO 3) over the dp sub-mesh. The loss and
+rank, 4 stages), dp=2 x pp=2 with DDP (ZeRO 0; 1F1B and interleaved) and FSDP2 (ZeRO 3; interleaved)
+over the dp sub-mesh, and pp=4 (1F1B, the tied head on the first and last of 4 ranks). The loss and
 gradient norm of every step and the final parameters must equal one process training the same model on
 the same global batch, in plain torch, within 1e-5. The workers are this file run as a script.
 
@@ -36,14 +37,16 @@ UNITS = [  # as the tracer reports examples/tiny.py's units (schemas LayerCost: 
     *(SimpleNamespace(name=f"blocks.{i}", modules=[f"blocks.{i}"]) for i in range(LAYERS)),
     SimpleNamespace(name="head", modules=["ln_f", "lm_head"]),
 ]
-STAGE_UNITS = {  # plan Stage.layer_names per schedule; interleaved: stage s is chunk s // pp of rank s % pp
-    "gpipe": [["embedding", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "head"]],
-    "1f1b": [["embedding", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "head"]],
-    "interleaved-1f1b": [["embedding", "blocks.0"], ["blocks.1"], ["blocks.2"], ["blocks.3", "head"]],
-}
-RUNS = {  # name -> (dp, schedule, ZeRO stage over dp)
-    2: {"gpipe": (1, "gpipe", 0), "1f1b": (1, "1f1b", 0), "interleaved-1f1b": (1, "interleaved-1f1b", 0)},
-    4: {"dp2-ddp-1f1b": (2, "1f1b", 0), "dp2-fsdp-interleaved": (2, "interleaved-1f1b", 3)},
+TWO_STAGES = [["embedding", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "head"]]  # plan Stage.layer_names
+# interleaved on 2 ranks: stage s is chunk s // 2 of rank s % 2; with pp=4, one stage per rank
+FOUR_STAGES = [["embedding", "blocks.0"], ["blocks.1"], ["blocks.2"], ["blocks.3", "head"]]
+RUNS = {  # world size -> run name -> (dp, schedule, ZeRO stage over dp, stages); pp = world // dp
+    2: {"gpipe": (1, "gpipe", 0, TWO_STAGES), "1f1b": (1, "1f1b", 0, TWO_STAGES),
+        "interleaved-1f1b": (1, "interleaved-1f1b", 0, FOUR_STAGES)},
+    4: {"dp2-ddp-1f1b": (2, "1f1b", 0, TWO_STAGES), "dp2-ddp-interleaved": (2, "interleaved-1f1b", 0, FOUR_STAGES),
+        "dp2-fsdp-interleaved": (2, "interleaved-1f1b", 3, FOUR_STAGES),
+        # the tied head on ranks 0 and 3 only: the middle ranks hold no copy
+        "pp4-1f1b": (1, "1f1b", 0, FOUR_STAGES)},
 }
 
 
@@ -91,14 +94,14 @@ def _wrap_for_data_parallel(chunk: nn.Module, dp_mesh, zero_stage: int) -> nn.Mo
     return fully_shard(chunk, mesh=dp_mesh, reshard_after_forward=True)
 
 
-def _train_pipelined(mesh, dp: int, schedule: str, zero_stage: int):
+def _train_pipelined(mesh, dp: int, schedule: str, zero_stage: int, stage_units: list[list[str]]):
     import torch.distributed as dist
 
     from zplan.runtime.pipeline import build_pipeline, gather_full_state_dict, stage_module_paths
 
     torch.manual_seed(SEED)
     model = tiny_model()
-    stages = stage_module_paths(STAGE_UNITS[schedule], UNITS)
+    stages = stage_module_paths(stage_units, UNITS)
     example = torch.zeros(MICRO_BATCH, SEQ_LEN, dtype=torch.long)
     run = build_pipeline(model, mesh["pp"], stages, schedule, NUM_MICRO_BATCHES, next_token_loss, example)
     del model
@@ -119,6 +122,8 @@ def _train_pipelined(mesh, dp: int, schedule: str, zero_stage: int):
         dist.all_reduce(loss, group=mesh["dp"].get_group())  # the mean over the global batch
         losses.append(loss.item() / dp)
         norms.append(float(norm))
+    if mesh["pp"].get_local_rank() == mesh["pp"].size() - 1:  # the last stage holds the tied head
+        assert run.tied_names == {"lm_head.weight": "wte.weight"}, run.tied_names
     return losses, norms, gather_full_state_dict(run)
 
 
@@ -129,9 +134,9 @@ def worker(out_file: str, world: int) -> None:
     ctx = init_distributed()
     try:
         results = {}
-        for name, (dp, schedule, zero_stage) in RUNS[world].items():
+        for name, (dp, schedule, zero_stage, stage_units) in RUNS[world].items():
             mesh = build_mesh(pp=world // dp, dp=dp, tp=1, device_type="cpu")
-            losses, norms, weights = _train_pipelined(mesh, dp, schedule, zero_stage)
+            losses, norms, weights = _train_pipelined(mesh, dp, schedule, zero_stage, stage_units)
             results[name] = {"losses": losses, "norms": norms, "weights": weights}
         if ctx.is_main:
             torch.save(results, out_file)
@@ -187,7 +192,7 @@ def pipelined_runs(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def pipelined_data_parallel_runs(tmp_path_factory) -> dict:
+def four_process_runs(tmp_path_factory) -> dict:
     return launch(4, tmp_path_factory.mktemp("dp2pp2") / "results.pt")
 
 
@@ -213,8 +218,9 @@ def test_pipeline_matches_single_process(schedule, pipelined_runs):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(RUNS[4]))
-def test_data_parallel_times_pipeline_matches_single_process(name, pipelined_data_parallel_runs):
-    _compare(f"dp=2 x pp=2 {name}", pipelined_data_parallel_runs[name], reference_run(dp=2))
+def test_four_processes_match_single_process(name, four_process_runs):
+    dp = RUNS[4][name][0]
+    _compare(f"dp={dp} x pp={4 // dp} {name}", four_process_runs[name], reference_run(dp=dp))
 
 
 # ---- single process: the split and its contract --------------------------------------------------
@@ -310,7 +316,7 @@ def test_stage_lists_that_do_not_fit_the_model_are_refused():
 def test_stage_module_paths_expands_units():
     from zplan.runtime.pipeline import stage_module_paths
 
-    assert stage_module_paths(STAGE_UNITS["1f1b"], UNITS) == [
+    assert stage_module_paths(TWO_STAGES, UNITS) == [
         ["wte", "wpe", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "ln_f", "lm_head"]]
     assert stage_module_paths([["wte", "blocks.0"]], []) == [["wte", "blocks.0"]]  # units named by module path
 
