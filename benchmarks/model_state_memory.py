@@ -34,7 +34,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _launch import SMALL_GPT, compile_plan_files, predicted_model_state_bytes, run_workers, write_result  # noqa: E402
+from _launch import (  # noqa: E402
+    SMALL_GPT,
+    apply_plan,
+    compile_plan_files,
+    predicted_model_state_bytes,
+    run_workers,
+    write_result,
+)
 
 STAGES = (0, 1, 2, 3)
 SEED = 0
@@ -79,29 +86,9 @@ def measure(plan, model_file, mesh, ctx) -> dict:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    from zplan.runtime import (
-        apply_data_parallel,
-        apply_pipeline,
-        apply_recompute,
-        apply_tensor_parallel,
-        build_model,
-        build_optimizer,
-        make_data_iter,
-    )
-
-    p, prefix, precision = plan.parallel, plan.model.block_prefix, plan.train.precision
-    model = build_model(model_file.build_model, seed=SEED, device=ctx.device)
-    model = apply_tensor_parallel(model, mesh["tp"], {r.module: r.style for r in plan.model.tp_rules}, prefix,
-                                  p.sequence_parallel)
-    model = apply_recompute(model, p.recompute, prefix)
-    model = apply_pipeline(model, mesh["pp"], [s.layer_names for s in plan.stages], p.schedule)
-    model = apply_data_parallel(model, mesh["dp"], p.zero_stage, precision, p.offload, prefix)
-    optimizer = build_optimizer(model, mesh["dp"], p.zero_stage, lr=3e-4, weight_decay=0.1, offload=p.offload,
-                                precision=precision)
+    p = plan.parallel
+    model, optimizer, data = apply_plan(plan, model_file, mesh, ctx, seed=SEED, lr=3e-4, weight_decay=0.1)
     persistent = list(model.parameters())  # DDP: the parameters; FSDP2: the shards, which stay allocated
-    data = make_data_iter(model_file, vocab=plan.model.vocab, seq_len=plan.train.seq_len,
-                          micro_batch=p.micro_batch, num_micro_batches=p.num_micro_batches,
-                          dp_rank=mesh["dp"].get_local_rank(), dp_size=p.dp, seed=SEED)
     params_in_step = 0
     for micro in range(p.num_micro_batches):
         batch = next(data)

@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import (  # noqa: E402
     SMALL_GPT,
     StepClock,
+    apply_plan,
     compile_plan_files,
     load_average,
     median,
@@ -69,33 +70,11 @@ BASELINES = {0: "DDP", 1: "DDP + ZeroRedundancyOptimizer", 2: "FSDP2 (reshard_af
 
 def run_zplan(plan, model_file, model_path, mesh, ctx, steps: int) -> tuple[list[float], list[float], float]:
     """The emitted train.py's calls for `plan`; returns (wall and CPU seconds of the kept steps, first loss)."""
-    from zplan.runtime import (
-        CheckpointConfig,
-        WarmupCosine,
-        apply_data_parallel,
-        apply_pipeline,
-        apply_recompute,
-        apply_tensor_parallel,
-        build_model,
-        build_optimizer,
-        check_plan,
-        make_data_iter,
-        train,
-    )
+    from zplan.runtime import CheckpointConfig, WarmupCosine, check_plan, train
 
-    p, prefix, precision = plan.parallel, plan.model.block_prefix, plan.train.precision
+    p, precision = plan.parallel, plan.train.precision
     check_plan(plan, model_path, ctx.world_size)
-    model = build_model(model_file.build_model, seed=SEED, device=ctx.device)
-    model = apply_tensor_parallel(model, mesh["tp"], {r.module: r.style for r in plan.model.tp_rules}, prefix,
-                                  p.sequence_parallel)
-    model = apply_recompute(model, p.recompute, prefix)
-    model = apply_pipeline(model, mesh["pp"], [s.layer_names for s in plan.stages], p.schedule)
-    model = apply_data_parallel(model, mesh["dp"], p.zero_stage, precision, p.offload, prefix)
-    optimizer = build_optimizer(model, mesh["dp"], p.zero_stage, lr=LR, weight_decay=WEIGHT_DECAY,
-                                offload=p.offload, precision=precision)
-    data = make_data_iter(model_file, vocab=plan.model.vocab, seq_len=plan.train.seq_len,
-                          micro_batch=p.micro_batch, num_micro_batches=p.num_micro_batches,
-                          dp_rank=mesh["dp"].get_local_rank(), dp_size=p.dp, seed=SEED)
+    model, optimizer, data = apply_plan(plan, model_file, mesh, ctx, seed=SEED, lr=LR, weight_decay=WEIGHT_DECAY)
     clock = StepClock(data, p.num_micro_batches)
     pred = plan.prediction
     # rank 0's progress bar and summary go to this worker's stdout, as train.py's do (the parent drops them)

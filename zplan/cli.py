@@ -6,7 +6,6 @@ User errors (ZplanError) print one message on stderr, no traceback, and exit wit
 from __future__ import annotations
 
 import json
-import sys
 from enum import Enum
 from pathlib import Path
 from typing import Optional
@@ -194,7 +193,3 @@ def probe(
         spec = probe_this_machine(seconds)
     output.write_text(yaml.safe_dump(spec.model_dump(), sort_keys=False))
     err.print(f"wrote {output}; use it with --cluster {output}")
-
-
-def main() -> None:  # pragma: no cover - console entry
-    sys.exit(app())
