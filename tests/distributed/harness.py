@@ -86,9 +86,11 @@ def _rank_main(argv: list[str], env: dict[str, str | None], log_path: str) -> No
 class Ranks:
     """`python argv...` started as `world` ranks with the environment torchrun gives them, plus `env`
     (a value None unsets a variable); a world of one is a plain process, without torchrun's variables.
-    Each rank's stdout and stderr go to one log file in `log_dir`."""
+    On `device` "cpu" (gloo, GPUs hidden) or "cuda" (NCCL, one GPU per rank). Each rank's stdout and
+    stderr go to one log file in `log_dir`."""
 
-    def __init__(self, argv: list[str], world: int, log_dir: Path, *, env: dict[str, str | None] | None = None):
+    def __init__(self, argv: list[str], world: int, log_dir: Path, *, env: dict[str, str | None] | None = None,
+                 device: str = "cpu"):
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(_PRELOAD)  # takes effect when the fork server starts (first use)
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -97,7 +99,10 @@ class Ranks:
         port = str(free_port())
         self.processes = []
         for rank, log in enumerate(self.logs):
-            rank_env = {"OMP_NUM_THREADS": "1", **(env or {})}
+            # device "cpu" hides any GPU, so that the runtime picks gloo on a GPU machine too;
+            # "cuda": rank r uses GPU r with NCCL (tests/gpu)
+            hide_gpus = {"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {}
+            rank_env = {"OMP_NUM_THREADS": "1", **hide_gpus, **(env or {})}
             if world > 1:
                 rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                                 LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
@@ -164,31 +169,34 @@ def read_log(log: Path) -> list[dict]:
 
 
 def run_emitted_script(plan: Plan, model_path: Path, out_dir: Path, *, steps: int, seed: int, lr: float,
-                       via_launcher: bool = False) -> tuple[list[dict], dict[str, torch.Tensor]]:
+                       via_launcher: bool = False, device: str = "cpu") -> tuple[list[dict], dict[str, torch.Tensor]]:
     """Emit train.py for `plan` and run it on the plan's world size (with launch/torchrun.sh, that is real
-    torchrun, when via_launcher); return (per-step records, final weights)."""
+    torchrun, when via_launcher) on `device` (see Ranks); return (per-step records, final weights on the CPU)."""
     script = emit(plan, model_path, out_dir)
     log, weights = out_dir / "log.jsonl", out_dir / "weights.pt"
     args = [*train_args(steps, seed, lr, log), "--save-weights", str(weights)]
     if via_launcher:
-        env = {**os.environ, "TORCHRUN": str(Path(sys.executable).parent / "torchrun"), "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "TORCHRUN": str(Path(sys.executable).parent / "torchrun"), "OMP_NUM_THREADS": "1",
+               **({"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {})}
         result = subprocess.run(["bash", str(out_dir / "launch" / "torchrun.sh"), *args], capture_output=True,
                                 text=True, env=env, timeout=LAUNCH_TIMEOUT_S)
         assert result.returncode == 0, (result.stdout[-3000:] + result.stderr[-5000:])[-8000:]
     else:
-        Ranks([str(script), *args], plan.fingerprint.world_size, out_dir / "logs").wait_ok()
-    return read_log(log), torch.load(weights)
+        Ranks([str(script), *args], plan.fingerprint.world_size, out_dir / "logs", device=device).wait_ok()
+    return read_log(log), torch.load(weights, map_location="cpu")
 
 
 # ---- the single-process reference ----------------------------------------------------------------------
 
 
 def train_single_process(build_model: Callable[[], torch.nn.Module], *, steps: int, seed: int, lr: float,
-                         global_batch: int, vocab: int, seq_len: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+                         global_batch: int, vocab: int, seq_len: int,
+                         device: str = "cpu") -> tuple[list[float], dict[str, torch.Tensor]]:
     """What the emitted script must reproduce: one process, the whole global batch at once, plain torch
-    AdamW (fused, as the runtime uses) under the same LR schedule and clipping; (losses, final weights)."""
+    AdamW (fused, as the runtime uses) under the same LR schedule and clipping, on `device`;
+    (losses, final weights on the CPU)."""
     torch.manual_seed(seed)
-    model = build_model()
+    model = build_model().to(device)
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(
         [{"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
@@ -199,7 +207,7 @@ def train_single_process(build_model: Callable[[], torch.nn.Module], *, steps: i
     for step in range(steps):
         for group in optimizer.param_groups:
             group["lr"] = schedule(step)
-        tokens = synthetic_token_batch(vocab, seq_len, global_batch, seed, step)  # (B, T)
+        tokens = synthetic_token_batch(vocab, seq_len, global_batch, seed, step).to(device)  # (B, T)
         logits = model(tokens)  # (B, T, V)
         loss = F.cross_entropy(logits[:, :-1].reshape(-1, vocab), tokens[:, 1:].reshape(-1))
         loss.backward()
@@ -207,7 +215,7 @@ def train_single_process(build_model: Callable[[], torch.nn.Module], *, steps: i
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
 def max_loss_diff(losses: list[float], reference: list[float]) -> float:
