@@ -69,12 +69,28 @@ def missing_torch_features(plan: Plan) -> list[str]:
     return [f"{module}.{attr}" for module, attr in needed if not _has(module, attr)]
 
 
+def runtime_gaps(plan: Plan) -> list[str]:
+    """What in the plan zplan's runtime cannot run yet, each with what to pin instead (empty: it runs).
+
+    The planner may still choose these when nothing else fits, so that the report shows the way to
+    fit; the emitted train.py refuses them before any collective.
+    """
+    p, gaps = plan.parallel, []
+    if p.offload == "nvme":
+        gaps.append("NVMe offload (ZeRO-Infinity swapping lands with the offload issue, #4): pin --offload cpu "
+                    "or none, or add GPUs")
+    elif p.offload == "cpu" and p.zero_stage in (0, 1):
+        gaps.append(f"CPU offload with ZeRO {p.zero_stage} (zplan's CPU Adam lands with the offload issue, #4): "
+                    "pin --zero 2 or 3, whose CPU offload FSDP2 runs")
+    return gaps
+
+
 def check_plan(plan: Plan, model_path: str | Path | None, world_size: int) -> None:
     """Raise PlanMismatchError naming every way this run differs from what the plan was made for.
 
     Checks: the model is a file (family specs cannot be built), the model file's SHA-256 against the
-    fingerprint, the world size against the fingerprint and tp * pp * dp, and the torch features the
-    plan needs. Touches no process group.
+    fingerprint, the world size against the fingerprint and tp * pp * dp, what the runtime cannot run
+    yet (runtime_gaps), and the torch features the plan needs. Touches no process group.
     """
     fp = plan.fingerprint
     if plan.model.source == "family":
@@ -103,6 +119,7 @@ def check_plan(plan: Plan, model_path: str | Path | None, world_size: int) -> No
         problems.append(
             f"the plan is inconsistent: tp*pp*dp = {p.tp * p.pp * p.dp} != its world size {fp.world_size}"
         )
+    problems += [f"the runtime does not run {gap}" for gap in runtime_gaps(plan)]
     missing = missing_torch_features(plan)
     if missing:
         import torch

@@ -105,12 +105,17 @@ def compile(
             files = write_outputs(plan, target, model)
     except ZplanError as exc:
         _fail(exc)
+    from zplan.runtime.plan_check import runtime_gaps
+
+    gaps = runtime_gaps(plan)
     if as_json:
         print(json.dumps({"out_dir": str(target), "parallel": plan.parallel.model_dump(),
                           "prediction": plan.prediction.model_dump(),
-                          "placement": plan.placement.model_dump()}, indent=2))
+                          "placement": plan.placement.model_dump(), "runtime_gaps": gaps}, indent=2))
     else:
         print_plan_summary(out, plan, target, files)
+    for gap in gaps:
+        err.print(f"warning: the emitted train.py cannot run this plan yet: {gap}.", soft_wrap=True)
 
 
 @app.command()

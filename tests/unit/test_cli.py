@@ -118,6 +118,18 @@ def test_pins_are_respected(tmp_path):
     assert (p["tp"], p["pp"], p["dp"], p["zero_stage"], p["micro_batch"], p["recompute"]) == (2, 2, 2, 1, 2, "full")
 
 
+def test_a_plan_the_runtime_cannot_run_yet_is_flagged(tmp_path):
+    result = run("compile", GPT_SMALL, "--gpus", 8, "--global-batch", 16, "--offload", "nvme", "-o", tmp_path / "o",
+                 "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["parallel"]["offload"] == "nvme" and data["parallel"]["zero_stage"] == 3
+    assert len(data["runtime_gaps"]) == 1 and "NVMe offload" in data["runtime_gaps"][0]
+    assert "warning: the emitted train.py cannot run this plan yet: NVMe offload" in result.stderr
+    plain = run("compile", GPT_SMALL, "--gpus", 8, "--global-batch", 16, "-o", tmp_path / "p", "--json")
+    assert json.loads(plain.stdout)["runtime_gaps"] == [] and "warning" not in plain.stderr
+
+
 def test_estimate_json_has_the_documented_keys():
     result = run("estimate", GPT_SMALL, "--gpus", 8, "--tp", 2, "--pp", 1, "--global-batch", 16, "--json")
     assert result.exit_code == 0, result.output

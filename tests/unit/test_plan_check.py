@@ -76,6 +76,18 @@ def test_missing_torch_feature_is_named(model_file, monkeypatch):
         check_plan(plan_for(model_file, zero_stage=3), model_file, world_size=2)
 
 
+@pytest.mark.parametrize("zero_stage, offload, runs", [(3, "nvme", False), (1, "cpu", False), (0, "cpu", False),
+                                                     (2, "cpu", True), (3, "cpu", True), (1, "none", True)])
+def test_offload_the_runtime_cannot_run_yet_is_refused(zero_stage, offload, runs, model_file):
+    plan = plan_for(model_file, zero_stage=zero_stage)
+    plan = plan.model_copy(update=dict(parallel=plan.parallel.model_copy(update=dict(offload=offload))))
+    if runs:
+        check_plan(plan, model_file, world_size=2)
+    else:
+        with pytest.raises(PlanMismatchError, match=r"the runtime does not run .*offload.* issue, #4\): pin"):
+            check_plan(plan, model_file, world_size=2)
+
+
 def test_load_plan_round_trip_and_errors(model_file, tmp_path):
     plan = plan_for(model_file)
     (tmp_path / "plan.json").write_text(plan.model_dump_json())
