@@ -100,7 +100,7 @@ def choose(summary: ModelSummary, cluster: ClusterSpec, gpus: int, train: TrainS
     if len(scored.candidates) == 0:
         raise SpecError(
             f"no legal configuration for {gpus} GPUs with pins {pins.model_dump(exclude_none=True)}: "
-            f"check that tp divides the {summary.heads} heads, pp <= {summary.num_blocks} blocks, "
+            f"check that tp divides the {summary.heads} heads, pp * interleave <= {summary.num_blocks} blocks, "
             f"dp*tp*pp = {gpus}, and the global batch {train.global_batch} divides by dp*micro_batch."
         )
     refined: dict[int, Choice | None] = {}

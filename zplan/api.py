@@ -157,7 +157,7 @@ def estimate_config(req: Request) -> dict:
     scored = score(req.summary, req.cluster, req.gpus, req.train, req.pins)
     cand, est = scored.candidates, scored.estimate
     if len(cand) == 0:
-        raise SpecError("no legal configuration matches the pins: check tp divides heads, pp <= blocks, "
+        raise SpecError("no legal configuration matches the pins: check tp divides heads, pp * interleave <= blocks, "
                         "and the global batch divides by dp * micro-batch.")
     if len(scored.order):
         best = int(scored.order[0])

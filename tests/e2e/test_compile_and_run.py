@@ -1,5 +1,7 @@
-"""End to end: compile examples/tiny.py for 1 and 2 CPU processes (data parallel, each ZeRO stage the
-runtime has), run the emitted launch script, and check the loss falls and the log has its keys."""
+"""End to end: compile examples/tiny.py for 1 and 2 CPU processes with each pin (every ZeRO stage, tensor
+parallel with sequence parallel, pipeline parallel with 1F1B (tiny.py's 2 blocks leave no room to
+interleave; tests/distributed covers interleaving), recompute, micro-batch, CPU offload), run the emitted
+launch script under torchrun, and check the plan kept the pins, the loss falls and the log has its keys."""
 
 import json
 import os
@@ -30,12 +32,34 @@ def run_script(out: Path, steps: int) -> list[dict]:
     return [json.loads(line) for line in log.read_text().splitlines()]
 
 
+PINNED_RUNS = {  # name: (processes, pins, what the plan must then say)
+    "one-process": (1, {}, {"dp": 1}),
+    "zero0": (2, {"zero": 0}, {"dp": 2, "zero_stage": 0}),
+    "zero1": (2, {"zero": 1, "micro-batch": 1}, {"dp": 2, "zero_stage": 1, "micro_batch": 1}),
+    "zero2-selective": (2, {"zero": 2, "recompute": "selective"}, {"zero_stage": 2, "recompute": "selective"}),
+    "zero3-cpu-offload": (2, {"zero": 3, "offload": "cpu", "recompute": "full"},
+                          {"zero_stage": 3, "offload": "cpu", "recompute": "full"}),
+    "tp2-sp": (2, {"tp": 2, "sequence-parallel": True}, {"tp": 2, "sequence_parallel": True}),
+    "pp2-1f1b": (2, {"pp": 2, "interleave": 1}, {"pp": 2, "schedule": "1f1b"}),
+}
+
+
+def pin_args(pins: dict) -> list[str]:
+    """CLI flags for `pins`; tp and pp default to 1 (the search would otherwise pick them)."""
+    args = []
+    for name, value in {"tp": 1, "pp": 1, **pins}.items():
+        args += [f"--{name}"] if value is True else [f"--{name}", str(value)]
+    return args
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("gpus,pins", [(1, []), (2, ["--zero", "0"]), (2, ["--zero", "3"])])
-def test_compiled_script_trains(tmp_path, gpus, pins):
+@pytest.mark.parametrize("name", list(PINNED_RUNS))
+def test_compiled_script_trains(tmp_path, name):
+    gpus, pins, expected = PINNED_RUNS[name]
     out = tmp_path / "plan"
-    plan = compile_tiny(out, gpus, "--tp", "1", "--pp", "1", *pins)
-    assert plan["parallel"]["dp"] == gpus
+    plan = compile_tiny(out, gpus, *pin_args(pins))
+    assert {key: plan["parallel"][key] for key in expected} == expected
+    assert plan["runtime_gaps"] == []
     records = run_script(out, steps=12)
     assert [r["step"] for r in records] == list(range(1, 13))
     for key in ("loss", "tokens_per_s", "step_time_s"):
