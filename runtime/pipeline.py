@@ -212,6 +212,12 @@ class PipelineChunk(nn.Module):
     def stage_index(self) -> int:
         return self._stage_index
 
+    @property
+    def skeletons(self) -> list[nn.Module]:
+        """The shallow copies of the model that stage 0's embedding and the last stage's pipeline_head run
+        on: tensors held by the model's root (e.g. a RoPE table) are reached through them."""
+        return [pair[0] for pair in (self._embed, self._head) if pair is not None]
+
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
         if self._embed is not None:
             skeleton, embed = self._embed
@@ -263,7 +269,10 @@ def run_stages(chunks: Sequence[PipelineChunk], batch: Any) -> list[torch.Tensor
 
 def check_split(model: nn.Module, chunks: Sequence[PipelineChunk], example_batch: Any) -> list[torch.Tensor]:
     """Run the stages one after the other on `example_batch` (eval mode, no grad) and compare with the
-    model's own forward; return each stage's output. Raises PipelineSplitError on a mismatch."""
+    model's own forward; return each stage's output. Raises PipelineSplitError on a mismatch.
+
+    A model on the meta device (built by runtime.materialize before its weights exist) has no values to
+    compare: there the check is of the output's shape only, the forward still run through every stage."""
     was_training = model.training
     model.eval()
     try:
@@ -273,14 +282,17 @@ def check_split(model: nn.Module, chunks: Sequence[PipelineChunk], example_batch
     finally:
         model.train(was_training)
     got = outputs[-1]
-    if isinstance(expected, DTensor):
+    on_meta = any(_local(p).is_meta for p in model.parameters())
+    if isinstance(expected, DTensor) and not on_meta:
         expected = expected.full_tensor()
-    if isinstance(got, DTensor):
+    if isinstance(got, DTensor) and not on_meta:
         got = got.full_tensor()
     if not isinstance(expected, torch.Tensor) or not isinstance(got, torch.Tensor) or got.shape != expected.shape:
         raise PipelineSplitError(
             f"the pipeline stages of {type(model).__name__} return {_describe(got)} where the model returns "
             f"{_describe(expected)}: the forward must return the head's output tensor (or define pipeline_head)")
+    if on_meta:
+        return outputs
     error = (got.float() - expected.float()).abs().max().item()
     if not error <= SPLIT_TOLERANCE * max(1.0, expected.float().abs().max().item()):
         raise PipelineSplitError(
@@ -290,6 +302,10 @@ def check_split(model: nn.Module, chunks: Sequence[PipelineChunk], example_batch
             "after the blocks than calling head modules (a soft-cap, a scale), define pipeline_embed(self, "
             "*inputs) and pipeline_head(self, hidden) on the model class (runtime/pipeline.py says more)")
     return outputs
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 def _describe(value: Any) -> str:
@@ -334,6 +350,7 @@ class PipelineRun(nn.Module):
         super().__init__()
         _attach(self, model, [p for chunk in chunks for p in chunk._paths], roles.block_containers)
         self._chunks: list[nn.Module] = list(chunks)
+        self._built_chunks = tuple(chunks)  # as built, before data parallelism wraps them (not registered)
         self._stage_indices = [chunk.stage_index for chunk in chunks]
         # stage 0's chunk as built (the wrappers of data parallelism replace it in `chunks`); in a tuple, so
         # that it is not registered as a submodule (its modules are already, under their own names)
@@ -346,7 +363,6 @@ class PipelineRun(nn.Module):
         self._loss_fn = loss_fn
         self._schedule = None
         self._current_micro_batches: list[Any] = []
-        self._device = next(model.parameters()).device
         # Tied parameters on several ranks: this rank's name of each, the pipeline ranks holding it, and
         # whether this rank counts it in the gradient norm (the first holder does).
         self._tied: list[tuple[str, list[int]]] = []
@@ -370,6 +386,17 @@ class PipelineRun(nn.Module):
     @property
     def stage_indices(self) -> list[int]:
         return list(self._stage_indices)
+
+    @property
+    def _device(self) -> torch.device:
+        """Where this rank's stages compute: read when needed, as a model built on meta gets its weights
+        after the split (runtime.materialize)."""
+        return next(self.parameters()).device
+
+    def weight_roots(self) -> list[nn.Module]:
+        """The modules under which each tensor of this rank's stages appears with its model-file name:
+        the stage modules and the model copies the first and last stage run (runtime.materialize)."""
+        return [*self._built_chunks, *(skeleton for chunk in self._built_chunks for skeleton in chunk.skeletons)]
 
     @property
     def tied_names(self) -> dict[str, str]:
@@ -543,9 +570,9 @@ def build_pipeline(
     example_micro_batch: a batch the model takes, e.g. the model file's example_inputs(micro_batch,
     seq_len); used to check the split (check_split). The stages learn their activations' shapes and
     dtypes at the first step(), from its first micro-batch through the chunks as data parallelism wrapped
-    them (PipelineRun._activation_examples). Every rank must hold the
-    whole model (as runtime.materialize builds it); drop the reference to `model` afterwards so that only
-    this rank's stages stay in memory.
+    them (PipelineRun._activation_examples). Every rank passes the whole model, on the meta device (as
+    runtime.materialize.build_meta_model makes it: materialize_weights then fills only this rank's stages)
+    or real; drop the reference to `model` afterwards so that only this rank's stages stay in memory.
     """
     if schedule not in SCHEDULES:
         raise PipelineSplitError(f"pipeline schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
@@ -566,7 +593,7 @@ def build_pipeline(
                                  f"multiple of num_micro_batches // pp ({num_micro_batches // pp_size})")
     roles = unit_roles(model, stage_modules)
     chunks = split_model(model, stage_modules, roles)
-    device = next(model.parameters()).device
+    device = _local(next(model.parameters())).device  # meta for a model built on meta
     example_micro_batch = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t,
                                           example_micro_batch)
     check_split(model, chunks, example_micro_batch)

@@ -141,3 +141,20 @@ def test_charts_are_drawn_in_headless_chromium(tmp_path):
     assert marks["chart-pareto"]["circle"] >= 1 + len(plan.alternatives)
     assert marks["chart-pareto"]["path"] == 1  # the Pareto front
     assert all(marks[chart_id]["title"] > 0 for chart_id in CHART_IDS)
+
+
+@pytest.mark.parametrize(("zero", "weights_first"), [(0, True), (1, True), (2, False), (3, False)])
+def test_script_materialises_weights_where_the_zero_stage_says(zero, weights_first, tmp_path):
+    """ZeRO 0/1 replicate parameters (DDP needs real tensors): weights before apply_data_parallel; ZeRO
+    2/3 shard them (FSDP2 on the meta model): after, so each rank makes only its shards."""
+    from zplan.codegen.script import render_script_files
+
+    plan = sample_plan("tiny-dp", parallel={"zero_stage": zero})
+    render_script_files(plan, tmp_path, "tiny.py")
+    code = (tmp_path / "train.py").read_text()
+    assert "build_meta_model(model_file.build_model" in code and "build_model(model_file" not in code
+    assert code.count("materialize_weights(model, weights, ctx.device)") == 1
+    materialise, data_parallel = code.index("materialize_weights(model,"), code.index("apply_data_parallel(model,")
+    assert (materialise < data_parallel) == weights_first
+    assert f"# ZeRO {zero}:" in code
+    compile(code, "train.py", "exec")
