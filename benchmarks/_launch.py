@@ -157,18 +157,23 @@ def apply_plan(plan, model_file, mesh, ctx, *, seed: int, lr: float, weight_deca
         apply_pipeline,
         apply_recompute,
         apply_tensor_parallel,
-        build_model,
+        build_meta_model,
         build_optimizer,
         make_data_iter,
+        materialize_weights,
     )
 
     p, prefix, precision = plan.parallel, plan.model.block_prefix, plan.train.precision
-    model = build_model(model_file.build_model, seed=seed, device=ctx.device)
+    model, weights = build_meta_model(model_file.build_model, seed=seed, device=ctx.device)
     model = apply_tensor_parallel(model, mesh["tp"], {r.module: r.style for r in plan.model.tp_rules}, prefix,
                                   p.sequence_parallel)
     model = apply_recompute(model, p.recompute, prefix)
     model = apply_pipeline(model, mesh["pp"], [s.layer_names for s in plan.stages], p.schedule)
+    if p.zero_stage < 2:  # replicated over dp: weights before DDP; sharded: after FSDP2, only the shards
+        materialize_weights(model, weights, ctx.device)
     model = apply_data_parallel(model, mesh["dp"], p.zero_stage, precision, p.offload, prefix)
+    if p.zero_stage >= 2:
+        materialize_weights(model, weights, ctx.device)
     optimizer = build_optimizer(model, mesh["dp"], p.zero_stage, lr=lr, weight_decay=weight_decay,
                                 offload=p.offload, precision=precision)
     data = make_data_iter(model_file, vocab=plan.model.vocab, seq_len=plan.train.seq_len,

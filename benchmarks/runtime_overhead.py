@@ -2,6 +2,7 @@
 for the same plan, and against DeepSpeed itself (ZeRO 1 and 2), all in the same 2 processes (gloo).
 
     .venv/bin/python benchmarks/runtime_overhead.py [--json] [--rounds 3] [--steps 4] [--skip-deepspeed]
+                                                    [--stages 0 1 2 3]
 
 The model is benchmarks/_small_gpt.py (examples/gpt.py at 4 layers, hidden 256, vocabulary 8192,
 64 tokens, 5.3M parameters), compiled for each stage with
@@ -242,16 +243,18 @@ def worker(args) -> None:
             "first_loss_zplan": first_loss["zplan", z], f"first_loss_{other}": first_loss[other, z],
         } for z in stages]
 
-    rows = compare("baseline", (0, 1, 2, 3), args.rounds)
+    stages = tuple(args.stages)
+    rows = compare("baseline", stages, args.rounds)
     for row in rows:
         row["baseline"] = BASELINES[row["zero_stage"]]
     deepspeed_result = {"ran": False, "error": None, "rows": []}
-    if not args.skip_deepspeed:
+    if not args.skip_deepspeed and any(z in (1, 2) for z in stages):
         try:
             import deepspeed
 
             deepspeed.init_distributed(dist_backend="gloo")
-            deepspeed_result["rows"] = compare("deepspeed", (1, 2), args.deepspeed_rounds)
+            deepspeed_result["rows"] = compare("deepspeed", tuple(z for z in stages if z in (1, 2)),
+                                               args.deepspeed_rounds)
             deepspeed_result.update(ran=True, version=deepspeed.__version__,
                                     accelerator=os.environ.get("DS_ACCELERATOR"))
         except Exception as exc:  # say exactly why; never a made-up number
@@ -273,6 +276,8 @@ def main() -> None:
     parser.add_argument("--deepspeed-rounds", type=int, default=2, help="runs of each zplan/DeepSpeed pair")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per run (default 4; 3 more run untimed)")
     parser.add_argument("--skip-deepspeed", action="store_true", help="leave DeepSpeed out")
+    parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3],
+                        help="ZeRO stages to time (default all; DeepSpeed runs those of 1 and 2)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--plan-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -285,7 +290,7 @@ def main() -> None:
         plans = {z: compile_plan_files(SMALL_GPT, WORLD, Path(tmp) / f"zero{z}", global_batch=GLOBAL_BATCH,
                                        micro_batch=MICRO_BATCH, zero=z) for z in (0, 1, 2, 3)}
         forwarded = ["--plan-dir", tmp, "--rounds", str(args.rounds), "--steps", str(args.steps),
-                     "--deepspeed-rounds", str(args.deepspeed_rounds)]
+                     "--deepspeed-rounds", str(args.deepspeed_rounds), "--stages", *map(str, args.stages)]
         if args.skip_deepspeed:
             forwarded.append("--skip-deepspeed")
         measured = run_workers(Path(__file__).resolve(), WORLD, forwarded, timeout_s=900,

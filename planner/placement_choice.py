@@ -36,7 +36,7 @@ def place(cand: Candidates, est: StepEstimate, cluster: ClusterSpec, train: Trai
     mem, z, dp = est.memory, int(cand.zero[0]), int(cand.dp[0])
     params_gpu = float(mem.stage_params[0])
     elem = element_bytes(train.precision)
-    weights = elem * params_gpu / (dp if z == 3 else 1)
+    weights = elem * params_gpu / (dp if z >= 2 else 1)  # ZeRO-2: FSDP2 shards at rest (cost.memory)
     grads = elem * params_gpu / (dp if z >= 2 else 1)
     optim_params = params_gpu / (dp if z >= 1 else 1)
     optim = optimizer_bytes_per_param(train.precision) * optim_params

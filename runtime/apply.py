@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
-_NOT_YET = "lands with the runtime issue (#3)"
+_NOT_YET = "lands with the offload issue (#4)"
 _COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -126,7 +126,7 @@ def apply_data_parallel(
     """Replicate or shard the model over `dp_mesh` by ZeRO stage.
 
     0: DDP, gradients all-reduced.  1: DDP here, optimizer states sharded by build_optimizer
-    (ZeroRedundancyOptimizer).  2: FSDP2 fully_shard per block and at the root, parameters kept
+    (runtime.zero1.ZeroOneAdamW).  2: FSDP2 fully_shard per block and at the root, parameters kept
     gathered between forward and backward (reshard_after_forward=False), so gradients and optimizer
     states are sharded.  3: the same with reshard_after_forward=True, parameters sharded too.
     Mixed precision keeps fp32 master weights: FSDP2's MixedPrecisionPolicy (compute in bf16/fp16,
@@ -178,7 +178,21 @@ def apply_data_parallel(
     for block in transformer_blocks(model, block_prefix):
         fully_shard(block, **options)
     fully_shard(model, **options)  # the root: embedding, final norm, head
+    if zero_stage == 2:  # runtime.train_loop keeps the gathered parameters between micro-batches
+        setattr(model, _GATHERED_UNTIL_LAST_BACKWARD, True)
     return model
+
+
+_GATHERED_UNTIL_LAST_BACKWARD = "_zplan_gathered_until_last_backward"
+
+
+def keeps_parameters_gathered(model: nn.Module) -> bool:
+    """True for ZeRO-2 under FSDP2 (apply_data_parallel): its gathered parameters may stay gathered from
+    the first micro-batch's forward to the last one's backward (FSDPModule.set_reshard_after_backward
+    (False) on the others), so a step all-gathers the parameters once, not once per micro-batch. The
+    gradients are still reduce-scattered after every micro-batch: they stay sharded, as ZeRO-2 has them.
+    No memory beyond what ZeRO-2 holds anyway (every unit gathered from its forward to its backward)."""
+    return getattr(model, _GATHERED_UNTIL_LAST_BACKWARD, False)
 
 
 # ---- 5. optimizer ---------------------------------------------------------------------------------
@@ -198,7 +212,8 @@ def build_optimizer(
     model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, lr: float, weight_decay: float, offload: str,
     precision: str = "fp32",
 ) -> torch.optim.Optimizer:
-    """AdamW (fused kernel: ~7x foreach on CPU, DESIGN.md facts); ZeRO-1 shards its states over dp.
+    """AdamW (fused kernel: ~7x foreach on CPU, DESIGN.md facts); ZeRO-1 shards its states over dp
+    (runtime.zero1.ZeroOneAdamW: dim-0 slices of every parameter, updated rows all-gathered).
 
     ZeRO 2/3 need nothing more: FSDP2's parameters are already shards, so the optimizer states are.
     fp16 with ZeRO 2/3 uses the foreach kernel: the fused step rejects the shape-[1] inf flag that
@@ -209,10 +224,8 @@ def build_optimizer(
     if zero_stage == 1:
         if offload != "none":
             raise NotImplementedError(f"{offload} offload with ZeRO 1 {_NOT_YET}")
-        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from zplan.runtime.zero1 import ZeroOneAdamW
 
-        # overlap_with_ddp stays False: gloo refuses it (DESIGN.md facts).
-        return ZeroRedundancyOptimizer(
-            groups, optimizer_class=torch.optim.AdamW, process_group=dp_mesh.get_group(), lr=lr, fused=fused
-        )
+        # each rank keeps AdamW states for an even dim-0 slice of every parameter (runtime/zero1.py)
+        return ZeroOneAdamW(groups, dp_mesh, lr=lr, fused=fused)
     return torch.optim.AdamW(groups, lr=lr, fused=fused)

@@ -18,12 +18,10 @@ or the new checkpoint complete.
 Resharding: tensors are saved as what get_state_dict returns with the default options, i.e. each
 rank's DTensor shards under FSDP2 (ZeRO 2/3) and replicated plain tensors under DDP (ZeRO 0/1; DCP
 writes each once), named by parameter FQN without wrapper prefixes; the optimizer's state is flattened
-to one entry per parameter (`optimizer.state.<fqn>.exp_avg`). Loading asks DCP for the tensors in the
-layout of the run that loads, whatever layout wrote them, so a checkpoint of ZeRO-3 on 2 ranks loads
-under ZeRO-0 or on 1 rank. ZeroRedundancyOptimizer (ZeRO-1) has no sharded state dict of its own (its
-state_dict() needs consolidate_state_dict() onto one rank); its local optimizer `.optim` holds this
-rank's partition, so each rank saves and loads the entries of its own parameters, and the union over
-ranks is the whole optimizer.
+to one entry per parameter (`optimizer.state.<fqn>.exp_avg`). ZeRO-1's optimizer (runtime.zero1) holds
+each moment as a DTensor of the parameter's shape, Shard(0) over dp, the layout FSDP2 gives it too.
+Loading asks DCP for the tensors in the layout of the run that loads, whatever layout wrote them, so a
+checkpoint of ZeRO-3 or ZeRO-1 on 2 ranks loads under ZeRO-0, another ZeRO stage or on 1 rank.
 
 Hyper-parameters (the optimizer's param_groups: lr, betas, weight decay, ...) are saved for reference
 but not loaded: they come from the script that resumes, as the LR schedule does (a function of the step).
@@ -152,15 +150,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
 # ---- state dicts ---------------------------------------------------------------------------------
 
 
-def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """ZeroRedundancyOptimizer: the plain optimizer over this rank's partition; others as they are."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
-
-
 def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    return get_state_dict(model, _local_optimizer(optimizer), options=_OPTIONS)
+    return get_state_dict(model, optimizer, options=_OPTIONS)
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:
@@ -333,7 +324,7 @@ def load_checkpoint(
             f"cannot load checkpoint {path} into this model and optimizer: {describe_dcp_error(error)}"
         ) from error
     optimizer_state.update({key: wanted_optimizer[reads_from[key]] for key in reads_from})
-    set_state_dict(model, _local_optimizer(optimizer), model_state_dict=model_state,
+    set_state_dict(model, optimizer, model_state_dict=model_state,
                    optim_state_dict=optimizer_state, options=_OPTIONS)
 
     same_world = train_state["world_size"] == ctx.world_size and train_state.get("layout", {}) == (layout or {})

@@ -361,6 +361,7 @@ class PipelineRun(nn.Module):
         self._schedule_name = schedule
         self._num_micro_batches = num_micro_batches
         self._loss_fn = loss_fn
+        self._loss_scale = 1.0  # step() sets it: the factor of fp16 loss scaling
         self._schedule = None
         self._current_micro_batches: list[Any] = []
         # Tied parameters on several ranks: this rank's name of each, the pipeline ranks holding it, and
@@ -473,13 +474,15 @@ class PipelineRun(nn.Module):
     def _micro_batch_loss(self, output: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         # The schedule hands the loss a slice of `target`; step() passes the micro-batch indices as target,
         # so that loss_fn receives the whole micro-batch (any structure), as in the non-pipelined loop.
-        return self._loss_fn(output, self._current_micro_batches[int(index.reshape(-1)[0])])
+        loss = self._loss_fn(output, self._current_micro_batches[int(index.reshape(-1)[0])])
+        return loss * self._loss_scale
 
-    def step(self, micro_batches: Sequence[Any]) -> torch.Tensor:
+    def step(self, micro_batches: Sequence[Any], loss_scale: float = 1.0) -> torch.Tensor:
         """Forward and backward of one optimizer step over `micro_batches` (num_micro_batches batches as the
         data iterator yields them, on the device; every pipeline rank passes the same ones). Gradients are
-        the mean over the micro-batches, tied gradients summed over ranks. Returns the mean loss, on every
-        pipeline rank."""
+        the mean over the micro-batches of the gradients of loss * `loss_scale` (fp16 loss scaling:
+        runtime.loss_scale unscales them), tied gradients summed over ranks. Returns the mean loss
+        (unscaled), on every pipeline rank."""
         if len(micro_batches) != self._num_micro_batches:
             raise ValueError(f"expected {self._num_micro_batches} micro-batches, got {len(micro_batches)}")
         holds_first, holds_last = 0 in self._stage_indices, self._num_stages - 1 in self._stage_indices
@@ -492,6 +495,7 @@ class PipelineRun(nn.Module):
         if self._schedule is None:
             self._schedule = self._build_schedule(micro_batches[0])
         self._current_micro_batches = list(micro_batches)
+        self._loss_scale = loss_scale
         target = torch.arange(self._num_micro_batches) if holds_last else None
         losses: list[torch.Tensor] = []
         self._schedule.step(*args, target=target, losses=losses if holds_last else None, return_outputs=False)
@@ -502,7 +506,7 @@ class PipelineRun(nn.Module):
         for name, holders in self._tied:
             grad = self.get_parameter(name).grad
             self._sum_over_ranks(grad.to_local() if isinstance(grad, DTensor) else grad, holders)
-        loss = (torch.stack([x.detach().float() for x in losses]).mean() if holds_last
+        loss = (torch.stack([x.detach().float() for x in losses]).mean() / loss_scale if holds_last
                 else torch.zeros((), device=self._device))
         dist.broadcast(loss, group=self._group, group_src=(self._num_stages - 1) % self._pp)
         return loss

@@ -54,7 +54,7 @@ def missing_torch_features(plan: Plan) -> list[str]:
     p = plan.parallel
     needed = [("torch.distributed.device_mesh", "init_device_mesh")]
     if p.zero_stage == 1:
-        needed.append(("torch.distributed.optim", "ZeroRedundancyOptimizer"))
+        needed += [("torch.distributed.tensor", "DTensor"), ("torch.distributed", "all_gather_into_tensor")]
     if p.zero_stage in (2, 3):
         needed += [("torch.distributed.fsdp", "fully_shard"),
                    ("torch.distributed.fsdp", "MixedPrecisionPolicy")]

@@ -33,10 +33,8 @@ Sequence parallel: between blocks each rank keeps its own T/tp tokens of the res
   - rowwise Linears reduce-scatter to (B, T/tp, h) instead of all-reducing (same bytes: Megatron's point);
   - the last block's output is all-gathered back to (B, T, h) for the replicated final norm and head.
 
-Initialisation: every rank builds the whole model under the same seed (runtime.materialize), then
-`parallelize_module` keeps each rank's slice (distribute_tensor from tp rank 0), so the weights equal a
-single process's. The full model passes through each process's memory once; materialising shard by
-shard is issue #3's later step.
+Initialisation: the model is split while still on the meta device; runtime.materialize then fills
+each rank's local slice from the replayed single-process initialisation, one tensor at a time.
 
 Not done yet: vocabulary-parallel embedding and head (with loss_parallel); parameterised modules inside
 a module that holds split Linears other than those Linears (e.g. a per-head q/k norm) are refused.
@@ -324,12 +322,13 @@ def replicate_over_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, zero_sta
     rule for DTensors. FSDP2's replicate (torch.distributed._composable.replicate_with_fsdp, DDP built on
     FSDP2's machinery) takes DTensor parameters and places them on the (dp, tp) mesh as (Replicate,
     tp placement). Mixed precision as FSDP2: compute in `compute_dtype`, reduce gradients in fp32.
-    ZeRO 1 (ZeroRedundancyOptimizer) broadcasts parameters as plain tensors too, so it is refused here.
+    ZeRO 1 is refused here: zplan's ZeRO-1 optimizer (runtime.zero1) shards plain tensors only, and its
+    moments of a tensor-parallel parameter would need a (dp, tp) layout that DCP can reshard.
     """
     if zero_stage != 0:
         raise NotImplementedError(
-            f"ZeRO {zero_stage} with tensor parallelism: ZeroRedundancyOptimizer cannot hold DTensor "
-            "parameters; pin zero=0 or zero=2 (which also shards the optimizer states) for now"
+            f"ZeRO {zero_stage} with tensor parallelism: zplan's ZeRO-1 optimizer cannot shard DTensor "
+            "parameters yet; pin zero=0 or zero=2 (which also shards the optimizer states) for now"
         )
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.fsdp import MixedPrecisionPolicy

@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from zplan.runtime.apply import keeps_parameters_gathered
 from zplan.runtime.checkpoint import (
     CheckpointConfig,
     CheckpointError,
@@ -85,8 +86,8 @@ def _local_bytes(t: torch.Tensor) -> int:
 def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes this rank holds of parameters, gradients and optimizer states (its shards only)."""
     params = list({id(p): p for p in model.parameters()}.values())
-    local_optimizer = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: this rank's shard
-    states = [v for s in local_optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    # sharded states (ZeRO 1: runtime.zero1, ZeRO 2/3: FSDP2) are DTensors: their local shard counts
+    states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     return {
         "parameters": sum(_local_bytes(p) for p in params),
         "gradients": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
@@ -98,6 +99,10 @@ def _loss_scaler(model: nn.Module, precision: str, device: torch.device):
     """fp16 needs loss scaling (Micikevicius et al. 2018); bf16 and fp32 do not."""
     if precision != "fp16":
         return None
+    if isinstance(model, PipelineRun):  # backward runs inside the schedule, each rank has its stages' grads
+        from zplan.runtime.loss_scale import PipelineLossScaler
+
+        return PipelineLossScaler(device)
     from torch.distributed.fsdp import FSDPModule
 
     if isinstance(model, FSDPModule):  # sharded gradients: the inf check is all-reduced over ranks
@@ -109,9 +114,12 @@ def _loss_scaler(model: nn.Module, precision: str, device: torch.device):
 
 def _grad_sync(model: nn.Module, last_micro_batch: bool):
     """DDP all-reduces only after the last micro-batch; FSDP2 reduce-scatters each one (ZeRO keeps
-    gradients sharded, so accumulating them unsharded would defeat it)."""
+    gradients sharded, so accumulating them unsharded would defeat it). ZeRO-2 keeps its parameters
+    gathered until the last micro-batch's backward (runtime.apply.keeps_parameters_gathered)."""
     if isinstance(model, DistributedDataParallel) and not last_micro_batch:
         return model.no_sync()
+    if keeps_parameters_gathered(model):
+        model.set_reshard_after_backward(last_micro_batch)  # shards again before the optimizer step
     return contextlib.nullcontext()
 
 
@@ -202,8 +210,6 @@ def train(
     """
     tokens_per_step = micro_batch * num_micro_batches * data_parallel_size * seq_len
     pipelined = isinstance(model, PipelineRun)
-    if pipelined and precision == "fp16":
-        raise NotImplementedError("fp16 loss scaling under pipeline parallelism lands with the runtime issue (#3)")
     scaler = _loss_scaler(model, precision, ctx.device)
     # What a rank file's data-iterator and RNG state depend on: restored only under the same layout.
     layout = {"data_parallel_size": data_parallel_size, "num_micro_batches": num_micro_batches,
@@ -238,7 +244,7 @@ def train(
                 loss_sum = torch.zeros((), device=ctx.device)  # sum of micro-batch losses / num_micro_batches
                 if pipelined:  # the schedule runs every micro-batch; the mean loss comes back on every rank
                     micro_batches = [_to_device(next(data_iter), ctx.device) for _ in range(num_micro_batches)]
-                    loss_sum += model.step(micro_batches)
+                    loss_sum += model.step(micro_batches, loss_scale=scaler.scale if scaler else 1.0)
                 for micro in range(0 if pipelined else num_micro_batches):
                     batch = _to_device(next(data_iter), ctx.device)
                     with _grad_sync(model, last_micro_batch=micro == num_micro_batches - 1):

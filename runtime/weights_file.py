@@ -1,9 +1,9 @@
 """Write the trained weights as one consolidated file, whatever the plan sharded or wrapped.
 
-Stop-gap for comparing a run with a single process and for small models: every shard is gathered to
-rank 0 (torch.distributed.checkpoint.state_dict with full_state_dict), so the whole model passes
-through rank 0's host memory. Resharding checkpoints (torch.distributed.checkpoint) and `zplan export`
-land with the runtime issue (#3).
+For comparing a run with a single process (train.py --save-weights) and for small models: every shard
+is gathered to rank 0 (torch.distributed.checkpoint.state_dict with full_state_dict), so the whole
+model passes through rank 0's host memory. For large models, save a checkpoint (runtime.checkpoint)
+and consolidate it with `zplan export`, which streams it in chunks.
 """
 
 from __future__ import annotations

@@ -4,6 +4,11 @@ Model states (Rajbhandari et al., ZeRO, SC'20, Sec. 3 and 5): with mixed-precisi
 costs 2 bytes (16-bit weight) + 2 (16-bit gradient) + K=12 (fp32 master, momentum, variance); stage 1
 shards the K bytes over dp, stage 2 the gradients too, stage 3 the weights too. In fp32 the weight is
 the master copy: 4 + 4 + 8.
+ZeRO-2 is counted as zplan's runtime holds it, not as the paper (and DeepSpeed) does: FSDP2 with
+reshard_after_forward=False keeps only parameter shards at rest, like stage 3 (weights / dp), and
+holds every unit's gathered parameters (compute dtype) from its forward until its backward. Those are
+transient, so they are a term of the peak (in comm_buffers, with the gradient reduce-scatter buffers)
+and not of the model states: gathered_parameter_bytes.
 Activations per block (Korthikanti et al., MLSys'23, Table 2): of the block's saved bytes, 10*s*b*h
 (16-bit; layer-norm inputs, dropout masks, first-linear inputs) stay replicated under tensor parallel
 unless sequence parallel shards them; the rest is divided by tp. Selective recompute drops the
@@ -87,6 +92,13 @@ def attention_core_act_bytes(model: ModelNumbers, precision: str) -> float:
     return materialised if model.block_act_bytes > materialised else 0.0
 
 
+def gathered_parameter_bytes(params_gpu: np.ndarray, zero: np.ndarray, precision: str) -> np.ndarray:
+    """ZeRO-2 under zplan's runtime (FSDP2, reshard_after_forward=False): the stage's whole parameters in
+    the compute dtype, gathered unit by unit in forward and held until each unit's backward; 0 otherwise
+    (ZeRO-3 frees each unit after its forward: its two in-flight blocks are counted in comm_buffers)."""
+    return np.where(zero == 2, element_bytes(precision) * params_gpu, 0.0)
+
+
 def memory_per_gpu(
     model: ModelNumbers,
     cand: Candidates,
@@ -107,11 +119,13 @@ def memory_per_gpu(
     last_params = np.where(single, model.params, model.head_params + n_blocks * model.block_params) / t
 
     def states(params_gpu: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        weights = elem * params_gpu / np.where(z == 3, dp, 1.0)
+        weights = elem * params_gpu / np.where(z >= 2, dp, 1.0)  # ZeRO-2: FSDP2 shards at rest
         grads = elem * params_gpu / np.where(z >= 2, dp, 1.0)
         optim = k_opt * params_gpu / np.where(z >= 1, dp, 1.0)
         # Offload (ZeRO-Offload / ZeRO-Infinity): optimizer states leave the GPU; with stage >= 2 the
-        # gradients stream out; with stage 3 the weight shards live off the GPU too.
+        # gradients stream out; with stage 3 the weight shards live off the GPU too. (FSDP2's CPU offload
+        # moves ZeRO-2's weight shards off the GPU too; they are kept here, as planner.placement's legal
+        # tiers keep ZeRO-2 weights on the GPU: an over-estimate of 1/dp of the weights.)
         optim = np.where(offloaded, 0.0, optim)
         grads = np.where(offloaded & (z >= 2), 0.0, grads)
         weights = np.where(offloaded & (z == 3), 0.0, weights)
@@ -126,8 +140,14 @@ def memory_per_gpu(
     first_act = np.where(single, first_act + logits, first_act)
 
     block_params_gpu = model.block_params / t
+    params_gpu = np.maximum(first_params, last_params)
+    # ZeRO 0/1: DDP's gradient buckets (and ZeRO-1's parameter all-gather, bucketed the same way).
     comm = np.where(z <= 1, 2.0 * np.minimum(DDP_BUCKET_BYTES, elem * first_params), 0.0)
-    comm = comm + np.where(z >= 2, 2.0 * elem * block_params_gpu * (1.0 + (z == 3)), 0.0)  # gathered
+    # ZeRO 2/3: two blocks' unsharded gradients in the reduce-scatter (one reduced while the next is
+    # computed); ZeRO-3 two blocks' gathered parameters (current + prefetched), ZeRO-2 all of them.
+    comm = comm + np.where(z >= 2, 2.0 * elem * block_params_gpu, 0.0)
+    comm = comm + np.where(z == 3, 2.0 * elem * block_params_gpu, 0.0)
+    comm = comm + gathered_parameter_bytes(params_gpu, z, precision)
     comm = comm + np.where(t > 1, 2.0 * b * s * h * elem, 0.0)  # sequence-parallel gather buffers
 
     w1, g1, o1 = states(first_params)
@@ -140,7 +160,6 @@ def memory_per_gpu(
     total = weights + grads + optim + acts + comm + reserve
 
     # Host / NVMe: the offloaded states of every GPU of the node.
-    params_gpu = np.maximum(first_params, last_params)
     off_bytes = (k_opt * params_gpu / np.where(z >= 1, dp, 1.0)
                  + np.where(z == 3, elem * params_gpu / dp, 0.0)
                  + np.where(z >= 2, elem * params_gpu / dp, 0.0))

@@ -180,14 +180,12 @@ def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(zero1_script,
     assert checkpoint_names(ckpt) == ["step-000004", "step-000006"]  # the .tmp folder is gone
 
 
-# ---- resharding: a ZeRO-3 dp=2 checkpoint resumed under ZeRO-0 dp=2 and on one process -----------
+# ---- resharding: ZeRO-3 and ZeRO-1 dp=2 checkpoints resumed under other stages and dp sizes ----------
 
 
-@pytest.fixture(scope="module")
-def zero3_run(model_path, tmp_path_factory):
-    """ZeRO-3 on 2 processes, RESHARD_STEPS steps, a checkpoint after every 2 (kept), final weights."""
-    work = tmp_path_factory.mktemp("zero3")
-    script = emit(make_plan(model_path, zero_stage=3, dp=2), model_path, work / "out")
+def _reshard_source(model_path: Path, work: Path, zero_stage: int):
+    """`zero_stage` on 2 processes, RESHARD_STEPS steps, a checkpoint after every 2 (kept), final weights."""
+    script = emit(make_plan(model_path, zero_stage=zero_stage, dp=2), model_path, work / "out")
     ckpt, log, weights = work / "ckpt", work / "log.jsonl", work / "weights.pt"
     launch(script, [*_common_args(RESHARD_STEPS, log), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
                     "--save-weights", str(weights)], 2, dropout=0.0).wait_ok()
@@ -195,9 +193,20 @@ def zero3_run(model_path, tmp_path_factory):
     return ckpt, losses_by_step(log), torch.load(weights)
 
 
-@pytest.mark.parametrize("zero_stage, dp", [(0, 2), (0, 1)])
-def test_zero3_checkpoint_resumes_under_another_plan(zero_stage, dp, zero3_run, model_path, tmp_path):
-    ckpt, ref_losses, ref_weights = zero3_run
+@pytest.fixture(scope="module")
+def zero3_run(model_path, tmp_path_factory):
+    return _reshard_source(model_path, tmp_path_factory.mktemp("zero3"), zero_stage=3)
+
+
+@pytest.fixture(scope="module")
+def zero1_run(model_path, tmp_path_factory):
+    return _reshard_source(model_path, tmp_path_factory.mktemp("zero1-reshard"), zero_stage=1)
+
+
+def _resume_under(source, source_name: str, zero_stage: int, dp: int, model_path: Path, tmp_path: Path) -> None:
+    """Resume `source`'s step-2 checkpoint under ZeRO `zero_stage` on `dp` processes: steps 3 and 4 and the
+    final weights must be those of the uninterrupted source run."""
+    ckpt, ref_losses, ref_weights = source
     script = emit(make_plan(model_path, zero_stage=zero_stage, dp=dp), model_path, tmp_path / "out")
     log, weights = tmp_path / "log.jsonl", tmp_path / "weights.pt"
     output = launch(script, [*_common_args(RESHARD_STEPS, log), "--resume", str(ckpt / "step-000002"),
@@ -208,12 +217,23 @@ def test_zero3_checkpoint_resumes_under_another_plan(zero_stage, dp, zero3_run, 
     next_step_diff = abs(losses[3] - ref_losses[3])
     later_diff = max(abs(losses[s] - ref_losses[s]) for s in (3, 4))
     weight_diff = max_weight_diff(torch.load(weights), ref_weights)
-    print(f"ZeRO-3 dp=2 step 2 -> ZeRO-{zero_stage} dp={dp}: next-step loss diff {next_step_diff:.2e}, "
+    print(f"{source_name} dp=2 step 2 -> ZeRO-{zero_stage} dp={dp}: next-step loss diff {next_step_diff:.2e}, "
           f"max loss diff over steps 3-4 {later_diff:.2e}, final max |weight diff| {weight_diff:.2e}")
     assert next_step_diff <= 1e-5
     # Step 4's loss and the final weights depend on the Adam moments: the optimizer state resharded
     # too (moments lost or misplaced would move weights by ~LR = 3e-3).
     assert later_diff <= 1e-5 and weight_diff <= 1e-5
+
+
+@pytest.mark.parametrize("zero_stage, dp", [(0, 2), (0, 1), (1, 2)])
+def test_zero3_checkpoint_resumes_under_another_plan(zero_stage, dp, zero3_run, model_path, tmp_path):
+    _resume_under(zero3_run, "ZeRO-3", zero_stage, dp, model_path, tmp_path)
+
+
+@pytest.mark.parametrize("zero_stage, dp", [(3, 2), (0, 1)])
+def test_zero1_checkpoint_resumes_under_another_plan(zero_stage, dp, zero1_run, model_path, tmp_path):
+    """ZeRO-1's moments are dim-0 shards (runtime.zero1): read whole by one process, as FSDP2 shards by ZeRO-3."""
+    _resume_under(zero1_run, "ZeRO-1", zero_stage, dp, model_path, tmp_path)
 
 
 # ---- zplan export -----------------------------------------------------------------------------------

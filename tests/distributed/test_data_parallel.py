@@ -7,7 +7,9 @@ shares nothing with the runtime but the synthetic data and the LR schedule.
 
 from __future__ import annotations
 
+import json
 import math
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.distributed.harness import (
+    Ranks,
     import_file,
     max_loss_diff,
     max_weight_diff,
@@ -154,11 +157,13 @@ def test_zero_stage_matches_single_process(zero_stage, recompute, via_launcher, 
         assert record["tokens_per_s"] > 0 and math.isfinite(record["mfu"])
 
 
-@pytest.mark.parametrize("zero_stage, precision", [(2, "fp16")])
-def test_mixed_precision_keeps_fp32_master_weights(zero_stage, precision, model_path, reference, tmp_path):
-    """fp16 compute (FSDP2 MixedPrecisionPolicy, ShardedGradScaler, foreach AdamW): the losses follow
-    fp32 closely and the trained weights are still fp32."""
-    plan = make_plan(model_path, zero_stage=zero_stage, precision=precision)
+@pytest.mark.parametrize("zero_stage, pp, precision", [(2, 1, "fp16"), (0, 2, "fp16")], ids=["zero2", "pp2"])
+def test_mixed_precision_keeps_fp32_master_weights(zero_stage, pp, precision, model_path, reference, tmp_path):
+    """fp16 compute (ZeRO-2: FSDP2 MixedPrecisionPolicy, ShardedGradScaler, foreach AdamW; pp=2: autocast
+    per stage, runtime.loss_scale's scaler over the pipeline): the losses follow fp32 closely and the
+    trained weights are still fp32."""
+    plan = (make_plan(model_path, zero_stage=zero_stage, precision=precision) if pp == 1 else
+            pipeline_plan(model_path, pp=pp, dp=1, interleave=1, zero_stage=zero_stage, precision=precision))
     records, weights = run_emitted_script(plan, model_path, tmp_path / "out", steps=STEPS, seed=SEED, lr=LR)
     ref_losses, ref_weights = reference
     loss_diff = max_loss_diff([r["loss"] for r in records], ref_losses)
@@ -211,11 +216,12 @@ def test_recompute_modes_really_recompute(model_path):
     assert torch.equal(grads["full"], grads["none"]) and torch.equal(grads["selective"], grads["none"])
 
 
-def pipeline_plan(model_path: Path, *, pp: int, dp: int, interleave: int, zero_stage: int) -> Plan:
+def pipeline_plan(model_path: Path, *, pp: int, dp: int, interleave: int, zero_stage: int,
+                  precision: str = "fp32") -> Plan:
     """The tiny GPT split into pipeline stages (stage s is chunk s // pp of pipeline rank s % pp)."""
     units = gpt_unit_names(LAYERS)  # wte, wpe, blocks.0, blocks.1, ln_f, head
     groups = [units[:3], units[3:]] if interleave == 1 else [units[:2], units[2:3], units[3:4], units[4:]]
-    base = make_plan(model_path, zero_stage=zero_stage)
+    base = make_plan(model_path, zero_stage=zero_stage, precision=precision)
     stages, first = [], 0
     for index, names in enumerate(groups):
         stages.append(Stage(index=index, first_layer=first, last_layer=first + len(names) - 1, layer_names=names,
@@ -236,3 +242,73 @@ def test_pipeline_plan_matches_single_process(pp, dp, interleave, zero_stage, mo
     ref_losses, ref_weights = reference
     assert max_loss_diff([r["loss"] for r in records], ref_losses) <= 1e-5
     assert max_weight_diff(weights, ref_weights) <= 1e-5
+
+
+# ---- ZeRO-1's optimizer alone: uneven and empty shards, several buckets, against torch's AdamW ----------------
+
+
+def _zero1_worker() -> None:
+    """On every rank: the same gradients (as DDP leaves them) into ZeroOneAdamW over all ranks and into
+    torch.optim.AdamW(fused=True) on a copy. Shapes chosen so that 3 ranks own unequal row counts
+    ((13, 7): 5, 5, 3 rows) and one owns none ((2,): 1, 1, 0). Both ways of sending the updated rows run:
+    the two matrices (>= 256 bytes) are broadcast in place, the three small tensors go in two padded
+    all-gather buckets (72 bytes at most gathered). Rank 0 prints one JSON line."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zplan.runtime.zero1 import ZeroOneAdamW
+
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    shapes = [(13, 7), (13,), (5, 13), (2,), (3, 2, 2)]
+
+    def params(seed: int) -> list[torch.nn.Parameter]:
+        generator = torch.Generator().manual_seed(seed)
+        return [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in shapes]
+
+    def groups(ps: list[torch.nn.Parameter]) -> list[dict]:
+        return [{"params": [p for p in ps if p.dim() >= 2], "weight_decay": 0.1},
+                {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}]
+
+    mine, reference = params(0), params(0)
+    optimizer = ZeroOneAdamW(groups(mine), mesh, lr=1e-2, bucket_bytes=72, direct_min_bytes=256)
+    torch_adamw = torch.optim.AdamW(groups(reference), lr=1e-2, fused=True)
+    for step in range(3):
+        for p, q, g in zip(mine, reference, params(100 + step), strict=True):
+            p.grad, q.grad = g.detach().clone(), g.detach().clone()
+        optimizer.step()
+        torch_adamw.step()
+    local_rows = {str(tuple(p.shape)): optimizer.state[p]["exp_avg"].to_local().shape[0] for p in mine}
+    record = {
+        "bucket_sizes": sorted(len(bucket) for bucket in optimizer._buckets),
+        "local_rows": local_rows,
+        "max_param_diff": max((p - q).abs().max().item() for p, q in zip(mine, reference, strict=True)),
+        "max_state_diff": max((optimizer.state[p][k].full_tensor() - torch_adamw.state[q][k]).abs().max().item()
+                              for p, q in zip(mine, reference, strict=True) for k in ("exp_avg", "exp_avg_sq")),
+        "steps": sorted({optimizer.state[p]["step"].item() for p in mine}),
+    }
+    every = [None] * world
+    dist.all_gather_object(every, record)
+    if rank == 0:
+        print("RESULT " + json.dumps(every), flush=True)
+    dist.destroy_process_group()
+
+
+def test_zero1_optimizer_equals_adamw_with_uneven_shards(tmp_path):
+    output = Ranks([__file__, "zero1"], 3, tmp_path).wait_ok()
+    records = json.loads(next(line for line in output.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
+    print(records)
+    # torch.chunk's rows per rank: 13 -> 5, 5, 3; 5 -> 2, 2, 1; 2 -> 1, 1, 0; 3 -> 1, 1, 1
+    assert [r["local_rows"]["(13, 7)"] for r in records] == [5, 5, 3]
+    assert [r["local_rows"]["(5, 13)"] for r in records] == [2, 2, 1]
+    assert [r["local_rows"]["(2,)"] for r in records] == [1, 1, 0]
+    for record in records:
+        assert record["bucket_sizes"] == [1, 1, 1, 2]  # (13, 7), (5, 13) in place; (3, 2, 2); (13,) + (2,)
+        assert record["steps"] == [3.0]  # an empty shard still counts its steps
+        # the same fused kernel on the same numbers: equal up to rounding
+        assert record["max_param_diff"] <= 1e-6 and record["max_state_diff"] <= 1e-6, record
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["zero1"]:
+    _zero1_worker()

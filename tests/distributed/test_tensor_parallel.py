@@ -274,7 +274,7 @@ def test_splits_that_cannot_work_are_refused():
 def test_zero1_with_tensor_parallel_is_refused_clearly():
     from zplan.runtime.tensor_parallel import replicate_over_data_parallel
 
-    with pytest.raises(NotImplementedError, match="ZeroRedundancyOptimizer cannot hold DTensor"):
+    with pytest.raises(NotImplementedError, match="ZeRO-1 optimizer cannot shard DTensor parameters"):
         replicate_over_data_parallel(torch.nn.Linear(2, 2), None, 1, None, "blocks")
 
 

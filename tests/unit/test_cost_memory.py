@@ -28,7 +28,7 @@ def one(**kw):
 @pytest.mark.parametrize("zero,expected_per_param", [
     (0, 16.0),            # 2 + 2 + 12
     (1, 4.0 + 12 / 8),    # Rajbhandari et al.: 4 psi + 12 psi / N
-    (2, 2.0 + 14 / 8),    # 2 psi + 14 psi / N
+    (2, 16 / 8),          # not the paper's 2 psi + 14 psi / N: zplan's FSDP2 ZeRO-2 shards weights at rest
     (3, 16 / 8),          # 16 psi / N
 ])
 def test_model_states_follow_zero_paper(zero, expected_per_param):
@@ -36,6 +36,23 @@ def test_model_states_follow_zero_paper(zero, expected_per_param):
     mem = memory_per_gpu(model, one(zero=zero), A100, "bf16", np.array([1.0]))
     states = mem.parameters + mem.gradients + mem.optimizer
     assert states[0] == pytest.approx(expected_per_param * model.params)
+
+
+def test_zero2_holds_gathered_parameters_from_forward_to_backward():
+    """ZeRO-2 as the runtime runs it (FSDP2, reshard_after_forward=False), by hand for the 6.4B GPT on 8
+    GPUs in bf16: 2/8 + 2/8 + 12/8 bytes per parameter at rest; in the step, every block's gathered
+    bf16 weights (2 bytes each) plus two blocks' unsharded bf16 gradients in the reduce-scatter.
+    ZeRO-3 holds only two gathered blocks (current + prefetched) besides the same two gradient blocks."""
+    model = gpt_numbers()
+    psi, block = model.params, model.block_params  # 32 * 12 h^2, 12 h^2
+    z2 = memory_per_gpu(model, one(zero=2), A100, "bf16", np.array([1.0]))
+    z3 = memory_per_gpu(model, one(zero=3), A100, "bf16", np.array([1.0]))
+    at_rest = (z2.parameters[0], z2.gradients[0], z2.optimizer[0])
+    assert at_rest == pytest.approx((2 * psi / 8, 2 * psi / 8, 12 * psi / 8))
+    assert z2.comm_buffers[0] == pytest.approx(2 * psi + 2 * 2 * block)
+    assert z3.comm_buffers[0] == pytest.approx(2 * 2 * block + 2 * 2 * block)
+    # the peak: ZeRO-2 holds all its gathered weights (2 psi) where ZeRO-3 holds two blocks; the rest is equal
+    assert z2.total[0] - z3.total[0] == pytest.approx(2 * psi - 2 * 2 * block)
 
 
 def test_fp32_states_are_four_plus_four_plus_eight():
