@@ -125,12 +125,15 @@ def apply_data_parallel(
 ) -> nn.Module:
     """Replicate or shard the model over `dp_mesh` by ZeRO stage.
 
-    0: DDP, gradients all-reduced.  1: DDP here, optimizer states sharded by build_optimizer
-    (runtime.zero1.ZeroOneAdamW).  2: FSDP2 fully_shard per block and at the root, parameters kept
-    gathered between forward and backward (reshard_after_forward=False), so gradients and optimizer
-    states are sharded.  3: the same with reshard_after_forward=True, parameters sharded too.
+    0: DDP, gradients all-reduced (with tensor parallel: FSDP2's replicate, which holds DTensors;
+    runtime.tensor_parallel.replicate_over_data_parallel).  1: the same here, optimizer states sharded
+    by build_optimizer (runtime.zero1.ZeroOneAdamW, over the tp-local tensors under tensor parallel).
+    2: FSDP2 fully_shard per block and at the root, parameters kept gathered between forward and
+    backward (reshard_after_forward=False), so gradients and optimizer states are sharded.
+    3: the same with reshard_after_forward=True, parameters sharded too.
     Mixed precision keeps fp32 master weights: FSDP2's MixedPrecisionPolicy (compute in bf16/fp16,
-    gradients reduced in fp32) for ZeRO 2/3, torch.autocast around the forward for ZeRO 0/1.
+    gradients reduced in fp32) for ZeRO 2/3 and for ZeRO 0/1 under tensor parallel, torch.autocast
+    around the forward for ZeRO 0/1 otherwise.
     offload='cpu' (ZeRO 2/3): FSDP2's CPUOffloadPolicy keeps sharded parameters, gradients and the
     optimizer step on the host (pin_memory only when there is a GPU: pinning needs one).
     """
@@ -213,7 +216,8 @@ def build_optimizer(
     precision: str = "fp32",
 ) -> torch.optim.Optimizer:
     """AdamW (fused kernel: ~7x foreach on CPU, DESIGN.md facts); ZeRO-1 shards its states over dp
-    (runtime.zero1.ZeroOneAdamW: dim-0 slices of every parameter, updated rows all-gathered).
+    (runtime.zero1.ZeroOneAdamW: dim-0 slices of every parameter, of its tp-local tensor under tensor
+    parallel, updated rows all-gathered over dp).
 
     ZeRO 2/3 need nothing more: FSDP2's parameters are already shards, so the optimizer states are.
     fp16 with ZeRO 2/3 uses the foreach kernel: the fused step rejects the shape-[1] inf flag that

@@ -19,7 +19,8 @@ Resharding: tensors are saved as what get_state_dict returns with the default op
 rank's DTensor shards under FSDP2 (ZeRO 2/3) and replicated plain tensors under DDP (ZeRO 0/1; DCP
 writes each once), named by parameter FQN without wrapper prefixes; the optimizer's state is flattened
 to one entry per parameter (`optimizer.state.<fqn>.exp_avg`). ZeRO-1's optimizer (runtime.zero1) holds
-each moment as a DTensor of the parameter's shape, Shard(0) over dp, the layout FSDP2 gives it too.
+each moment as a DTensor of the parameter's shape, Shard(0) over dp, the layout FSDP2 gives it too
+(with tensor parallel: on the (dp, tp) mesh, laid out as FSDP2 lays out a tensor-parallel parameter).
 Loading asks DCP for the tensors in the layout of the run that loads, whatever layout wrote them, so a
 checkpoint of ZeRO-3 or ZeRO-1 on 2 ranks loads under ZeRO-0, another ZeRO stage or on 1 rank.
 

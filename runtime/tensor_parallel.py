@@ -304,7 +304,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[s
     return model
 
 
-# ---- data parallel over tensor-parallel parameters (ZeRO 0) -------------------------------------------
+# ---- data parallel over tensor-parallel parameters (ZeRO 0 and 1) -------------------------------------
 
 
 def has_tensor_parallel_parameters(model: nn.Module) -> bool:
@@ -314,22 +314,20 @@ def has_tensor_parallel_parameters(model: nn.Module) -> bool:
 
 def replicate_over_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int,
                                  compute_dtype: torch.dtype | None, block_prefix: str) -> nn.Module:
-    """ZeRO 0 for a tensor-parallel model: parameters, gradients and optimizer states replicated over
-    `dp_mesh`, gradients all-reduced (averaged) in backward, per block so that the all-reduce of one
-    block overlaps the backward of the next.
+    """ZeRO 0 and 1 for a tensor-parallel model: parameters and gradients replicated over `dp_mesh`,
+    gradients all-reduced (averaged) in backward, per block so that the all-reduce of one block overlaps
+    the backward of the next. The optimizer states are replicated too (ZeRO 0, torch's AdamW) or
+    sharded over dp by zplan's ZeRO-1 optimizer (runtime.zero1.ZeroOneAdamW, built by
+    runtime.apply.build_optimizer), which updates rows of each parameter's tp-local tensor.
 
     DistributedDataParallel cannot: it broadcasts and buckets parameters as plain tensors and has no
     rule for DTensors. FSDP2's replicate (torch.distributed._composable.replicate_with_fsdp, DDP built on
     FSDP2's machinery) takes DTensor parameters and places them on the (dp, tp) mesh as (Replicate,
     tp placement). Mixed precision as FSDP2: compute in `compute_dtype`, reduce gradients in fp32.
-    ZeRO 1 is refused here: zplan's ZeRO-1 optimizer (runtime.zero1) shards plain tensors only, and its
-    moments of a tensor-parallel parameter would need a (dp, tp) layout that DCP can reshard.
     """
-    if zero_stage != 0:
-        raise NotImplementedError(
-            f"ZeRO {zero_stage} with tensor parallelism: zplan's ZeRO-1 optimizer cannot shard DTensor "
-            "parameters yet; pin zero=0 or zero=2 (which also shards the optimizer states) for now"
-        )
+    if zero_stage not in (0, 1):
+        raise ValueError(f"replicate_over_data_parallel runs ZeRO 0 and 1; ZeRO {zero_stage} shards the "
+                         "parameters (runtime.apply.apply_data_parallel: FSDP2's fully_shard)")
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.fsdp import MixedPrecisionPolicy
 

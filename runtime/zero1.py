@@ -1,5 +1,6 @@
 """ZeRO stage 1: AdamW whose states are sharded over the data-parallel ranks (Rajbhandari et al., ZeRO,
-SC'20, Sec. 5.1, P_os), for a model replicated under DDP.
+SC'20, Sec. 5.1, P_os), for a model replicated over dp: under DDP, or, with tensor parallelism, under
+FSDP2's replicate (runtime.tensor_parallel.replicate_over_data_parallel).
 
 Every rank holds the whole model and, after DDP's all-reduce, the whole averaged gradient. Of each
 parameter of shape (d0, ...) rank r owns the rows [r*c, min((r+1)*c, d0)) with c = ceil(d0 / N) (the
@@ -13,14 +14,27 @@ one all_gather_into_tensor each (fewer collectives), two in flight so that the c
 transfer of the next.
 
 No master copy: the runtime keeps the parameters in fp32 under ZeRO 0/1 (mixed precision is autocast
-around the forward), so the parameter rows are the master weights and are updated in place.
+around the forward, or FSDP2's MixedPrecisionPolicy under tensor parallel), so the parameter rows are the
+master weights and are updated in place.
+
+Tensor parallel: a parameter is then a DTensor on the 2-D (dp, tp) mesh, (Replicate(), tp placement),
+as FSDP2's replicate leaves it (colwise weights and biases Shard(0), rowwise weights Shard(1), the rest
+Replicate; its gradient is laid out alike, already averaged over dp). Everything above applies to the
+parameter's tp-local tensor (p.to_local(), p.grad.to_local()): rank r of the dp group of this tp rank
+owns rows [r*c, min((r+1)*c, d0_local)) of it, and the rows travel within that dp group only.
 
 State dict: optimizer.state[param] = {"step": fp32 scalar, "exp_avg", "exp_avg_sq": DTensor}, each moment a
-DTensor of the parameter's global shape, Shard(0) on the dp mesh (DTensor.from_local with shape= and
-stride=, so uneven chunks are described exactly). torch.distributed.checkpoint therefore saves each
-rank's rows once and reshards them into any other layout: plain tensors (ZeRO 0, another dp size) or
-FSDP2's Shard(0) DTensors (ZeRO 2/3), and back. get_state_dict / set_state_dict work on it as on
-torch.optim.AdamW, since it is a torch.optim.Optimizer over the model's own parameters.
+DTensor of the parameter's global shape (DTensor.from_local with shape= and stride=, so uneven chunks
+are described exactly):
+  - plain parameter: Shard(0) on the dp mesh;
+  - tensor-parallel parameter: on the parameter's (dp, tp) mesh, the tp placement the parameter's, and on
+    dp Shard(0) when that is not Shard(0); when it is (tp splits dim 0 into tp blocks, then dp splits each
+    block by rows), _StridedShard(0, split_factor=tp) on dp: the layout FSDP2 gives a Shard(0)
+    tensor-parallel parameter (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, _init_sharding_spec_tp).
+torch.distributed.checkpoint therefore saves each rank's rows once and reshards them into any other
+layout: plain tensors (ZeRO 0, another dp size), FSDP2's Shard(0) DTensors (ZeRO 2/3), tensor-parallel
+shards, and back. get_state_dict / set_state_dict work on it as on torch.optim.AdamW, since it is a
+torch.optim.Optimizer over the model's own parameters.
 """
 
 from __future__ import annotations
@@ -31,7 +45,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.optim.adam import adam
 
 BUCKET_BYTES = 25 * 1024**2  # gathered bytes per all-gather: DDP's bucket_cap_mb=25, as the planner assumes
@@ -54,6 +69,30 @@ class _Rows:
     @property
     def chunk_numel(self) -> int:  # padded elements per rank in the flat all-gather buffer
         return self.chunk_rows * self.row_numel
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: a DTensor's local shard (a view: in-place updates reach the DTensor)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def state_layout(p: torch.Tensor, dp_mesh: DeviceMesh) -> tuple[DeviceMesh, list[Placement]]:
+    """Mesh and placements of the moments of `p` (module docstring): Shard(0) on `dp_mesh` for a plain
+    parameter; for a DTensor parameter replicated over dp on its (dp, tp) mesh, the dp row split of its
+    tp-local tensor followed by its tp placement."""
+    if not isinstance(p, DTensor):
+        return dp_mesh, [Shard(0)]
+    mesh, placements = p.device_mesh, p.placements
+    if mesh.ndim != 2 or not isinstance(placements[0], Replicate) or mesh.size(0) != dp_mesh.size():
+        raise ValueError(f"ZeroOneAdamW takes tensor-parallel parameters replicated over dp on a (dp, tp) mesh "
+                         f"(FSDP2's replicate); got placements {placements} on {mesh}")
+    tp_placement = placements[1]
+    if isinstance(tp_placement, Replicate) or (isinstance(tp_placement, Shard) and tp_placement.dim != 0):
+        return mesh, [Shard(0), tp_placement]
+    if type(tp_placement) is Shard and p.shape[0] % mesh.size(1) == 0:  # tp blocks first, then dp rows of each
+        return mesh, [_StridedShard(0, split_factor=mesh.size(1)), tp_placement]
+    raise ValueError(f"ZeroOneAdamW cannot describe the states of a parameter of shape {tuple(p.shape)} placed "
+                     f"{tp_placement} over tp={mesh.size(1)}: dim 0 must split evenly into tensor-parallel blocks")
 
 
 def owned_rows(d0: int, rank: int, world: int) -> tuple[int, int, int]:
@@ -80,27 +119,25 @@ class ZeroOneAdamW(torch.optim.Optimizer):
         self._global_ranks = [dist.get_global_rank(self._group, r) for r in range(self._world)]
         for group in self.param_groups:
             for p in group["params"]:
-                if isinstance(p, DTensor):
-                    raise NotImplementedError("ZeroOneAdamW holds plain tensors; tensor-parallel DTensor "
-                                              "parameters are not supported")
-                if p.dim() == 0 or p.numel() == 0 or not p.is_contiguous():
+                local = _local(p)  # the tp-local tensor of a tensor-parallel parameter
+                if local.dim() == 0 or local.numel() == 0 or not local.is_contiguous():
                     raise ValueError("ZeroOneAdamW shards non-empty, contiguous parameters of >= 1 dim by rows; "
-                                     f"got shape {tuple(p.shape)}, contiguous={p.is_contiguous()}")
-                start, stop, c = owned_rows(p.shape[0], self._rank, self._world)
-                self._rows[p] = _Rows(start, stop, c, p.numel() // p.shape[0])
+                                     f"got local shape {tuple(local.shape)}, contiguous={local.is_contiguous()}")
+                start, stop, c = owned_rows(local.shape[0], self._rank, self._world)
+                self._rows[p] = _Rows(start, stop, c, local.numel() // local.shape[0])
                 self.state[p] = self._fresh_state(p)
         self._buckets = self._make_buckets(bucket_bytes)
 
     # ---- states ------------------------------------------------------------------------------------
 
     def _fresh_state(self, p: torch.Tensor) -> dict:
-        rows = self._rows[p]
-        local_shape = (rows.stop - rows.start, *p.shape[1:])
+        rows, local_param = self._rows[p], _local(p)
+        local_shape = (rows.stop - rows.start, *local_param.shape[1:])
+        mesh, placements = state_layout(p, self.dp_mesh)
 
-        def moment() -> DTensor:  # (rows owned, *p.shape[1:]) of a (d0, *p.shape[1:]) DTensor
+        def moment() -> DTensor:  # (rows owned, *local.shape[1:]) of a DTensor of p's global shape
             local = torch.zeros(local_shape, dtype=p.dtype, device=p.device)  # as torch's AdamW: param dtype
-            return DTensor.from_local(local, self.dp_mesh, [Shard(0)], run_check=False, shape=p.shape,
-                                      stride=p.stride())
+            return DTensor.from_local(local, mesh, placements, run_check=False, shape=p.shape, stride=p.stride())
 
         # the step is a float32 scalar on the parameter's device, as torch's fused AdamW keeps it
         return {"step": torch.zeros((), dtype=torch.float32, device=p.device), "exp_avg": moment(),
@@ -127,7 +164,7 @@ class ZeroOneAdamW(torch.optim.Optimizer):
         return [b for b in buckets if b]
 
     def _broadcasts_in_place(self, p: torch.Tensor) -> bool:
-        return p.numel() * p.element_size() >= self._direct_min_bytes
+        return _local(p).numel() * p.element_size() >= self._direct_min_bytes
 
     # ---- the step ------------------------------------------------------------------------------------
 
@@ -152,8 +189,9 @@ class ZeroOneAdamW(torch.optim.Optimizer):
             if rows.stop == rows.start:  # this rank owns no row of p: only the step count advances
                 state["step"] += 1
                 continue
-            params.append(p.detach()[rows.start:rows.stop])  # views: the update lands in the parameter
-            grads.append(p.grad[rows.start:rows.stop])
+            # views of the (tp-local) tensors: the update lands in the parameter
+            params.append(_local(p.detach())[rows.start:rows.stop])
+            grads.append(_local(p.grad)[rows.start:rows.stop])
             exp_avgs.append(state["exp_avg"].to_local())
             exp_avg_sqs.append(state["exp_avg_sq"].to_local())
             steps.append(state["step"])
@@ -184,11 +222,11 @@ class ZeroOneAdamW(torch.optim.Optimizer):
 
     def _broadcast_rows(self, p: torch.Tensor) -> list[dist.Work]:
         """Rank r's rows [r*c, min((r+1)*c, d0)) of `p`, contiguous, broadcast from r into every rank's `p`."""
-        works = []
+        works, local = [], _local(p.detach())
         for r in range(self._world):
-            start, stop, _ = owned_rows(p.shape[0], r, self._world)
+            start, stop, _ = owned_rows(local.shape[0], r, self._world)
             if stop > start:
-                works.append(dist.broadcast(p.detach()[start:stop], src=self._global_ranks[r], group=self._group,
+                works.append(dist.broadcast(local[start:stop], src=self._global_ranks[r], group=self._group,
                                             async_op=True))
         return works
 
@@ -200,7 +238,7 @@ class ZeroOneAdamW(torch.optim.Optimizer):
         for p in bucket:
             rows = self._rows[p]
             owned = (rows.stop - rows.start) * rows.row_numel
-            send[offset:offset + owned].copy_(p.detach()[rows.start:rows.stop].reshape(-1))
+            send[offset:offset + owned].copy_(_local(p.detach())[rows.start:rows.stop].reshape(-1))
             offset += rows.chunk_numel
         recv = torch.empty(self._world * send.numel(), dtype=send.dtype, device=send.device)  # (N * S,)
         return bucket, recv, dist.all_gather_into_tensor(recv, send, group=self._group, async_op=True)
@@ -211,7 +249,8 @@ class ZeroOneAdamW(torch.optim.Optimizer):
         offset = 0
         for p in bucket:
             rows = self._rows[p]
-            _copy_chunks_into(p.detach().view(-1), by_rank[:, offset:offset + rows.chunk_numel], p.shape[0], rows)
+            local = _local(p.detach())
+            _copy_chunks_into(local.view(-1), by_rank[:, offset:offset + rows.chunk_numel], local.shape[0], rows)
             offset += rows.chunk_numel
 
 

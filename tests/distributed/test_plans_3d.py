@@ -5,7 +5,8 @@
   loss of every step and the final parameters within 1e-5.
 - A checkpoint written by ZeRO-3 on dp=2 after step 2 resumes under tp=2 x pp=2: steps 3 and 4 see the
   losses the ZeRO-3 run saw, and the final weights equal its final weights (so the Adam moments were
-  resharded from dp shards into tp shards of pipeline stages too).
+  resharded from dp shards into tp shards of pipeline stages too); one written by ZeRO-1 on dp=2 x tp=2
+  (moments sharded over both) resumes under ZeRO-3 on dp=2 alike.
 The model is test_tensor_parallel's tiny GPT (grouped-query attention, SwiGLU, tied head, biases).
 """
 
@@ -81,24 +82,43 @@ def test_tensor_and_pipeline_parallel_match_single_process(tp, pp, dp, zero_stag
     assert weight_diff <= 1e-5
 
 
-def test_zero3_checkpoint_resumes_under_tensor_and_pipeline_parallel(model_path, tmp_path):
-    zero3 = emit(make_plan(model_path, tp=1, dp=2, zero_stage=3, sequence_parallel=False), model_path,
-                 tmp_path / "zero3")
-    ckpt, log, weights = tmp_path / "ckpt", tmp_path / "zero3.jsonl", tmp_path / "zero3.pt"
-    Ranks([str(zero3), *train_args(STEPS, SEED, LR, log), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
-           "--save-weights", str(weights)], 2, tmp_path / "logs").wait_ok()
+def _resume_from_step_2(saved: Plan, resumed: Plan, model_path: Path, tmp_path: Path) -> tuple[float, float]:
+    """Train `saved` for STEPS steps, checkpointing after step 2; resume that checkpoint under `resumed` for
+    steps 3 and 4. Returns (max loss diff over steps 3-4, max final weight diff) between the two runs."""
+    first = emit(saved, model_path, tmp_path / "saved")
+    ckpt, log, weights = tmp_path / "ckpt", tmp_path / "saved.jsonl", tmp_path / "saved.pt"
+    Ranks([str(first), *train_args(STEPS, SEED, LR, log), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
+           "--save-weights", str(weights)], saved.fingerprint.world_size, tmp_path / "logs").wait_ok()
 
-    resumed = emit(pipelined_plan(model_path, tp=2, pp=2, dp=1, zero_stage=0), model_path, tmp_path / "tp2pp2")
-    resumed_log, resumed_weights = tmp_path / "tp2pp2.jsonl", tmp_path / "tp2pp2.pt"
-    output = Ranks([str(resumed), *train_args(STEPS, SEED, LR, resumed_log), "--resume", str(ckpt / "step-000002"),
-                    "--save-weights", str(resumed_weights)], 4, tmp_path / "logs").wait_ok()
+    second = emit(resumed, model_path, tmp_path / "resumed")
+    resumed_log, resumed_weights = tmp_path / "resumed.jsonl", tmp_path / "resumed.pt"
+    output = Ranks([str(second), *train_args(STEPS, SEED, LR, resumed_log), "--resume", str(ckpt / "step-000002"),
+                    "--save-weights", str(resumed_weights)], resumed.fingerprint.world_size,
+                   tmp_path / "logs").wait_ok()
     assert "resumed from" in output
 
     ref = {r["step"]: r["loss"] for r in read_log(log)}
     got = {r["step"]: r["loss"] for r in read_log(resumed_log)}
     assert sorted(got) == [3, 4]
     loss_diff = max(abs(got[s] - ref[s]) for s in got)
-    weight_diff = max_weight_diff(torch.load(resumed_weights), torch.load(weights))
+    return loss_diff, max_weight_diff(torch.load(resumed_weights), torch.load(weights))
+
+
+def test_zero3_checkpoint_resumes_under_tensor_and_pipeline_parallel(model_path, tmp_path):
+    loss_diff, weight_diff = _resume_from_step_2(
+        make_plan(model_path, tp=1, dp=2, zero_stage=3, sequence_parallel=False),
+        pipelined_plan(model_path, tp=2, pp=2, dp=1, zero_stage=0), model_path, tmp_path)
     print(f"ZeRO-3 dp=2 step 2 -> tp=2 x pp=2: max loss diff over steps 3-4 {loss_diff:.2e}, "
+          f"final max |weight diff| {weight_diff:.2e}")
+    assert loss_diff <= 1e-5 and weight_diff <= 1e-5
+
+
+def test_zero1_tensor_parallel_checkpoint_resumes_under_zero3(model_path, tmp_path):
+    """ZeRO-1 over dp=2 x tp=2 keeps Adam moments as (dp, tp) DTensors, _StridedShard over dp for the
+    colwise (dim-0 split) parameters (runtime.zero1): DCP must reassemble them into ZeRO-3's dp=2 shards."""
+    loss_diff, weight_diff = _resume_from_step_2(
+        make_plan(model_path, tp=2, dp=2, zero_stage=1, sequence_parallel=False),
+        make_plan(model_path, tp=1, dp=2, zero_stage=3, sequence_parallel=False), model_path, tmp_path)
+    print(f"ZeRO-1 dp=2 x tp=2 step 2 -> ZeRO-3 dp=2: max loss diff over steps 3-4 {loss_diff:.2e}, "
           f"final max |weight diff| {weight_diff:.2e}")
     assert loss_diff <= 1e-5 and weight_diff <= 1e-5
