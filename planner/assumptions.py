@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from zplan.planner.cost.compute import BACKWARD_OVER_FORWARD, STREAMED_PER_SAVED_BYTE
+from zplan.planner.cost.compute import BACKWARD_OVER_FORWARD, BLOCK_OPS, STREAMED_PER_SAVED_BYTE
 from zplan.planner.cost.memory import DDP_BUCKET_BYTES, HOST_USABLE_FRACTION, element_bytes
 from zplan.planner.cost.step import ADAM_BYTES_PER_PARAM
 from zplan.schemas.cluster import ClusterSpec
@@ -14,7 +14,7 @@ GB = 1e9
 
 
 def assumptions(cluster: ClusterSpec, summary: ModelSummary, train: TrainSpec) -> list[Assumption]:
-    gpu, eff = cluster.gpu, cluster.efficiency
+    gpu, eff, host = cluster.gpu, cluster.efficiency, cluster.host_overheads
     src = cluster.source
     rows = [
         ("GPU", f"{gpu.name}, {cluster.gpus_per_node} per node", src),
@@ -26,15 +26,28 @@ def assumptions(cluster: ClusterSpec, summary: ModelSummary, train: TrainSpec) -
         ("host-device link", f"{cluster.host_to_device_bandwidth_Bps / GB:.0f} GB/s per GPU", src),
         ("collective latency", f"{cluster.intra_node_latency_s * 1e6:.0f} us intra, "
                                f"{cluster.inter_node_latency_s * 1e6:.0f} us inter-node per step", src),
+        *([("collectives by type", ", ".join(
+            f"{kind.replace('_', '-')} {getattr(cluster.collectives, kind).latency_s * 1e6:.0f} us + "
+            f"{getattr(cluster.collectives, kind).bandwidth_Bps / GB:.2f} GB/s"
+            for kind in ("all_reduce", "all_gather", "reduce_scatter")), src)]
+          if cluster.collectives is not None else []),
         ("host memory", f"{cluster.cpu_memory_bytes / GB:.0f} GB, {cluster.cpu_memory_bandwidth_Bps / GB:.0f} GB/s "
                         "per node", src),
         ("NVMe", f"{cluster.nvme_bytes / GB:.0f} GB, {cluster.nvme_bandwidth_Bps / GB:.0f} GB/s per node", src),
         ("framework reserve", f"{cluster.framework_reserve_bytes / 2**30:.1f} GiB per GPU", src),
         ("GEMM efficiency curve", f"{eff.gemm_max:.2f} * x / (x + {eff.gemm_half_flops:.2g} FLOPs), "
                                   "x = per-GPU MLP GEMM", "cluster profile (assumption)"),
-        ("memory-bound efficiency", f"{eff.memory_bound:.2f} of HBM bandwidth", "cluster profile (assumption)"),
+        ("memory-bound efficiency", f"{eff.memory_bound:.2f} of HBM bandwidth" + (
+            f"; activation ops {eff.activation_ops:.2f}" if eff.activation_ops is not None else ""),
+         "cluster profile (assumption)"),
         ("link efficiency", f"NVLink {eff.intra_node_link:.2f}, network {eff.inter_node_link:.2f}, "
                             f"PCIe {eff.host_link:.2f}", "cluster profile (assumption)"),
+        *([("communication overlap", "none: collectives share the cores that compute (gloo on CPU), so each "
+                                     "adds to the step", src)] if not cluster.overlaps_comm_with_compute else []),
+        *([("host overhead", f"{host.op_s * 1e6:.1f} us per aten op ({BLOCK_OPS} per block per micro-batch), "
+                             f"{host.sharded_unit_s * 1e3:.2f} ms per FSDP2 unit per micro-batch",
+            f"{src}; op counts of examples/gpt.py (planner/cost/compute.py)")]
+          if host.op_s or host.sharded_unit_s else []),
         ("backward / forward FLOPs", f"{BACKWARD_OVER_FORWARD:.0f}x", "Narayanan et al. SC'21 Sec. 5.1"),
         ("streamed / saved activation bytes", f"{STREAMED_PER_SAVED_BYTE} (memory-bound ops)",
          "count of a Megatron GPT block's elementwise traffic (planner/cost/compute.py)"),
@@ -42,8 +55,9 @@ def assumptions(cluster: ClusterSpec, summary: ModelSummary, train: TrainSpec) -
          "Korthikanti et al. MLSys'23 Table 2"),
         ("model states", f"{element_bytes(train.precision)} B weight + {element_bytes(train.precision)} B gradient + "
                          f"{8 if train.precision == 'fp32' else 12} B Adam per parameter", "Rajbhandari et al. SC'20"),
-        ("gradient reduction", f"in {train.precision}, DDP buckets of {DDP_BUCKET_BYTES // 2**20} MiB overlapped "
-                               "with the last micro-batch's backward", "torch DDP / FSDP2 defaults"),
+        ("gradient reduction", f"in {train.precision}, DDP buckets of {DDP_BUCKET_BYTES // 2**20} MiB " + (
+            "overlapped with the last micro-batch's backward" if cluster.overlaps_comm_with_compute
+            else "after the backward (no overlap)"), "torch DDP / FSDP2 defaults"),
         ("GPU Adam step", f"{ADAM_BYTES_PER_PARAM:.0f} bytes streamed per parameter", "fused AdamW traffic"),
         ("offload", "host transfers and the CPU Adam step are not overlapped with compute (conservative)",
          "Ren et al. ATC'21 without delayed parameter update"),

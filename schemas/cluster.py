@@ -33,9 +33,53 @@ class EfficiencySpec(_Frozen):
         gt=0, description="GEMM size (FLOPs per GPU) at which efficiency reaches half of gemm_max."
     )
     memory_bound: float = Field(gt=0, le=1, description="Fraction of HBM bandwidth achieved by streaming ops.")
+    activation_ops: float | None = Field(
+        default=None, gt=0, le=1,
+        description="Fraction of HBM bandwidth achieved by a block's activation ops (LayerNorm, GELU, softmax, "
+                    "residual adds), where they are not memory-bound (a CPU core: tanh, reductions); None: "
+                    "memory_bound.")
     intra_node_link: float = Field(gt=0, le=1, description="Fraction of NVLink bandwidth collectives achieve.")
     inter_node_link: float = Field(gt=0, le=1, description="Fraction of network bandwidth collectives achieve.")
     host_link: float = Field(gt=0, le=1, description="Fraction of PCIe bandwidth host<->device copies achieve.")
+
+
+class CollectiveCost(_Frozen):
+    """One collective as measured on one node, for the ring formulas of planner/cost/comm.py:
+    all-reduce 2 (n-1)/n S / B + 2 (n-1) latency; all-gather, reduce-scatter (n-1)/n S / B + (n-1) latency
+    (S: bytes of the full tensor)."""
+
+    latency_s: float = Field(ge=0, description="Fixed time per ring step of this collective, s (tiny messages).")
+    bandwidth_Bps: float = Field(gt=0, description="Per-device, per-direction bandwidth this collective achieves, "
+                                                   "bytes/s (the link fraction included).")
+
+
+class CollectiveCosts(_Frozen):
+    """Measured per-collective costs inside a node, where one library's collectives differ by type (gloo's
+    all-gather and reduce-scatter are not the halves of its all-reduce that the ring formula makes them)."""
+
+    all_reduce: CollectiveCost = Field(description="All-reduce (DDP gradients, tensor-parallel activations).")
+    all_gather: CollectiveCost = Field(description="All-gather (ZeRO-2/3 parameter gathers, ZeRO-1 weight sync).")
+    reduce_scatter: CollectiveCost = Field(description="Reduce-scatter (ZeRO-2/3 gradient reduction).")
+
+
+class HostOverheads(_Frozen):
+    """Fixed host (CPU) time per operation, paid on top of the FLOPs and bytes. On a GPU these run ahead of
+    the device asynchronously and hide behind its work (all 0, the default); where the host is the device
+    (a CPU profile) they add to the step."""
+
+    op_s: float = Field(default=0.0, ge=0, description="Host time per dispatched aten op of a training step "
+                                                       "(dispatcher, autograd, Python module call), s.")
+    sharded_unit_s: float = Field(
+        default=0.0, ge=0, description="Host time a ZeRO-2/3 (FSDP2) unit adds per micro-batch apart from its "
+                                       "collectives: pre/post hooks, copy-in/out, resharding, s.")
+    selective_recompute_s: float | None = Field(
+        default=None, ge=0, description="Host time selective activation recompute adds per block per micro-batch "
+                                        "(torch's selective checkpoint: a Python dispatch mode over every op, the "
+                                        "re-run ops), s; None: the re-run ops at op_s.")
+    full_recompute_s: float | None = Field(
+        default=None, ge=0, description="Host time full activation recompute adds per block per micro-batch "
+                                        "(torch.utils.checkpoint and the re-run forward's ops), s; None: the "
+                                        "re-run ops at op_s.")
 
 
 class ClusterSpec(_Frozen):
@@ -61,6 +105,14 @@ class ClusterSpec(_Frozen):
         ge=0, description="Per-GPU memory the framework takes (context, allocator slack), bytes."
     )
     efficiency: EfficiencySpec = Field(description="Achieved fractions of the peak numbers.")
+    overlaps_comm_with_compute: bool = Field(
+        default=True, description="Data-parallel collectives run beside compute (GPUs: NCCL on its own streams). "
+                                  "False where they share the cores that compute (gloo on a CPU).")
+    collectives: CollectiveCosts | None = Field(
+        default=None, description="Measured per-collective costs inside a node; None: every collective uses "
+                                  "intra_node_bandwidth_Bps, efficiency.intra_node_link and intra_node_latency_s.")
+    host_overheads: HostOverheads = Field(
+        default_factory=HostOverheads, description="Fixed host time per op and per sharded unit (0 on GPUs).")
 
     def peak_flops(self, precision: str) -> float:
         """Peak FLOP/s for a training precision ('bf16', 'fp16', 'fp32')."""

@@ -65,7 +65,8 @@ class MemoryBreakdown(_Frozen):
     gradients: float = Field(description="Gradient bytes.")
     optimizer: float = Field(description="fp32 master weights + Adam moments.")
     activations: float = Field(description="Activations of all in-flight micro-batches, plus logits.")
-    comm_buffers: float = Field(description="Collective buffers and ZeRO-3 gathered parameters.")
+    comm_buffers: float = Field(description="Collective buffers and parameters gathered for compute (ZeRO-2: the "
+                                "stage's, held from forward to backward; ZeRO-3: two units').")
     reserve: float = Field(description="Framework reserve (context, allocator).")
     total: float = Field(description="Sum of the above.")
     capacity: float = Field(description="Device memory.")

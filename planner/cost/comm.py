@@ -6,19 +6,33 @@ bytes (Thakur et al. 2005; Megatron-LM SC'21 Sec. 3):
     reduce-scatter, gather    (n-1)/n * S / B +   (n-1) * latency
 Groups that span nodes run hierarchically (NCCL's tree/ring across nodes): the intra-node part on
 NVLink, the inter-node part with each of the g local ranks carrying 1/g of the data on its own NIC.
+Inside a node each collective uses the profile's measured (B, latency) of its own type when the profile
+has them (ClusterSpec.collectives: gloo's types differ), else the one link bandwidth and latency.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import numpy as np
 
 from zplan.schemas.cluster import ClusterSpec
+
+Collective = Literal["all_reduce", "all_gather", "reduce_scatter"]
 
 
 def _links(cluster: ClusterSpec) -> tuple[float, float]:
     eff = cluster.efficiency
     return (cluster.intra_node_bandwidth_Bps * eff.intra_node_link,
             cluster.inter_node_bandwidth_Bps * eff.inter_node_link)
+
+
+def intra_node_link(cluster: ClusterSpec, kind: Collective) -> tuple[float, float]:
+    """(bandwidth B/s, latency s per ring step) of one collective type inside a node."""
+    if cluster.collectives is not None:
+        cost = getattr(cluster.collectives, kind)
+        return cost.bandwidth_Bps, cost.latency_s
+    return _links(cluster)[0], cluster.intra_node_latency_s
 
 
 def group_shape(size: np.ndarray, stride: np.ndarray, gpus_per_node: int) -> tuple[np.ndarray, np.ndarray]:
@@ -30,21 +44,33 @@ def group_shape(size: np.ndarray, stride: np.ndarray, gpus_per_node: int) -> tup
     return per_node, nodes
 
 
-def reduce_scatter_s(
-    bytes_: np.ndarray, size: np.ndarray, stride: np.ndarray, cluster: ClusterSpec
-) -> np.ndarray:
-    """Time of one reduce-scatter (= one all-gather) of `bytes_` over a group; 0 when size == 1."""
-    intra_bw, inter_bw = _links(cluster)
+def _one_pass_s(bytes_: np.ndarray, size: np.ndarray, stride: np.ndarray, cluster: ClusterSpec,
+                kind: Collective) -> np.ndarray:
+    """One reduce-scatter- or all-gather-shaped pass of `bytes_` over a group; 0 when size == 1."""
+    intra_bw, latency_s = intra_node_link(cluster, kind)
+    inter_bw = _links(cluster)[1]
     g, k = group_shape(size, stride, cluster.gpus_per_node)
-    intra = (g - 1) / g * bytes_ / intra_bw + (g - 1) * cluster.intra_node_latency_s
+    intra = (g - 1) / g * bytes_ / intra_bw + (g - 1) * latency_s
     # Across nodes each local rank owns 1/g of the message and uses its own NIC.
     inter = (k - 1) / k * (bytes_ / g) / inter_bw + (k - 1) * cluster.inter_node_latency_s
     return np.where(size > 1, intra + inter, 0.0)
 
 
+def reduce_scatter_s(
+    bytes_: np.ndarray, size: np.ndarray, stride: np.ndarray, cluster: ClusterSpec
+) -> np.ndarray:
+    """Time of one reduce-scatter of `bytes_` (the full tensor) over a group; 0 when size == 1."""
+    return _one_pass_s(bytes_, size, stride, cluster, "reduce_scatter")
+
+
+def all_gather_s(bytes_: np.ndarray, size: np.ndarray, stride: np.ndarray, cluster: ClusterSpec) -> np.ndarray:
+    """Time of one all-gather into `bytes_` (the full tensor) over a group; 0 when size == 1."""
+    return _one_pass_s(bytes_, size, stride, cluster, "all_gather")
+
+
 def all_reduce_s(bytes_: np.ndarray, size: np.ndarray, stride: np.ndarray, cluster: ClusterSpec) -> np.ndarray:
-    """All-reduce = reduce-scatter + all-gather."""
-    return 2.0 * reduce_scatter_s(bytes_, size, stride, cluster)
+    """All-reduce = reduce-scatter + all-gather (two passes at the all-reduce's own cost)."""
+    return 2.0 * _one_pass_s(bytes_, size, stride, cluster, "all_reduce")
 
 
 def p2p_s(bytes_: np.ndarray, crosses_node: np.ndarray, cluster: ClusterSpec) -> np.ndarray:

@@ -5,13 +5,23 @@ cluster's saturating efficiency curve in the size x of the layer's largest GEMM 
 up-projection, 2*b*s*h*ffn/tp FLOPs):
     eff(x) = gemm_max * x / (x + gemm_half_flops)
 and the streamed bytes are those of the memory-bound operations (layer norm, softmax, dropout, bias,
-GeLU, residual adds). Counting their reads and writes in a GPT block with Megatron's fused kernels
-gives about 76*s*b*h + 13*a*s^2*b bytes in the forward against 34*s*b*h + 5*a*s^2*b bytes saved for
-backward (Korthikanti Table 2): about STREAMED_PER_SAVED_BYTE = 2.5 bytes streamed per byte saved;
-the backward streams twice the forward.
+GeLU, residual adds), at the fraction of HBM bandwidth the profile says they reach
+(efficiency.activation_ops, else memory_bound). Counting their reads and writes in a GPT block with
+Megatron's fused kernels gives about 76*s*b*h + 13*a*s^2*b bytes in the forward against
+34*s*b*h + 5*a*s^2*b bytes saved for backward (Korthikanti Table 2): about STREAMED_PER_SAVED_BYTE = 2.5
+bytes streamed per byte saved; the backward streams twice the forward.
 Backward costs twice the forward (Narayanan et al. SC'21, Sec. 5.1: 3x forward for fwd+bwd).
 Recompute adds a forward pass (full) or the attention core (selective; Korthikanti et al. 2022,
 Sec. 5: softmax/dropout/QK^T/AV are re-run).
+Host overhead: every aten op a micro-batch dispatches costs the profile's host_overheads.op_s on top of
+its FLOPs and bytes (0 on GPUs, whose launches run ahead of the device). The op counts below were
+counted with a TorchDispatchMode (torch 2.13, CPU) over one forward + backward of examples/gpt.py's
+pre-LayerNorm Block (h=64, 4 heads), with the runtime's apply_recompute for the recompute modes, and of
+its embedding (wte + wpe) and head (ln_f, tied lm_head, next-token cross-entropy); they do not depend on
+the tensor sizes. Views, transposes and detaches count: each passes the dispatcher. Recompute's host cost
+per block is the profile's measured selective_recompute_s / full_recompute_s where it has them (torch's
+selective checkpoint runs every op through a Python dispatch mode, far dearer than op_s), else the
+re-run ops (RECOMPUTE_EXTRA_OPS) at op_s.
 """
 
 from __future__ import annotations
@@ -24,6 +34,10 @@ from zplan.schemas.cluster import ClusterSpec
 
 BACKWARD_OVER_FORWARD = 2.0
 STREAMED_PER_SAVED_BYTE = 2.5
+BLOCK_OPS = 132  # aten ops per block per micro-batch: 39 forward + 93 backward
+RECOMPUTE_EXTRA_OPS = (0, 80, 79)  # ops added per block by recompute none / selective (SAC) / full
+EMBEDDING_OPS = 12  # two lookups, their sum, their backward (embedding_dense_backward x2)
+HEAD_OPS = 30  # final LayerNorm, logits GEMM, cross-entropy and their backward
 
 
 def gemm_efficiency(gemm_flops: np.ndarray, cluster: ClusterSpec) -> np.ndarray:
@@ -55,16 +69,32 @@ def block_time_s(
     core = b * attention_core_act_bytes(model, precision) / t
     recomputed = np.select([cand.recompute == 1, cand.recompute == 2], [core, saved_fwd], 0.0)
     streamed = STREAMED_PER_SAVED_BYTE * ((1.0 + BACKWARD_OVER_FORWARD) * saved_fwd + recomputed)
-    hbm = cluster.gpu.hbm_bandwidth_Bps * cluster.efficiency.memory_bound
-    return flops / t / (peak * eff) + streamed / hbm
+    return flops / t / (peak * eff) + streamed / activation_ops_Bps(cluster) + block_host_s(cand.recompute, cluster)
+
+
+def activation_ops_Bps(cluster: ClusterSpec) -> float:
+    """Bytes/s the block's activation ops stream: HBM bandwidth times their achieved fraction."""
+    eff = cluster.efficiency
+    fraction = eff.activation_ops if eff.activation_ops is not None else eff.memory_bound
+    return cluster.gpu.hbm_bandwidth_Bps * fraction
+
+
+def block_host_s(recompute: np.ndarray, cluster: ClusterSpec) -> np.ndarray:
+    """Host seconds of one block per micro-batch: its aten ops times the profile's cost per op, plus what
+    recompute adds (measured by mode where the profile has it, else the re-run ops at the cost per op)."""
+    host = cluster.host_overheads
+    by_mode = [0.0, host.selective_recompute_s, host.full_recompute_s]
+    recompute_s = np.array([RECOMPUTE_EXTRA_OPS[i] * host.op_s if s is None else s for i, s in enumerate(by_mode)])
+    return BLOCK_OPS * host.op_s + recompute_s[recompute]
 
 
 def edge_time_s(
-    fwd_flops: float, model: ModelNumbers, cand: Candidates, cluster: ClusterSpec, precision: str
+    fwd_flops: float, model: ModelNumbers, cand: Candidates, cluster: ClusterSpec, precision: str, ops: int = 0
 ) -> np.ndarray:
-    """Forward + backward seconds of the embedding or head for one micro-batch (vocab-parallel)."""
+    """Forward + backward seconds of the embedding or head for one micro-batch (vocab-parallel), with the
+    host cost of its `ops` aten ops (EMBEDDING_OPS or HEAD_OPS)."""
     peak = cluster.peak_flops(precision)
     b, t = cand.micro_batch, cand.tp
     gemm_flops = 2.0 * b * model.seq_len * model.hidden * model.vocab / t
     eff = gemm_efficiency(gemm_flops, cluster)
-    return b * (1.0 + BACKWARD_OVER_FORWARD) * fwd_flops / t / (peak * eff)
+    return b * (1.0 + BACKWARD_OVER_FORWARD) * fwd_flops / t / (peak * eff) + ops * cluster.host_overheads.op_s

@@ -7,11 +7,19 @@ stage-to-stage sends by v; sends use the scatter/gather optimisation (b*s*h/tp b
 Tensor parallel (Megatron, Shoeybi et al. 2019): 2 all-reduces of b*s*h in the forward and 2 in the
 backward per block (+2 for a full recompute); with sequence parallel the same volume as
 all-gather + reduce-scatter (Korthikanti et al. Sec. 4.2.2). Not overlapped.
-Data parallel / ZeRO (Rajbhandari et al. SC'20, Sec. 7): stages 0-1 all-reduce the gradients once per
-step, overlapped with the last micro-batch's backward (DDP buckets), and stage 1 all-gathers the
-updated weights after the step; stages 2-3 reduce-scatter gradients in every micro-batch's backward
-and all-gather weights before its forward (stage 3: again before its backward), overlapped with that
-micro-batch's compute.
+Data parallel / ZeRO (Rajbhandari et al. SC'20, Sec. 7), as zplan's runtime runs them: stages 0-1
+all-reduce the gradients once per step, overlapped with the last micro-batch's backward (DDP buckets),
+and stage 1 then all-gathers the updated weights (runtime/zero1.py: buckets of DDP_BUCKET_BYTES, one
+all-gather each; its in-place broadcasts of large tensors move the same bytes); stages 2-3 (FSDP2, one
+unit per block plus the root) reduce-scatter each unit's gradients in every micro-batch's backward;
+stage 3 all-gathers a unit's weights before its forward and again before its backward in every
+micro-batch, stage 2 once per step (runtime.train_loop keeps them gathered until the last backward);
+overlapped with the micro-batch's compute. Where the profile says
+communication does not overlap compute (gloo on the CPU cores that compute), every collective adds to
+the step, and each FSDP2 unit adds host_overheads.sharded_unit_s per micro-batch. Every step also
+all-reduces the loss for logging over all ranks, and under ZeRO-2/3 the gradient norm for clipping.
+Optimizer: AdamW streams ADAM_BYTES_PER_PARAM per parameter at memory bandwidth, plus the host cost of
+OPTIMIZER_STEP_OPS aten ops (clipping, the fused step, zero_grad).
 Offload: planner/cost/offload.py (ZeRO-Offload / ZeRO-Infinity traffic, not overlapped).
 """
 
@@ -21,14 +29,30 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from zplan.planner.cost.comm import all_reduce_s, p2p_s, reduce_scatter_s
-from zplan.planner.cost.compute import BACKWARD_OVER_FORWARD, block_time_s, edge_time_s
+from zplan.planner.cost.comm import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s
+from zplan.planner.cost.compute import (
+    BACKWARD_OVER_FORWARD,
+    EMBEDDING_OPS,
+    HEAD_OPS,
+    block_time_s,
+    edge_time_s,
+)
 from zplan.planner.cost.inputs import Candidates, ModelNumbers
-from zplan.planner.cost.memory import MemoryEstimate, element_bytes, memory_per_gpu
+from zplan.planner.cost.memory import (
+    DDP_BUCKET_BYTES,
+    MemoryEstimate,
+    blocks_per_stage,
+    element_bytes,
+    memory_per_gpu,
+)
 from zplan.planner.cost.offload import offload_time_s
 from zplan.schemas.cluster import ClusterSpec
 
 ADAM_BYTES_PER_PARAM = 30.0  # reads fp32 w, g, m, v (16) + writes w, m, v (12) + 16-bit copy (2)
+# clip_grad_norm_ (8: _foreach_norm, stack, norm, add, reciprocal, mul, clamp, _foreach_mul_), fused AdamW (4),
+# zero_grad (2); counted with a TorchDispatchMode on torch 2.13, independent of the parameter count.
+OPTIMIZER_STEP_OPS = 14
+SCALAR_BYTES = 4.0  # one fp32 scalar: the logged loss, the gradient norm
 
 
 @dataclass(frozen=True)
@@ -64,6 +88,43 @@ def gpu_adam_step_s(params: np.ndarray | float, cluster: ClusterSpec) -> np.ndar
     return params * ADAM_BYTES_PER_PARAM / (cluster.gpu.hbm_bandwidth_Bps * cluster.efficiency.memory_bound)
 
 
+def fsdp_units(model: ModelNumbers, cand: Candidates) -> np.ndarray:
+    """FSDP2 units on the most loaded stage: one per block, plus the root of each of its v chunks."""
+    return blocks_per_stage(model, cand) + cand.interleave
+
+
+def data_parallel_s(model: ModelNumbers, cand: Candidates, cluster: ClusterSpec, grads_bytes: np.ndarray,
+                    compute_mb: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """Seconds per step of data-parallel / ZeRO collectives (and FSDP2 host work) not hidden behind compute.
+    `grads_bytes`: this stage's gradients (= its gathered weights) per GPU; `compute_mb`: one micro-batch's
+    compute on the stage; `m`: micro-batches per step."""
+    t, p, dp, z = cand.tp, cand.pp, cand.dp, cand.zero
+    overlap = cluster.overlaps_comm_with_compute
+    one = np.ones_like(t)
+    # ZeRO 0-1: one gradient all-reduce per step, hidden behind the last backward where comm overlaps.
+    reduce_once = all_reduce_s(grads_bytes, dp, t, cluster)
+    backward_window = compute_mb * BACKWARD_OVER_FORWARD / (1.0 + BACKWARD_OVER_FORWARD)
+    reduce_exposed = np.maximum(0.0, reduce_once - backward_window) if overlap else reduce_once
+    # ZeRO-1 weight sync after the step: the updated weights all-gathered, one all-gather per bucket.
+    buckets = np.maximum(1.0, np.ceil(grads_bytes / DDP_BUCKET_BYTES))
+    zero1_sync = buckets * all_gather_s(grads_bytes / buckets, dp, t, cluster)
+    stage01 = reduce_exposed + np.where(z == 1, zero1_sync, 0.0)
+    # ZeRO 2-3 (FSDP2), per unit: a reduce-scatter every micro-batch; gathers before forward and backward
+    # every micro-batch (stage 3) or once per step (stage 2); the unit's hooks every micro-batch.
+    units = fsdp_units(model, cand)
+    unit_bytes = grads_bytes / units
+    gathers_per_step = np.where(z == 3, 2.0 * m, 1.0)
+    gather = all_gather_s(unit_bytes, dp, t, cluster)
+    comm_per_mb = units * (gathers_per_step / m * gather + reduce_scatter_s(unit_bytes, dp, t, cluster))
+    first_gather = gather  # the first unit's gather cannot overlap
+    exposed_mb = np.maximum(0.0, comm_per_mb - compute_mb) + first_gather / m if overlap else comm_per_mb
+    stage23 = m * (exposed_mb + units * cluster.host_overheads.sharded_unit_s)
+    # Every step: the logged loss all-reduced over all ranks; ZeRO 2-3 also all-reduce the gradient norm.
+    scalars = (all_reduce_s(SCALAR_BYTES * one, t * p * dp, one, cluster)
+               + np.where(z >= 2, all_reduce_s(SCALAR_BYTES * one, dp, t, cluster), 0.0))
+    return np.where(dp > 1, np.where(z <= 1, stage01, stage23), 0.0) + scalars
+
+
 def model_flops_per_sample(model: ModelNumbers) -> float:
     """Forward + backward FLOPs of one sample, recompute excluded (the MFU numerator)."""
     forward = model.num_blocks * model.block_fwd_flops + model.embed_fwd_flops + model.head_fwd_flops
@@ -87,8 +148,8 @@ def estimate_step(
 
     # One micro-batch on the slowest stage.
     block_s = block_time_s(model, cand, cluster, precision)
-    edges_s = (edge_time_s(model.embed_fwd_flops, model, cand, cluster, precision)
-               + edge_time_s(model.head_fwd_flops, model, cand, cluster, precision))
+    edges_s = (edge_time_s(model.embed_fwd_flops, model, cand, cluster, precision, EMBEDDING_OPS)
+               + edge_time_s(model.head_fwd_flops, model, cand, cluster, precision, HEAD_OPS))
     load = stage_blocks if stage_blocks is not None else stage_blocks_equivalent(model, cand, edges_s / block_s)
     tp_collectives = 4.0 + 2.0 * (cand.recompute == 2)
     one = np.ones_like(t)
@@ -103,19 +164,12 @@ def estimate_step(
 
     memory = memory_per_gpu(model, cand, cluster, precision, m)
     params_gpu = memory.stage_params
-    grads_bytes = elem * params_gpu
-    reduce_once = all_reduce_s(grads_bytes, dp, t, cluster)
-    gather_once = reduce_scatter_s(elem * params_gpu, dp, t, cluster)
-    backward_window = compute_mb * BACKWARD_OVER_FORWARD / (1.0 + BACKWARD_OVER_FORWARD)
-    stage01 = np.maximum(0.0, reduce_once - backward_window) + np.where(z == 1, gather_once, 0.0)
-    per_mb = reduce_scatter_s(grads_bytes, dp, t, cluster) + gather_once * np.where(z == 3, 2.0, 1.0)
-    first_block_gather = gather_once / np.maximum(load, 1.0)  # the first gather cannot overlap
-    stage23 = m * np.maximum(0.0, per_mb - compute_mb) + first_block_gather
-    dp_s = np.where(dp > 1, np.where(z <= 1, stage01, stage23), 0.0)
+    dp_s = data_parallel_s(model, cand, cluster, elem * params_gpu, compute_mb, m)
 
     shard = params_gpu / np.where(z >= 1, dp, 1)
     offload_s = offload_time_s(cand, params_gpu, m, cluster, precision)
     optimizer_s = np.where(cand.offload == 0, gpu_adam_step_s(shard, cluster), 0.0)
+    optimizer_s = optimizer_s + OPTIMIZER_STEP_OPS * cluster.host_overheads.op_s
 
     compute_s = m * compute_mb
     tp_s = m * tp_mb

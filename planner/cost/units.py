@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from zplan.planner.cost.comm import all_reduce_s
-from zplan.planner.cost.compute import block_time_s, edge_time_s
+from zplan.planner.cost.compute import EMBEDDING_OPS, HEAD_OPS, block_time_s, edge_time_s
 from zplan.planner.cost.inputs import Candidates, ModelNumbers
 from zplan.planner.cost.memory import block_activation_bytes, element_bytes, optimizer_bytes_per_param
 from zplan.schemas.cluster import ClusterSpec
@@ -49,7 +49,8 @@ def unit_costs(summary: ModelSummary, cand: Candidates, cluster: ClusterSpec, pr
             times.append(block_s * scale)
             acts.append(block_act * (unit.act_bytes / model.block_act_bytes if model.block_act_bytes else 1.0))
         else:
-            times.append(float(edge_time_s(unit.fwd_flops, model, cand, cluster, precision)[0]))
+            ops = {"embedding": EMBEDDING_OPS, "head": HEAD_OPS}.get(unit.kind, 0)
+            times.append(float(edge_time_s(unit.fwd_flops, model, cand, cluster, precision, ops)[0]))
             logits = b * model.seq_len * model.vocab * (elem + 4.0) / t if unit.kind == "head" else 0.0
             acts.append(b * model.seq_len * model.hidden * elem + logits)
     return UnitCosts(time_s=np.array(times), static_bytes=np.array(static), act_bytes=np.array(acts),
