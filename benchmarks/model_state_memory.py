@@ -21,7 +21,7 @@ The planner counts the model states as zplan's runtime holds them at rest (plann
 ZeRO 1 shards the Adam moments evenly (runtime/zero1.py, dim-0 chunks of every parameter), ZeRO 2 is
 FSDP2 with reshard_after_forward=False, so parameters, gradients and optimizer states are all shards at
 rest, like ZeRO 3, and the gathered parameters (compute dtype) are a transient term of the peak
-(planner.cost.memory.gathered_parameter_bytes, part of the plan's comm_buffers). 'error' compares the
+(planner.cost.memory.compute_copy_bytes, part of the plan's comm_buffers). 'error' compares the
 measured states after the step with the plan's model states; 'in step' adds the parameters gathered
 between forward and backward and is compared with the model states plus that transient term.
 The ZeRO paper's numbers, where stage 2 keeps whole parameters (as DeepSpeed does), are the theory
@@ -138,11 +138,11 @@ def predicted_gathered_bytes(plan) -> float:
     (ZeRO 2: the whole stage in the compute dtype), from the planner's own formula."""
     import numpy as np
 
-    from zplan.planner.cost.memory import gathered_parameter_bytes
+    from zplan.planner.cost.memory import compute_copy_bytes
 
     p = plan.parallel
     stage_params = max(stage.params for stage in plan.stages) / p.tp if p.pp > 1 else plan.model.params / p.tp
-    return float(gathered_parameter_bytes(np.array([stage_params]), np.array([p.zero_stage]),
+    return float(compute_copy_bytes(np.array([stage_params]), np.array([p.zero_stage]),
                                           plan.train.precision)[0])
 
 

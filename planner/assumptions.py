@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from zplan.planner.cost.compute import BACKWARD_OVER_FORWARD, BLOCK_OPS, STREAMED_PER_SAVED_BYTE
-from zplan.planner.cost.memory import DDP_BUCKET_BYTES, HOST_USABLE_FRACTION, element_bytes
+from zplan.planner.cost.memory import (
+    ADAM_BYTES,
+    DDP_BUCKET_BYTES,
+    GRAD_BYTES,
+    HOST_USABLE_FRACTION,
+    PARAM_BYTES,
+)
 from zplan.planner.cost.step import ADAM_BYTES_PER_PARAM
 from zplan.schemas.cluster import ClusterSpec
 from zplan.schemas.model import ModelSummary
@@ -53,8 +59,9 @@ def assumptions(cluster: ClusterSpec, summary: ModelSummary, train: TrainSpec) -
          "count of a Megatron GPT block's elementwise traffic (planner/cost/compute.py)"),
         ("activation memory", "per-block saved bytes split replicated (10sbh) / tp-sharded",
          "Korthikanti et al. MLSys'23 Table 2"),
-        ("model states", f"{element_bytes(train.precision)} B weight + {element_bytes(train.precision)} B gradient + "
-                         f"{8 if train.precision == 'fp32' else 12} B Adam per parameter", "Rajbhandari et al. SC'20"),
+        ("model states", f"{PARAM_BYTES:.0f} B fp32 weight + {GRAD_BYTES:.0f} B fp32 gradient + {ADAM_BYTES:.0f} B "
+                         "Adam moments per parameter, sharded by ZeRO stage; 16-bit copies for compute are transient",
+         "zplan's runtime; partitioning: Rajbhandari et al. SC'20"),
         ("gradient reduction", f"in {train.precision}, DDP buckets of {DDP_BUCKET_BYTES // 2**20} MiB " + (
             "overlapped with the last micro-batch's backward" if cluster.overlaps_comm_with_compute
             else "after the backward (no overlap)"), "torch DDP / FSDP2 defaults"),

@@ -9,7 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zplan.planner.cost.inputs import OFFLOAD_TIERS, Candidates
-from zplan.planner.cost.memory import HOST_USABLE_FRACTION, element_bytes, optimizer_bytes_per_param
+from zplan.planner.cost.memory import (
+    HOST_USABLE_FRACTION,
+    element_bytes,
+    state_bytes_per_param,
+)
 from zplan.planner.cost.step import StepEstimate, gpu_adam_step_s
 from zplan.planner.placement import PlacementResult, place_model_states
 from zplan.schemas.cluster import ClusterSpec
@@ -36,10 +40,9 @@ def place(cand: Candidates, est: StepEstimate, cluster: ClusterSpec, train: Trai
     mem, z, dp = est.memory, int(cand.zero[0]), int(cand.dp[0])
     params_gpu = float(mem.stage_params[0])
     elem = element_bytes(train.precision)
-    weights = elem * params_gpu / (dp if z >= 2 else 1)  # ZeRO-2: FSDP2 shards at rest (cost.memory)
-    grads = elem * params_gpu / (dp if z >= 2 else 1)
+    # As the runtime holds them (cost.memory: fp32 weights and gradients, Adam's m and v), on any tier.
+    weights, grads, optim = (float(b) * params_gpu for b in state_bytes_per_param(z, dp, False))
     optim_params = params_gpu / (dp if z >= 1 else 1)
-    optim = optimizer_bytes_per_param(train.precision) * optim_params
     gpu_free = cluster.gpu.hbm_bytes - float(mem.activations[0] + mem.comm_buffers[0] + mem.reserve[0])
     per_gpu = HOST_USABLE_FRACTION / cluster.gpus_per_node
     eff = cluster.efficiency

@@ -1,14 +1,16 @@
 """Bytes per GPU, vectorised over candidates; the most loaded of the first and last stage counts.
 
-Model states (Rajbhandari et al., ZeRO, SC'20, Sec. 3 and 5): with mixed-precision Adam a parameter
-costs 2 bytes (16-bit weight) + 2 (16-bit gradient) + K=12 (fp32 master, momentum, variance); stage 1
-shards the K bytes over dp, stage 2 the gradients too, stage 3 the weights too. In fp32 the weight is
-the master copy: 4 + 4 + 8.
-ZeRO-2 is counted as zplan's runtime holds it, not as the paper (and DeepSpeed) does: FSDP2 with
-reshard_after_forward=False keeps only parameter shards at rest, like stage 3 (weights / dp), and
-holds every unit's gathered parameters (compute dtype) from its forward until its backward. Those are
-transient, so they are a term of the peak (in comm_buffers, with the gradient reduce-scatter buffers)
-and not of the model states: gathered_parameter_bytes.
+Model states as zplan's runtime holds them (Rajbhandari et al., ZeRO, SC'20, Sec. 3 and 5, for the
+partitioning): the parameters stay fp32 in every precision (they are the master weights: autocast under
+ZeRO 0/1, FSDP2's MixedPrecisionPolicy under ZeRO 2/3 make 16-bit copies for compute), the gradients
+are fp32, and Adam keeps m and v in fp32: 4 + 4 + 8 bytes per parameter. Stage 1 shards the 8 Adam
+bytes over dp, stage 2 the gradients and (FSDP2 holds only shards at rest) the weights too, stage 3 the
+same. The paper's mixed-precision layout (16-bit weights and gradients, K=12 with an fp32 master copy)
+totals the same 16 bytes at ZeRO 0 and 16/dp at ZeRO 2/3, but 4 + 12/dp at ZeRO 1 where the runtime
+holds 8 + 8/dp. The 16-bit copies for compute are transient, a term of the peak (compute_copy_bytes,
+in comm_buffers): under ZeRO 0/1 with mixed precision autocast's cached copies of the weights, kept
+from forward until backward; under ZeRO 2 every unit's gathered parameters (FSDP2 with
+reshard_after_forward=False), held from its forward until its backward; ZeRO-3's two in-flight units.
 Activations per block (Korthikanti et al., MLSys'23, Table 2): of the block's saved bytes, 10*s*b*h
 (16-bit; layer-norm inputs, dropout masks, first-linear inputs) stay replicated under tensor parallel
 unless sequence parallel shards them; the rest is divided by tp. Selective recompute drops the
@@ -31,13 +33,34 @@ DDP_BUCKET_BYTES = 25 * 1024**2  # torch DDP default bucket_cap_mb=25
 HOST_USABLE_FRACTION = 0.9  # leave 10% of host memory / NVMe to the OS and the data loader
 
 
+PARAM_BYTES = 4.0  # fp32 parameters: the master weights, in every precision
+GRAD_BYTES = 4.0  # fp32 gradients (autocast; FSDP2 reduce_dtype=fp32)
+ADAM_BYTES = 8.0  # fp32 m and v
+
+
 def element_bytes(precision: str) -> int:
+    """Bytes of one value in the compute dtype."""
     return 4 if precision == "fp32" else 2
 
 
 def optimizer_bytes_per_param(precision: str) -> int:
-    """Adam: fp32 master + m + v (mixed precision, K=12) or m + v (fp32, the weight is the master)."""
+    """Adam with ZeRO-Offload's CPU step (planner.cost.offload, planner.placement): fp32 master + m + v
+    (mixed precision, K=12) or m + v (fp32, the weight is the master)."""
     return 8 if precision == "fp32" else 12
+
+
+def state_bytes_per_param(zero, dp, offloaded) -> tuple:
+    """(weights, gradients, optimizer) bytes per parameter on the GPU, arrays or scalars alike: the
+    runtime's 4 + 4 + 8 sharded by ZeRO stage; offloaded states leave the GPU (ZeRO-Offload /
+    ZeRO-Infinity: the optimizer; with stage >= 2 the gradients stream out; with stage 3 the weight
+    shards live off the GPU too. FSDP2's CPU offload moves ZeRO-2's weight shards too; they are kept
+    here, as planner.placement's legal tiers keep them on the GPU: an over-estimate of 1/dp of them)."""
+    zero, dp, offloaded = np.asarray(zero), np.asarray(dp, dtype=float), np.asarray(offloaded, dtype=bool)
+    sharded = np.where(zero >= 2, dp, 1.0)
+    weights = np.where(offloaded & (zero == 3), 0.0, PARAM_BYTES / sharded)
+    grads = np.where(offloaded & (zero >= 2), 0.0, GRAD_BYTES / sharded)
+    optim = np.where(offloaded, 0.0, ADAM_BYTES / np.where(zero >= 1, dp, 1.0))
+    return weights, grads, optim
 
 
 @dataclass(frozen=True)
@@ -92,11 +115,13 @@ def attention_core_act_bytes(model: ModelNumbers, precision: str) -> float:
     return materialised if model.block_act_bytes > materialised else 0.0
 
 
-def gathered_parameter_bytes(params_gpu: np.ndarray, zero: np.ndarray, precision: str) -> np.ndarray:
-    """ZeRO-2 under zplan's runtime (FSDP2, reshard_after_forward=False): the stage's whole parameters in
-    the compute dtype, gathered unit by unit in forward and held until each unit's backward; 0 otherwise
-    (ZeRO-3 frees each unit after its forward: its two in-flight blocks are counted in comm_buffers)."""
-    return np.where(zero == 2, element_bytes(precision) * params_gpu, 0.0)
+def compute_copy_bytes(params_gpu: np.ndarray, zero: np.ndarray, precision: str) -> np.ndarray:
+    """Parameters held in the compute dtype besides the fp32 ones, from forward until backward: ZeRO-2
+    (FSDP2, reshard_after_forward=False) the stage's whole parameters, gathered unit by unit; ZeRO 0/1
+    with mixed precision autocast's cached 16-bit copies of the stage's weights; 0 otherwise (ZeRO-3
+    frees each unit after its forward: its two in-flight blocks are counted in comm_buffers)."""
+    copies = (zero == 2) | ((zero <= 1) & (precision != "fp32"))
+    return np.where(copies, element_bytes(precision) * params_gpu, 0.0)
 
 
 def memory_per_gpu(
@@ -118,18 +143,10 @@ def memory_per_gpu(
     first_params = np.where(single, model.params, model.embed_params + n_blocks * model.block_params) / t
     last_params = np.where(single, model.params, model.head_params + n_blocks * model.block_params) / t
 
+    per_param = state_bytes_per_param(z, dp, offloaded)
+
     def states(params_gpu: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        weights = elem * params_gpu / np.where(z >= 2, dp, 1.0)  # ZeRO-2: FSDP2 shards at rest
-        grads = elem * params_gpu / np.where(z >= 2, dp, 1.0)
-        optim = k_opt * params_gpu / np.where(z >= 1, dp, 1.0)
-        # Offload (ZeRO-Offload / ZeRO-Infinity): optimizer states leave the GPU; with stage >= 2 the
-        # gradients stream out; with stage 3 the weight shards live off the GPU too. (FSDP2's CPU offload
-        # moves ZeRO-2's weight shards off the GPU too; they are kept here, as planner.placement's legal
-        # tiers keep ZeRO-2 weights on the GPU: an over-estimate of 1/dp of the weights.)
-        optim = np.where(offloaded, 0.0, optim)
-        grads = np.where(offloaded & (z >= 2), 0.0, grads)
-        weights = np.where(offloaded & (z == 3), 0.0, weights)
-        return weights, grads, optim
+        return tuple(bytes_per_param * params_gpu for bytes_per_param in per_param)
 
     inflight = inflight_microbatches(cand, num_micro_batches)
     act_block = block_activation_bytes(model, cand, precision)
@@ -142,12 +159,12 @@ def memory_per_gpu(
     block_params_gpu = model.block_params / t
     params_gpu = np.maximum(first_params, last_params)
     # ZeRO 0/1: DDP's gradient buckets (and ZeRO-1's parameter all-gather, bucketed the same way).
-    comm = np.where(z <= 1, 2.0 * np.minimum(DDP_BUCKET_BYTES, elem * first_params), 0.0)
+    comm = np.where(z <= 1, 2.0 * np.minimum(DDP_BUCKET_BYTES, GRAD_BYTES * first_params), 0.0)
     # ZeRO 2/3: two blocks' unsharded gradients in the reduce-scatter (one reduced while the next is
     # computed); ZeRO-3 two blocks' gathered parameters (current + prefetched), ZeRO-2 all of them.
-    comm = comm + np.where(z >= 2, 2.0 * elem * block_params_gpu, 0.0)
+    comm = comm + np.where(z >= 2, 2.0 * GRAD_BYTES * block_params_gpu, 0.0)
     comm = comm + np.where(z == 3, 2.0 * elem * block_params_gpu, 0.0)
-    comm = comm + gathered_parameter_bytes(params_gpu, z, precision)
+    comm = comm + compute_copy_bytes(params_gpu, z, precision)
     comm = comm + np.where(t > 1, 2.0 * b * s * h * elem, 0.0)  # sequence-parallel gather buffers
 
     w1, g1, o1 = states(first_params)

@@ -9,7 +9,7 @@ import numpy as np
 from zplan.planner.cost.comm import all_reduce_s
 from zplan.planner.cost.compute import EMBEDDING_OPS, HEAD_OPS, block_time_s, edge_time_s
 from zplan.planner.cost.inputs import Candidates, ModelNumbers
-from zplan.planner.cost.memory import block_activation_bytes, element_bytes, optimizer_bytes_per_param
+from zplan.planner.cost.memory import block_activation_bytes, element_bytes, state_bytes_per_param
 from zplan.schemas.cluster import ClusterSpec
 from zplan.schemas.model import ModelSummary
 
@@ -36,10 +36,7 @@ def unit_costs(summary: ModelSummary, cand: Candidates, cluster: ClusterSpec, pr
         np.array([b * model.seq_len * model.hidden * elem]), cand.tp, np.ones(1), cluster)[0])
     block_act = float(block_activation_bytes(model, cand, precision)[0])
 
-    weight_b = elem / (dp if z == 3 else 1) * (0 if off and z == 3 else 1)
-    grad_b = elem / (dp if z >= 2 else 1) * (0 if off and z >= 2 else 1)
-    optim_b = optimizer_bytes_per_param(precision) / (dp if z >= 1 else 1) * (0 if off else 1)
-    per_param = weight_b + grad_b + optim_b
+    per_param = float(sum(state_bytes_per_param(z, dp, off > 0)))
 
     times, static, acts = [], [], []
     for unit in summary.layers:

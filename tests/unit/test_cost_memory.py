@@ -26,33 +26,40 @@ def one(**kw):
 
 
 @pytest.mark.parametrize("zero,expected_per_param", [
-    (0, 16.0),            # 2 + 2 + 12
-    (1, 4.0 + 12 / 8),    # Rajbhandari et al.: 4 psi + 12 psi / N
-    (2, 16 / 8),          # not the paper's 2 psi + 14 psi / N: zplan's FSDP2 ZeRO-2 shards weights at rest
+    (0, 16.0),            # 4 + 4 + 8 (the paper's 2 + 2 + 12 totals the same)
+    (1, 8.0 + 8 / 8),     # fp32 weights and gradients whole, Adam's 8 bytes sharded (the paper: 4 + 12 / N)
+    (2, 16 / 8),          # FSDP2 ZeRO-2 shards weights at rest too (the paper: 2 + 14 / N)
     (3, 16 / 8),          # 16 psi / N
 ])
-def test_model_states_follow_zero_paper(zero, expected_per_param):
+def test_model_states_are_the_runtimes(zero, expected_per_param):
+    """bf16 on 8 GPUs: the runtime keeps fp32 weights (the master copy) and fp32 gradients whatever the
+    compute precision, and Adam's m and v (8 bytes), sharded by ZeRO stage."""
     model = gpt_numbers()
     mem = memory_per_gpu(model, one(zero=zero), A100, "bf16", np.array([1.0]))
     states = mem.parameters + mem.gradients + mem.optimizer
     assert states[0] == pytest.approx(expected_per_param * model.params)
 
 
-def test_zero2_holds_gathered_parameters_from_forward_to_backward():
-    """ZeRO-2 as the runtime runs it (FSDP2, reshard_after_forward=False), by hand for the 6.4B GPT on 8
-    GPUs in bf16: 2/8 + 2/8 + 12/8 bytes per parameter at rest; in the step, every block's gathered
-    bf16 weights (2 bytes each) plus two blocks' unsharded bf16 gradients in the reduce-scatter.
-    ZeRO-3 holds only two gathered blocks (current + prefetched) besides the same two gradient blocks."""
+def test_compute_copies_are_held_from_forward_to_backward():
+    """By hand for the 6.4B GPT on 8 GPUs in bf16. ZeRO-2 (FSDP2, reshard_after_forward=False): 4/8 + 4/8
+    + 8/8 bytes per parameter at rest; in the step every block's gathered bf16 weights (2 bytes each)
+    plus two blocks' unsharded gradients (fp32) in the reduce-scatter. ZeRO-3 holds only two gathered
+    blocks (current + prefetched) besides the same two gradient blocks. ZeRO-0: autocast's cached bf16
+    copies of all weights (2 psi) plus DDP's two 25 MiB fp32 gradient buckets."""
     model = gpt_numbers()
     psi, block = model.params, model.block_params  # 32 * 12 h^2, 12 h^2
+    z0 = memory_per_gpu(model, one(zero=0), A100, "bf16", np.array([1.0]))
     z2 = memory_per_gpu(model, one(zero=2), A100, "bf16", np.array([1.0]))
     z3 = memory_per_gpu(model, one(zero=3), A100, "bf16", np.array([1.0]))
     at_rest = (z2.parameters[0], z2.gradients[0], z2.optimizer[0])
-    assert at_rest == pytest.approx((2 * psi / 8, 2 * psi / 8, 12 * psi / 8))
-    assert z2.comm_buffers[0] == pytest.approx(2 * psi + 2 * 2 * block)
-    assert z3.comm_buffers[0] == pytest.approx(2 * 2 * block + 2 * 2 * block)
+    assert at_rest == pytest.approx((4 * psi / 8, 4 * psi / 8, 8 * psi / 8))
+    assert z2.comm_buffers[0] == pytest.approx(2 * psi + 2 * 4 * block)
+    assert z3.comm_buffers[0] == pytest.approx(2 * 4 * block + 2 * 2 * block)
+    assert z0.comm_buffers[0] == pytest.approx(2 * psi + 2 * 25 * 2**20)
     # the peak: ZeRO-2 holds all its gathered weights (2 psi) where ZeRO-3 holds two blocks; the rest is equal
     assert z2.total[0] - z3.total[0] == pytest.approx(2 * psi - 2 * 2 * block)
+    fp32 = memory_per_gpu(model, one(zero=0), A100, "fp32", np.array([1.0]))
+    assert fp32.comm_buffers[0] == pytest.approx(2 * 25 * 2**20)  # fp32 computes on the weights themselves
 
 
 def test_fp32_states_are_four_plus_four_plus_eight():

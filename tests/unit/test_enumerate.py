@@ -5,6 +5,7 @@ import itertools
 import pytest
 
 from zplan.planner.clusters import BUILTIN_CLUSTERS
+from zplan.planner.cost.inputs import OFFLOAD_TIERS
 from zplan.planner.enumerate import INTERLEAVE_CHOICES, MAX_MICRO_BATCH, enumerate_candidates
 from zplan.schemas import LayerCost, ModelSummary, Pins
 
@@ -20,7 +21,7 @@ def summary(blocks=12, heads=12, kv_heads=4) -> ModelSummary:
                         params=blocks + 1, layers=units, block_prefix="blocks", tp_rules=[])
 
 
-def brute_force(model, gpus, batch):
+def brute_force(model, gpus, batch, runtime_gaps_pinned=False):
     out = set()
     for tp, pp, mb, z, r, sp, v, off in itertools.product(
         range(1, gpus + 1), range(1, gpus + 1), range(1, MAX_MICRO_BATCH + 1), range(4), range(3), range(2),
@@ -34,6 +35,8 @@ def brute_force(model, gpus, batch):
             and batch % (dp * mb) == 0 and (sp == 0 or tp > 1) and (off == 0 or z >= 1) and (off < 2 or z == 3)
             and (v == 1 or pp > 1) and pp * v <= model.num_blocks
             and (v == 1 or (model.num_blocks % (pp * v) == 0 and (batch // dp // mb) % pp == 0))
+            # the runtime runs CPU offload with ZeRO 2/3 only, NVMe not yet: others only when pinned
+            and (off == 0 or (off == 1 and z >= 2) or runtime_gaps_pinned)
         )
         if legal:
             out.add((tp, pp, dp, mb, z, r, sp, v, off))
@@ -49,6 +52,15 @@ def as_set(c):
 def test_enumeration_equals_brute_force(gpus, batch):
     model = summary()
     assert as_set(enumerate_candidates(model, A100, gpus, batch, Pins())) == brute_force(model, gpus, batch)
+
+
+@pytest.mark.parametrize("pins", [Pins(offload="nvme"), Pins(offload="cpu", zero=1)])
+def test_what_the_runtime_cannot_run_yet_is_there_only_when_pinned(pins):
+    model = summary()
+    expected = {c for c in brute_force(model, 8, 16, runtime_gaps_pinned=True)
+                if c[8] == OFFLOAD_TIERS.index(pins.offload) and (pins.zero is None or c[4] == pins.zero)}
+    assert as_set(enumerate_candidates(model, A100, 8, 16, pins)) == expected
+    assert not [c for c in brute_force(model, 8, 16) if c[8] == 2 or (c[8] == 1 and c[4] < 2)]
 
 
 def test_pins_fix_values():
