@@ -383,6 +383,13 @@ def _resident_bytes() -> int:
 
 def disk_write_Bps(directory: str, num_bytes: int = 128 * 2**20) -> float:
     """fsync'ed sequential write rate of `num_bytes` into `directory`."""
+    return disk_bandwidths_Bps(directory, num_bytes)[0]
+
+
+def disk_bandwidths_Bps(directory: str, num_bytes: int = 128 * 2**20) -> tuple[float, float]:
+    """(write, read) sequential rates of a `num_bytes` file in `directory`, bytes/s: the write fsync'ed,
+    the read after its pages were dropped from the page cache (posix_fadvise DONTNEED: works without
+    root for clean pages), so that both rates are the device's, not memory's."""
     block = os.urandom(2**20)
     with tempfile.NamedTemporaryFile(dir=directory) as f:
         start = time.perf_counter()
@@ -390,7 +397,13 @@ def disk_write_Bps(directory: str, num_bytes: int = 128 * 2**20) -> float:
             f.write(block)
         f.flush()
         os.fsync(f.fileno())
-        return num_bytes / (time.perf_counter() - start)
+        write_Bps = num_bytes / (time.perf_counter() - start)
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        start = time.perf_counter()
+        with open(f.name, "rb", buffering=0) as reader:
+            while reader.read(len(block)):
+                pass
+        return write_Bps, num_bytes / (time.perf_counter() - start)
 
 
 # ---- the profile ----------------------------------------------------------------------------------------
@@ -425,15 +438,18 @@ def _one_core_numbers(unit: float, node_copy_Bps: float, processes: int) -> dict
         torch.set_num_threads(threads)
 
 
-def probe_this_machine(seconds_budget: float = 10) -> ClusterSpec:
-    """Measure this machine (about 2-3 x `seconds_budget` seconds) into a ClusterSpec named 'cpu-local'."""
+def probe_this_machine(seconds_budget: float = 10, nvme_path: str | None = None) -> ClusterSpec:
+    """Measure this machine (about 2-3 x `seconds_budget` seconds) into a ClusterSpec named 'cpu-local'.
+    `nvme_path`: the folder offloaded states would be swapped to (default: the temporary directory);
+    its free space and the slower of its sequential write and read rates are the profile's NVMe."""
     processes = os.cpu_count() or 1
     unit = seconds_budget / 30  # per measurement: ~15 of them plus process start-up fill the budget
     node_copy_Bps = copy_bandwidth_Bps(512 * 2**20, unit)
     one = _one_core_numbers(unit, node_copy_Bps, processes)
     costs, sharded_unit_s, resident_bytes = gloo_two_processes(12 * unit)
     host_bytes = host_memory_bytes()
-    tmp = tempfile.gettempdir()
+    disk = nvme_path or tempfile.gettempdir()
+    disk_write, disk_read = disk_bandwidths_Bps(disk)
     device_bytes = int(HOST_SHARE_FOR_DEVICES * host_bytes / processes) // GiB * GiB
     all_reduce = costs.all_reduce
     return ClusterSpec(
@@ -456,8 +472,8 @@ def probe_this_machine(seconds_budget: float = 10) -> ClusterSpec:
         inter_node_latency_s=all_reduce.latency_s,
         cpu_memory_bytes=host_bytes,
         cpu_memory_bandwidth_Bps=node_copy_Bps,
-        nvme_bytes=os.statvfs(tmp).f_bavail * os.statvfs(tmp).f_frsize,
-        nvme_bandwidth_Bps=disk_write_Bps(tmp),
+        nvme_bytes=os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize,
+        nvme_bandwidth_Bps=min(disk_write, disk_read),  # swapping both reads and writes
         framework_reserve_bytes=resident_bytes,
         efficiency=EfficiencySpec(
             gemm_max=1.0,

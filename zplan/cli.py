@@ -14,7 +14,7 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console
 
-from zplan.errors import ZplanError
+from zplan.errors import ClusterError, ZplanError
 from zplan.schemas.spec import Pins
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -188,13 +188,17 @@ def clusters(as_json: bool = JSON) -> None:
 def probe(
     output: Path = typer.Option(Path("cluster-local.yaml"), "-o", "--out", help="Where to write the profile."),
     seconds: float = typer.Option(10.0, "--seconds", help="Measurement budget."),
+    nvme_path: Optional[Path] = typer.Option(
+        None, "--nvme-path", help="Folder offloaded states would be swapped to (default: the temporary folder)."),
 ) -> None:
-    """Measure this machine (matmul FLOP/s, memory and gloo bandwidth) into a cluster profile file."""
+    """Measure this machine (matmul FLOP/s, memory, gloo and disk bandwidth) into a cluster profile file."""
     import yaml
 
     from zplan.planner.probe import probe_this_machine
 
+    if nvme_path is not None and not nvme_path.is_dir():
+        _fail(ClusterError(f"--nvme-path {nvme_path} is not a folder: create it on the disk to measure"))
     with err.status("measuring this machine", spinner="dots"):
-        spec = probe_this_machine(seconds)
+        spec = probe_this_machine(seconds, None if nvme_path is None else str(nvme_path))
     output.write_text(yaml.safe_dump(spec.model_dump(), sort_keys=False))
     err.print(f"wrote {output}; use it with --cluster {output}")

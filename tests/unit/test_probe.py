@@ -9,6 +9,7 @@ from zplan.planner.probe import (
     COLLECTIVE_SMALL_BYTES,
     collective_costs,
     count_aten_ops,
+    disk_bandwidths_Bps,
     fit_saturating_curve,
     reference_input,
     reference_stack,
@@ -53,3 +54,20 @@ def test_reference_block_dispatches_as_many_ops_as_the_cost_model_counts_per_blo
         model(x).sum().backward()
         counts.append(count_aten_ops(lambda model=model, x=x: model(x).sum().backward()))
     assert counts[1] - counts[0] == BLOCK_OPS
+
+
+def test_disk_rates_are_measured_in_the_given_folder_and_leave_nothing(tmp_path):
+    write_Bps, read_Bps = disk_bandwidths_Bps(str(tmp_path), num_bytes=4 * 2**20)
+    assert write_Bps > 0 and read_Bps > 0
+    assert list(tmp_path.iterdir()) == []  # the measurement file is gone
+
+
+def test_probe_refuses_an_nvme_path_that_is_not_a_folder(tmp_path):
+    from typer.testing import CliRunner
+
+    from zplan.cli import app
+
+    out = tmp_path / "c.yaml"
+    result = CliRunner().invoke(app, ["probe", "--nvme-path", str(tmp_path / "missing"), "-o", str(out)])
+    assert result.exit_code == 2 and "is not a folder" in result.output
+    assert not out.exists()
