@@ -108,7 +108,8 @@ def plan_context(plan: Plan) -> dict[str, Any]:
     tokens_per_step = plan.train.global_batch * plan.train.seq_len
     peak_flops = cluster.peak_flops(plan.train.precision)
     achieved_flops_per_gpu = share(prediction.model_flops_per_step, prediction.step_time_s * world)
-    placement = plan.placement.model_dump().items()
+    placement = [(state, getattr(plan.placement, state)) for state in ("parameters", "gradients", "optimizer")]
+    tiers = plan.placement
     pinned = [(name, value) for name, value in plan.pins.model_dump().items() if value is not None]
     return {
         "title": f"{plan.model.name} on {world} x {cluster.gpu.name}",
@@ -145,6 +146,11 @@ def plan_context(plan: Plan) -> dict[str, Any]:
         "schedule": parallel.schedule,
         "offload": parallel.offload,
         "placement_display": ", ".join(f"{state} on {tier}" for state, tier in placement),
+        "offload_traffic_display": (
+            f"host-GPU {format_bytes(tiers.host_device_bytes_per_step)} in {format_seconds(tiers.host_device_s)}, "
+            f"NVMe {format_bytes(tiers.nvme_bytes_per_step)} in {format_seconds(tiers.nvme_s)}, "
+            f"CPU optimizer step {format_seconds(tiers.cpu_optimizer_s)} (per step and GPU, not overlapped)"
+            if plan.parallel.offload != "none" else "none (nothing offloaded)"),
         "pins_display": ", ".join(f"{name}={value}" for name, value in pinned) or "none",
         "step_time": format_seconds(prediction.step_time_s),
         "tokens_per_s": f"{prediction.tokens_per_s:,.0f}",

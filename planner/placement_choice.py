@@ -60,7 +60,11 @@ def place(cand: Candidates, est: StepEstimate, cluster: ClusterSpec, train: Trai
               "optimizer": result.optimizer_tier == "gpu"}
     return PlacedStates(
         placement=Placement(parameters=result.param_tier, gradients=result.grad_tier,
-                            optimizer=result.optimizer_tier),
+                            optimizer=result.optimizer_tier,
+                            host_device_bytes_per_step=result.transfer.host_device_bytes,
+                            host_device_s=result.transfer.host_device_s,
+                            nvme_bytes_per_step=result.transfer.nvme_bytes, nvme_s=result.transfer.nvme_s,
+                            cpu_optimizer_s=result.transfer.cpu_optimizer_s),
         parameters=weights if on_gpu["params"] else 0.0,
         gradients=grads if on_gpu["grads"] else 0.0,
         optimizer=optim if on_gpu["optimizer"] else 0.0,

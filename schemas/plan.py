@@ -56,6 +56,14 @@ class Placement(_Frozen):
     parameters: Literal["gpu", "cpu", "nvme"] = Field(description="Tier of the fp16/bf16 parameters.")
     gradients: Literal["gpu", "cpu", "nvme"] = Field(description="Tier of the gradients.")
     optimizer: Literal["gpu", "cpu", "nvme"] = Field(description="Tier of fp32 master weights and Adam moments.")
+    host_device_bytes_per_step: float = Field(default=0.0, ge=0, description="Bytes one GPU moves to and from host "
+                                              "memory per step for the offloaded states.")
+    host_device_s: float = Field(default=0.0, ge=0, description="Time of that host-device traffic per step, s.")
+    nvme_bytes_per_step: float = Field(default=0.0, ge=0, description="Bytes one GPU's states read from and write "
+                                       "to NVMe per step.")
+    nvme_s: float = Field(default=0.0, ge=0, description="Time of that NVMe traffic per step (its share of the "
+                          "node's disk bandwidth), s.")
+    cpu_optimizer_s: float = Field(default=0.0, ge=0, description="Time of the optimizer step on the CPU per step, s.")
 
 
 class MemoryBreakdown(_Frozen):

@@ -23,7 +23,7 @@ from zplan.planner.placement_choice import PlacedStates, place
 from zplan.planner.search import choose, refine, score
 from zplan.schemas.cluster import ClusterSpec
 from zplan.schemas.model import ModelSummary
-from zplan.schemas.plan import Fingerprint, MemoryBreakdown, Plan, Prediction, Stage, TimeBreakdown
+from zplan.schemas.plan import Fingerprint, MemoryBreakdown, Placement, Plan, Prediction, Stage, TimeBreakdown
 from zplan.schemas.spec import Pins, TrainSpec
 
 
@@ -128,6 +128,12 @@ def prediction(est: StepEstimate, cluster: ClusterSpec, placed: PlacedStates | N
     )
 
 
+def deepest_tier(placement: Placement) -> str:
+    """'nvme', 'cpu' or 'none': the offload the run needs for this placement of the model states."""
+    tiers = {placement.parameters, placement.gradients, placement.optimizer}
+    return "nvme" if "nvme" in tiers else "cpu" if "cpu" in tiers else "none"
+
+
 def compile_plan(req: Request) -> Plan:
     """Search, refine and assemble the Plan (no files written)."""
     scored = score(req.summary, req.cluster, req.gpus, req.train, req.pins)
@@ -141,9 +147,13 @@ def compile_plan(req: Request) -> Plan:
               params=int(sum(u.params for u in layers[a:b + 1])))
         for s, (a, b) in enumerate(choice.partition.boundaries)
     ]
+    # The run offloads what the placement put off the GPU (an --offload pin allows a tier, and the
+    # placement solver uses it only when the states do not fit, or it costs no time: planner.placement).
+    parallel = parallel_config(cand, 0, est.num_micro_batches[0]).model_copy(
+        update=dict(offload=deepest_tier(placed.placement)))
     return Plan(
         zplan_version=__version__, fingerprint=fingerprint(req), model=req.summary, cluster=req.cluster,
-        train=req.train, pins=req.pins, parallel=parallel_config(cand, 0, est.num_micro_batches[0]),
+        train=req.train, pins=req.pins, parallel=parallel,
         stages=stages, placement=placed.placement, prediction=prediction(est, req.cluster, placed),
         candidates_evaluated=len(scored.candidates),
         alternatives=alternatives(scored, refined, choice, req.summary, req.cluster, req.train),

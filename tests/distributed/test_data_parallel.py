@@ -157,6 +157,18 @@ def test_zero_stage_matches_single_process(zero_stage, recompute, via_launcher, 
         assert record["tokens_per_s"] > 0 and math.isfinite(record["mfu"])
 
 
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_cpu_offload_matches_single_process(zero_stage, model_path, reference, tmp_path):
+    """ZeRO 2/3 with the states on the host (FSDP2's CPUOffloadPolicy: sharded parameters, gradients and
+    the optimizer step on the CPU) trains like one process."""
+    plan = make_plan(model_path, zero_stage=zero_stage)
+    plan = plan.model_copy(update=dict(parallel=plan.parallel.model_copy(update=dict(offload="cpu"))))
+    records, weights = run_emitted_script(plan, model_path, tmp_path / "out", steps=STEPS, seed=SEED, lr=LR)
+    ref_losses, ref_weights = reference
+    assert max_loss_diff([r["loss"] for r in records], ref_losses) <= 1e-5
+    assert max_weight_diff(weights, ref_weights) <= 1e-5
+
+
 @pytest.mark.parametrize("zero_stage, pp, precision", [(2, 1, "fp16"), (0, 2, "fp16")], ids=["zero2", "pp2"])
 def test_mixed_precision_keeps_fp32_master_weights(zero_stage, pp, precision, model_path, reference, tmp_path):
     """fp16 compute (ZeRO-2: FSDP2 MixedPrecisionPolicy, ShardedGradScaler, foreach AdamW; pp=2: autocast

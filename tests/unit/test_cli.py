@@ -119,15 +119,47 @@ def test_pins_are_respected(tmp_path):
 
 
 def test_a_plan_the_runtime_cannot_run_yet_is_flagged(tmp_path):
-    result = run("compile", GPT_SMALL, "--gpus", 8, "--global-batch", 16, "--offload", "nvme", "-o", tmp_path / "o",
-                 "--json")
+    """An 8.9B GPT in fp32 with ZeRO-1 fills an A100 with weights and gradients (8 bytes each per
+    parameter): the optimizer must go to the host, which the runtime does not run with ZeRO-1 yet."""
+    model = "gpt:layers=44,hidden=4096,heads=32,seq=2048,vocab=51200"
+    pins = ["--gpus", 8, "--global-batch", 8, "--tp", 1, "--pp", 1, "--micro-batch", 1, "--recompute", "full",
+            "--precision", "fp32", "--offload", "cpu"]
+    result = run("compile", model, *pins, "--zero", 1, "-o", tmp_path / "o", "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
-    assert data["parallel"]["offload"] == "nvme" and data["parallel"]["zero_stage"] == 3
-    assert len(data["runtime_gaps"]) == 1 and "NVMe offload" in data["runtime_gaps"][0]
-    assert "warning: the emitted train.py cannot run this plan yet: NVMe offload" in result.stderr
-    plain = run("compile", GPT_SMALL, "--gpus", 8, "--global-batch", 16, "-o", tmp_path / "p", "--json")
-    assert json.loads(plain.stdout)["runtime_gaps"] == [] and "warning" not in plain.stderr
+    assert (data["parallel"]["offload"], data["parallel"]["zero_stage"], data["placement"]["optimizer"]) == \
+        ("cpu", 1, "cpu")
+    assert len(data["runtime_gaps"]) == 1 and "CPU offload with ZeRO 1" in data["runtime_gaps"][0]
+    assert "warning: the emitted train.py cannot run this plan yet: CPU offload with ZeRO 1" in result.stderr
+    runnable = run("compile", model, *pins, "--zero", 2, "-o", tmp_path / "p", "--json")
+    assert json.loads(runnable.stdout)["runtime_gaps"] == [] and "warning" not in runnable.stderr
+
+
+def test_offload_follows_the_placement_and_the_report_shows_its_traffic(tmp_path):
+    """A 26B GPT on 8 A100s with ZeRO-2 and --offload cpu: the optimizer and gradients go to the host.
+    By hand (planner.placement's traffic rules): per step and GPU, the fp32 gradient shard (4 P / 8 bytes)
+    goes down once per micro-batch (1 here) and the updated bf16 weight shard (2 P / 8) comes up: 0.75 P.
+    The same pin on a small model that fits leaves everything on the GPU: the run then offloads nothing."""
+    big = "gpt:layers=32,hidden=8192,heads=64,seq=2048,vocab=51200"
+    pins = ["--gpus", 8, "--global-batch", 8, "--tp", 1, "--pp", 1, "--zero", 2, "--offload", "cpu",
+            "--micro-batch", 1, "--recompute", "full"]
+    result = run("compile", big, *pins, "-o", tmp_path / "big", "--json")
+    assert result.exit_code == 0, result.output
+    plan = json.loads((tmp_path / "big" / "plan.json").read_text())
+    placement, params = plan["placement"], plan["model"]["params"]
+    assert (placement["optimizer"], placement["gradients"], plan["parallel"]["offload"]) == ("cpu", "cpu", "cpu")
+    assert placement["host_device_bytes_per_step"] == pytest.approx(0.75 * params)
+    assert placement["host_device_s"] > 0 and placement["cpu_optimizer_s"] > 0
+    from zplan.codegen.context import format_bytes
+
+    report = (tmp_path / "big" / "report.md").read_text()
+    assert f"| Offload traffic | host-GPU {format_bytes(0.75 * params)} in " in report
+
+    small = run("compile", GPT_SMALL, *pins, "-o", tmp_path / "small", "--json")
+    data = json.loads(small.stdout)
+    assert data["parallel"]["offload"] == "none"
+    assert [data["placement"][state] for state in ("parameters", "gradients", "optimizer")] == ["gpu"] * 3
+    assert "| Offload traffic | none (nothing offloaded) |" in (tmp_path / "small" / "report.md").read_text()
 
 
 def test_estimate_json_has_the_documented_keys():
