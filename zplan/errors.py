@@ -39,3 +39,7 @@ class CheckpointError(ZplanError):
 
 class ExportError(ZplanError):
     """The export's output cannot be written, or the checkpoint holds something safetensors cannot."""
+
+
+class SwapError(ZplanError):
+    """The NVMe swap folder is full or unusable, or a swapped tensor's file is missing, truncated or corrupted."""
