@@ -1,0 +1,163 @@
+"""CPU AdamW for ZeRO-Offload: the C++ kernel (cpu_adam.cpp, SIMD + OpenMP) and its pure-torch reference.
+
+    from zplan.cuda import cpu_adam
+    cpu_adam.adamw_step_(master, grads_bf16, exp_avg, exp_avg_sq, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                         weight_decay=0.01, step=t, param_copy_out=params_bf16)
+
+One call updates the fp32 master weights and moments in place from fp32, bf16 or fp16 gradients and, when
+`param_copy_out` is given, writes the updated parameters rounded to that tensor's dtype (bf16 / fp16) in the
+same pass: the offload step of ZeRO-Offload (Ren et al., USENIX ATC'21, section 4), 28 bytes read and written
+a parameter instead of the 46 of upcast + AdamW + downcast. Semantics are torch.optim.AdamW's (decoupled weight
+decay, bias correction, eps added to sqrt(v) / sqrt(1 - beta2^t)); amsgrad and maximize are not supported.
+
+The extension is built just in time with torch.utils.cpp_extension.load (ninja) on first use, under a name that
+carries a hash of the source and of the SIMD flags, so an edited source rebuilds and a cached one loads in
+~0.1 s. SIMD is picked from this machine's CPU flags: AVX-512 (avx512f + avx512bw), else AVX2 (avx2 + fma + f16c),
+else scalar; ZPLAN_CPU_ADAM_SIMD=avx512|avx2|scalar overrides it. When the build fails (no compiler, no ninja),
+`adamw_step_` warns once and runs `adamw_step_reference_`, which has the same semantics in plain torch ops;
+`backend()` says which one is in use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_adam.cpp")
+
+_SIMD_FLAGS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c", "-DZPLAN_AVX512"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c", "-DZPLAN_AVX2"],
+    "scalar": [],
+}
+
+_module = None  # the loaded extension, or False once its build has failed
+_build_error: str | None = None
+
+TensorOrList = torch.Tensor | Sequence[torch.Tensor]
+
+
+def cpu_flags() -> set[str]:
+    """The CPU feature flags of this machine (from /proc/cpuinfo; empty where that file does not exist)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def simd_choice() -> str:
+    """The SIMD level the extension is built for: the override ZPLAN_CPU_ADAM_SIMD, else the best this CPU has."""
+    forced = os.environ.get("ZPLAN_CPU_ADAM_SIMD")
+    if forced:
+        if forced not in _SIMD_FLAGS:
+            raise ValueError(f"ZPLAN_CPU_ADAM_SIMD={forced!r}: expected one of {sorted(_SIMD_FLAGS)}")
+        return forced
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return "scalar"
+    flags = cpu_flags()
+    if {"avx512f", "avx512bw", "avx512vl", "fma", "f16c"} <= flags:
+        return "avx512"
+    if {"avx2", "fma", "f16c"} <= flags:
+        return "avx2"
+    return "scalar"
+
+
+def build_name(simd: str) -> str:
+    """Extension name: changes with the source and the SIMD flags, so either change rebuilds."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_SIMD_FLAGS[simd]).encode()).hexdigest()[:12]
+    return f"zplan_cpu_adam_{simd}_{digest}"
+
+
+def _build():
+    from torch.utils import cpp_extension
+
+    simd = simd_choice()
+    return cpp_extension.load(
+        name=build_name(simd),
+        sources=[str(SOURCE)],
+        extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *_SIMD_FLAGS[simd]],
+        extra_ldflags=["-fopenmp"],
+        verbose=False,
+    )
+
+
+def load(warn: bool = True):
+    """The built extension, building it on first call; None (after a one-line warning) when the build fails."""
+    global _module, _build_error
+    if _module is None:
+        try:
+            _module = _build()
+        except Exception as exc:  # noqa: BLE001 - any build failure falls back to the reference
+            _module = False
+            _build_error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+            if warn:
+                warnings.warn(f"zplan.cuda.cpu_adam: C++ build failed ({_build_error}); using the pure-torch "
+                              "reference AdamW", RuntimeWarning, stacklevel=2)
+    return _module or None
+
+
+def backend() -> str:
+    """'cpp-avx512', 'cpp-avx2', 'cpp-scalar' when the extension is in use, else 'reference'."""
+    module = load()
+    return f"cpp-{module.simd()}" if module is not None else "reference"
+
+
+def _as_list(x: TensorOrList | None) -> list[torch.Tensor]:
+    if x is None:
+        return []
+    return [x] if isinstance(x, torch.Tensor) else list(x)
+
+
+def adamw_step_(params_fp32: TensorOrList, grads: TensorOrList, exp_avg: TensorOrList, exp_avg_sq: TensorOrList,
+                *, lr: float, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
+                step: int, param_copy_out: TensorOrList | None = None, threads: int = 0) -> str:
+    """One AdamW step in place (torch.optim.AdamW semantics), step counted from 1.
+
+    params_fp32, exp_avg, exp_avg_sq: contiguous fp32 CPU tensors (or equal-length lists of them); grads: fp32, bf16
+    or fp16, same sizes; param_copy_out: None, or bf16/fp16 tensors receiving the updated parameters.
+    threads: OpenMP threads (0: torch.get_num_threads()). Returns the backend used ('cpp-avx2', 'reference', ...).
+    """
+    module = load()
+    p, g, m, v, out = (_as_list(x) for x in (params_fp32, grads, exp_avg, exp_avg_sq, param_copy_out))
+    if module is None:
+        adamw_step_reference_(p, g, m, v, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                              step=step, param_copy_out=out or None)
+        return "reference"
+    module.adamw_step(p, g, m, v, out, float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
+                      int(step), int(threads))
+    return f"cpp-{module.simd()}"
+
+
+@torch.no_grad()
+def adamw_step_reference_(params_fp32: TensorOrList, grads: TensorOrList, exp_avg: TensorOrList,
+                          exp_avg_sq: TensorOrList, *, lr: float, beta1: float = 0.9, beta2: float = 0.999,
+                          eps: float = 1e-8, weight_decay: float = 0.0, step: int,
+                          param_copy_out: TensorOrList | None = None) -> None:
+    """The same step in plain torch ops: upcast the gradient, AdamW in fp32 (the order of torch.optim.AdamW's
+    single-tensor path), downcast the parameter into param_copy_out."""
+    p_list, g_list, m_list, v_list, out_list = (_as_list(x) for x in (params_fp32, grads, exp_avg, exp_avg_sq,
+                                                                      param_copy_out))
+    if step < 1:
+        raise ValueError(f"step counts from 1, got {step}")
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+    step_size = lr / bias_correction1
+    for k, (p, g, m, v) in enumerate(zip(p_list, g_list, m_list, v_list, strict=True)):
+        g32 = g.float()
+        p.mul_(1 - lr * weight_decay)
+        m.lerp_(g32, 1 - beta1)
+        v.mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
+        denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+        p.addcdiv_(m, denom, value=-step_size)
+        if out_list:
+            out_list[k].copy_(p)
