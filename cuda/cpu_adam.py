@@ -23,6 +23,8 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import shutil
+import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -78,9 +80,18 @@ def build_name(simd: str) -> str:
     return f"zplan_cpu_adam_{simd}_{digest}"
 
 
+def _put_venv_ninja_on_path() -> None:
+    """cpp_extension runs `ninja` from PATH; the ninja pip package installs it beside this Python, which
+    is not on PATH when the venv is not activated (e.g. `.venv/bin/python -m pytest`)."""
+    python_bin = os.path.dirname(sys.executable)
+    if shutil.which("ninja") is None and os.path.exists(os.path.join(python_bin, "ninja")):
+        os.environ["PATH"] = python_bin + os.pathsep + os.environ.get("PATH", "")
+
+
 def _build():
     from torch.utils import cpp_extension
 
+    _put_venv_ninja_on_path()
     simd = simd_choice()
     return cpp_extension.load(
         name=build_name(simd),
