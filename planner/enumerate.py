@@ -5,9 +5,10 @@ chunk (pp * v <= blocks) and, when interleaved, blocks divisible by pp * v and m
 (Megatron's interleaved schedule); the global batch divisible by dp * micro_batch; sequence parallel
 only with tp > 1; offload only with ZeRO >= 1 (each rank steps its own shard), NVMe only with ZeRO-3
 (ZeRO-Infinity) and only where the cluster has it; user pins fix a value.
-What the runtime cannot run yet (runtime.plan_check.runtime_gaps: NVMe offload, CPU offload with ZeRO
-0/1) is chosen only when the user's pins ask for it (--offload nvme; --offload cpu with --zero 0 or 1),
-so that an unpinned compile emits a plan its train.py runs; `zplan compile` warns when a pin does.
+What the runtime cannot run yet (runtime.plan_check.runtime_gaps: NVMe offload; CPU offload with ZeRO 0,
+which the legality above already excludes) is chosen only when the user's pins ask for it (--offload nvme),
+so that an unpinned compile emits a plan its train.py runs; `zplan compile` warns when a pin does. CPU
+offload runs with ZeRO 1 (runtime.offload.cpu_adam_optimizer) and ZeRO 2/3 (FSDP2's CPUOffloadPolicy).
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ def enumerate_candidates(
         & (p * v <= model.num_blocks)
         & ((v == 1) | ((model.num_blocks % (p * v) == 0) & ((per_replica // np.maximum(b, 1)) % p == 0)))
     )
-    pinned_gap = pins.offload == "nvme" or (pins.offload == "cpu" and pins.zero is not None and pins.zero <= 1)
-    legal &= (off == 0) | ((off == 1) & (z >= 2)) | pinned_gap  # what the runtime runs (see above)
+    pinned_gap = pins.offload == "nvme"
+    legal &= (off < 2) | pinned_gap  # what the runtime runs (see above): CPU offload with ZeRO >= 1
     idx = np.nonzero(legal)[0]
     return Candidates(tp=t[idx], pp=p[idx], dp=d[idx], micro_batch=b[idx], zero=z[idx], recompute=r[idx],
                       sp=sp[idx], interleave=v[idx], offload=off[idx])

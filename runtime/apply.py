@@ -135,7 +135,8 @@ def apply_data_parallel(
     gradients reduced in fp32) for ZeRO 2/3 and for ZeRO 0/1 under tensor parallel, torch.autocast
     around the forward for ZeRO 0/1 otherwise.
     offload='cpu' (ZeRO 2/3): FSDP2's CPUOffloadPolicy keeps sharded parameters, gradients and the
-    optimizer step on the host (pin_memory only when there is a GPU: pinning needs one).
+    optimizer step on the host (pin_memory only when there is a GPU: pinning needs one). ZeRO 1: the
+    model is replicated as without offload; build_optimizer steps the owned rows on the host.
     """
     from zplan.runtime.pipeline import PipelineRun
 
@@ -150,8 +151,8 @@ def apply_data_parallel(
         raise ValueError(f"precision must be bf16, fp16 or fp32, got {precision!r}")
     device = next(model.parameters()).device
     if zero_stage in (0, 1):
-        if offload == "cpu":
-            raise NotImplementedError(f"CPU offload with ZeRO {zero_stage} (zplan's CPU Adam) {_NOT_YET}")
+        if offload == "cpu" and zero_stage == 0:  # nothing is sharded: every rank would step everything
+            raise NotImplementedError(f"CPU offload with ZeRO 0 (zplan's CPU Adam) {_NOT_YET}")
         from zplan.runtime import tensor_parallel
 
         if tensor_parallel.has_tensor_parallel_parameters(model):  # tp > 1: DDP cannot hold DTensors
@@ -217,7 +218,8 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """AdamW (fused kernel: ~7x foreach on CPU, DESIGN.md facts); ZeRO-1 shards its states over dp
     (runtime.zero1.ZeroOneAdamW: dim-0 slices of every parameter, of its tp-local tensor under tensor
-    parallel, updated rows all-gathered over dp).
+    parallel, updated rows all-gathered over dp); with offload='cpu' its host variant
+    (runtime.offload.cpu_adam_optimizer.CpuOffloadZeroOneAdamW: ZeRO-Offload, CPU Adam on the owned rows).
 
     ZeRO 2/3 need nothing more: FSDP2's parameters are already shards, so the optimizer states are.
     fp16 with ZeRO 2/3 uses the foreach kernel: the fused step rejects the shape-[1] inf flag that
@@ -226,6 +228,10 @@ def build_optimizer(
     groups = adamw_param_groups(model, weight_decay)
     fused = not (precision == "fp16" and zero_stage in (2, 3))
     if zero_stage == 1:
+        if offload == "cpu":  # ZeRO-Offload: the owned rows' master and moments on the host, CPU Adam
+            from zplan.runtime.offload.cpu_adam_optimizer import CpuOffloadZeroOneAdamW
+
+            return CpuOffloadZeroOneAdamW(groups, dp_mesh, lr=lr)
         if offload != "none":
             raise NotImplementedError(f"{offload} offload with ZeRO 1 {_NOT_YET}")
         from zplan.runtime.zero1 import ZeroOneAdamW

@@ -79,9 +79,9 @@ def runtime_gaps(plan: Plan) -> list[str]:
     if p.offload == "nvme":
         gaps.append("NVMe offload (ZeRO-Infinity swapping lands with the offload issue, #4): pin --offload cpu "
                     "or none, or add GPUs")
-    elif p.offload == "cpu" and p.zero_stage in (0, 1):
-        gaps.append(f"CPU offload with ZeRO {p.zero_stage} (zplan's CPU Adam lands with the offload issue, #4): "
-                    "pin --zero 2 or 3, whose CPU offload FSDP2 runs")
+    elif p.offload == "cpu" and p.zero_stage == 0:  # nothing sharded: every rank would step every parameter
+        gaps.append("CPU offload with ZeRO 0 (ZeRO-Offload steps each rank's optimizer shard; ZeRO 0 has none): "
+                    "pin --zero 1, 2 or 3")
     return gaps
 
 

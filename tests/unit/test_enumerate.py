@@ -35,8 +35,8 @@ def brute_force(model, gpus, batch, runtime_gaps_pinned=False):
             and batch % (dp * mb) == 0 and (sp == 0 or tp > 1) and (off == 0 or z >= 1) and (off < 2 or z == 3)
             and (v == 1 or pp > 1) and pp * v <= model.num_blocks
             and (v == 1 or (model.num_blocks % (pp * v) == 0 and (batch // dp // mb) % pp == 0))
-            # the runtime runs CPU offload with ZeRO 2/3 only, NVMe not yet: others only when pinned
-            and (off == 0 or (off == 1 and z >= 2) or runtime_gaps_pinned)
+            # the runtime runs CPU offload with ZeRO 1/2/3, NVMe not yet: NVMe only when pinned
+            and (off == 0 or (off == 1 and z >= 1) or runtime_gaps_pinned)
         )
         if legal:
             out.add((tp, pp, dp, mb, z, r, sp, v, off))
@@ -54,13 +54,23 @@ def test_enumeration_equals_brute_force(gpus, batch):
     assert as_set(enumerate_candidates(model, A100, gpus, batch, Pins())) == brute_force(model, gpus, batch)
 
 
-@pytest.mark.parametrize("pins", [Pins(offload="nvme"), Pins(offload="cpu", zero=1)])
+@pytest.mark.parametrize("pins", [Pins(offload="nvme")])
 def test_what_the_runtime_cannot_run_yet_is_there_only_when_pinned(pins):
     model = summary()
     expected = {c for c in brute_force(model, 8, 16, runtime_gaps_pinned=True)
                 if c[8] == OFFLOAD_TIERS.index(pins.offload) and (pins.zero is None or c[4] == pins.zero)}
     assert as_set(enumerate_candidates(model, A100, 8, 16, pins)) == expected
-    assert not [c for c in brute_force(model, 8, 16) if c[8] == 2 or (c[8] == 1 and c[4] < 2)]
+    assert not [c for c in brute_force(model, 8, 16) if c[8] == 2 or (c[8] == 1 and c[4] < 1)]
+
+
+def test_cpu_offload_with_zero1_is_chosen_unpinned():
+    """The runtime runs ZeRO-1 + CPU offload (runtime.offload.cpu_adam_optimizer): no pin needed."""
+    model = summary()
+    unpinned = as_set(enumerate_candidates(model, A100, 8, 16, Pins()))
+    assert any(c[8] == 1 and c[4] == 1 for c in unpinned)
+    assert not any(c[8] == 1 and c[4] == 0 for c in unpinned)
+    pinned = as_set(enumerate_candidates(model, A100, 8, 16, Pins(offload="cpu", zero=1)))
+    assert pinned == {c for c in unpinned if c[8] == 1 and c[4] == 1}
 
 
 def test_pins_fix_values():

@@ -76,7 +76,7 @@ def test_missing_torch_feature_is_named(model_file, monkeypatch):
         check_plan(plan_for(model_file, zero_stage=3), model_file, world_size=2)
 
 
-@pytest.mark.parametrize("zero_stage, offload, runs", [(3, "nvme", False), (1, "cpu", False), (0, "cpu", False),
+@pytest.mark.parametrize("zero_stage, offload, runs", [(3, "nvme", False), (1, "cpu", True), (0, "cpu", False),
                                                      (2, "cpu", True), (3, "cpu", True), (1, "none", True)])
 def test_offload_the_runtime_cannot_run_yet_is_refused(zero_stage, offload, runs, model_file):
     plan = plan_for(model_file, zero_stage=zero_stage)
@@ -84,7 +84,7 @@ def test_offload_the_runtime_cannot_run_yet_is_refused(zero_stage, offload, runs
     if runs:
         check_plan(plan, model_file, world_size=2)
     else:
-        with pytest.raises(PlanMismatchError, match=r"the runtime does not run .*offload.* issue, #4\): pin"):
+        with pytest.raises(PlanMismatchError, match=r"the runtime does not run .*offload.*\): pin"):
             check_plan(plan, model_file, world_size=2)
 
 
