@@ -260,52 +260,66 @@ def test_pipeline_plan_matches_single_process(pp, dp, interleave, zero_stage, mo
 # ---- ZeRO-1's optimizer alone: uneven and empty shards, several buckets, against torch's AdamW ----------------
 
 
-def _zero1_worker() -> None:
-    """On every rank: the same gradients (as DDP leaves them) into ZeroOneAdamW over all ranks and into
-    torch.optim.AdamW(fused=True) on a copy. Shapes chosen so that 3 ranks own unequal row counts
-    ((13, 7): 5, 5, 3 rows) and one owns none ((2,): 1, 1, 0). Both ways of sending the updated rows run:
-    the two matrices (>= 256 bytes) are broadcast in place, the three small tensors go in two padded
-    all-gather buckets (72 bytes at most gathered). Rank 0 prints one JSON line."""
+ZERO1_SHAPES = [(13, 7), (13,), (5, 13), (2,), (3, 2, 2)]
+
+
+def _step_against_adamw(optimizer_class):
+    """Join a gloo group; on every rank, the same gradients (as DDP leaves them) into `optimizer_class`
+    (ZeroOneAdamW or a subclass) over all ranks and into torch.optim.AdamW(fused=True) on a copy, 3 steps.
+    Shapes chosen so that 3 ranks own unequal row counts ((13, 7): 5, 5, 3 rows) and one owns none ((2,):
+    1, 1, 0). Both ways of sending the updated rows run: the two matrices (>= 256 bytes) are broadcast in
+    place, the three small tensors go in two padded all-gather buckets (72 bytes at most gathered).
+    Returns (optimizer, its parameters, a record of the differences to torch and the step counts)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from zplan.runtime.zero1 import ZeroOneAdamW
-
     dist.init_process_group("gloo")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-    shapes = [(13, 7), (13,), (5, 13), (2,), (3, 2, 2)]
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
 
     def params(seed: int) -> list[torch.nn.Parameter]:
         generator = torch.Generator().manual_seed(seed)
-        return [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in shapes]
+        return [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in ZERO1_SHAPES]
 
     def groups(ps: list[torch.nn.Parameter]) -> list[dict]:
         return [{"params": [p for p in ps if p.dim() >= 2], "weight_decay": 0.1},
                 {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}]
 
     mine, reference = params(0), params(0)
-    optimizer = ZeroOneAdamW(groups(mine), mesh, lr=1e-2, bucket_bytes=72, direct_min_bytes=256)
+    optimizer = optimizer_class(groups(mine), mesh, lr=1e-2, bucket_bytes=72, direct_min_bytes=256)
     torch_adamw = torch.optim.AdamW(groups(reference), lr=1e-2, fused=True)
     for step in range(3):
         for p, q, g in zip(mine, reference, params(100 + step), strict=True):
             p.grad, q.grad = g.detach().clone(), g.detach().clone()
         optimizer.step()
         torch_adamw.step()
-    local_rows = {str(tuple(p.shape)): optimizer.state[p]["exp_avg"].to_local().shape[0] for p in mine}
     record = {
-        "bucket_sizes": sorted(len(bucket) for bucket in optimizer._buckets),
-        "local_rows": local_rows,
         "max_param_diff": max((p - q).abs().max().item() for p, q in zip(mine, reference, strict=True)),
         "max_state_diff": max((optimizer.state[p][k].full_tensor() - torch_adamw.state[q][k]).abs().max().item()
                               for p, q in zip(mine, reference, strict=True) for k in ("exp_avg", "exp_avg_sq")),
         "steps": sorted({optimizer.state[p]["step"].item() for p in mine}),
     }
-    every = [None] * world
+    return optimizer, mine, record
+
+
+def _print_records_and_close(record: dict) -> None:
+    """Rank 0 prints every rank's record as one JSON line."""
+    import torch.distributed as dist
+
+    every = [None] * dist.get_world_size()
     dist.all_gather_object(every, record)
-    if rank == 0:
+    if dist.get_rank() == 0:
         print("RESULT " + json.dumps(every), flush=True)
     dist.destroy_process_group()
+
+
+def _zero1_worker() -> None:
+    """ZeroOneAdamW against torch's AdamW (_step_against_adamw), plus its row split and buckets."""
+    from zplan.runtime.zero1 import ZeroOneAdamW
+
+    optimizer, mine, record = _step_against_adamw(ZeroOneAdamW)
+    record["local_rows"] = {str(tuple(p.shape)): optimizer.state[p]["exp_avg"].to_local().shape[0] for p in mine}
+    record["bucket_sizes"] = sorted(len(bucket) for bucket in optimizer._buckets)
+    _print_records_and_close(record)
 
 
 def test_zero1_optimizer_equals_adamw_with_uneven_shards(tmp_path):
@@ -324,57 +338,25 @@ def test_zero1_optimizer_equals_adamw_with_uneven_shards(tmp_path):
 
 
 def _zero1_offload_worker() -> None:
-    """ZeRO-1 with CPU offload against torch.optim.AdamW(fused=True), shapes as _zero1_worker's (uneven and
-    empty shards, both ways of sending rows). Rank 0 prints one JSON line: where the master and moment rows
-    live, which kernel ran, and the differences."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
+    """ZeRO-1 with CPU offload against torch's AdamW (_step_against_adamw), plus where the master and
+    moment rows live and which kernel ran."""
     from zplan.runtime.offload.cpu_adam_optimizer import CpuOffloadZeroOneAdamW
 
-    dist.init_process_group("gloo")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-    shapes = [(13, 7), (13,), (5, 13), (2,), (3, 2, 2)]
-
-    def params(seed: int) -> list[torch.nn.Parameter]:
-        generator = torch.Generator().manual_seed(seed)
-        return [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in shapes]
-
-    def groups(ps: list[torch.nn.Parameter]) -> list[dict]:
-        return [{"params": [p for p in ps if p.dim() >= 2], "weight_decay": 0.1},
-                {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}]
-
-    mine, reference = params(0), params(0)
-    optimizer = CpuOffloadZeroOneAdamW(groups(mine), mesh, lr=1e-2, bucket_bytes=72, direct_min_bytes=256)
-    torch_adamw = torch.optim.AdamW(groups(reference), lr=1e-2, fused=True)
-    for step in range(3):
-        for p, q, g in zip(mine, reference, params(100 + step), strict=True):
-            p.grad, q.grad = g.detach().clone(), g.detach().clone()
-        optimizer.step()
-        torch_adamw.step()
+    optimizer, mine, record = _step_against_adamw(CpuOffloadZeroOneAdamW)
     host = [optimizer.master_rows(p) for p in mine]
     host += [optimizer.state[p][k].to_local() for p in mine for k in ("exp_avg", "exp_avg_sq")]
-    record = {
+    rows = {p: optimizer._rows[p] for p in mine}
+    record.update({
         "host": all(t.device.type == "cpu" and t.dtype == torch.float32 for t in host),
         "pinned": all(t.is_pinned() for t in host) if torch.cuda.is_available() else None,
         "moments_are_dtensors": all(type(optimizer.state[p][k]).__name__ == "DTensor"
                                     for p in mine for k in ("exp_avg", "exp_avg_sq")),
         "state_keys": sorted({k for p in mine for k in optimizer.state[p]}),
         "backend": optimizer.last_backend,
-        "max_param_diff": max((p - q).abs().max().item() for p, q in zip(mine, reference, strict=True)),
-        "max_master_diff": max((optimizer.master_rows(p) - p.detach()[optimizer._rows[p].start:
-                                                                       optimizer._rows[p].stop]).abs().max().item()
-                               for p in mine if optimizer._rows[p].stop > optimizer._rows[p].start),
-        "max_state_diff": max((optimizer.state[p][k].full_tensor() - torch_adamw.state[q][k]).abs().max().item()
-                              for p, q in zip(mine, reference, strict=True) for k in ("exp_avg", "exp_avg_sq")),
-        "steps": sorted({optimizer.state[p]["step"].item() for p in mine}),
-    }
-    every = [None] * world
-    dist.all_gather_object(every, record)
-    if rank == 0:
-        print("RESULT " + json.dumps(every), flush=True)
-    dist.destroy_process_group()
+        "max_master_diff": max((optimizer.master_rows(p) - p.detach()[rows[p].start:rows[p].stop]).abs().max().item()
+                               for p in mine if rows[p].stop > rows[p].start),
+    })
+    _print_records_and_close(record)
 
 
 def test_zero1_cpu_offload_optimizer_keeps_rows_on_the_host(tmp_path):
