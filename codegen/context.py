@@ -149,8 +149,12 @@ def plan_context(plan: Plan) -> dict[str, Any]:
         "offload_traffic_display": (
             f"host-GPU {format_bytes(tiers.host_device_bytes_per_step)} in {format_seconds(tiers.host_device_s)}, "
             f"NVMe {format_bytes(tiers.nvme_bytes_per_step)} in {format_seconds(tiers.nvme_s)}, "
-            f"CPU optimizer step {format_seconds(tiers.cpu_optimizer_s)} (per step and GPU, not overlapped)"
+            f"CPU optimizer step {format_seconds(tiers.cpu_optimizer_s)} (per step and GPU, "
+            + ("the CPU step overlapped by the delayed parameter update, below)" if parallel.delayed_update
+               else "not overlapped)")
             if plan.parallel.offload != "none" else "none (nothing offloaded)"),
+        "delayed_update": "on" if parallel.delayed_update else "off",
+        "delayed_update_display": delayed_update_display(plan),
         "pins_display": ", ".join(f"{name}={value}" for name, value in pinned) or "none",
         "step_time": format_seconds(prediction.step_time_s),
         "tokens_per_s": f"{prediction.tokens_per_s:,.0f}",
@@ -185,6 +189,18 @@ def plan_context(plan: Plan) -> dict[str, Any]:
             for stage in plan.stages
         ],
     }
+
+
+def delayed_update_display(plan: Plan) -> str:
+    """The planner's decision on the delayed parameter update in words: its reason (with the time saved per
+    step) and, when on, what it changes in training."""
+    if plan.parallel.delayed_update:
+        return (f"{plan.delayed_update.reason} The weights lag one step: the forward and backward of iteration "
+                "i+1 use the weights from before step i's update (Ren et al., ZeRO-Offload, ATC'21, Sec. 5.2); "
+                "the warm-up steps update exactly, without the delay.")
+    if plan.parallel.offload == "none":
+        return "off (nothing offloaded)"
+    return plan.delayed_update.reason or "off"
 
 
 def _model_shape(plan: Plan) -> str:

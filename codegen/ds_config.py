@@ -110,6 +110,10 @@ def deepspeed_config_notes(plan: Plan) -> list[str]:
                      "checkpointing calls decide what is recomputed.")
     if parallel.sequence_parallel:
         notes.append("Megatron sequence parallelism has no DeepSpeed config switch.")
+    if parallel.delayed_update:
+        notes.append("DeepSpeed has no one-step delayed parameter update (its authors' code was never merged: "
+                     "DeepSpeed issue #1260); there the CPU optimizer step runs after the backward, not beside "
+                     "the next step's.")
     if "nvme" in plan.placement.model_dump().values():
         notes.append(f"NVMe offload swaps to {DEFAULT_NVME_PATH}; change nvme_path to the node's NVMe mount.")
     return notes

@@ -213,6 +213,8 @@ def describe_config(parallel: ParallelConfig) -> str:
         parts.append(f"v={parallel.interleave}")
     if parallel.offload != "none":
         parts.append(f"offload={parallel.offload}")
+    if parallel.delayed_update:
+        parts.append("delayed update")
     return " ".join(parts)
 
 
@@ -230,7 +232,9 @@ def pareto_chart(plan: Plan) -> ParetoChart:
     """The chosen plan and the alternatives; the front is drawn over the feasible ones."""
     chosen = Candidate(parallel=plan.parallel, step_time_s=plan.prediction.step_time_s,
                        memory_per_gpu_bytes=plan.prediction.memory.total, feasible=plan.prediction.feasible)
-    candidates = [chosen] + [alt for alt in plan.alternatives if alt.parallel != plan.parallel]
+    # The search's alternatives carry no delayed-update decision: the chosen configuration is itself with or without it.
+    undelayed = plan.parallel.model_copy(update={"delayed_update": False})
+    candidates = [chosen] + [alt for alt in plan.alternatives if alt.parallel not in (plan.parallel, undelayed)]
     feasible = [i for i, c in enumerate(candidates) if c.feasible]
     front = {feasible[i] for i in _pareto_front(
         [(candidates[i].step_time_s, candidates[i].memory_per_gpu_bytes) for i in feasible])}
@@ -274,10 +278,14 @@ def cluster_rows(plan: Plan) -> list[dict[str, str]]:
         ("Intra-node bandwidth (per GPU, per direction)", format_rate(c.intra_node_bandwidth_Bps, "B")),
         ("Inter-node bandwidth (per GPU, per direction)", format_rate(c.inter_node_bandwidth_Bps, "B")),
         ("Host-device bandwidth (per GPU)", format_rate(c.host_to_device_bandwidth_Bps, "B")),
+        *([("Device-host bandwidth (per GPU)", format_rate(c.device_to_host_bandwidth_Bps, "B"))]
+          if c.device_to_host_bandwidth_Bps else []),
         ("Intra-node collective latency", format_seconds(c.intra_node_latency_s)),
         ("Inter-node collective latency", format_seconds(c.inter_node_latency_s)),
         ("CPU memory per node", format_bytes(c.cpu_memory_bytes)),
         ("CPU memory bandwidth per node", format_rate(c.cpu_memory_bandwidth_Bps, "B")),
+        *([("CPU Adam throughput per node (measured)", f"{format_count(c.cpu_adam_params_per_s)} parameters/s")]
+          if c.cpu_adam_params_per_s else []),
         ("NVMe per node", format_bytes(c.nvme_bytes) if c.nvme_bytes else "none"),
         ("NVMe bandwidth per node", format_rate(c.nvme_bandwidth_Bps, "B")),
         ("Framework reserve per GPU", format_bytes(c.framework_reserve_bytes)),

@@ -107,6 +107,9 @@ def script_context(plan: Plan, model_path_for_script: str | None) -> dict[str, A
         "interleave": parallel.interleave,
         "zero_stage": parallel.zero_stage,
         "offload": py_literal(parallel.offload),
+        "delayed_update": py_literal(parallel.delayed_update),  # ZeRO-Offload's one-step delayed update
+        "nvme_offload": parallel.offload == "nvme",  # train.py then takes --nvme-path
+        "parameters_on_nvme": plan.placement.parameters == "nvme",
         "recompute": py_literal(parallel.recompute),
         "precision": py_literal(plan.train.precision),
         "micro_batch": parallel.micro_batch,
@@ -117,6 +120,10 @@ def script_context(plan: Plan, model_path_for_script: str | None) -> dict[str, A
         "predicted_step_time_s": py_literal(float(prediction.step_time_s)),
         "predicted_mfu": py_literal(float(prediction.mfu)),
         "predicted_model_state_bytes": py_literal(int(model_state_bytes)),
+        "predicted_state_bytes_by_tier": repr({  # per GPU: the placement's bytes on each tier
+            "gpu": int(model_state_bytes),
+            "cpu": int(memory.cpu_bytes_per_node / plan.cluster.gpus_per_node),
+            "nvme": int(memory.nvme_bytes_per_node / plan.cluster.gpus_per_node)}),
         "model_flops_per_step": py_literal(float(prediction.model_flops_per_step)),
         "peak_flops": py_literal(float(plan.cluster.peak_flops(plan.train.precision))),
     }

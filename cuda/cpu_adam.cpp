@@ -305,8 +305,13 @@ std::string simd() {
 #endif
 }
 
+// adamw_step and triad run without the GIL (pybind11 converts the arguments to at::Tensor while it is held, then
+// releases it for the call and takes it back before the result or a TORCH_CHECK error goes back to Python): the
+// functions touch no Python object, only tensor data and metadata, so a Python thread running the step (the
+// delayed update of runtime/offload/cpu_adam_optimizer.py) overlaps the main thread's forward and backward.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("adamw_step", &adamw_step, "AdamW step over lists of tensors (fp32 master, fp32/bf16/fp16 grads)");
-  m.def("triad", &triad, "streaming triad a = b + s * c");
+  m.def("adamw_step", &adamw_step, "AdamW step over lists of tensors (fp32 master, fp32/bf16/fp16 grads)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("triad", &triad, "streaming triad a = b + s * c", py::call_guard<py::gil_scoped_release>());
   m.def("simd", &simd, "SIMD width this build was compiled for");
 }

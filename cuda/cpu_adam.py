@@ -16,6 +16,9 @@ carries a hash of the source and of the SIMD flags, so an edited source rebuilds
 else scalar; ZPLAN_CPU_ADAM_SIMD=avx512|avx2|scalar overrides it. When the build fails (no compiler, no ninja),
 `adamw_step_` warns once and runs `adamw_step_reference_`, which has the same semantics in plain torch ops;
 `backend()` says which one is in use.
+
+The C++ step runs without the GIL (cpu_adam.cpp's binding releases it for the call), so a Python thread may run
+it while another runs the model: ZeRO-Offload's delayed parameter update (runtime.offload.cpu_adam_optimizer).
 """
 
 from __future__ import annotations

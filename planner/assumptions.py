@@ -66,8 +66,9 @@ def assumptions(cluster: ClusterSpec, summary: ModelSummary, train: TrainSpec) -
             "overlapped with the last micro-batch's backward" if cluster.overlaps_comm_with_compute
             else "after the backward (no overlap)"), "torch DDP / FSDP2 defaults"),
         ("GPU Adam step", f"{ADAM_BYTES_PER_PARAM:.0f} bytes streamed per parameter", "fused AdamW traffic"),
-        ("offload", "host transfers and the CPU Adam step are not overlapped with compute (conservative)",
-         "Ren et al. ATC'21 without delayed parameter update"),
+        ("offload", "host transfers are not overlapped with compute (conservative); the CPU Adam step neither, "
+                    "unless the plan turns on the delayed parameter update (see its row)",
+         "Ren et al. ATC'21; the delayed update: planner/placement_choice.py"),
         ("host / NVMe usable", f"{HOST_USABLE_FRACTION:.0%} of capacity", "zplan default"),
         ("model numbers", f"{summary.tracer} ({summary.source}); attention FLOPs halved by the causal mask",
          "planner/trace.py or planner/family.py"),

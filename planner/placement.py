@@ -15,16 +15,18 @@ Constraints
 
 Objective: minimise the per-step transfer time, serial sum of three parts
 (``m`` = micro-batches per step, P/G/O = parameter/gradient/optimizer bytes per GPU):
-* host-device (PCIe) bytes / host_device_bytes_per_s:
-    - optimizer off GPU: gradients go to the CPU, G each micro-batch when they live on the CPU, G once
+* host-device (PCIe) bytes, down at device_to_host_bytes_per_s and up at host_device_bytes_per_s:
+    - optimizer off GPU: gradients go down to the CPU, G each micro-batch when they live on the CPU, G once
       when they accumulate on the GPU (ZeRO-Offload, Ren et al. 2021, Sec. 4.1: fp16 gradients down,
       fp16 parameters up); updated parameters P go back up when the parameters live on the GPU;
-    - parameters off GPU (ZeRO-3): fetched for every forward and backward, 2 m P (ZeRO-Infinity,
+    - parameters off GPU (ZeRO-3): fetched up for every forward and backward, 2 m P (ZeRO-Infinity,
       Rajbhandari et al. 2021, Sec. 5); with the optimizer on the GPU, updated parameters P go down;
 * NVMe bytes / nvme_bytes_per_s: optimizer on NVMe reads and writes its O bytes every step (2 O);
   parameters on NVMe are read for every fetch (2 m P) and written once updated (P) (ZeRO-Infinity);
-* CPU Adam at memory bandwidth when the optimizer is off the GPU: reads and writes the fp32 states
-  (2 O), reads the gradients (G) and writes the 16-bit parameters (P), over cpu_memory_bytes_per_s.
+* CPU Adam when the optimizer is off the GPU: the parameters it updates over cpu_adam_params_per_s (this
+  GPU's share of the node's throughput measured by zplan probe) when given, else at memory bandwidth:
+  reads and writes the fp32 states (2 O), reads the gradients (G) and writes the 16-bit parameters (P),
+  over cpu_memory_bytes_per_s.
 Ties are broken towards the faster tier (GPU before CPU before NVMe), so the answer is deterministic.
 Not modelled: GPU prefetch buffers and CPU staging buffers for NVMe (the caller leaves room for them).
 """
@@ -48,7 +50,7 @@ OVERFLOW_RESOLUTION = 10**6  # integer memory units in all state bytes, for the 
 
 @dataclass(frozen=True)
 class TransferTimes:
-    """Per-step traffic of one placement on one GPU."""
+    """Per-step traffic of one placement on one GPU (host_device_bytes: both directions)."""
 
     host_device_bytes: float
     nvme_bytes: float
@@ -97,38 +99,55 @@ def legal_tiers(state: str, zero_stage: int, offload: str) -> tuple[Tier, ...]:
     return tuple(t for t in by_zero if t in pinned)
 
 
+def cpu_adam_step_s(optimizer_bytes: float, grad_update_bytes: float, param_update_bytes: float,
+                    cpu_memory_bytes_per_s: float, optimizer_params: float = 0.0,
+                    cpu_adam_params_per_s: float | None = None) -> float:
+    """One GPU's CPU Adam step, s: optimizer_params / cpu_adam_params_per_s (measured throughput, this GPU's
+    share) when given, else the bytes it streams, 2 O + G + P, over cpu_memory_bytes_per_s (module docstring)."""
+    if cpu_adam_params_per_s is not None:
+        return optimizer_params / cpu_adam_params_per_s
+    return (2 * optimizer_bytes + grad_update_bytes + param_update_bytes) / cpu_memory_bytes_per_s
+
+
 def transfer_times(
     param_tier: Tier, grad_tier: Tier, optimizer_tier: Tier, *, param_bytes: float, grad_bytes: float,
     optimizer_bytes: float, host_device_bytes_per_s: float, nvme_bytes_per_s: float,
     cpu_memory_bytes_per_s: float, micro_batches_per_step: int = 1, param_update_bytes: float | None = None,
-    grad_update_bytes: float | None = None,
+    grad_update_bytes: float | None = None, device_to_host_bytes_per_s: float | None = None,
+    optimizer_params: float = 0.0, cpu_adam_params_per_s: float | None = None,
 ) -> TransferTimes:
     """Per-step transfer time of one placement (the objective of ``place_model_states``, in floats).
 
     ``param_update_bytes`` / ``grad_update_bytes``: the share this rank's optimizer updates / consumes
     when the state itself is replicated (ZeRO-1/2 weights, ZeRO-1 gradients: 1/dp of it); default all.
+    ``device_to_host_bytes_per_s``: the downward bandwidth (default: ``host_device_bytes_per_s``).
+    ``optimizer_params``, ``cpu_adam_params_per_s``: the parameters this rank's optimizer updates and this
+    GPU's share of the measured CPU Adam throughput; when the latter is given, the CPU step takes their ratio.
     """
     param_update = param_bytes if param_update_bytes is None else param_update_bytes
     grad_update = grad_bytes if grad_update_bytes is None else grad_update_bytes
+    down_per_s = device_to_host_bytes_per_s or host_device_bytes_per_s
     params_off, optimizer_off = param_tier != "gpu", optimizer_tier != "gpu"
     fetches = 2 * micro_batches_per_step  # one forward and one backward per micro-batch
-    host_device = 0.0
+    down = up = 0.0  # host-device bytes: device to host, host to device
     nvme = 0.0
     cpu_optimizer_s = 0.0
     if optimizer_off:
-        host_device += grad_bytes * micro_batches_per_step if grad_tier == "cpu" else grad_update
-        host_device += param_update if not params_off else 0.0
-        cpu_optimizer_s = (2 * optimizer_bytes + grad_update + param_update) / cpu_memory_bytes_per_s
+        down += grad_bytes * micro_batches_per_step if grad_tier == "cpu" else grad_update
+        up += param_update if not params_off else 0.0
+        cpu_optimizer_s = cpu_adam_step_s(optimizer_bytes, grad_update, param_update, cpu_memory_bytes_per_s,
+                                          optimizer_params, cpu_adam_params_per_s)
     if optimizer_tier == "nvme":
         nvme += 2 * optimizer_bytes
     if params_off:
-        host_device += fetches * param_bytes + (param_bytes if not optimizer_off else 0.0)
+        up += fetches * param_bytes
+        down += param_bytes if not optimizer_off else 0.0
     if param_tier == "nvme":
         nvme += (fetches + 1) * param_bytes
     return TransferTimes(
-        host_device_bytes=host_device,
+        host_device_bytes=down + up,
         nvme_bytes=nvme,
-        host_device_s=host_device / host_device_bytes_per_s if host_device else 0.0,
+        host_device_s=down / down_per_s + up / host_device_bytes_per_s,
         nvme_s=nvme / nvme_bytes_per_s if nvme else 0.0,
         cpu_optimizer_s=cpu_optimizer_s,
     )
@@ -151,13 +170,18 @@ def place_model_states(
     time_limit_s: float = 5.0,
     param_update_bytes: float | None = None,
     grad_update_bytes: float | None = None,
+    device_to_host_bytes_per_s: float | None = None,
+    optimizer_params: float = 0.0,
+    cpu_adam_params_per_s: float | None = None,
 ) -> PlacementResult:
     """Choose the tier of each model state: minimise per-step transfer time subject to tier capacities,
     the offload pin and ZeRO semantics (objective and constraints in the module docstring).
 
     Byte arguments are per GPU (already divided by the ZeRO sharding); ``*_free_bytes`` are what is left
-    for model states on that tier (GPU: after activations and buffers). Bandwidths are per GPU. Never
-    raises for lack of memory: returns ``feasible=False`` with the least-overflowing legal placement.
+    for model states on that tier (GPU: after activations and buffers). Bandwidths and throughputs are per
+    GPU; ``device_to_host_bytes_per_s`` defaults to ``host_device_bytes_per_s``; ``optimizer_params`` and
+    ``cpu_adam_params_per_s`` as in ``transfer_times``. Never raises for lack of memory: returns
+    ``feasible=False`` with the least-overflowing legal placement.
     """
     state_bytes = {"params": float(param_bytes), "grads": float(grad_bytes),
                    "optimizer": float(optimizer_bytes)}
@@ -166,19 +190,22 @@ def place_model_states(
         raise ValueError(f"zero_stage must be 0..3 and offload none|cpu|nvme, got {zero_stage}, {offload!r}")
     if micro_batches_per_step < 1 or any(v < 0 for v in (*state_bytes.values(), *capacity.values())):
         raise ValueError("bytes and capacities must be >= 0 and micro_batches_per_step >= 1")
-    if min(host_device_bytes_per_s, nvme_bytes_per_s, cpu_memory_bytes_per_s) <= 0:
-        raise ValueError("bandwidths must be > 0")
-    bandwidths = dict(host_device_bytes_per_s=host_device_bytes_per_s, nvme_bytes_per_s=nvme_bytes_per_s,
-                      cpu_memory_bytes_per_s=cpu_memory_bytes_per_s)
+    measured = [v for v in (device_to_host_bytes_per_s, cpu_adam_params_per_s) if v is not None]
+    if min(host_device_bytes_per_s, nvme_bytes_per_s, cpu_memory_bytes_per_s, *measured) <= 0 or optimizer_params < 0:
+        raise ValueError("bandwidths and throughputs must be > 0, optimizer_params >= 0")
+    rates = dict(host_device_bytes_per_s=host_device_bytes_per_s, nvme_bytes_per_s=nvme_bytes_per_s,
+                      cpu_memory_bytes_per_s=cpu_memory_bytes_per_s,
+                      device_to_host_bytes_per_s=device_to_host_bytes_per_s or host_device_bytes_per_s,
+                      optimizer_params=float(optimizer_params), cpu_adam_params_per_s=cpu_adam_params_per_s)
     updates = dict(param_update_bytes=float(param_bytes if param_update_bytes is None else param_update_bytes),
                    grad_update_bytes=float(grad_bytes if grad_update_bytes is None else grad_update_bytes))
     legal = {state: legal_tiers(state, zero_stage, offload) for state in STATES}
 
-    tiers, proven, _ = _solve(state_bytes, updates, capacity, legal, bandwidths, micro_batches_per_step, time_limit_s,
+    tiers, proven, _ = _solve(state_bytes, updates, capacity, legal, rates, micro_batches_per_step, time_limit_s,
                            allow_overflow=False)
     feasible = tiers is not None
     if tiers is None:  # nothing fits: the legal placement that overflows least, then the fastest
-        tiers, proven, _ = _solve(state_bytes, updates, capacity, legal, bandwidths, micro_batches_per_step,
+        tiers, proven, _ = _solve(state_bytes, updates, capacity, legal, rates, micro_batches_per_step,
                                time_limit_s, allow_overflow=True)
         assert tiers is not None, "a placement with unbounded overflow always exists"
     used = {tier: sum(state_bytes[s] for s in STATES if tiers[s] == tier) for tier in TIERS}
@@ -191,14 +218,14 @@ def place_model_states(
         nvme_bytes=used["nvme"],
         transfer=transfer_times(tiers["params"], tiers["grads"], tiers["optimizer"], param_bytes=param_bytes,
                                 grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes,
-                                micro_batches_per_step=micro_batches_per_step, **bandwidths, **updates),
+                                micro_batches_per_step=micro_batches_per_step, **rates, **updates),
         feasible=feasible,
         optimal=proven,
         overflow_bytes={tier: max(0.0, used[tier] - capacity[tier]) for tier in TIERS},
     )
 
 
-def _solve(state_bytes, updates, capacity, legal, bandwidths, micro_batches_per_step, time_limit_s, *,
+def _solve(state_bytes, updates, capacity, legal, rates, micro_batches_per_step, time_limit_s, *,
            allow_overflow: bool) -> tuple[dict[str, Tier] | None, bool, float]:
     """Build and solve the CP-SAT model. Returns ({state: tier} or None if infeasible, proven optimal,
     the model's own transfer seconds for that placement: a cross-check of ``transfer_times``)."""
@@ -223,14 +250,18 @@ def _solve(state_bytes, updates, capacity, legal, bandwidths, micro_batches_per_
     param_b, grad_b, optim_b = state_bytes["params"], state_bytes["grads"], state_bytes["optimizer"]
     param_u, grad_u = updates["param_update_bytes"], updates["grad_update_bytes"]
     m, fetches = micro_batches_per_step, 2 * micro_batches_per_step
-    pcie, nvme = bandwidths["host_device_bytes_per_s"], bandwidths["nvme_bytes_per_s"]
+    # `rates`: transfer_times' keyword arguments; the measured ones (downward link, CPU Adam) may be absent.
+    up, nvme = rates["host_device_bytes_per_s"], rates["nvme_bytes_per_s"]
+    down = rates.get("device_to_host_bytes_per_s") or up
+    adam_s = cpu_adam_step_s(optim_b, grad_u, param_u, rates["cpu_memory_bytes_per_s"],
+                             rates.get("optimizer_params", 0.0), rates.get("cpu_adam_params_per_s"))
     terms_s = [
-        (on["grads", "cpu"], grad_b * m / pcie),  # gradients streamed to CPU every micro-batch
-        (both(optimizer_off, on["grads", "gpu"], "grads_down_once"), grad_u / pcie),  # accumulated on GPU
-        (both(optimizer_off, on["params", "gpu"], "params_up_after_step"), param_u / pcie),
-        (params_off, fetches * param_b / pcie),  # ZeRO-3 fetches from CPU/NVMe every forward and backward
-        (both(on["optimizer", "gpu"], params_off, "params_down_after_step"), param_b / pcie),
-        (optimizer_off, (2 * optim_b + grad_u + param_u) / bandwidths["cpu_memory_bytes_per_s"]),  # CPU Adam
+        (on["grads", "cpu"], grad_b * m / down),  # gradients streamed to CPU every micro-batch
+        (both(optimizer_off, on["grads", "gpu"], "grads_down_once"), grad_u / down),  # accumulated on GPU
+        (both(optimizer_off, on["params", "gpu"], "params_up_after_step"), param_u / up),
+        (params_off, fetches * param_b / up),  # ZeRO-3 fetches from CPU/NVMe every forward and backward
+        (both(on["optimizer", "gpu"], params_off, "params_down_after_step"), param_b / down),
+        (optimizer_off, adam_s),  # CPU Adam
         (on["optimizer", "nvme"], 2 * optim_b / nvme),  # optimizer states swapped in and out
         (on["params", "nvme"], (fetches + 1) * param_b / nvme),  # fetch reads + write of updated params
     ]

@@ -1,13 +1,27 @@
-"""The chosen plan's model states placed by planner.placement (CP-SAT), and its prediction updated.
+"""The chosen plan's model states placed by planner.placement (CP-SAT), its prediction updated, and the
+decision on ZeRO-Offload's one-step delayed parameter update (DPU).
 
 The search scores an offloading candidate as if every offloadable state left the GPU (the
 conservative end); the solver then keeps on the GPU whatever fits there, which only removes transfers.
+
+Delayed parameter update (Ren et al., ZeRO-Offload, USENIX ATC'21, Sec. 5.2): the CPU optimizer step of
+iteration i runs beside the forward and backward of iteration i+1, which use the weights from before that
+step. The step then costs max(forward + backward, CPU step) + the rest instead of their sum: the saving is
+    saved = min(cpu_step, window),  window = compute + tensor-parallel + pipeline bubble + p2p of one step;
+the host-device copies stay serial (conservative: the gradients must be on the host before the CPU step,
+the weights go up after it). zplan's runtime runs it for ZeRO-1 with the optimizer on the CPU only. Where the
+profile's devices are the host's own cores (overlaps_comm_with_compute False: zplan probe's CPU profile,
+one process per core), no core is idle to run the CPU step beside compute, so it saves nothing. In auto it
+is turned on when it saves at least DELAYED_UPDATE_MIN_SAVING of the step: below that, the weights' one-step
+lag is not worth its gain. The search itself ranks candidates without it (it can only make the chosen
+offloading plan faster than ranked).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from zplan.errors import SpecError
 from zplan.planner.cost.inputs import OFFLOAD_TIERS, Candidates
 from zplan.planner.cost.memory import (
     HOST_USABLE_FRACTION,
@@ -17,8 +31,12 @@ from zplan.planner.cost.memory import (
 from zplan.planner.cost.step import StepEstimate, gpu_adam_step_s
 from zplan.planner.placement import PlacementResult, place_model_states
 from zplan.schemas.cluster import ClusterSpec
-from zplan.schemas.plan import Placement
+from zplan.schemas.plan import DelayedUpdate, Placement
 from zplan.schemas.spec import TrainSpec
+
+# Fraction of the predicted step (without the delay) the overlap must save before auto turns it on; the help of
+# `zplan compile --delayed-update` (zplan/cli.py) quotes it.
+DELAYED_UPDATE_MIN_SAVING = 0.10
 
 
 @dataclass(frozen=True)
@@ -52,6 +70,9 @@ def place(cand: Candidates, est: StepEstimate, cluster: ClusterSpec, train: Trai
         host_device_bytes_per_s=cluster.host_to_device_bandwidth_Bps * eff.host_link,
         nvme_bytes_per_s=max(cluster.nvme_bandwidth_Bps, 1.0) / cluster.gpus_per_node,
         cpu_memory_bytes_per_s=cluster.cpu_memory_bandwidth_Bps * eff.memory_bound / cluster.gpus_per_node,
+        device_to_host_bytes_per_s=cluster.device_to_host_Bps() * eff.host_link,
+        optimizer_params=optim_params, cpu_adam_params_per_s=None if cluster.cpu_adam_params_per_s is None
+        else cluster.cpu_adam_params_per_s / cluster.gpus_per_node,  # this GPU's share of the node's CPU
         zero_stage=z, offload=OFFLOAD_TIERS[int(cand.offload[0])],
         micro_batches_per_step=max(1, int(round(est.num_micro_batches[0]))),
         param_update_bytes=elem * optim_params, grad_update_bytes=elem * optim_params,  # this rank's shard
@@ -74,3 +95,49 @@ def place(cand: Candidates, est: StepEstimate, cluster: ClusterSpec, train: Trai
         optimizer_s=float(gpu_adam_step_s(optim_params, cluster)) if on_gpu["optimizer"] else 0.0,
         feasible=result.feasible,
     )
+
+
+def _seconds(seconds: float) -> str:
+    return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1e3:.1f} ms"
+
+
+def decide_delayed_update(requested: str, zero_stage: int, placed: PlacedStates, est: StepEstimate,
+                          cluster: ClusterSpec) -> tuple[bool, DelayedUpdate]:
+    """(on?, the decision with its numbers and reason) for the chosen plan (candidate 0 of `est`), as the
+    module docstring says. `requested`: 'auto', 'on' or 'off'. Raises SpecError when 'on' cannot apply."""
+    cpu_step = placed.placement.cpu_optimizer_s
+    window = float(est.compute_s[0] + est.tensor_parallel_s[0] + est.pipeline_bubble_s[0] + est.pipeline_p2p_s[0])
+    step = float(est.step_time_s[0] - est.offload_s[0] - est.optimizer_s[0]) + placed.offload_s + placed.optimizer_s
+    optimizer_tier = placed.placement.optimizer
+    if optimizer_tier != "cpu" or zero_stage != 1:
+        if optimizer_tier == "gpu":
+            why, fix = ("the optimizer states stay on the GPU (they fit there, where they cost no transfers), so "
+                        "there is no CPU step to delay", "drop --delayed-update on")
+        else:
+            why, fix = (f"zplan's runtime delays the update only for ZeRO-1 with the optimizer on the CPU, and this "
+                        f"plan is ZeRO-{zero_stage} with the optimizer on {optimizer_tier.upper()}",
+                        "pin --zero 1 --offload cpu, or pass --delayed-update auto")
+        if requested == "on":
+            raise SpecError(f"--delayed-update on needs a ZeRO-1 plan whose optimizer is offloaded to the CPU, but "
+                            f"{why}: {fix}.")
+        return False, DelayedUpdate(requested=requested, cpu_step_s=cpu_step, window_s=window, reason=f"off: {why}.")
+    numbers = dict(requested=requested, cpu_step_s=cpu_step, window_s=window)
+    if not cluster.overlaps_comm_with_compute:
+        why = ("this profile's devices are the host's own cores (collectives share them too), so no core is idle "
+               "to run the CPU step beside the forward and backward: it saves nothing")
+        on = requested == "on"
+        return on, DelayedUpdate(**numbers, reason=f"{'on (--delayed-update on)' if on else 'off'}: {why}.")
+    saved = min(cpu_step, window)
+    share = saved / step if step else 0.0
+    overlap = (f"the {_seconds(cpu_step)} CPU optimizer step {{runs}} beside the next step's {_seconds(window)} "
+               f"forward and backward, saving {_seconds(saved)} per step ({share:.1%} of the "
+               f"{_seconds(step)} step without it)")
+    on_reason = {"on": "on (--delayed-update on): ", "auto": "on: "}
+    if requested == "on" or (requested == "auto" and share >= DELAYED_UPDATE_MIN_SAVING):
+        return True, DelayedUpdate(**numbers, saved_s=saved, reason=on_reason[requested]
+                                   + overlap.format(runs="runs") + ".")
+    would = "delayed, " + overlap.format(runs="would run")
+    if requested == "off":
+        return False, DelayedUpdate(**numbers, saved_s=saved, reason=f"off (--delayed-update off); {would}.")
+    return False, DelayedUpdate(**numbers, saved_s=saved, reason=f"off: {would}, under the "
+                                f"{DELAYED_UPDATE_MIN_SAVING:.0%} of the step worth the one-step lag of the weights.")

@@ -47,7 +47,14 @@ What each number is:
   FSDP2, both in CPU time (hooks, copy-in/out, DTensor bookkeeping; the waits inside its collectives are
   not CPU time, and the cost model prices them with the collective costs above).
 - overlaps_comm_with_compute: False, gloo runs its collectives on the cores that compute.
-- host_to_device_bandwidth_Bps: the "device" is host memory, so a copy: the per-process bandwidth.
+- host_to_device_bandwidth_Bps: the "device" is host memory, so a copy: the per-process bandwidth. On a
+  machine with a GPU (torch.cuda.is_available()), the pinned-memory copy rate from the host to GPU 0, and
+  device_to_host_bandwidth_Bps the rate back: what offloaded states cross in a run there.
+- cpu_adam_params_per_s: parameters per second of zplan.cuda.cpu_adam.adamw_step_ (its C++ kernel, or the
+  pure-torch reference where that does not build; the profile's source says which) on fp32 weights,
+  gradients and moments of CPU_ADAM_PARAMS each (4 x 64 MiB, far beyond the caches), with every core
+  (torch's default threads): the node's ZeRO-Offload CPU step, which planner/cost/offload.py shares
+  among the node's devices.
 - hbm_bytes: 70 % of host RAM divided by the processes, whole GiB; cpu_memory_bytes: host RAM.
 - nvme_bytes, nvme_bandwidth_Bps: free space and fsync'ed write rate of the temporary directory.
 - framework_reserve_bytes: resident memory of a process that imported torch and joined gloo.
@@ -87,6 +94,8 @@ COLLECTIVE_LARGE_BYTES = 8 * 2**20
 REFERENCE_WIDTH, REFERENCE_HEADS, REFERENCE_TOKENS = 8, 2, 4  # negligible sizes: time = host overhead
 OVERHEAD_BLOCKS = 4  # reference blocks in the op-overhead stack
 FSDP_UNITS = (1, 5)  # stack depths whose difference gives the per-unit FSDP2 cost
+CPU_ADAM_PARAMS = 16 * 2**20  # fp32 parameters of the CPU Adam measurement: 4 states of 64 MiB each
+HOST_DEVICE_BYTES = 256 * 2**20  # size of the pinned host <-> GPU copies
 
 
 def _best_time_s(fn: Callable[[], object], seconds: float, min_repeats: int = 3,
@@ -168,6 +177,38 @@ def transformer_elementwise_Bps(num_bytes: int, seconds: float) -> float:
     )
     total_s = sum(_best_time_s(fn, seconds / len(ops), clock=time.process_time) for fn, _ in ops)
     return sum(moved for _, moved in ops) * num_bytes / total_s
+
+
+def cpu_adam_params_per_s(num_params: int, seconds: float) -> tuple[float, str]:
+    """(parameters per second, backend) of zplan.cuda.cpu_adam.adamw_step_ on fp32 weights, gradients and
+    Adam moments of `num_params` each, on torch's current threads (the kernel's default), by wall time."""
+    from zplan.cuda.cpu_adam import adamw_step_
+
+    weights, grads = torch.randn(num_params), torch.randn(num_params) * 1e-3
+    exp_avg, exp_avg_sq = torch.zeros(num_params), torch.zeros(num_params)
+    steps, backends = iter(range(1, 1 << 30)), []
+
+    def one_step():
+        backends.append(adamw_step_(weights, grads, exp_avg, exp_avg_sq, lr=1e-4, weight_decay=0.01,
+                                    step=next(steps)))
+
+    return num_params / _best_time_s(one_step, seconds), backends[-1]
+
+
+def host_device_bandwidths_Bps(num_bytes: int, seconds: float) -> tuple[float, float] | None:
+    """(host to device, device to host) bytes/s of copies of `num_bytes` between pinned host memory and GPU 0,
+    each direction's bytes counted once; None without a GPU."""
+    if not torch.cuda.is_available():
+        return None
+    host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+
+    def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+
+    return (num_bytes / _best_time_s(lambda: copy(device, host), seconds),
+            num_bytes / _best_time_s(lambda: copy(host, device), seconds))
 
 
 # ---- host overhead per op ----------------------------------------------------------------------------
@@ -443,8 +484,10 @@ def probe_this_machine(seconds_budget: float = 10, nvme_path: str | None = None)
     `nvme_path`: the folder offloaded states would be swapped to (default: the temporary directory);
     its free space and the slower of its sequential write and read rates are the profile's NVMe."""
     processes = os.cpu_count() or 1
-    unit = seconds_budget / 30  # per measurement: ~15 of them plus process start-up fill the budget
+    unit = seconds_budget / 30  # per measurement: ~18 of them plus process start-up fill the budget
     node_copy_Bps = copy_bandwidth_Bps(512 * 2**20, unit)
+    adam_params_per_s, adam_backend = cpu_adam_params_per_s(CPU_ADAM_PARAMS, 2 * unit)
+    link = host_device_bandwidths_Bps(HOST_DEVICE_BYTES, unit)
     one = _one_core_numbers(unit, node_copy_Bps, processes)
     costs, sharded_unit_s, resident_bytes = gloo_two_processes(12 * unit)
     host_bytes = host_memory_bytes()
@@ -455,7 +498,8 @@ def probe_this_machine(seconds_budget: float = 10, nvme_path: str | None = None)
     return ClusterSpec(
         name="cpu-local",
         description=f"this machine: {processes} CPU processes (one core each) as devices, gloo",
-        source="measured by zplan.planner.probe.probe_this_machine",
+        source=f"measured by zplan.planner.probe.probe_this_machine (CPU Adam: {adam_backend}"
+               + ("; host-device: pinned copies to GPU 0)" if link else ")"),
         gpu=GpuSpec(
             name="cpu-process",
             hbm_bytes=max(device_bytes, GiB),
@@ -467,11 +511,13 @@ def probe_this_machine(seconds_budget: float = 10, nvme_path: str | None = None)
         gpus_per_node=processes,
         intra_node_bandwidth_Bps=all_reduce.bandwidth_Bps,
         inter_node_bandwidth_Bps=all_reduce.bandwidth_Bps,
-        host_to_device_bandwidth_Bps=one["process_copy_Bps"],
+        host_to_device_bandwidth_Bps=link[0] if link else one["process_copy_Bps"],
+        device_to_host_bandwidth_Bps=link[1] if link else None,
         intra_node_latency_s=all_reduce.latency_s,
         inter_node_latency_s=all_reduce.latency_s,
         cpu_memory_bytes=host_bytes,
         cpu_memory_bandwidth_Bps=node_copy_Bps,
+        cpu_adam_params_per_s=adam_params_per_s,
         nvme_bytes=os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize,
         nvme_bandwidth_Bps=min(disk_write, disk_read),  # swapping both reads and writes
         framework_reserve_bytes=resident_bytes,

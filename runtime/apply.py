@@ -14,7 +14,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
-_NOT_YET = "lands with the offload issue (#4)"
 _COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -134,9 +133,10 @@ def apply_data_parallel(
     Mixed precision keeps fp32 master weights: FSDP2's MixedPrecisionPolicy (compute in bf16/fp16,
     gradients reduced in fp32) for ZeRO 2/3 and for ZeRO 0/1 under tensor parallel, torch.autocast
     around the forward for ZeRO 0/1 otherwise.
-    offload='cpu' (ZeRO 2/3): FSDP2's CPUOffloadPolicy keeps sharded parameters, gradients and the
-    optimizer step on the host (pin_memory only when there is a GPU: pinning needs one). ZeRO 1: the
-    model is replicated as without offload; build_optimizer steps the owned rows on the host.
+    offload='cpu' or 'nvme' (ZeRO 2/3): FSDP2's CPUOffloadPolicy keeps sharded parameters, gradients and
+    the optimizer step on the host (pin_memory only when there is a GPU: pinning needs one); with 'nvme'
+    build_optimizer's optimizer keeps its moments in files. ZeRO 1: the model is replicated as without
+    offload; build_optimizer steps the owned rows on the host.
     """
     from zplan.runtime.pipeline import PipelineRun
 
@@ -144,15 +144,14 @@ def apply_data_parallel(
         for index, chunk in enumerate(model.chunks):
             model.chunks[index] = apply_data_parallel(chunk, dp_mesh, zero_stage, precision, offload, block_prefix)
         return model
-    if offload == "nvme":
-        raise NotImplementedError(f"NVMe offload {_NOT_YET}")
     compute_dtype = _COMPUTE_DTYPES.get(precision)
     if precision != "fp32" and compute_dtype is None:
         raise ValueError(f"precision must be bf16, fp16 or fp32, got {precision!r}")
     device = next(model.parameters()).device
     if zero_stage in (0, 1):
-        if offload == "cpu" and zero_stage == 0:  # nothing is sharded: every rank would step everything
-            raise NotImplementedError(f"CPU offload with ZeRO 0 (zplan's CPU Adam) {_NOT_YET}")
+        if offload != "none" and zero_stage == 0:  # nothing is sharded: every rank would step everything
+            raise NotImplementedError(f"{offload} offload with ZeRO 0: pin ZeRO 1, 2 or 3 (ZeRO-Offload and "
+                                      "ZeRO-Infinity step each rank's optimizer shard; ZeRO 0 has none)")
         from zplan.runtime import tensor_parallel
 
         if tensor_parallel.has_tensor_parallel_parameters(model):  # tp > 1: DDP cannot hold DTensors
@@ -175,7 +174,7 @@ def apply_data_parallel(
         else MixedPrecisionPolicy()
     )
     offload_policy = (
-        CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload == "cpu" else OffloadPolicy()
+        CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload in ("cpu", "nvme") else OffloadPolicy()
     )
     options = dict(mesh=dp_mesh, reshard_after_forward=zero_stage == 3, mp_policy=mp_policy,
                    offload_policy=offload_policy)
@@ -214,26 +213,42 @@ def adamw_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def build_optimizer(
     model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, lr: float, weight_decay: float, offload: str,
-    precision: str = "fp32",
+    precision: str = "fp32", nvme_path: str | None = None, swap_parameters: bool = False,
+    delayed_update: bool = False,
 ) -> torch.optim.Optimizer:
     """AdamW (fused kernel: ~7x foreach on CPU, DESIGN.md facts); ZeRO-1 shards its states over dp
     (runtime.zero1.ZeroOneAdamW: dim-0 slices of every parameter, of its tp-local tensor under tensor
     parallel, updated rows all-gathered over dp); with offload='cpu' its host variant
-    (runtime.offload.cpu_adam_optimizer.CpuOffloadZeroOneAdamW: ZeRO-Offload, CPU Adam on the owned rows).
+    (runtime.offload.cpu_adam_optimizer.CpuOffloadZeroOneAdamW: ZeRO-Offload, CPU Adam on the owned rows),
+    with delayed_update its one-step delayed parameter update (the CPU step overlaps the next forward/backward).
 
     ZeRO 2/3 need nothing more: FSDP2's parameters are already shards, so the optimizer states are.
+    offload='nvme' (ZeRO-Infinity): the moments in files under `nvme_path`, swapped per sub-group during
+    the step (runtime.offload.nvme_optimizer: NvmeZeroOneAdamW for ZeRO 1, NvmeShardedAdamW for 2/3);
+    swap_parameters (ZeRO 3): the parameter shards in files too (runtime.offload.param_swap).
     fp16 with ZeRO 2/3 uses the foreach kernel: the fused step rejects the shape-[1] inf flag that
     FSDP's ShardedGradScaler hands it (torch 2.13).
     """
+    if delayed_update and (zero_stage, offload) != (1, "cpu"):
+        raise NotImplementedError("the delayed parameter update runs with ZeRO 1 and CPU offload only")
     groups = adamw_param_groups(model, weight_decay)
     fused = not (precision == "fp16" and zero_stage in (2, 3))
+    if offload == "nvme":
+        from zplan.runtime.offload import nvme_optimizer
+
+        if zero_stage == 1:
+            return nvme_optimizer.NvmeZeroOneAdamW(groups, dp_mesh, lr=lr, nvme_path=nvme_path)
+        if zero_stage in (2, 3):
+            if swap_parameters and zero_stage != 3:
+                raise NotImplementedError("parameters swap to NVMe only with ZeRO 3 (the others keep them gathered)")
+            return nvme_optimizer.NvmeShardedAdamW(groups, lr=lr, nvme_path=nvme_path,
+                                                   swap_parameters_of=model if swap_parameters else None)
+        raise NotImplementedError("NVMe offload with ZeRO 0: pin ZeRO 1, 2 or 3")
     if zero_stage == 1:
         if offload == "cpu":  # ZeRO-Offload: the owned rows' master and moments on the host, CPU Adam
             from zplan.runtime.offload.cpu_adam_optimizer import CpuOffloadZeroOneAdamW
 
-            return CpuOffloadZeroOneAdamW(groups, dp_mesh, lr=lr)
-        if offload != "none":
-            raise NotImplementedError(f"{offload} offload with ZeRO 1 {_NOT_YET}")
+            return CpuOffloadZeroOneAdamW(groups, dp_mesh, lr=lr, delayed_update=delayed_update)
         from zplan.runtime.zero1 import ZeroOneAdamW
 
         # each rank keeps AdamW states for an even dim-0 slice of every parameter (runtime/zero1.py)

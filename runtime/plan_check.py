@@ -58,7 +58,7 @@ def missing_torch_features(plan: Plan) -> list[str]:
     if p.zero_stage in (2, 3):
         needed += [("torch.distributed.fsdp", "fully_shard"),
                    ("torch.distributed.fsdp", "MixedPrecisionPolicy")]
-        if p.offload == "cpu":
+        if p.offload in ("cpu", "nvme"):
             needed.append(("torch.distributed.fsdp", "CPUOffloadPolicy"))
     if p.tp > 1:
         needed.append(("torch.distributed.tensor.parallel", "parallelize_module"))
@@ -76,12 +76,15 @@ def runtime_gaps(plan: Plan) -> list[str]:
     fit; the emitted train.py refuses them before any collective.
     """
     p, gaps = plan.parallel, []
-    if p.offload == "nvme":
-        gaps.append("NVMe offload (ZeRO-Infinity swapping lands with the offload issue, #4): pin --offload cpu "
-                    "or none, or add GPUs")
-    elif p.offload == "cpu" and p.zero_stage == 0:  # nothing sharded: every rank would step every parameter
-        gaps.append("CPU offload with ZeRO 0 (ZeRO-Offload steps each rank's optimizer shard; ZeRO 0 has none): "
-                    "pin --zero 1, 2 or 3")
+    if p.offload != "none" and p.zero_stage == 0:  # nothing sharded: every rank would step every parameter
+        gaps.append(f"{p.offload} offload with ZeRO 0 (ZeRO-Offload and ZeRO-Infinity step each rank's optimizer "
+                    "shard; ZeRO 0 has none): pin --zero 1, 2 or 3")
+    elif p.delayed_update and (p.zero_stage, p.offload) != (1, "cpu"):
+        gaps.append(f"the delayed parameter update with ZeRO {p.zero_stage} and offload {p.offload} (it runs with "
+                    "ZeRO-1 CPU offload): pin --delayed-update off")
+    elif plan.placement.parameters == "nvme" and p.zero_stage != 3:
+        gaps.append(f"parameters on NVMe with ZeRO {p.zero_stage} (only ZeRO 3 shards parameters, and swaps "
+                    "them): pin --zero 3")
     return gaps
 
 

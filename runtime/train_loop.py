@@ -38,6 +38,8 @@ from zplan.runtime.checkpoint import (
     save_checkpoint,
 )
 from zplan.runtime.distributed import RunContext
+from zplan.runtime.memory_tiers import describe as describe_tiers
+from zplan.runtime.memory_tiers import resident_bytes, state_bytes_by_tier
 from zplan.runtime.pipeline import PipelineRun
 
 
@@ -78,21 +80,24 @@ def _to_device(batch, device: torch.device):
     return batch
 
 
-def _local_bytes(t: torch.Tensor) -> int:
-    local = t.to_local() if isinstance(t, DTensor) else t
-    return local.numel() * local.element_size()
-
-
 def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes this rank holds of parameters, gradients and optimizer states (its shards only)."""
+    """Bytes this rank holds in memory of parameters, gradients and optimizer states (its shards only; a
+    state swapped to a file counts 0 here: runtime.memory_tiers)."""
     params = list({id(p): p for p in model.parameters()}.values())
     # sharded states (ZeRO 1: runtime.zero1, ZeRO 2/3: FSDP2) are DTensors: their local shard counts
     states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     return {
-        "parameters": sum(_local_bytes(p) for p in params),
-        "gradients": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
-        "optimizer": sum(_local_bytes(v) for v in states),
+        "parameters": sum(resident_bytes(p) for p in params),
+        "gradients": sum(resident_bytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": sum(resident_bytes(v) for v in states),
     }
+
+
+def _flush(optimizer: torch.optim.Optimizer) -> None:
+    """Publish a delayed parameter update still running (runtime.offload.cpu_adam_optimizer); every rank."""
+    flush = getattr(optimizer, "flush", None)
+    if flush is not None:
+        flush()
 
 
 def _loss_scaler(model: nn.Module, precision: str, device: torch.device):
@@ -196,7 +201,7 @@ def train(
     model_flops_per_step: float,
     peak_flops: float,
     precision: str = "fp32",
-    predicted_model_state_bytes: float | None = None,
+    predicted_model_state_bytes: float | None = None, predicted_state_bytes_by_tier: dict | None = None,
     checkpoint: CheckpointConfig | None = None,
 ) -> list[float]:
     """Run optimizer steps up to `steps` in all; return the loss of each step run (mean over the global
@@ -232,6 +237,7 @@ def train(
     losses: list[float] = []
     step_times_s: list[float] = []
     state_bytes: dict[str, int] = {}
+    tiers: dict[str, int] = {}
     model.train()
     try:
         with _progress(ctx) as progress:
@@ -265,6 +271,7 @@ def train(
                     optimizer.step()
                 if step == start_step:
                     state_bytes = model_state_bytes(model, optimizer)
+                    tiers = state_bytes_by_tier(model, optimizer, ctx.device)
                 optimizer.zero_grad(set_to_none=True)
                 dist.all_reduce(loss_sum)  # gloo has no AVG: sum, then divide
                 loss_value = loss_sum.item() / ctx.world_size
@@ -284,6 +291,8 @@ def train(
                     "predicted_step_time_s": predicted_step_time_s,
                     "model_state_bytes": sum(state_bytes.values()),
                     "predicted_model_state_bytes": predicted_model_state_bytes,
+                    "state_bytes_by_tier": tiers,
+                    "predicted_state_bytes_by_tier": predicted_state_bytes_by_tier,
                 }
                 if log_file:
                     log_file.write(json.dumps(record) + "\n")
@@ -293,6 +302,7 @@ def train(
                     status=f"loss {loss_value:.4f}  {record['tokens_per_s']:,.0f} tok/s  mfu {mfu:.1%}",
                 )
                 if checkpoint is not None and checkpoint.should_save(step + 1, steps):
+                    _flush(optimizer)  # a delayed update in flight belongs to this checkpoint
                     save_start = time.perf_counter()
                     saved = save_checkpoint(
                         checkpoint.directory, step + 1, model, optimizer, ctx, keep=checkpoint.keep,
@@ -303,12 +313,15 @@ def train(
                         progress.console.print(f"checkpoint {saved} ({time.perf_counter() - save_start:.2f} s)",
                                                soft_wrap=True, highlight=False)
                 pause_if_requested("after-step", step + 1)
+        _flush(optimizer)  # the last step's delayed update lands before the weights are read
     finally:
         if log_file:
             log_file.close()
     if ctx.is_main:
         _print_summary(losses, step_times_s, state_bytes, model_flops_per_step, peak_flops, ctx,
                        predicted_step_time_s, predicted_mfu, predicted_model_state_bytes)
+        if losses and (tiers["host"] or tiers["nvme"] or predicted_state_bytes_by_tier):
+            print(describe_tiers(tiers, predicted_state_bytes_by_tier, ctx.device), flush=True)
     return losses
 
 

@@ -95,10 +95,21 @@ class ClusterSpec(_Frozen):
         gt=0, description="Per-GPU, per-direction network bandwidth between nodes (InfiniBand), bytes/s."
     )
     host_to_device_bandwidth_Bps: float = Field(gt=0, description="Per-GPU PCIe bandwidth, bytes/s.")
+    device_to_host_bandwidth_Bps: float | None = Field(
+        default=None, gt=0,
+        description="Per-GPU device-to-host bandwidth, bytes/s, where it differs from host-to-device: zplan probe "
+                    "measures both with pinned host memory on a machine with a GPU. None: "
+                    "host_to_device_bandwidth_Bps (data sheets give one PCIe figure).")
     intra_node_latency_s: float = Field(ge=0, description="Latency of one collective step inside a node, s.")
     inter_node_latency_s: float = Field(ge=0, description="Latency of one collective step across nodes, s.")
     cpu_memory_bytes: int = Field(gt=0, description="Host memory per node, bytes.")
     cpu_memory_bandwidth_Bps: float = Field(gt=0, description="Host memory bandwidth per node, bytes/s.")
+    cpu_adam_params_per_s: float | None = Field(
+        default=None, gt=0,
+        description="Parameters per second the node's CPU updates with AdamW on fp32 states, all cores together: "
+                    "measured by zplan probe (zplan.cuda.cpu_adam.adamw_step_, the kernel ZeRO-Offload runs, on "
+                    "fp32 states far larger than the caches). None: the CPU step is priced at "
+                    "cpu_memory_bandwidth_Bps x efficiency.memory_bound.")
     nvme_bytes: int = Field(ge=0, description="Local NVMe capacity per node, bytes (0: none).")
     nvme_bandwidth_Bps: float = Field(ge=0, description="Local NVMe read+write bandwidth per node, bytes/s.")
     framework_reserve_bytes: int = Field(
@@ -113,6 +124,10 @@ class ClusterSpec(_Frozen):
                                   "intra_node_bandwidth_Bps, efficiency.intra_node_link and intra_node_latency_s.")
     host_overheads: HostOverheads = Field(
         default_factory=HostOverheads, description="Fixed host time per op and per sharded unit (0 on GPUs).")
+
+    def device_to_host_Bps(self) -> float:
+        """Per-GPU device-to-host bandwidth, bytes/s: host_to_device_bandwidth_Bps where none is given."""
+        return self.device_to_host_bandwidth_Bps or self.host_to_device_bandwidth_Bps
 
     def peak_flops(self, precision: str) -> float:
         """Peak FLOP/s for a training precision ('bf16', 'fp16', 'fp32')."""

@@ -12,6 +12,7 @@ from zplan.schemas.spec import Pins, Recompute, Tier, TrainSpec
 
 PLAN_SCHEMA_VERSION = 1
 Schedule = Literal["none", "1f1b", "interleaved-1f1b"]
+DelayedUpdateMode = Literal["auto", "on", "off"]
 
 
 class _Frozen(BaseModel):
@@ -39,6 +40,11 @@ class ParallelConfig(_Frozen):
     interleave: int = Field(gt=0, description="Model chunks per pipeline stage (1: plain 1F1B).")
     schedule: Schedule = Field(description="Pipeline schedule.")
     offload: Tier = Field(description="Where optimizer states live (ZeRO-3: parameters too): none=GPU.")
+    delayed_update: bool = Field(
+        default=False, description="One-step delayed parameter update of ZeRO-Offload (Ren et al., USENIX ATC'21, "
+                                   "Sec. 5.2): the CPU optimizer step of iteration i overlaps the forward and "
+                                   "backward of iteration i+1, which use the weights from before that step. Only "
+                                   "with ZeRO-1 and the optimizer offloaded to the CPU.")
 
 
 class Stage(_Frozen):
@@ -66,6 +72,21 @@ class Placement(_Frozen):
     cpu_optimizer_s: float = Field(default=0.0, ge=0, description="Time of the optimizer step on the CPU per step, s.")
 
 
+class DelayedUpdate(_Frozen):
+    """Why the planner turned the delayed parameter update (ParallelConfig.delayed_update) on or off."""
+
+    requested: DelayedUpdateMode = Field(default="auto", description="--delayed-update as given: auto lets the "
+                                         "planner decide; on and off force it.")
+    cpu_step_s: float = Field(default=0.0, ge=0, description="The CPU optimizer step per step the delay would "
+                              "overlap, s (0: none, nothing offloaded to the CPU).")
+    window_s: float = Field(default=0.0, ge=0, description="Forward and backward per step (compute, tensor-parallel "
+                            "collectives, pipeline bubble and point-to-point) the CPU step can run beside, s.")
+    saved_s: float = Field(default=0.0, ge=0, description="Seconds per step the overlap saves, min(cpu_step_s, "
+                           "window_s) where it can overlap; taken off the predicted step when on, what it would "
+                           "save when off.")
+    reason: str = Field(default="", description="Why it is on or off, one sentence with the numbers.")
+
+
 class MemoryBreakdown(_Frozen):
     """Bytes per GPU on the most loaded pipeline stage."""
 
@@ -90,7 +111,8 @@ class TimeBreakdown(_Frozen):
     pipeline_bubble: float = Field(description="Pipeline fill and drain.")
     pipeline_p2p: float = Field(description="Stage-to-stage activation transfers.")
     data_parallel: float = Field(description="Data-parallel / ZeRO collectives not hidden behind backward.")
-    offload: float = Field(description="Host/NVMe transfers and the CPU optimizer step, not overlapped.")
+    offload: float = Field(description="Host/NVMe transfers and the CPU optimizer step, not overlapped (with the "
+                           "delayed parameter update: less the part of the CPU step hidden behind compute).")
     optimizer: float = Field(description="Optimizer step on the GPU.")
 
 
@@ -138,6 +160,8 @@ class Plan(_Frozen):
     parallel: ParallelConfig = Field(description="The chosen configuration.")
     stages: list[Stage] = Field(description="Pipeline stages (pp * interleave chunks) in order.")
     placement: Placement = Field(description="Tier of each model state.")
+    delayed_update: DelayedUpdate = Field(default_factory=DelayedUpdate, description="The planner's decision on "
+                                          "the delayed parameter update and its reason.")
     prediction: Prediction = Field(description="Predicted time and memory.")
     candidates_evaluated: int = Field(description="Configurations the search scored.")
     alternatives: list[Candidate] = Field(description="Best other configurations and the Pareto front.")

@@ -19,7 +19,7 @@ from zplan.planner.cost.inputs import ModelNumbers
 from zplan.planner.cost.step import StepEstimate, estimate_step
 from zplan.planner.explain import alternatives, parallel_config, rejected_families
 from zplan.planner.model_input import summarize_model
-from zplan.planner.placement_choice import PlacedStates, place
+from zplan.planner.placement_choice import PlacedStates, decide_delayed_update, place
 from zplan.planner.search import choose, refine, score
 from zplan.schemas.cluster import ClusterSpec
 from zplan.schemas.model import ModelSummary
@@ -37,16 +37,18 @@ class Request:
     gpus: int
     train: TrainSpec
     pins: Pins
+    delayed_update: str = "auto"  # 'auto' | 'on' | 'off': ZeRO-Offload's delayed parameter update
 
 
 def prepare(model_ref: str, gpus: int, cluster: str, global_batch: int | None, seq_len: int | None,
-            precision: str, pins: Pins) -> Request:
+            precision: str, pins: Pins, delayed_update: str = "auto") -> Request:
     """Load the cluster and the model and check the request; raises ZplanError subclasses."""
     spec = load_cluster(cluster)
     check_gpus(gpus, spec)
     if spec.peak_flops(precision) <= 0:
         raise SpecError(f"{spec.gpu.name} has no {precision} support: pass --precision fp16 (or fp32).")
     check_pins(gpus, pins)
+    check_delayed_update(delayed_update, pins)
     _, summary = summarize_model(model_ref, seq_len, precision)
     batch = global_batch if global_batch is not None else default_global_batch(gpus)
     dp = pins.dp or (gpus // (pins.tp * pins.pp) if pins.tp and pins.pp else None)
@@ -54,7 +56,7 @@ def prepare(model_ref: str, gpus: int, cluster: str, global_batch: int | None, s
         raise SpecError(f"global batch {batch} does not divide by the data-parallel degree {dp}: pass "
                         f"--global-batch {(batch // dp + 1) * dp} (a multiple of {dp}).")
     train = TrainSpec(global_batch=batch, seq_len=summary.seq_len, precision=precision)
-    return Request(model_ref, summary, spec, gpus, train, pins)
+    return Request(model_ref, summary, spec, gpus, train, pins, delayed_update)
 
 
 def default_global_batch(gpus: int) -> int:
@@ -91,6 +93,18 @@ def check_pins(gpus: int, pins: Pins) -> None:
                         "or 3.")
 
 
+def check_delayed_update(mode: str, pins: Pins) -> None:
+    """--delayed-update on with pins that rule out a ZeRO-1 CPU-offload plan fails here, before any search."""
+    if mode not in ("auto", "on", "off"):
+        raise SpecError(f"--delayed-update must be auto, on or off (got {mode!r}).")
+    pinned = (("zero", pins.zero, 1), ("offload", pins.offload, "cpu"))
+    conflicts = [f"--{name} {value}" for name, value, needed in pinned if value is not None and value != needed]
+    if mode == "on" and conflicts:
+        raise SpecError(f"--delayed-update on needs ZeRO-1 with the optimizer offloaded to the CPU (the only case "
+                        f"zplan's runtime delays the update), which {' and '.join(conflicts)} rule out: pin "
+                        f"--zero 1 --offload cpu, or pass --delayed-update auto.")
+
+
 def fingerprint(req: Request) -> Fingerprint:
     path = Path(req.model_ref)
     data = path.read_bytes() if path.is_file() else req.model_ref.encode()
@@ -98,8 +112,10 @@ def fingerprint(req: Request) -> Fingerprint:
                        cluster=req.cluster.name, world_size=req.gpus)
 
 
-def prediction(est: StepEstimate, cluster: ClusterSpec, placed: PlacedStates | None = None) -> Prediction:
-    """Prediction of candidate 0 of `est`; `placed` replaces the model-state terms by the solver's placement."""
+def prediction(est: StepEstimate, cluster: ClusterSpec, placed: PlacedStates | None = None,
+               overlapped_s: float = 0.0) -> Prediction:
+    """Prediction of candidate 0 of `est`; `placed` replaces the model-state terms by the solver's placement;
+    `overlapped_s`: the part of the offload time the delayed parameter update hides behind compute."""
     mem = est.memory
     states = dict(parameters=float(mem.parameters[0]), gradients=float(mem.gradients[0]),
                   optimizer=float(mem.optimizer[0]), cpu_bytes_per_node=float(mem.cpu_bytes_per_node[0]),
@@ -109,7 +125,7 @@ def prediction(est: StepEstimate, cluster: ClusterSpec, placed: PlacedStates | N
     if placed is not None:
         states = dict(parameters=placed.parameters, gradients=placed.gradients, optimizer=placed.optimizer,
                       cpu_bytes_per_node=placed.cpu_bytes_per_node, nvme_bytes_per_node=placed.nvme_bytes_per_node)
-        offload_s, optimizer_s = placed.offload_s, placed.optimizer_s
+        offload_s, optimizer_s = placed.offload_s - overlapped_s, placed.optimizer_s
         feasible = feasible and placed.feasible
     others = float(mem.activations[0] + mem.comm_buffers[0] + mem.reserve[0])
     total = states["parameters"] + states["gradients"] + states["optimizer"] + others
@@ -149,12 +165,14 @@ def compile_plan(req: Request) -> Plan:
     ]
     # The run offloads what the placement put off the GPU (an --offload pin allows a tier, and the
     # placement solver uses it only when the states do not fit, or it costs no time: planner.placement).
+    delayed, decision = decide_delayed_update(req.delayed_update, int(cand.zero[0]), placed, est, req.cluster)
     parallel = parallel_config(cand, 0, est.num_micro_batches[0]).model_copy(
-        update=dict(offload=deepest_tier(placed.placement)))
+        update=dict(offload=deepest_tier(placed.placement), delayed_update=delayed))
     return Plan(
         zplan_version=__version__, fingerprint=fingerprint(req), model=req.summary, cluster=req.cluster,
-        train=req.train, pins=req.pins, parallel=parallel,
-        stages=stages, placement=placed.placement, prediction=prediction(est, req.cluster, placed),
+        train=req.train, pins=req.pins, parallel=parallel, stages=stages, placement=placed.placement,
+        delayed_update=decision,
+        prediction=prediction(est, req.cluster, placed, decision.saved_s if delayed else 0.0),
         candidates_evaluated=len(scored.candidates),
         alternatives=alternatives(scored, refined, choice, req.summary, req.cluster, req.train),
         rejected=rejected_families(scored, choice, req.summary, req.cluster, req.train),

@@ -41,6 +41,12 @@ class Offload(str, Enum):
     nvme = "nvme"
 
 
+class DelayedUpdate(str, Enum):
+    auto = "auto"
+    on = "on"
+    off = "off"
+
+
 MODEL_HELP = ("A Python file defining build_model() (zplan executes it), or a family spec such as "
               "gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200")
 
@@ -87,6 +93,10 @@ def compile(
     zero: Optional[int] = ZERO, offload: Optional[Offload] = OFFLOAD, micro_batch: Optional[int] = MICRO,
     recompute: Optional[Recompute] = RECOMPUTE, sequence_parallel: Optional[bool] = SP,
     interleave: Optional[int] = INTERLEAVE,
+    delayed_update: DelayedUpdate = typer.Option(
+        DelayedUpdate.auto, "--delayed-update",
+        help="ZeRO-Offload's one-step delayed parameter update (ZeRO-1 with CPU offload only): auto turns it on "
+             "where it saves at least 10 % of the step; on forces it (an error for any other plan); off."),
     out_dir: Optional[Path] = typer.Option(None, "-o", "--out", help="Output folder (default: out/<model>)."),
     as_json: bool = JSON,
 ) -> None:
@@ -97,7 +107,7 @@ def compile(
     try:
         pins = _pins(tp, pp, dp, zero, offload, micro_batch, recompute, sequence_parallel, interleave)
         with err.status("tracing the model", spinner="dots") as status:
-            req = prepare(model, gpus, cluster, global_batch, seq, precision.value, pins)
+            req = prepare(model, gpus, cluster, global_batch, seq, precision.value, pins, delayed_update.value)
             status.update(f"scoring configurations for {gpus} GPUs")
             plan = compile_plan(req)
             status.update("writing outputs")
@@ -111,7 +121,8 @@ def compile(
     if as_json:
         print(json.dumps({"out_dir": str(target), "parallel": plan.parallel.model_dump(),
                           "prediction": plan.prediction.model_dump(),
-                          "placement": plan.placement.model_dump(), "runtime_gaps": gaps}, indent=2))
+                          "placement": plan.placement.model_dump(),
+                          "delayed_update": plan.delayed_update.model_dump(), "runtime_gaps": gaps}, indent=2))
     else:
         print_plan_summary(out, plan, target, files)
     for gap in gaps:
@@ -191,7 +202,8 @@ def probe(
     nvme_path: Optional[Path] = typer.Option(
         None, "--nvme-path", help="Folder offloaded states would be swapped to (default: the temporary folder)."),
 ) -> None:
-    """Measure this machine (matmul FLOP/s, memory, gloo and disk bandwidth) into a cluster profile file."""
+    """Measure this machine (matmul FLOP/s, memory, gloo and disk bandwidth, CPU Adam throughput, host-GPU
+    bandwidth where a GPU exists) into a cluster profile file."""
     import yaml
 
     from zplan.planner.probe import probe_this_machine

@@ -4,11 +4,15 @@ The same traffic rules as planner.placement (whose docstring cites ZeRO-Offload,
 and ZeRO-Infinity, Rajbhandari et al. SC'21), applied to the placement the search assumes for an
 offloading candidate: the optimizer on the offload tier, ZeRO >= 2 gradients streamed to the host,
 ZeRO-3 parameters on the offload tier. Per GPU, with shard = parameters this rank updates:
-  gradients down: every micro-batch's shard (ZeRO >= 2) or the reduced shard once (ZeRO-1)
-  weights up:     the updated shard (ZeRO < 3), or 2 fetches per micro-batch (ZeRO-3)
-  CPU Adam:       reads and writes the fp32 states, reads gradients, writes weights, at host bandwidth
+  gradients down: every micro-batch's shard (ZeRO >= 2) or the reduced shard once (ZeRO-1),
+                  at the device-to-host bandwidth
+  weights up:     the updated shard (ZeRO < 3), or 2 fetches per micro-batch (ZeRO-3), at host-to-device
+  CPU Adam:       shard / (cpu_adam_params_per_s / gpus_per_node) where the profile has a measured
+                  throughput (zplan probe), else reads and writes the fp32 states, reads gradients, writes
+                  weights, at this GPU's share of the host memory bandwidth
   NVMe:           reads and writes the optimizer states; ZeRO-3 weights read per fetch, written once
-Counted as not overlapped with compute.
+Counted as not overlapped with compute (the delayed parameter update, planner.placement_choice, is decided
+for the chosen plan only).
 """
 
 from __future__ import annotations
@@ -20,6 +24,17 @@ from zplan.planner.cost.memory import element_bytes, optimizer_bytes_per_param
 from zplan.schemas.cluster import ClusterSpec
 
 
+def cpu_adam_s(shard_params: np.ndarray | float, shard_bytes_moved: np.ndarray | float,
+               cluster: ClusterSpec) -> np.ndarray | float:
+    """Seconds of one GPU's CPU Adam step over `shard_params` parameters: at its share of the node's measured
+    throughput (cpu_adam_params_per_s / gpus_per_node) when the profile has one, else `shard_bytes_moved` at
+    its share of the host memory bandwidth (cpu_memory_bandwidth_Bps x efficiency.memory_bound / gpus_per_node)."""
+    if cluster.cpu_adam_params_per_s is not None:
+        return shard_params / (cluster.cpu_adam_params_per_s / cluster.gpus_per_node)
+    cpu_bw = cluster.cpu_memory_bandwidth_Bps * cluster.efficiency.memory_bound / cluster.gpus_per_node
+    return shard_bytes_moved / cpu_bw
+
+
 def offload_time_s(cand: Candidates, params_gpu: np.ndarray, num_micro_batches: np.ndarray,
                    cluster: ClusterSpec, precision: str) -> np.ndarray:
     elem = element_bytes(precision)
@@ -29,11 +44,11 @@ def offload_time_s(cand: Candidates, params_gpu: np.ndarray, num_micro_batches: 
     optim = optimizer_bytes_per_param(precision) * shard
     grads_down = np.where(z >= 2, m * grads, grads)
     weights_up = np.where(z == 3, 2.0 * m * elem * shard, elem * shard)
-    eff = cluster.efficiency
-    host_s = (grads_down + weights_up) / (cluster.host_to_device_bandwidth_Bps * eff.host_link)
-    cpu_bw = cluster.cpu_memory_bandwidth_Bps * eff.memory_bound / cluster.gpus_per_node
-    cpu_adam_s = (2.0 * optim + grads + elem * shard) / cpu_bw
+    host_link = cluster.efficiency.host_link
+    host_s = (grads_down / (cluster.device_to_host_Bps() * host_link)
+              + weights_up / (cluster.host_to_device_bandwidth_Bps * host_link))
+    adam_s = cpu_adam_s(shard, 2.0 * optim + grads + elem * shard, cluster)
     nvme_bw = max(cluster.nvme_bandwidth_Bps, 1.0) / cluster.gpus_per_node
     nvme_bytes = 2.0 * optim + np.where(z == 3, (2.0 * m + 1.0) * elem * shard, 0.0)
-    total = host_s + cpu_adam_s + np.where(cand.offload == 2, nvme_bytes / nvme_bw, 0.0)
+    total = host_s + adam_s + np.where(cand.offload == 2, nvme_bytes / nvme_bw, 0.0)
     return np.where(cand.offload > 0, total, 0.0)

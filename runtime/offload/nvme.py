@@ -48,6 +48,7 @@ swap-out is in flight waits for it); the engine is driven from one thread.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import dataclasses
 import errno
 import hashlib
@@ -106,6 +107,15 @@ def aligned_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         numel *= s
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     return aligned_empty(nbytes).view(dtype).view(shape)
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """A writable memoryview of contiguous uint8 CPU tensor `t`'s bytes (the tensor must outlive it). Not
+    t.numpy(): that makes the storage non-resizable for good, and runtime.offload.param_swap frees parameter
+    storages (resize to 0) and brings them back."""
+    if t.numel() == 0:
+        return memoryview(bytearray(0))
+    return memoryview((ctypes.c_ubyte * t.numel()).from_address(t.data_ptr())).cast("B")
 
 
 def _byte_view(t: torch.Tensor, nbytes: int) -> torch.Tensor:
@@ -290,7 +300,7 @@ class _Job:
 
     def __init__(self, rec: SwapRecord, fd: int, buf: torch.Tensor, in_place: bool, finish, result=None):
         self.rec, self.fd, self.buf, self.in_place, self.finish = rec, fd, buf, in_place, finish
-        self.buf_np = buf.numpy()  # (padded or nbytes,) uint8 view for the os calls
+        self.buf_np = _bytes_of(buf)  # (padded or nbytes,) byte view for the os calls
         self.crcs = list(rec.crcs)
         self.remaining = 0
         self.errors: list[BaseException] = []

@@ -169,12 +169,14 @@ def read_log(log: Path) -> list[dict]:
 
 
 def run_emitted_script(plan: Plan, model_path: Path, out_dir: Path, *, steps: int, seed: int, lr: float,
-                       via_launcher: bool = False, device: str = "cpu") -> tuple[list[dict], dict[str, torch.Tensor]]:
+                       via_launcher: bool = False, device: str = "cpu",
+                       extra_args: tuple[str, ...] = ()) -> tuple[list[dict], dict[str, torch.Tensor]]:
     """Emit train.py for `plan` and run it on the plan's world size (with launch/torchrun.sh, that is real
-    torchrun, when via_launcher) on `device` (see Ranks); return (per-step records, final weights on the CPU)."""
+    torchrun, when via_launcher) on `device` (see Ranks), with `extra_args` for train.py; return (per-step
+    records, final weights on the CPU)."""
     script = emit(plan, model_path, out_dir)
     log, weights = out_dir / "log.jsonl", out_dir / "weights.pt"
-    args = [*train_args(steps, seed, lr, log), "--save-weights", str(weights)]
+    args = [*train_args(steps, seed, lr, log), "--save-weights", str(weights), *extra_args]
     if via_launcher:
         env = {**os.environ, "TORCHRUN": str(Path(sys.executable).parent / "torchrun"), "OMP_NUM_THREADS": "1",
                **({"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {})}

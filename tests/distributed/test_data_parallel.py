@@ -157,17 +157,44 @@ def test_zero_stage_matches_single_process(zero_stage, recompute, via_launcher, 
         assert record["tokens_per_s"] > 0 and math.isfinite(record["mfu"])
 
 
-@pytest.mark.parametrize("zero_stage", [1, 2, 3])
-def test_cpu_offload_matches_single_process(zero_stage, model_path, reference, tmp_path):
+@pytest.mark.parametrize("zero_stage, delayed_update", [(1, False), (1, True), (2, False), (3, False)])
+def test_cpu_offload_matches_single_process(zero_stage, delayed_update, model_path, reference, tmp_path):
     """ZeRO 2/3 with the states on the host (FSDP2's CPUOffloadPolicy: sharded parameters, gradients and
     the optimizer step on the CPU) and ZeRO 1 with its optimizer shard on the host (ZeRO-Offload:
-    runtime.offload.cpu_adam_optimizer, zplan's CPU Adam) train like one process."""
+    runtime.offload.cpu_adam_optimizer, zplan's CPU Adam) train like one process. With the delayed update
+    planned, these steps are its exact warm-up (the delay itself: tests/distributed/test_delayed_update.py)."""
     plan = make_plan(model_path, zero_stage=zero_stage)
-    plan = plan.model_copy(update=dict(parallel=plan.parallel.model_copy(update=dict(offload="cpu"))))
+    plan = plan.model_copy(update=dict(parallel=plan.parallel.model_copy(
+        update=dict(offload="cpu", delayed_update=delayed_update))))
     records, weights = run_emitted_script(plan, model_path, tmp_path / "out", steps=STEPS, seed=SEED, lr=LR)
     ref_losses, ref_weights = reference
     assert max_loss_diff([r["loss"] for r in records], ref_losses) <= 1e-5
     assert max_weight_diff(weights, ref_weights) <= 1e-5
+
+
+@pytest.mark.parametrize("zero_stage, parameters", [(1, "gpu"), (2, "cpu"), (3, "cpu"), (3, "nvme")])
+def test_nvme_offload_matches_single_process(zero_stage, parameters, model_path, reference, tmp_path):
+    """ZeRO-Infinity's optimizer offload: Adam's moments in files under --nvme-path, swapped in per sub-group
+    during the step (runtime.offload.nvme_optimizer), and with ZeRO-3 the parameter shards too, swapped in
+    before each unit's all-gather (runtime.offload.param_swap): trains like one process; the swap files are
+    gone after."""
+    plan = make_plan(model_path, zero_stage=zero_stage)
+    plan = plan.model_copy(update=dict(parallel=plan.parallel.model_copy(update=dict(offload="nvme")),
+                                       placement=plan.placement.model_copy(update=dict(parameters=parameters))))
+    swap = tmp_path / "nvme"
+    records, weights = run_emitted_script(plan, model_path, tmp_path / "out", steps=STEPS, seed=SEED, lr=LR,
+                                          extra_args=("--nvme-path", str(swap)))
+    ref_losses, ref_weights = reference
+    assert max_loss_diff([r["loss"] for r in records], ref_losses) <= 1e-5
+    assert max_weight_diff(weights, ref_weights) <= 1e-5
+    tiers = records[0]["state_bytes_by_tier"]  # rank 0, measured after the first step
+    num_params = sum(v.numel() for k, v in ref_weights.items() if k != "head.weight")  # tied to wte
+    moments = 8 * num_params / WORLD  # Adam's m and v of this rank's rows (ZeRO 1) or shards
+    swapped_params = 4 * num_params / WORLD if parameters == "nvme" else 0
+    print(f"ZeRO {zero_stage}, parameters on {parameters}: bytes per tier {tiers}")
+    assert tiers["nvme"] == pytest.approx(moments + swapped_params, rel=0.02)  # uneven shards: rank 0 >= mean
+    assert sorted(p.name for p in swap.iterdir()) == ["rank0", "rank1"]
+    assert not [f for f in swap.rglob("*") if f.is_file()]  # every swap file removed at exit
 
 
 @pytest.mark.parametrize("zero_stage, pp, precision", [(2, 1, "fp16"), (0, 2, "fp16")], ids=["zero2", "pp2"])

@@ -6,6 +6,8 @@ The extension builds once per machine (~20-80 s on 2 cores, then cached by torch
 
 from __future__ import annotations
 
+import sys
+import threading
 import warnings
 
 import pytest
@@ -139,6 +141,34 @@ def test_bad_inputs_are_refused(kernel):
         cpu_adam.adamw_step_(p, torch.randn(8), m, v, **HYPER, step=1, param_copy_out=torch.empty(8))
     with pytest.raises(RuntimeError, match="step"):
         cpu_adam.adamw_step_(p, torch.randn(8), m, v, **HYPER, step=0)
+
+
+def test_step_releases_the_gil(kernel):
+    """A Python thread runs while another thread is inside the C++ step. With a 100 s switch interval Python
+    never takes the GIL from a thread that holds it, so the main thread can only read `done` before the step
+    ends if the step released the GIL (holding it, the main thread would first run after `done = True`)."""
+    n = 1 << 20
+    p, m, v = state(n, 5)
+    g = torch.randn(n)
+    reps = 32  # one call over the same tensors 32 times: ~0.06 s in C++ on one thread (2-core EPYC)
+    started, done = threading.Event(), []
+
+    def run():
+        started.set()
+        cpu_adam.adamw_step_([p] * reps, [g] * reps, [m] * reps, [v] * reps, **HYPER, step=1, threads=1)
+        done.append(True)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(100.0)
+    try:
+        thread = threading.Thread(target=run)
+        thread.start()
+        started.wait()  # releases the GIL; returns once `run` gives it up: inside the step, or at its end
+        ran_during_step = not done
+        thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert done and ran_during_step
 
 
 def test_build_name_follows_the_source(tmp_path, monkeypatch):

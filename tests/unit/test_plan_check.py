@@ -76,8 +76,9 @@ def test_missing_torch_feature_is_named(model_file, monkeypatch):
         check_plan(plan_for(model_file, zero_stage=3), model_file, world_size=2)
 
 
-@pytest.mark.parametrize("zero_stage, offload, runs", [(3, "nvme", False), (1, "cpu", True), (0, "cpu", False),
-                                                     (2, "cpu", True), (3, "cpu", True), (1, "none", True)])
+@pytest.mark.parametrize("zero_stage, offload, runs", [(3, "nvme", True), (1, "nvme", True), (0, "nvme", False),
+                                                     (1, "cpu", True), (0, "cpu", False), (2, "cpu", True),
+                                                     (3, "cpu", True), (1, "none", True)])
 def test_offload_the_runtime_cannot_run_yet_is_refused(zero_stage, offload, runs, model_file):
     plan = plan_for(model_file, zero_stage=zero_stage)
     plan = plan.model_copy(update=dict(parallel=plan.parallel.model_copy(update=dict(offload=offload))))
@@ -85,6 +86,19 @@ def test_offload_the_runtime_cannot_run_yet_is_refused(zero_stage, offload, runs
         check_plan(plan, model_file, world_size=2)
     else:
         with pytest.raises(PlanMismatchError, match=r"the runtime does not run .*offload.*\): pin"):
+            check_plan(plan, model_file, world_size=2)
+
+
+@pytest.mark.parametrize("zero_stage, runs", [(3, True), (2, False)])
+def test_parameters_on_nvme_need_zero3(zero_stage, runs, model_file):
+    """ZeRO-3's parameter shards swap to NVMe (runtime.offload.param_swap); no other stage shards them."""
+    plan = plan_for(model_file, zero_stage=zero_stage)
+    plan = plan.model_copy(update=dict(parallel=plan.parallel.model_copy(update=dict(offload="nvme")),
+                                       placement=plan.placement.model_copy(update=dict(parameters="nvme"))))
+    if runs:
+        check_plan(plan, model_file, world_size=2)
+    else:
+        with pytest.raises(PlanMismatchError, match=r"parameters on NVMe with ZeRO 2 .*: pin --zero 3"):
             check_plan(plan, model_file, world_size=2)
 
 
