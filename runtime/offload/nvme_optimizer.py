@@ -42,6 +42,12 @@ def _rank_folder(nvme_path: str | os.PathLike) -> Path:
     return Path(nvme_path) / f"rank{rank}"
 
 
+def _between_steps(step: torch.Tensor) -> dict:
+    """A parameter's state between steps: its step count, and the moments' keys with empty tensors (the moments
+    are in files; torch.distributed.checkpoint's loader takes the state names from optimizer.state[param])."""
+    return {"step": step, "exp_avg": torch.empty(0), "exp_avg_sq": torch.empty(0)}
+
+
 class _SwappedAdamW:
     """What both optimizers share: the segments (this rank's flat fp32 views), the swapped moments, the step
     over sub-groups, and the state dict. The class using it provides _segment(p) and _state_tensor(p, local)."""
@@ -53,7 +59,6 @@ class _SwappedAdamW:
                             "drive; it must hold this rank's optimizer states, 8 bytes per parameter it updates)")
         self._threads = threads
         self._params = [p for group in self.param_groups for p in group["params"]]
-        self._group_of = {p: group for group in self.param_groups for p in group["params"]}
         self.swap = SwapEngine(_rank_folder(nvme_path))
         self.param_swapper, segment_groups = None, None
         if swap_parameters_of is not None:  # ZeRO-3 parameters in files too: one sub-group per FSDP unit
@@ -72,7 +77,7 @@ class _SwappedAdamW:
         needed = self.moments.state_bytes + (self.param_swapper.file_bytes if self.param_swapper else 0)
         self.swap.check_space(needed)  # before training starts, not when the disk fills up
         for p in self._params:
-            self.state[p] = {"step": torch.zeros((), dtype=torch.float32)}
+            self.state[p] = _between_steps(torch.zeros((), dtype=torch.float32))
         self.last_backend: str | None = None
 
     def _segment(self, p: torch.Tensor) -> torch.Tensor:  # this rank's elements of p: a flat fp32 view
@@ -89,6 +94,7 @@ class _SwappedAdamW:
     def _swapped_adamw_step(self) -> None:
         from zplan.cuda.cpu_adam import adamw_step_
 
+        group_of = {p: group for group in self.param_groups for p in group["params"]}  # load_state_dict renews them
         stepped = [p for p in self._params if p.grad is not None]  # as torch's AdamW: no gradient, no step
         for p in stepped:
             self.state[p]["step"] += 1
@@ -112,7 +118,7 @@ class _SwappedAdamW:
                 master = self._segment(p)[piece.start:piece.stop]
                 grad = self._segment_grad(p)[piece.start:piece.stop]
                 host = master if master.device.type == "cpu" else master.to("cpu")  # staged from the GPU
-                key = (id(self._group_of[p]), int(self.state[p]["step"].item()))
+                key = (id(group_of[p]), int(self.state[p]["step"].item()))
                 lists = calls.setdefault(key, ([], [], [], [], []))
                 for target, value in zip(lists, (host, grad.to("cpu").float(), exp_avg[piece.offset:piece.offset + n],
                                                  exp_avg_sq[piece.offset:piece.offset + n], (master, host)),
@@ -153,7 +159,7 @@ class _SwappedAdamW:
             return super().state_dict()
         finally:  # new dicts: the returned state dict keeps the moments, this optimizer drops them
             for p in self._params:
-                self.state[p] = {"step": steps[p]}
+                self.state[p] = _between_steps(steps[p])
 
     def load_state_dict(self, state_dict: dict) -> None:
         """As torch's, then the moments written to the files and dropped from memory."""
@@ -163,7 +169,8 @@ class _SwappedAdamW:
             state = self.state[p]
             local = [state[k].to_local() if isinstance(state[k], DTensor) else state[k] for k in _MOMENTS]
             values.append(tuple(t.detach().to("cpu", torch.float32).reshape(-1) for t in local))
-            self.state[p] = {"step": torch.as_tensor(state["step"], dtype=torch.float32).detach().cpu().reshape(())}
+            step = torch.as_tensor(state["step"], dtype=torch.float32).detach().cpu().reshape(())
+            self.state[p] = _between_steps(step)
         self.moments.write_all(values)
 
     def host_buffers(self) -> list[torch.Tensor]:
@@ -186,7 +193,7 @@ class NvmeZeroOneAdamW(_SwappedAdamW, ZeroOneAdamW):
         self._setup_swap(nvme_path, sub_group_bytes, threads)
 
     def _fresh_state(self, p: torch.Tensor) -> dict:  # ZeroOneAdamW's init: no moments in memory
-        return {"step": torch.zeros((), dtype=torch.float32)}
+        return _between_steps(torch.zeros((), dtype=torch.float32))
 
     def _owned_shape(self, p: torch.Tensor) -> tuple[int, ...]:
         rows = self._rows[p]

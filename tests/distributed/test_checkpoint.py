@@ -90,6 +90,12 @@ def make_plan(model_path: Path, *, zero_stage: int, dp: int) -> Plan:
                          dp=dp, zero_stage=zero_stage)
 
 
+def with_offload(plan: Plan, offload: str, parameters: str = "gpu") -> Plan:
+    """`plan` with its states offloaded to `offload` ('none', 'cpu', 'nvme'), the parameters on `parameters`."""
+    return plan.model_copy(update=dict(parallel=plan.parallel.model_copy(update=dict(offload=offload)),
+                                       placement=plan.placement.model_copy(update=dict(parameters=parameters))))
+
+
 def launch(script: Path, args: list[str], world: int, *, dropout: float, pause: str | None = None) -> Ranks:
     """`script` on `world` processes (logs beside it), dropout at `dropout`, paused where `pause` says."""
     return Ranks([str(script), *args], world, script.parent / "logs",
@@ -183,12 +189,17 @@ def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(zero1_script,
 # ---- resharding: ZeRO-3 and ZeRO-1 dp=2 checkpoints resumed under other stages and dp sizes ----------
 
 
-def _reshard_source(model_path: Path, work: Path, zero_stage: int):
+def _nvme_args(offload: str, work: Path) -> list[str]:
+    return ["--nvme-path", str(work / "nvme")] if offload == "nvme" else []
+
+
+def _reshard_source(model_path: Path, work: Path, zero_stage: int, offload: str = "none", parameters: str = "gpu"):
     """`zero_stage` on 2 processes, RESHARD_STEPS steps, a checkpoint after every 2 (kept), final weights."""
-    script = emit(make_plan(model_path, zero_stage=zero_stage, dp=2), model_path, work / "out")
+    plan = with_offload(make_plan(model_path, zero_stage=zero_stage, dp=2), offload, parameters)
+    script = emit(plan, model_path, work / "out")
     ckpt, log, weights = work / "ckpt", work / "log.jsonl", work / "weights.pt"
     launch(script, [*_common_args(RESHARD_STEPS, log), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
-                    "--save-weights", str(weights)], 2, dropout=0.0).wait_ok()
+                    "--save-weights", str(weights), *_nvme_args(offload, work)], 2, dropout=0.0).wait_ok()
     assert checkpoint_names(ckpt) == ["step-000002", "step-000004"]
     return ckpt, losses_by_step(log), torch.load(weights)
 
@@ -203,14 +214,17 @@ def zero1_run(model_path, tmp_path_factory):
     return _reshard_source(model_path, tmp_path_factory.mktemp("zero1-reshard"), zero_stage=1)
 
 
-def _resume_under(source, source_name: str, zero_stage: int, dp: int, model_path: Path, tmp_path: Path) -> None:
-    """Resume `source`'s step-2 checkpoint under ZeRO `zero_stage` on `dp` processes: steps 3 and 4 and the
-    final weights must be those of the uninterrupted source run."""
+def _resume_under(source, source_name: str, zero_stage: int, dp: int, model_path: Path, tmp_path: Path,
+                  offload: str = "none", parameters: str = "gpu") -> None:
+    """Resume `source`'s step-2 checkpoint under ZeRO `zero_stage` on `dp` processes (states offloaded to
+    `offload`): steps 3 and 4 and the final weights must be those of the uninterrupted source run."""
     ckpt, ref_losses, ref_weights = source
-    script = emit(make_plan(model_path, zero_stage=zero_stage, dp=dp), model_path, tmp_path / "out")
+    plan = with_offload(make_plan(model_path, zero_stage=zero_stage, dp=dp), offload, parameters)
+    script = emit(plan, model_path, tmp_path / "out")
     log, weights = tmp_path / "log.jsonl", tmp_path / "weights.pt"
     output = launch(script, [*_common_args(RESHARD_STEPS, log), "--resume", str(ckpt / "step-000002"),
-                             "--save-weights", str(weights)], dp, dropout=0.0).wait_ok()
+                             "--save-weights", str(weights), *_nvme_args(offload, tmp_path)], dp,
+                    dropout=0.0).wait_ok()
     assert "resumed from" in output
     losses = losses_by_step(log)
     assert sorted(losses) == [3, 4]
@@ -234,6 +248,25 @@ def test_zero3_checkpoint_resumes_under_another_plan(zero_stage, dp, zero3_run, 
 def test_zero1_checkpoint_resumes_under_another_plan(zero_stage, dp, zero1_run, model_path, tmp_path):
     """ZeRO-1's moments are dim-0 shards (runtime.zero1): read whole by one process, as FSDP2 shards by ZeRO-3."""
     _resume_under(zero1_run, "ZeRO-1", zero_stage, dp, model_path, tmp_path)
+
+
+@pytest.mark.parametrize("zero_stage, offload, parameters", [(1, "cpu", "gpu"), (1, "nvme", "gpu"),
+                                                            (3, "nvme", "nvme")])
+def test_checkpoint_resumes_into_offloaded_states(zero_stage, offload, parameters, zero3_run, model_path, tmp_path):
+    """A ZeRO-3 checkpoint into ZeRO-Offload's host states and ZeRO-Infinity's files (load_state_dict)."""
+    _resume_under(zero3_run, "ZeRO-3", zero_stage, 2, model_path, tmp_path, offload, parameters)
+
+
+@pytest.fixture(scope="module")
+def zero3_nvme_run(model_path, tmp_path_factory):
+    return _reshard_source(model_path, tmp_path_factory.mktemp("zero3-nvme"), zero_stage=3, offload="nvme",
+                           parameters="nvme")
+
+
+def test_nvme_offloaded_checkpoint_resumes_under_another_plan(zero3_nvme_run, model_path, tmp_path):
+    """Moments and parameter shards read back from their swap files into a checkpoint (state_dict), resumed
+    without offload under ZeRO-1."""
+    _resume_under(zero3_nvme_run, "ZeRO-3 on NVMe", 1, 2, model_path, tmp_path)
 
 
 # ---- zplan export -----------------------------------------------------------------------------------
