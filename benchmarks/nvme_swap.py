@@ -11,7 +11,7 @@ faster with several requests in flight). The baseline "raw" is the faster of the
 (runtime/offload/nvme.py) then swaps the same bytes out as `--size-mib / --tensor-mib` tensors in aligned
 buffers (all in flight at once, as a training step hands it a layer's states) and fsyncs its files, and
 swaps them back in into the same buffers. Its times include what the raw loops do not: splitting into
-chunks, the CRC-32 of every chunk, the header writes. Each phase runs `--rounds` times, alternating raw
+chunks, the XXH3-64 hash of every chunk, the header writes. Each phase runs `--rounds` times, alternating raw
 and engine; the best time of each counts.
 
 Page cache. Dropping the machine's whole page cache (`/proc/sys/vm/drop_caches`) needs root and disturbs

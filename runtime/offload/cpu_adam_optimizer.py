@@ -21,7 +21,7 @@ parameter's rows, and is re-read from them whenever the parameter was written by
 optimizer (loading a checkpoint, a broadcast at start-up: tracked by the parameter's version counter). A
 16-bit parameter's master is kept as a third state, "master" (same layout as the moments).
 
-One-step delayed parameter update (DPU; ZeRO-Offload, Sec. 4.2), with delayed_update=True: the first
+One-step delayed parameter update (DPU; ZeRO-Offload, Ren et al. ATC'21, Sec. 5.2), with delayed_update=True: the first
 `delay_after_steps` steps (default DELAY_AFTER_STEPS) are the exact ones above (the paper turns DPU on only after
 the first few tens of iterations, when the gradients change fastest); from then on step() at iteration i
   (a) waits for the update of iteration i-1, which runs in a background thread, and publishes it: its rows into

@@ -8,8 +8,11 @@ sees is a view of it). This swapper frees those tensors' storage (resize to 0 by
 gathered parameters) while the unit is idle and brings it back from its file when FSDP unshards the unit:
 
     forward   unit u: swap in u (prefetched), all-gather, compute, reshard -> free u; read of u+1 started
-    backward  unit u: the same in reverse order (FSDP's own backward prefetch unshards u-1 early: fine)
+    backward  unit u: the same in reverse order, reads of u-1 and u-2 started (FSDP's own backward prefetch
+              all-gathers u-1 before u computes, so u-1 must already be on its way)
     step      per unit (the optimizer's sub-group): swap in, update in place, write back, free
+The unit where the direction turns stays in memory: the last one after forward (backward starts with it),
+the first one after backward and after the step (the next forward starts with it).
 
 Hooked at FSDPParamGroup.unshard and .reshard of each unit (instance attributes that wrap the methods, so
 FSDP's own calls and prefetches pass through them). A unit is "clean" when its file holds its current
@@ -18,12 +21,14 @@ initialisation may replace a parameter's storage, so nothing is freed before the
 dict (checkpoint, weight export) brings every unit in first; loading one marks every unit dirty, written
 back at its next reshard.
 
-Host memory for parameters: the units in use (one, two while the next is read ahead) plus the root unit
-(embedding, head: FSDP2 keeps the root gathered from forward to backward) instead of all of them.
+Host memory for parameters: the units in use and read ahead (up to three in backward), the two turning
+units, and the root unit (embedding, head: FSDP2 keeps the root gathered from forward to backward), instead
+of all of them.
 """
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 
 import torch
@@ -59,6 +64,7 @@ class ParameterSwapper:
         self.units = [u for u in (_Unit(i, m) for i, m in enumerate(modules)) if u.fsdp_params]
         self.unit_of = {id(p): u for u in self.units for p in u.parameters}
         self.bytes_swapped_in = 0  # read from files since the start
+        self.read_wait_s = 0.0  # seconds the training thread waited for parameter reads since the start
         self._forward_order = {u.index: k for k, u in enumerate(self.units)}
         self.started = False  # at the first unshard: FSDP's lazy initialisation has placed the shards by then
         for unit in self.units:
@@ -88,7 +94,9 @@ class ParameterSwapper:
         """Unit's parameters in memory (waiting for a prefetch, or reading now)."""
         self.prefetch(unit)
         if unit.reads:
+            started = time.perf_counter()
             self.engine.wait(unit.reads)
+            self.read_wait_s += time.perf_counter() - started
             unit.reads = []
 
     def prefetch(self, unit: _Unit) -> None:
@@ -119,9 +127,13 @@ class ParameterSwapper:
         self.reap()
 
     def written_back(self, unit: _Unit) -> None:
-        """The optimizer updated `unit` in place: write it, free it when written."""
+        """The optimizer updated `unit` in place: write it, and free it when written, except the first unit in
+        forward order, which the next forward starts with."""
         unit.dirty = True
-        self.release(unit)
+        if self._forward_order[unit.index] == 0:
+            self._write(unit)
+        else:
+            self.release(unit)
 
     def reap(self, wait: bool = False) -> None:
         """Free the released units whose writes are done (`wait`: wait for them all)."""
@@ -145,8 +157,8 @@ class ParameterSwapper:
         for unit in self.units:
             unit.dirty = True
 
-    def neighbour(self, unit: _Unit, forward: bool) -> _Unit | None:
-        k = self._forward_order[unit.index] + (1 if forward else -1)
+    def neighbour(self, unit: _Unit, forward: bool, distance: int = 1) -> _Unit | None:
+        k = self._forward_order[unit.index] + (distance if forward else -distance)
         return self.units[k] if 0 <= k < len(self.units) else None
 
     # ---- machinery ---------------------------------------------------------------------------------
@@ -160,24 +172,34 @@ class ParameterSwapper:
         unit.dirty = False
 
     def _wrap(self, unit: _Unit) -> None:
-        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-
         group = unit.group
         unshard, reshard = group.unshard, group.reshard
+        last = len(self.units) - 1
 
         def unshard_from_file(async_op: bool = False):
             if not self.started:
                 self.start()
             if not group.is_unsharded and group._all_gather_result is None:
                 self.ensure_resident(unit)  # before the all-gather reads the shards
-                ahead = self.neighbour(unit, forward=group._training_state != TrainingState.PRE_BACKWARD)
-                if ahead is not None:
-                    self.prefetch(ahead)  # read while this unit computes
+                backward = _in_backward()
+                # read ahead while this unit computes: the next unit, and in backward the one after it too (FSDP
+                # unshards the previous unit early, before this unit's backward, so one ahead would be too late)
+                for distance in (1, 2) if backward else (1,):
+                    ahead = self.neighbour(unit, forward=not backward, distance=distance)
+                    if ahead is not None:
+                        self.prefetch(ahead)
             return unshard(async_op)
 
         def reshard_to_file():
             reshard()
-            if group.is_sharded:  # FSDP let the gathered parameters go: the shards may go too
+            k = self._forward_order[unit.index]
+            turning = k == (0 if _in_backward() else last)  # the unit the other direction starts with: keep it
+            if group.is_sharded and not turning:  # FSDP let the gathered parameters go: the shards may go too
                 self.release(unit)
 
         group.unshard, group.reshard = unshard_from_file, reshard_to_file
+
+
+def _in_backward() -> bool:
+    """Inside autograd's backward pass (as FSDP2 tells its forward from its backward)."""
+    return torch._C._current_graph_task_id() != -1
