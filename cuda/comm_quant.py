@@ -8,17 +8,75 @@ references: the CPU path runs these; a CUDA kernel of the same op must match the
 
 int8: symmetric per block, scale = absmax / 127, q = round-half-to-even(x / scale) (an all-zero block has scale
 0 and q 0). 1-bit: the sign only (1-bit Adam, Tang et al. 2021, sec. 3.1: the magnitude travels as one scale per
-chunk, and the error is fed back by the caller).
+block, and the error is fed back by the caller).
+
+CUDA tensors go to the kernels of comm_quant.cu (built just in time with torch.utils.cpp_extension on first use;
+the reference when the build fails, with a warning); CPU tensors to the references.
 """
 
 from __future__ import annotations
+
+import functools
+import warnings
+from pathlib import Path
 
 import torch
 
 _BIT_WEIGHTS = 2 ** torch.arange(8, dtype=torch.int32)  # bit i of a byte has weight 2^i
 
 
+@functools.cache
+def load_cuda():
+    """The CUDA extension (comm_quant.cu), or None without CUDA or when it does not build."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(name="zplan_comm_quant", sources=[str(Path(__file__).with_name("comm_quant.cu"))])
+    except Exception as exc:  # noqa: BLE001 - any build failure falls back to the reference
+        warnings.warn(f"zplan.cuda.comm_quant: CUDA build failed ({exc}); using the references", RuntimeWarning,
+                      stacklevel=2)
+        return None
+
+
+def _kernels(t: torch.Tensor):
+    return load_cuda() if t.is_cuda else None
+
+
 def quantize_int8_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    kernels = _kernels(x)
+    if kernels is not None and x.dim() == 1 and x.numel() % block == 0:
+        q, scales = kernels.quantize_int8_blocks(x.float().contiguous(), block)
+        return q, scales
+    return quantize_int8_blocks_reference(x, block)
+
+
+def dequantize_int8_blocks(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    kernels = _kernels(q)
+    if kernels is not None:
+        return kernels.dequantize_int8_blocks(q.contiguous(), scales.contiguous())
+    return dequantize_int8_blocks_reference(q, scales)
+
+
+def pack_signs(x: torch.Tensor) -> torch.Tensor:
+    kernels = _kernels(x)
+    if kernels is not None and x.dim() == 1 and x.numel() % 8 == 0:
+        return kernels.pack_signs(x.float().contiguous())
+    return pack_signs_reference(x)
+
+
+def unpack_signs(packed: torch.Tensor) -> torch.Tensor:
+    kernels = _kernels(packed)
+    if kernels is not None:
+        return kernels.unpack_signs(packed.contiguous())
+    return unpack_signs_reference(packed)
+
+
+# ---- the references -----------------------------------------------------------------------------------------
+
+
+def quantize_int8_blocks_reference(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dim() != 1 or x.numel() % block:
         raise ValueError(f"quantize_int8_blocks takes a flat tensor whose length divides by block={block}, "
                          f"got shape {tuple(x.shape)}")
@@ -29,17 +87,17 @@ def quantize_int8_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, tor
     return q.view(-1), scales
 
 
-def dequantize_int8_blocks(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def dequantize_int8_blocks_reference(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (q.view(scales.numel(), -1).float() * scales[:, None]).view(-1)
 
 
-def pack_signs(x: torch.Tensor) -> torch.Tensor:
+def pack_signs_reference(x: torch.Tensor) -> torch.Tensor:
     if x.dim() != 1 or x.numel() % 8:
         raise ValueError(f"pack_signs takes a flat tensor whose length divides by 8, got shape {tuple(x.shape)}")
     bits = (x >= 0).view(-1, 8).to(torch.int32)  # (N / 8, 8)
-    return (bits * _BIT_WEIGHTS).sum(dim=1).to(torch.uint8)
+    return (bits * _BIT_WEIGHTS.to(x.device)).sum(dim=1).to(torch.uint8)
 
 
-def unpack_signs(packed: torch.Tensor) -> torch.Tensor:
-    bits = (packed.to(torch.int32)[:, None] // _BIT_WEIGHTS) % 2  # (len, 8)
+def unpack_signs_reference(packed: torch.Tensor) -> torch.Tensor:
+    bits = (packed.to(torch.int32)[:, None] // _BIT_WEIGHTS.to(packed.device)) % 2  # (len, 8)
     return (bits.float() * 2.0 - 1.0).view(-1)

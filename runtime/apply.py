@@ -93,17 +93,19 @@ def apply_recompute(model: nn.Module, mode: str, block_prefix: str) -> nn.Module
 
 def apply_pipeline(
     model: nn.Module, pp_mesh: DeviceMesh, stage_layer_names: list[list[str]], schedule: str, *,
-    units=(), num_micro_batches: int = 1, loss_fn=None, example_micro_batch=None,
+    units=(), num_micro_batches: int = 1, loss_fn=None, example_micro_batch=None, activation_compression="none",
 ) -> nn.Module:
     """Keep this rank's pipeline stages (units `stage_layer_names[stage]`; stage s is chunk s // pp of
     pipeline rank s % pp) and run `schedule` over them: a runtime.pipeline.PipelineRun, trained through
-    its step() (runtime.train_loop does). `units`: the plan's LayerCost list (unit name -> module paths)."""
+    its step() (runtime.train_loop does). `units`: the plan's LayerCost list (unit name -> module paths).
+    activation_compression 'int8': hidden states and their gradients cross stages as int8."""
     if pp_mesh.size() == 1:
         return model
     from zplan.runtime.pipeline import build_pipeline, stage_module_paths
 
     stages = stage_module_paths(stage_layer_names, units)
-    return build_pipeline(model, pp_mesh, stages, schedule, num_micro_batches, loss_fn, example_micro_batch)
+    return build_pipeline(model, pp_mesh, stages, schedule, num_micro_batches, loss_fn, example_micro_batch,
+                          activation_compression)
 
 
 # ---- 4. ZeRO / data parallel (with mixed precision and offload) ----------------------------------
@@ -120,7 +122,8 @@ def _forward_under_autocast(model: nn.Module, device_type: str, dtype: torch.dty
 
 
 def apply_data_parallel(
-    model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, precision: str, offload: str, block_prefix: str
+    model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, precision: str, offload: str, block_prefix: str,
+    grad_compression: str = "none",
 ) -> nn.Module:
     """Replicate or shard the model over `dp_mesh` by ZeRO stage.
 
@@ -142,8 +145,14 @@ def apply_data_parallel(
 
     if isinstance(model, PipelineRun):  # each pipeline stage of this rank is data-parallel like a model
         for index, chunk in enumerate(model.chunks):
-            model.chunks[index] = apply_data_parallel(chunk, dp_mesh, zero_stage, precision, offload, block_prefix)
+            model.chunks[index] = apply_data_parallel(chunk, dp_mesh, zero_stage, precision, offload, block_prefix,
+                                                      grad_compression)
         return model
+    if grad_compression not in ("none", "int8", "1bit"):
+        raise ValueError(f"gradient compression must be none, int8 or 1bit, got {grad_compression!r}")
+    if grad_compression != "none" and zero_stage > 1:
+        raise NotImplementedError(f"{grad_compression} gradient compression runs with ZeRO 0 and 1 (DDP's "
+                                  f"reduction), not ZeRO {zero_stage}")
     compute_dtype = _COMPUTE_DTYPES.get(precision)
     if precision != "fp32" and compute_dtype is None:
         raise ValueError(f"precision must be bf16, fp16 or fp32, got {precision!r}")
@@ -155,6 +164,8 @@ def apply_data_parallel(
         from zplan.runtime import tensor_parallel
 
         if tensor_parallel.has_tensor_parallel_parameters(model):  # tp > 1: DDP cannot hold DTensors
+            if grad_compression != "none":
+                raise NotImplementedError("gradient compression runs on DDP's reduction: tensor parallel = 1 only")
             return tensor_parallel.replicate_over_data_parallel(model, dp_mesh, zero_stage, compute_dtype,
                                                                 block_prefix)
         from torch.nn.parallel import DistributedDataParallel
@@ -162,7 +173,12 @@ def apply_data_parallel(
         if compute_dtype is not None:
             _forward_under_autocast(model, device.type, compute_dtype)
         device_ids = [device] if device.type == "cuda" else None
-        return DistributedDataParallel(model, process_group=dp_mesh.get_group(), device_ids=device_ids)
+        ddp = DistributedDataParallel(model, process_group=dp_mesh.get_group(), device_ids=device_ids)
+        if grad_compression == "int8":  # 1bit: build_optimizer's OneBitAdamW registers its own hook
+            from zplan.runtime.compression import grad_compression as compression
+
+            ddp.register_comm_hook(compression.HookState(dp_mesh.get_group()), compression.int8_hook)
+        return ddp
     if zero_stage not in (2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
 
@@ -214,7 +230,7 @@ def adamw_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 def build_optimizer(
     model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, lr: float, weight_decay: float, offload: str,
     precision: str = "fp32", nvme_path: str | None = None, swap_parameters: bool = False,
-    delayed_update: bool = False,
+    delayed_update: bool = False, grad_compression: str = "none", onebit_warmup_steps: int = 100,
 ) -> torch.optim.Optimizer:
     """AdamW (fused kernel: ~7x foreach on CPU, DESIGN.md facts); ZeRO-1 shards its states over dp
     (runtime.zero1.ZeroOneAdamW: dim-0 slices of every parameter, of its tp-local tensor under tensor
@@ -226,12 +242,23 @@ def build_optimizer(
     offload='nvme' (ZeRO-Infinity): the moments in files under `nvme_path`, swapped per sub-group during
     the step (runtime.offload.nvme_optimizer: NvmeZeroOneAdamW for ZeRO 1, NvmeShardedAdamW for 2/3);
     swap_parameters (ZeRO 3): the parameter shards in files too (runtime.offload.param_swap).
+    grad_compression '1bit' (ZeRO 0, DDP): 1-bit Adam (runtime.compression.grad_compression.OneBitAdamW), exact
+    AdamW for `onebit_warmup_steps` steps, then the momentum all-reduced as signs.
     fp16 with ZeRO 2/3 uses the foreach kernel: the fused step rejects the shape-[1] inf flag that
     FSDP's ShardedGradScaler hands it (torch 2.13).
     """
     if delayed_update and (zero_stage, offload) != (1, "cpu"):
         raise NotImplementedError("the delayed parameter update runs with ZeRO 1 and CPU offload only")
     groups = adamw_param_groups(model, weight_decay)
+    if grad_compression == "1bit":
+        from torch.nn.parallel import DistributedDataParallel
+
+        if zero_stage != 0 or offload != "none" or not isinstance(model, DistributedDataParallel):
+            raise NotImplementedError("1-bit Adam runs with ZeRO 0, no offload, on a DDP model (no tensor or "
+                                      "pipeline parallel)")
+        from zplan.runtime.compression.grad_compression import OneBitAdamW
+
+        return OneBitAdamW(groups, model, dp_mesh.get_group(), lr=lr, warmup_steps=onebit_warmup_steps)
     fused = not (precision == "fp16" and zero_stage in (2, 3))
     if offload == "nvme":
         from zplan.runtime.offload import nvme_optimizer

@@ -189,8 +189,14 @@ class PipelineChunk(nn.Module):
     the others take the hidden state of the stage before."""
 
     def __init__(self, model: nn.Module, paths: Sequence[str], stage_index: int, num_stages: int,
-                 roles: UnitRoles):
+                 roles: UnitRoles, activation_compression: str = "none"):
         super().__init__()
+        if activation_compression not in ("none", "int8"):
+            raise PipelineSplitError(f"activation compression between stages is none or int8, got "
+                                     f"{activation_compression!r}")
+        # int8: the hidden state leaves this stage, and its gradient comes back, as int8 (compression.activations)
+        self._int8_out = activation_compression == "int8" and stage_index < num_stages - 1
+        self._int8_in = activation_compression == "int8" and stage_index > 0
         _attach(self, model, list(paths), roles.block_containers)
         self._stage_index, self._num_stages = stage_index, num_stages
         self._paths = tuple(paths)
@@ -226,6 +232,10 @@ class PipelineChunk(nn.Module):
             x = _call_with_batch(embed, skeleton, batch)
         elif len(args) == 1:
             (x,) = args
+            if self._int8_in:
+                from zplan.runtime.compression.activations import receive_int8
+
+                x = receive_int8(x)
         else:
             raise PipelineSplitError(f"pipeline stage {self._stage_index} received {len(args)} tensors: the "
                                      "stages must pass one hidden-state tensor (a block returns one tensor)")
@@ -235,6 +245,10 @@ class PipelineChunk(nn.Module):
             skeleton, head = self._head
             skeleton.training = self.training
             x = head(skeleton, x)
+        if self._int8_out:
+            from zplan.runtime.compression.activations import send_int8
+
+            x = send_int8(x)
         return x
 
 
@@ -249,10 +263,10 @@ def batch_leaves(batch: Any) -> tuple[list[torch.Tensor], pytree.TreeSpec]:
 
 
 def split_model(model: nn.Module, stage_modules: Sequence[Sequence[str]],
-                roles: UnitRoles | None = None) -> list[PipelineChunk]:
+                roles: UnitRoles | None = None, activation_compression: str = "none") -> list[PipelineChunk]:
     """Every stage of the pipeline, in one process (they share the model's modules)."""
     roles = roles or unit_roles(model, stage_modules)
-    return [PipelineChunk(model, paths, index, len(stage_modules), roles)
+    return [PipelineChunk(model, paths, index, len(stage_modules), roles, activation_compression)
             for index, paths in enumerate(stage_modules)]
 
 
@@ -565,12 +579,15 @@ def build_pipeline(
     num_micro_batches: int,
     loss_fn: Callable[[Any, Any], torch.Tensor],
     example_micro_batch: Any,
+    activation_compression: str = "none",
 ) -> PipelineRun:
     """This rank's stages of `model` and `schedule` over them (module docstring).
 
     stage_modules[s]: the module paths of stage s (plan units expanded with stage_module_paths); with
     interleaved 1F1B, len(stage_modules) = v * pp and stage s is chunk s // pp of pipeline rank s % pp.
     loss_fn(outputs, micro_batch) -> scalar mean over the micro-batch (the model file's loss_fn).
+    activation_compression: 'none', or 'int8': hidden states and their gradients travel between stages as int8
+    (runtime.compression.activations).
     example_micro_batch: a batch the model takes, e.g. the model file's example_inputs(micro_batch,
     seq_len); used to check the split (check_split). The stages learn their activations' shapes and
     dtypes at the first step(), from its first micro-batch through the chunks as data parallelism wrapped
@@ -596,11 +613,13 @@ def build_pipeline(
         raise PipelineSplitError(f"interleaved 1F1B needs num_micro_batches ({num_micro_batches}) to be a "
                                  f"multiple of num_micro_batches // pp ({num_micro_batches // pp_size})")
     roles = unit_roles(model, stage_modules)
-    chunks = split_model(model, stage_modules, roles)
+    chunks = split_model(model, stage_modules, roles, activation_compression)
     device = _local(next(model.parameters())).device  # meta for a model built on meta
     example_micro_batch = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t,
                                           example_micro_batch)
-    check_split(model, chunks, example_micro_batch)
+    # the split is checked exactly, without the (lossy) int8 activations
+    check_split(model, split_model(model, stage_modules, roles) if activation_compression != "none" else chunks,
+                example_micro_batch)
     mine = [chunks[s] for s in range(pp_rank, num_stages, pp_size)]
     tied = tied_parameters(model, stage_modules, pp_size)
     return PipelineRun(mine, model, roles, group, schedule, num_micro_batches, loss_fn, tied, stage_modules)

@@ -191,6 +191,12 @@ class OneBitAdamW(torch.optim.Optimizer):
         self.hook_state = HookState(group, self.wire, compress=False)
         ddp.register_comm_hook(self.hook_state, _warmup_or_local_hook)
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As torch's; the step count (and so the warm-up's end) from the loaded states' steps."""
+        super().load_state_dict(state_dict)
+        self.steps = int(max((float(s["step"]) for s in self.state.values() if "step" in s), default=0))
+        self.hook_state.compress = self.compressing
+
     @property
     def compressing(self) -> bool:
         return self.steps >= self.warmup_steps
@@ -207,6 +213,7 @@ class OneBitAdamW(torch.optim.Optimizer):
             state = self.state[p]
             if not state:
                 state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+            state["step"] = torch.tensor(float(self.steps))  # as torch's AdamW keeps it: checkpoints interchange
         compressing = self.steps > self.warmup_steps
         for group in self.param_groups:
             beta1, _ = group["betas"]
