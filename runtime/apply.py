@@ -123,7 +123,7 @@ def _forward_under_autocast(model: nn.Module, device_type: str, dtype: torch.dty
 
 def apply_data_parallel(
     model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, precision: str, offload: str, block_prefix: str,
-    grad_compression: str = "none",
+    grad_compression: str = "none", weight_compression: str = "none",
 ) -> nn.Module:
     """Replicate or shard the model over `dp_mesh` by ZeRO stage.
 
@@ -146,10 +146,13 @@ def apply_data_parallel(
     if isinstance(model, PipelineRun):  # each pipeline stage of this rank is data-parallel like a model
         for index, chunk in enumerate(model.chunks):
             model.chunks[index] = apply_data_parallel(chunk, dp_mesh, zero_stage, precision, offload, block_prefix,
-                                                      grad_compression)
+                                                      grad_compression, weight_compression)
         return model
     if grad_compression not in ("none", "int8", "1bit"):
         raise ValueError(f"gradient compression must be none, int8 or 1bit, got {grad_compression!r}")
+    if weight_compression not in ("none", "int8") or (weight_compression == "int8" and zero_stage != 3):
+        raise NotImplementedError(f"weight compression is none, or int8 with ZeRO 3 (its parameter all-gathers), got "
+                                  f"{weight_compression!r} with ZeRO {zero_stage}")
     if grad_compression != "none" and zero_stage > 1:
         raise NotImplementedError(f"{grad_compression} gradient compression runs with ZeRO 0 and 1 (DDP's "
                                   f"reduction), not ZeRO {zero_stage}")
@@ -199,6 +202,10 @@ def apply_data_parallel(
     fully_shard(model, **options)  # the root: embedding, final norm, head
     if zero_stage == 2:  # runtime.train_loop keeps the gathered parameters between micro-batches
         setattr(model, _GATHERED_UNTIL_LAST_BACKWARD, True)
+    if weight_compression == "int8":  # ZeRO++'s quantized weight all-gather (runtime.compression.weight_allgather)
+        from zplan.runtime.compression.weight_allgather import quantize_weight_all_gathers
+
+        quantize_weight_all_gathers(model)
     return model
 
 

@@ -33,6 +33,8 @@ import torch.distributed as dist
 
 from zplan.cuda.comm_quant import dequantize_int8_blocks, pack_signs, quantize_int8_blocks, unpack_signs
 
+# torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 INT8_BLOCK = 256  # elements per int8 scale
 ONE_BIT_BLOCK = 256  # elements per 1-bit scale: 1/8 + 4/256 bytes an element, 28x fewer than fp32
 
@@ -68,7 +70,7 @@ def _all_gather(tensors: list[torch.Tensor], group, wire: WireBytes) -> list[tor
     world = dist.get_world_size(group)
     out = [torch.empty(world * t.numel(), dtype=t.dtype) for t in tensors]
     for gathered, mine in zip(out, tensors, strict=True):
-        dist.all_gather_into_tensor(gathered, mine, group=group)
+        _all_gather_single(gathered, mine, group=group)
     wire.add("all_gather", (world - 1) * _nbytes(*tensors))
     return out
 

@@ -23,7 +23,7 @@ from test_data_parallel import SEQ_LEN, TINY_GPT, VOCAB  # noqa: E402
 pytestmark = pytest.mark.slow
 
 WORLD, STEPS, WARMUP, SEED, LR, PER_RANK = 2, 80, 30, 3, 3e-3, 4
-RUNS = ("fp32", "int8", "int8-zero1", "1bit", "1bit-warmup-only")
+RUNS = ("fp32", "int8", "int8-zero1", "1bit", "1bit-warmup-only", "zero3", "zero3-int8-weights")
 
 
 def _train(build_model, mesh, run: str) -> tuple[list[float], dict]:
@@ -37,15 +37,24 @@ def _train(build_model, mesh, run: str) -> tuple[list[float], dict]:
 
     torch.manual_seed(SEED)
     model = build_model()
-    ddp = DistributedDataParallel(model)
-    group, groups = mesh.get_group(), adamw_param_groups(model, WEIGHT_DECAY)
-    if run.startswith("1bit"):  # warm-up only: AdamW all along, the arithmetic of the fp32 run
-        optimizer = gc.OneBitAdamW(groups, ddp, group, lr=LR, warmup_steps=WARMUP if run == "1bit" else STEPS)
+    group = mesh.get_group()
+    if run.startswith("zero3"):  # FSDP2, its parameter all-gathers counted, in int8 for the second
+        from zplan.runtime.apply import apply_data_parallel
+        from zplan.runtime.compression.weight_allgather import quantize_weight_all_gathers
+
+        model = ddp = apply_data_parallel(model, mesh, 3, "fp32", "none", "blocks")
+        wire = quantize_weight_all_gathers(ddp, int8=run.endswith("int8-weights"))
+        optimizer = torch.optim.AdamW(adamw_param_groups(ddp, WEIGHT_DECAY), lr=LR)
+    elif run.startswith("1bit"):  # warm-up only: AdamW all along, the arithmetic of the fp32 run
+        ddp = DistributedDataParallel(model)
+        optimizer = gc.OneBitAdamW(adamw_param_groups(model, WEIGHT_DECAY), ddp, group, lr=LR,
+                                   warmup_steps=WARMUP if run == "1bit" else STEPS)
         wire = optimizer.wire
     else:
+        ddp = DistributedDataParallel(model)
         state = gc.HookState(group, compress=run != "fp32")
         ddp.register_comm_hook(state, gc.int8_hook)
-        wire = state.wire
+        wire, groups = state.wire, adamw_param_groups(model, WEIGHT_DECAY)
         optimizer = ZeroOneAdamW(groups, mesh, lr=LR) if run == "int8-zero1" else torch.optim.AdamW(groups, lr=LR)
     rank, losses, sent_after_warmup = dist.get_rank(), [], 0.0
     for step in range(STEPS):
@@ -91,9 +100,9 @@ def runs(tmp_path_factory) -> dict:
     return json.loads(next(line for line in output.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
 
 
-@pytest.mark.parametrize("run", ["int8", "int8-zero1", "1bit"])
+@pytest.mark.parametrize("run", ["int8", "int8-zero1", "1bit", "zero3-int8-weights"])
 def test_compressed_training_ends_within_3_percent(run, runs):
-    exact, compressed = runs["fp32"]["losses"], runs[run]["losses"]
+    exact, compressed = runs["zero3" if run.startswith("zero3") else "fp32"]["losses"], runs[run]["losses"]
     delta = compressed[-1] / exact[-1] - 1
     print(f"{run}: final loss {compressed[-1]:.4f} vs fp32 {exact[-1]:.4f} ({delta:+.2%}), from {exact[0]:.4f}")
     assert exact[-1] < 0.9 * exact[0]  # it trains
@@ -116,6 +125,9 @@ def test_bytes_on_the_wire(runs):
           f"1-bit after warm-up {onebit['after_warmup']:.0f} vs {fp32['after_warmup']:.0f} ({onebit_ratio:.1f}x)")
     assert set(int8["by_kind"]) == {"all_to_all", "all_gather"} and set(fp32["by_kind"]) == {"all_reduce"}
     assert int8_ratio >= 3.9 and onebit_ratio >= 20
+    weights_ratio = runs["zero3"]["bytes"]["total"] / runs["zero3-int8-weights"]["bytes"]["total"]
+    print(f"ZeRO-3 parameter all-gathers: {weights_ratio:.2f}x fewer bytes in int8")
+    assert weights_ratio >= 3.9
 
 
 if __name__ == "__main__" and sys.argv[1] == "worker":
