@@ -111,6 +111,8 @@ def plan_context(plan: Plan) -> dict[str, Any]:
     placement = [(state, getattr(plan.placement, state)) for state in ("parameters", "gradients", "optimizer")]
     tiers = plan.placement
     pinned = [(name, value) for name, value in plan.pins.model_dump().items() if value is not None]
+    if plan.pins.compress is not None:  # as given on the command line
+        pinned = [(name, plan.pins.compress.as_option() if name == "compress" else value) for name, value in pinned]
     return {
         "title": f"{plan.model.name} on {world} x {cluster.gpu.name}",
         "zplan_version": plan.zplan_version,
@@ -155,6 +157,7 @@ def plan_context(plan: Plan) -> dict[str, Any]:
             if plan.parallel.offload != "none" else "none (nothing offloaded)"),
         "delayed_update": "on" if parallel.delayed_update else "off",
         "delayed_update_display": delayed_update_display(plan),
+        "compression_display": plan.compression.reason or "off",
         "pins_display": ", ".join(f"{name}={value}" for name, value in pinned) or "none",
         "step_time": format_seconds(prediction.step_time_s),
         "tokens_per_s": f"{prediction.tokens_per_s:,.0f}",

@@ -4,12 +4,17 @@ Field names follow DeepSpeed's config reference (https://www.deepspeed.ai/docs/c
 fields satisfy DeepSpeed's check train_batch_size == micro * accumulation * data-parallel size.
 What DeepSpeed cannot express from a config (the tensor-parallel layer plan, the pipeline stage
 boundaries, selective recompute) is listed by `deepspeed_config_notes` and printed in the report.
+Compression: 1-bit gradients map to DeepSpeed's 1-bit Adam optimizer ("OneBitAdam", freeze_step = the warm-up;
+Tang et al. 2021), int8 weights and int8 gradients under ZeRO 3 to ZeRO++'s zero_quantized_weights and
+zero_quantized_gradients (Wang et al. 2023); DeepSpeed has no int8 gradient all-reduce for ZeRO 0/1 and no
+activation compression between pipeline stages (notes).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from zplan.planner.compression import ONE_BIT_WARMUP_STEPS
 from zplan.schemas.plan import Plan
 
 # Optimizer defaults of the emitted training script (AdamW, GPT-3 style hyper-parameters).
@@ -43,7 +48,21 @@ def _zero_block(plan: Plan) -> dict[str, Any]:
         zero["offload_optimizer"] = _offload_block(placement.optimizer)
     if parallel.zero_stage == 3 and placement.parameters != "gpu":
         zero["offload_param"] = _offload_block(placement.parameters)
+    compression = parallel.compression
+    if parallel.zero_stage == 3 and compression.weights == "int8":
+        zero["zero_quantized_weights"] = True  # ZeRO++ qwZ: int8 parameter all-gathers
+    if parallel.zero_stage == 3 and compression.grad == "int8":
+        zero["zero_quantized_gradients"] = True  # ZeRO++ qgZ: int8 all-to-all gradient reduce-scatter
     return zero
+
+
+def _optimizer_block(plan: Plan) -> dict[str, Any]:
+    """AdamW, or DeepSpeed's 1-bit Adam for 1-bit gradients: exact Adam for freeze_step steps, then the momentum
+    all-reduced as signs over NCCL (comm_backend_name)."""
+    if plan.parallel.compression.grad == "1bit":
+        params = {**ADAMW_PARAMS, "freeze_step": ONE_BIT_WARMUP_STEPS, "cuda_aware": False, "comm_backend_name": "nccl"}
+        return {"type": "OneBitAdam", "params": params}
+    return {"type": "AdamW", "params": dict(ADAMW_PARAMS)}
 
 
 def _precision_blocks(plan: Plan) -> dict[str, Any]:
@@ -65,7 +84,7 @@ def deepspeed_config(plan: Plan) -> dict[str, Any]:
         "gradient_clipping": GRADIENT_CLIPPING,
         "steps_per_print": 10,
         "wall_clock_breakdown": False,
-        "optimizer": {"type": "AdamW", "params": dict(ADAMW_PARAMS)},
+        "optimizer": _optimizer_block(plan),
         "zero_optimization": _zero_block(plan),
         **_precision_blocks(plan),
     }
@@ -114,6 +133,32 @@ def deepspeed_config_notes(plan: Plan) -> list[str]:
         notes.append("DeepSpeed has no one-step delayed parameter update (its authors' code was never merged: "
                      "DeepSpeed issue #1260); there the CPU optimizer step runs after the backward, not beside "
                      "the next step's.")
+    notes += _compression_notes(plan)
     if "nvme" in plan.placement.model_dump().values():
         notes.append(f"NVMe offload swaps to {DEFAULT_NVME_PATH}; change nvme_path to the node's NVMe mount.")
+    return notes
+
+
+def _compression_notes(plan: Plan) -> list[str]:
+    """What of --compress the DeepSpeed config carries, and how."""
+    parallel, notes = plan.parallel, []
+    compression = parallel.compression
+    if compression.grad == "1bit":
+        notes.append(f"1-bit gradients are DeepSpeed's 1-bit Adam (\"OneBitAdam\", freeze_step {ONE_BIT_WARMUP_STEPS} "
+                     "exact steps before compressing, as zplan's warm-up); its update has no bias correction, "
+                     "zplan's OneBitAdamW corrects as AdamW does. DeepSpeed removed its 1-bit optimizers in "
+                     "deepspeedai/DeepSpeed#8490 (tracking issue #8489): this block needs a release that still has "
+                     "OneBitAdam.")
+    if compression.grad == "int8":
+        notes.append("int8 gradients: DeepSpeed quantizes gradients only under ZeRO 3 (ZeRO++'s "
+                     "zero_quantized_gradients)" + (", which this config turns on." if parallel.zero_stage == 3 else
+                     f"; for ZeRO {parallel.zero_stage} it has no int8 gradient all-reduce, so its gradients "
+                     "travel uncompressed."))
+    if compression.weights == "int8":
+        notes.append("int8 weights are ZeRO++'s zero_quantized_weights" + (
+            "." if parallel.zero_stage == 3 else f", which needs ZeRO 3 (this plan is ZeRO {parallel.zero_stage}): "
+            "left out."))
+    if compression.activations == "int8":
+        notes.append("int8 activations between pipeline stages have no DeepSpeed config block: DeepSpeed's pipeline "
+                     "sends them uncompressed.")
     return notes

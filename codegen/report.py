@@ -215,6 +215,8 @@ def describe_config(parallel: ParallelConfig) -> str:
         parts.append(f"offload={parallel.offload}")
     if parallel.delayed_update:
         parts.append("delayed update")
+    if parallel.compression.enabled:
+        parts.append(f"compress={parallel.compression.as_option()}")
     return " ".join(parts)
 
 

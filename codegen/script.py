@@ -15,6 +15,7 @@ from typing import Any
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
+from zplan.planner.compression import ONE_BIT_WARMUP_STEPS
 from zplan.schemas.plan import Plan
 
 TEMPLATES_DIR = Path(__file__).parent / "templates"
@@ -109,6 +110,11 @@ def script_context(plan: Plan, model_path_for_script: str | None) -> dict[str, A
         "offload": py_literal(parallel.offload),
         "delayed_update": py_literal(parallel.delayed_update),  # ZeRO-Offload's one-step delayed update
         "nvme_offload": parallel.offload == "nvme",  # train.py then takes --nvme-path
+        "grad_compression": py_literal(parallel.compression.grad),
+        "weight_compression": py_literal(parallel.compression.weights),
+        "activation_compression": py_literal(parallel.compression.activations),
+        "onebit_adam": parallel.compression.grad == "1bit",  # train.py then takes --onebit-warmup-steps
+        "onebit_warmup_steps": ONE_BIT_WARMUP_STEPS,
         "parameters_on_nvme": plan.placement.parameters == "nvme",
         "recompute": py_literal(parallel.recompute),
         "precision": py_literal(plan.train.precision),

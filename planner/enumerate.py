@@ -4,7 +4,8 @@ Legality: dp * tp * pp = gpus; heads and kv_heads divisible by tp; at least one 
 chunk (pp * v <= blocks) and, when interleaved, blocks divisible by pp * v and micro-batches by pp
 (Megatron's interleaved schedule); the global batch divisible by dp * micro_batch; sequence parallel
 only with tp > 1; offload only with ZeRO >= 1 (each rank steps its own shard), NVMe only with ZeRO-3
-(ZeRO-Infinity) and only where the cluster has it; user pins fix a value.
+(ZeRO-Infinity) and only where the cluster has it; user pins fix a value; a --compress pin keeps the
+configurations that support it (planner.compression.supported_mask) and sets every candidate's compression.
 What the runtime cannot run yet (runtime.plan_check.runtime_gaps: NVMe offload; CPU offload with ZeRO 0,
 which the legality above already excludes) is chosen only when the user's pins ask for it (--offload nvme),
 so that an unpinned compile emits a plan its train.py runs; `zplan compile` warns when a pin does. CPU
@@ -15,10 +16,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from zplan.planner.compression import supported_mask
 from zplan.planner.cost.inputs import OFFLOAD_TIERS, RECOMPUTE_MODES, Candidates
 from zplan.schemas.cluster import ClusterSpec
 from zplan.schemas.model import ModelSummary
-from zplan.schemas.spec import Pins
+from zplan.schemas.spec import CompressionConfig, Pins
 
 INTERLEAVE_CHOICES = (1, 2, 3, 4)
 MAX_MICRO_BATCH = 64
@@ -71,6 +73,9 @@ def enumerate_candidates(
     )
     pinned_gap = pins.offload == "nvme"
     legal &= (off < 2) | pinned_gap  # what the runtime runs (see above): CPU offload with ZeRO >= 1
+    compression = pins.compress or CompressionConfig()
+    legal &= supported_mask(compression, t, p, z)
     idx = np.nonzero(legal)[0]
     return Candidates(tp=t[idx], pp=p[idx], dp=d[idx], micro_batch=b[idx], zero=z[idx], recompute=r[idx],
-                      sp=sp[idx], interleave=v[idx], offload=off[idx])
+                      sp=sp[idx], interleave=v[idx], offload=off[idx]).with_compression(
+                          compression.grad, compression.weights, compression.activations)

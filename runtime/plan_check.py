@@ -82,10 +82,27 @@ def runtime_gaps(plan: Plan) -> list[str]:
     elif p.delayed_update and (p.zero_stage, p.offload) != (1, "cpu"):
         gaps.append(f"the delayed parameter update with ZeRO {p.zero_stage} and offload {p.offload} (it runs with "
                     "ZeRO-1 CPU offload): pin --delayed-update off")
+    elif _compression_unsupported(plan):
+        gaps.append(f"--compress {p.compression.as_option()} with ZeRO {p.zero_stage}, tp={p.tp}, pp={p.pp}, offload "
+                    f"{p.offload} (grad=int8 runs with ZeRO 0/1 and tp 1, grad=1bit with ZeRO 0, tp = pp = 1 and no "
+                    "offload, weights=int8 with ZeRO 3, act=int8 with pp > 1): recompile with a --compress that fits")
     elif plan.placement.parameters == "nvme" and p.zero_stage != 3:
         gaps.append(f"parameters on NVMe with ZeRO {p.zero_stage} (only ZeRO 3 shards parameters, and swaps "
                     "them): pin --zero 3")
     return gaps
+
+
+def _compression_unsupported(plan: Plan) -> bool:
+    import numpy as np
+
+    from zplan.planner.compression import supported_mask
+
+    p = plan.parallel
+    if not p.compression.enabled:
+        return False
+    if p.compression.grad == "1bit" and p.offload != "none":
+        return True
+    return not bool(supported_mask(p.compression, np.array([p.tp]), np.array([p.pp]), np.array([p.zero_stage]))[0])
 
 
 def check_plan(plan: Plan, model_path: str | Path | None, world_size: int) -> None:

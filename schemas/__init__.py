@@ -6,6 +6,8 @@ from zplan.schemas.plan import (
     PLAN_SCHEMA_VERSION,
     Assumption,
     Candidate,
+    CompressionDecision,
+    CompressionOption,
     Fingerprint,
     MemoryBreakdown,
     ParallelConfig,
@@ -16,10 +18,11 @@ from zplan.schemas.plan import (
     Stage,
     TimeBreakdown,
 )
-from zplan.schemas.spec import Pins, TrainSpec
+from zplan.schemas.spec import CompressionConfig, Pins, TrainSpec
 
 __all__ = [
-    "PLAN_SCHEMA_VERSION", "Assumption", "Candidate", "ClusterSpec", "EfficiencySpec", "Fingerprint",
+    "PLAN_SCHEMA_VERSION", "Assumption", "Candidate", "ClusterSpec", "CompressionConfig", "CompressionDecision",
+    "CompressionOption", "EfficiencySpec", "Fingerprint",
     "GpuSpec", "LayerCost", "MemoryBreakdown", "ModelSummary", "ParallelConfig", "Pins", "Placement", "Plan",
     "Prediction", "RejectedFamily", "Stage", "TensorParallelRule", "TimeBreakdown", "TrainSpec",
 ]

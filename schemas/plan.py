@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from zplan.schemas.cluster import ClusterSpec
 from zplan.schemas.model import ModelSummary
-from zplan.schemas.spec import Pins, Recompute, Tier, TrainSpec
+from zplan.schemas.spec import CompressionConfig, Pins, Recompute, Tier, TrainSpec
 
 PLAN_SCHEMA_VERSION = 1
 Schedule = Literal["none", "1f1b", "interleaved-1f1b"]
@@ -45,6 +45,8 @@ class ParallelConfig(_Frozen):
                                    "Sec. 5.2): the CPU optimizer step of iteration i overlaps the forward and "
                                    "backward of iteration i+1, which use the weights from before that step. Only "
                                    "with ZeRO-1 and the optimizer offloaded to the CPU.")
+    compression: CompressionConfig = Field(default_factory=CompressionConfig, description="Compressed "
+                                           "communication (--compress); default: nothing compressed.")
 
 
 class Stage(_Frozen):
@@ -87,6 +89,34 @@ class DelayedUpdate(_Frozen):
     reason: str = Field(default="", description="Why it is on or off, one sentence with the numbers.")
 
 
+class CompressionOption(_Frozen):
+    """One --compress setting priced by the cost model on the chosen configuration (planner.compression)."""
+
+    compress: str = Field(description="The --compress value, e.g. 'grad=int8'.")
+    step_time_s: float = Field(description="Predicted seconds per step with it.")
+    saved_s: float = Field(description="Seconds per step it saves against the same configuration without it "
+                           "(negative: it makes the step slower).")
+    wire_bytes: float = Field(ge=0, description="Bytes one GPU sends per step in the collectives it compresses, "
+                              "compressed.")
+    uncompressed_wire_bytes: float = Field(ge=0, description="Bytes the same collectives send per step "
+                                           "uncompressed.")
+    fits: bool = Field(description="The configuration still fits memory with it.")
+
+
+class CompressionDecision(_Frozen):
+    """What compression does for the plan: the effect of --compress when given, and when data-parallel
+    communication takes a large share of the step, what the options the configuration supports would save."""
+
+    data_parallel_share: float = Field(default=0.0, ge=0, description="Share of the step in data-parallel / ZeRO "
+                                       "collectives without compression.")
+    applied: Optional[CompressionOption] = Field(default=None, description="The plan's --compress, priced against "
+                                                 "the same configuration without it; None: nothing compressed.")
+    suggestions: list[CompressionOption] = Field(default_factory=list, description="Options the configuration "
+                                                 "supports, priced, when the data-parallel share reaches the "
+                                                 "threshold (planner.compression.SUGGEST_DATA_PARALLEL_SHARE).")
+    reason: str = Field(default="", description="What it saves or would save, one or two sentences with the numbers.")
+
+
 class MemoryBreakdown(_Frozen):
     """Bytes per GPU on the most loaded pipeline stage."""
 
@@ -109,8 +139,11 @@ class TimeBreakdown(_Frozen):
     compute: float = Field(description="Forward, backward and recompute on the slowest stage.")
     tensor_parallel: float = Field(description="Tensor-parallel collectives, not overlapped.")
     pipeline_bubble: float = Field(description="Pipeline fill and drain.")
-    pipeline_p2p: float = Field(description="Stage-to-stage activation transfers.")
-    data_parallel: float = Field(description="Data-parallel / ZeRO collectives not hidden behind backward.")
+    pipeline_p2p: float = Field(description="Stage-to-stage activation transfers (with act=int8 compression: "
+                                "the compressed bytes plus quantizing and dequantizing them).")
+    data_parallel: float = Field(description="Data-parallel / ZeRO collectives not hidden behind backward (with "
+                                 "grad or weights compression: the compressed bytes plus quantizing and "
+                                 "dequantizing them).")
     offload: float = Field(description="Host/NVMe transfers and the CPU optimizer step, not overlapped (with the "
                            "delayed parameter update: less the part of the CPU step hidden behind compute).")
     optimizer: float = Field(description="Optimizer step on the GPU.")
@@ -162,6 +195,9 @@ class Plan(_Frozen):
     placement: Placement = Field(description="Tier of each model state.")
     delayed_update: DelayedUpdate = Field(default_factory=DelayedUpdate, description="The planner's decision on "
                                           "the delayed parameter update and its reason.")
+    compression: CompressionDecision = Field(default_factory=CompressionDecision, description="What --compress "
+                                             "saves, or what it would save where data-parallel communication "
+                                             "takes a large share of the step.")
     prediction: Prediction = Field(description="Predicted time and memory.")
     candidates_evaluated: int = Field(description="Configurations the search scored.")
     alternatives: list[Candidate] = Field(description="Best other configurations and the Pareto front.")

@@ -9,6 +9,9 @@ from pydantic import BaseModel, ConfigDict, Field
 Precision = Literal["bf16", "fp16", "fp32"]
 Recompute = Literal["none", "selective", "full"]
 Tier = Literal["none", "cpu", "nvme"]
+GradCompression = Literal["none", "int8", "1bit"]
+WeightCompression = Literal["none", "int8"]
+ActivationCompression = Literal["none", "int8"]
 
 
 class TrainSpec(BaseModel):
@@ -17,6 +20,33 @@ class TrainSpec(BaseModel):
     global_batch: int = Field(gt=0, description="Sequences per optimizer step, over all data-parallel ranks.")
     seq_len: int = Field(gt=0, description="Tokens per sequence.")
     precision: Precision = Field(description="Compute precision; bf16/fp16 keep fp32 master weights.")
+
+
+class CompressionConfig(BaseModel):
+    """Compressed communication (`--compress grad=int8,weights=int8,act=int8`); planner.compression checks what
+    each option needs, planner.cost.compression prices it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    grad: GradCompression = Field(default="none", description="Data-parallel gradients: int8 (a compressed "
+                                  "all-reduce of DDP's buckets, ZeRO 0/1 with tp = 1) or 1bit (1-bit Adam, Tang et "
+                                  "al. 2021: the momentum all-reduced as signs after an exact warm-up; ZeRO 0, "
+                                  "tp = pp = 1).")
+    weights: WeightCompression = Field(default="none", description="ZeRO-3 parameter all-gathers in int8 (ZeRO++ "
+                                       "qwZ, Wang et al. 2023); needs ZeRO 3.")
+    activations: ActivationCompression = Field(default="none", description="Hidden states and their gradients "
+                                               "between pipeline stages in int8; needs pp > 1.")
+
+    @property
+    def enabled(self) -> bool:
+        """Anything compressed."""
+        return (self.grad, self.weights, self.activations) != ("none", "none", "none")
+
+    def as_option(self) -> str:
+        """The `--compress` value that gives this config ('none' when nothing is compressed)."""
+        parts = [f"{key}={value}" for key, value in
+                 (("grad", self.grad), ("weights", self.weights), ("act", self.activations)) if value != "none"]
+        return ",".join(parts) or "none"
 
 
 class Pins(BaseModel):
@@ -34,3 +64,6 @@ class Pins(BaseModel):
     recompute: Optional[Recompute] = Field(default=None, description="Activation recompute mode.")
     sequence_parallel: Optional[bool] = Field(default=None, description="Megatron sequence parallelism.")
     interleave: Optional[int] = Field(default=None, gt=0, description="Model chunks per pipeline stage.")
+    compress: Optional[CompressionConfig] = Field(default=None, description="Compressed communication "
+                                                  "(--compress); the search keeps the configurations that support "
+                                                  "it. None: nothing compressed.")

@@ -15,6 +15,7 @@ from zplan import __version__
 from zplan.errors import ClusterError, SpecError
 from zplan.planner.assumptions import assumptions
 from zplan.planner.clusters import load_cluster
+from zplan.planner.compression import check_compression, check_model_for_compression, compression_decision
 from zplan.planner.cost.inputs import ModelNumbers
 from zplan.planner.cost.step import StepEstimate, estimate_step
 from zplan.planner.explain import alternatives, parallel_config, rejected_families
@@ -24,7 +25,7 @@ from zplan.planner.search import choose, refine, score
 from zplan.schemas.cluster import ClusterSpec
 from zplan.schemas.model import ModelSummary
 from zplan.schemas.plan import Fingerprint, MemoryBreakdown, Placement, Plan, Prediction, Stage, TimeBreakdown
-from zplan.schemas.spec import Pins, TrainSpec
+from zplan.schemas.spec import CompressionConfig, Pins, TrainSpec
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,9 @@ def prepare(model_ref: str, gpus: int, cluster: str, global_batch: int | None, s
         raise SpecError(f"{spec.gpu.name} has no {precision} support: pass --precision fp16 (or fp32).")
     check_pins(gpus, pins)
     check_delayed_update(delayed_update, pins)
+    check_compression(pins.compress, pins, gpus, delayed_update)
     _, summary = summarize_model(model_ref, seq_len, precision)
+    check_model_for_compression(pins.compress, summary)
     batch = global_batch if global_batch is not None else default_global_batch(gpus)
     dp = pins.dp or (gpus // (pins.tp * pins.pp) if pins.tp and pins.pp else None)
     if dp is not None and batch % dp:
@@ -166,15 +169,19 @@ def compile_plan(req: Request) -> Plan:
     # The run offloads what the placement put off the GPU (an --offload pin allows a tier, and the
     # placement solver uses it only when the states do not fit, or it costs no time: planner.placement).
     delayed, decision = decide_delayed_update(req.delayed_update, int(cand.zero[0]), placed, est, req.cluster)
+    compression = req.pins.compress or CompressionConfig()
     parallel = parallel_config(cand, 0, est.num_micro_batches[0]).model_copy(
-        update=dict(offload=deepest_tier(placed.placement), delayed_update=delayed))
+        update=dict(offload=deepest_tier(placed.placement), delayed_update=delayed, compression=compression))
+    predicted = prediction(est, req.cluster, placed, decision.saved_s if delayed else 0.0)
+    # Every candidate of the search carries the pinned compression (planner.enumerate); so do their configs.
+    others = [alt.model_copy(update={"parallel": alt.parallel.model_copy(update={"compression": compression})})
+              for alt in alternatives(scored, refined, choice, req.summary, req.cluster, req.train)]
     return Plan(
         zplan_version=__version__, fingerprint=fingerprint(req), model=req.summary, cluster=req.cluster,
         train=req.train, pins=req.pins, parallel=parallel, stages=stages, placement=placed.placement,
         delayed_update=decision,
-        prediction=prediction(est, req.cluster, placed, decision.saved_s if delayed else 0.0),
-        candidates_evaluated=len(scored.candidates),
-        alternatives=alternatives(scored, refined, choice, req.summary, req.cluster, req.train),
+        compression=compression_decision(req.summary, req.cluster, req.train, choice, predicted.step_time_s),
+        prediction=predicted, candidates_evaluated=len(scored.candidates), alternatives=others,
         rejected=rejected_families(scored, choice, req.summary, req.cluster, req.train),
         assumptions=assumptions(req.cluster, req.summary, req.train),
     )
@@ -196,7 +203,10 @@ def estimate_config(req: Request) -> dict:
     final = refined.estimate if refined is not None else estimate_step(
         ModelNumbers.from_summary(req.summary), one, req.cluster, req.train.precision, req.train.global_batch)
     pred = prediction(final, req.cluster)
-    cfg = parallel_config(one, 0, final.num_micro_batches[0])
+    cfg = parallel_config(one, 0, final.num_micro_batches[0]).model_copy(
+        update={"compression": req.pins.compress or CompressionConfig()})
+    compression = (compression_decision(req.summary, req.cluster, req.train, refined, pred.step_time_s)
+                   if refined is not None else None)
     return {
         "model": req.summary.name, "cluster": req.cluster.name, "gpus": req.gpus,
         "global_batch": req.train.global_batch, "seq_len": req.train.seq_len, "precision": req.train.precision,
@@ -204,6 +214,7 @@ def estimate_config(req: Request) -> dict:
         "step_time_s": pred.step_time_s, "tokens_per_s": pred.tokens_per_s, "mfu": pred.mfu,
         "memory_per_gpu_bytes": pred.memory.total, "memory_breakdown": pred.memory.model_dump(),
         "time_breakdown": pred.time.model_dump(), "candidates_evaluated": len(cand),
+        "compression": compression.model_dump() if compression is not None else None,
     }
 
 

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from zplan.errors import ClusterError, ZplanError
+from zplan.reduce_cli import reduce_command
 from zplan.schemas.spec import Pins
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -51,13 +52,16 @@ MODEL_HELP = ("A Python file defining build_model() (zplan executes it), or a fa
               "gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200")
 
 
-def _pins(tp, pp, dp, zero, offload, micro_batch, recompute, sequence_parallel, interleave) -> Pins:
+def _pins(tp, pp, dp, zero, offload, micro_batch, recompute, sequence_parallel, interleave, compress=None) -> Pins:
+    from zplan.planner.compression import parse_compress
+
     if zero is not None and zero not in (0, 1, 2, 3):
         raise ZplanError(f"--zero must be 0, 1, 2 or 3 (got {zero}).")
+    compression = parse_compress(compress) if compress is not None else None
     try:
         return Pins(tp=tp, pp=pp, dp=dp, zero=zero, offload=offload.value if offload else None,
                     micro_batch=micro_batch, recompute=recompute.value if recompute else None,
-                    sequence_parallel=sequence_parallel, interleave=interleave)
+                    sequence_parallel=sequence_parallel, interleave=interleave, compress=compression)
     except ValidationError as exc:
         raise ZplanError(f"invalid pin: {exc.errors()[0]['loc'][0]} {exc.errors()[0]['msg']}") from exc
 
@@ -83,6 +87,11 @@ RECOMPUTE = typer.Option(None, "--recompute", help="Pin activation recompute.")
 SP = typer.Option(None, "--sequence-parallel/--no-sequence-parallel", help="Pin sequence parallelism.")
 INTERLEAVE = typer.Option(None, "--interleave", help="Pin model chunks per pipeline stage.")
 JSON = typer.Option(False, "--json", help="Print JSON on stdout instead of tables.")
+COMPRESS = typer.Option(
+    None, "--compress",
+    help="Compressed communication, key=value pairs separated by commas: grad=int8 (ZeRO 0/1, tp 1) or grad=1bit "
+         "(1-bit Adam: ZeRO 0, tp = pp = 1), weights=int8 (ZeRO 3), act=int8 (pp > 1); 'none' allowed. The search "
+         "keeps the configurations that support it.")
 
 
 @app.command()
@@ -97,6 +106,7 @@ def compile(
         DelayedUpdate.auto, "--delayed-update",
         help="ZeRO-Offload's one-step delayed parameter update (ZeRO-1 with CPU offload only): auto turns it on "
              "where it saves at least 10 % of the step; on forces it (an error for any other plan); off."),
+    compress: Optional[str] = COMPRESS,
     out_dir: Optional[Path] = typer.Option(None, "-o", "--out", help="Output folder (default: out/<model>)."),
     as_json: bool = JSON,
 ) -> None:
@@ -105,7 +115,7 @@ def compile(
     from zplan.cli_render import default_out_dir, print_plan_summary
 
     try:
-        pins = _pins(tp, pp, dp, zero, offload, micro_batch, recompute, sequence_parallel, interleave)
+        pins = _pins(tp, pp, dp, zero, offload, micro_batch, recompute, sequence_parallel, interleave, compress)
         with err.status("tracing the model", spinner="dots") as status:
             req = prepare(model, gpus, cluster, global_batch, seq, precision.value, pins, delayed_update.value)
             status.update(f"scoring configurations for {gpus} GPUs")
@@ -122,7 +132,8 @@ def compile(
         print(json.dumps({"out_dir": str(target), "parallel": plan.parallel.model_dump(),
                           "prediction": plan.prediction.model_dump(),
                           "placement": plan.placement.model_dump(),
-                          "delayed_update": plan.delayed_update.model_dump(), "runtime_gaps": gaps}, indent=2))
+                          "delayed_update": plan.delayed_update.model_dump(),
+                          "compression": plan.compression.model_dump(), "runtime_gaps": gaps}, indent=2))
     else:
         print_plan_summary(out, plan, target, files)
     for gap in gaps:
@@ -137,14 +148,14 @@ def estimate(
     pp: int = typer.Option(..., "--pp", help="Pipeline-parallel degree."), dp: Optional[int] = DP,
     zero: Optional[int] = ZERO, offload: Optional[Offload] = OFFLOAD, micro_batch: Optional[int] = MICRO,
     recompute: Optional[Recompute] = RECOMPUTE, sequence_parallel: Optional[bool] = SP,
-    interleave: Optional[int] = INTERLEAVE, as_json: bool = JSON,
+    interleave: Optional[int] = INTERLEAVE, compress: Optional[str] = COMPRESS, as_json: bool = JSON,
 ) -> None:
     """Predict one configuration; unpinned choices (micro-batch, recompute, ...) take their best value."""
     from zplan.api import estimate_config, prepare
     from zplan.cli_render import print_estimate
 
     try:
-        pins = _pins(tp, pp, dp, zero, offload, micro_batch, recompute, sequence_parallel, interleave)
+        pins = _pins(tp, pp, dp, zero, offload, micro_batch, recompute, sequence_parallel, interleave, compress)
         req = prepare(model, gpus, cluster, global_batch, seq, precision.value, pins)
         result = estimate_config(req)
     except ZplanError as exc:
@@ -214,3 +225,6 @@ def probe(
         spec = probe_this_machine(seconds, None if nvme_path is None else str(nvme_path))
     output.write_text(yaml.safe_dump(spec.model_dump(), sort_keys=False))
     err.print(f"wrote {output}; use it with --cluster {output}")
+
+
+app.command("reduce")(reduce_command)  # zplan reduce: zplan/reduce_cli.py

@@ -8,6 +8,9 @@ Groups that span nodes run hierarchically (NCCL's tree/ring across nodes): the i
 NVLink, the inter-node part with each of the g local ranks carrying 1/g of the data on its own NIC.
 Inside a node each collective uses the profile's measured (B, latency) of its own type when the profile
 has them (ClusterSpec.collectives: gloo's types differ), else the one link bandwidth and latency.
+All-to-all (the compressed all-reduce's first phase, planner.cost.compression) sends directly, with no
+hierarchy: each rank sends S/n to every other rank, so the (n - g)/n of S bound for other nodes leaves on
+its own inter-node link, g times what the hierarchical pass above carries there.
 """
 
 from __future__ import annotations
@@ -71,6 +74,20 @@ def all_gather_s(bytes_: np.ndarray, size: np.ndarray, stride: np.ndarray, clust
 def all_reduce_s(bytes_: np.ndarray, size: np.ndarray, stride: np.ndarray, cluster: ClusterSpec) -> np.ndarray:
     """All-reduce = reduce-scatter + all-gather (two passes at the all-reduce's own cost)."""
     return 2.0 * _one_pass_s(bytes_, size, stride, cluster, "all_reduce")
+
+
+def all_to_all_s(bytes_: np.ndarray, size: np.ndarray, stride: np.ndarray, cluster: ClusterSpec) -> np.ndarray:
+    """Time of one all-to-all in which every rank sends `bytes_` (the whole tensor it holds) split in `size`
+    equal parts, one to each rank, directly (module docstring): (g-1)/n of it over the intra-node link (at the
+    all-gather's measured cost where the profile has one), (n-g)/n over this rank's inter-node link; 0 when
+    size == 1."""
+    intra_bw, latency_s = intra_node_link(cluster, "all_gather")
+    inter_bw = _links(cluster)[1]
+    g, k = group_shape(size, stride, cluster.gpus_per_node)
+    n = np.maximum(size, 1)
+    intra = (g - 1) / n * bytes_ / intra_bw + (g - 1) * latency_s
+    inter = (n - g) / n * bytes_ / inter_bw + (k - 1) * cluster.inter_node_latency_s
+    return np.where(size > 1, intra + inter, 0.0)
 
 
 def p2p_s(bytes_: np.ndarray, crosses_node: np.ndarray, cluster: ClusterSpec) -> np.ndarray:

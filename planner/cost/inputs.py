@@ -5,7 +5,7 @@ Nothing here imports torch; the cost model is numpy over whole candidate arrays 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
@@ -13,11 +13,16 @@ from zplan.schemas.model import ModelSummary
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 OFFLOAD_TIERS = ("none", "cpu", "nvme")
+# --compress values (schemas.spec.CompressionConfig), indexed by Candidates' compression fields.
+GRAD_COMPRESSION = ("none", "int8", "1bit")
+WEIGHT_COMPRESSION = ("none", "int8")
+ACTIVATION_COMPRESSION = ("none", "int8")
 
 
 @dataclass(frozen=True)
 class Candidates:
-    """One configuration per index; every field is an int64 array of the same length."""
+    """One configuration per index; every field is an int64 array of the same length. The compression fields
+    (one setting for all candidates of a search: the --compress pin) default to none."""
 
     tp: np.ndarray
     pp: np.ndarray
@@ -28,6 +33,14 @@ class Candidates:
     sp: np.ndarray  # 0/1 sequence parallel
     interleave: np.ndarray  # model chunks per stage, v
     offload: np.ndarray  # index into OFFLOAD_TIERS
+    grad_compress: np.ndarray = field(default=None)  # index into GRAD_COMPRESSION
+    weight_compress: np.ndarray = field(default=None)  # index into WEIGHT_COMPRESSION
+    act_compress: np.ndarray = field(default=None)  # index into ACTIVATION_COMPRESSION
+
+    def __post_init__(self) -> None:
+        for name in ("grad_compress", "weight_compress", "act_compress"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, np.zeros_like(self.tp))
 
     def __len__(self) -> int:
         return len(self.tp)
@@ -37,6 +50,12 @@ class Candidates:
 
     def with_recompute(self, mode: int) -> Candidates:
         return replace(self, recompute=np.full_like(self.recompute, mode))
+
+    def with_compression(self, grad: str, weights: str, activations: str) -> Candidates:
+        """The same configurations with one compression setting (values of schemas.spec.CompressionConfig)."""
+        return replace(self, grad_compress=np.full_like(self.tp, GRAD_COMPRESSION.index(grad)),
+                       weight_compress=np.full_like(self.tp, WEIGHT_COMPRESSION.index(weights)),
+                       act_compress=np.full_like(self.tp, ACTIVATION_COMPRESSION.index(activations)))
 
     @staticmethod
     def single(**values: int) -> Candidates:

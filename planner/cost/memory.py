@@ -18,6 +18,9 @@ attention-core bytes; full recompute keeps only the block input (2*s*b*h, /tp wi
 plus one block's activations live while it is recomputed.
 Pipeline in-flight micro-batches on the first stage: 1F1B min(p, m); interleaved with v chunks
 multiplies by (1 + (p-1)/(p*v)) (Korthikanti et al., Sec. 4.2.3).
+Compression (planner.cost.compression) adds to the communication buffers: the int8 gradient hook's copies of
+one DDP bucket; 1-bit Adam's error feedback, and its step's transient copies beyond the activations they
+outlive (the step runs after the backward has freed them).
 """
 
 from __future__ import annotations
@@ -26,6 +29,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from zplan.planner.cost.compression import (
+    INT8_HOOK_BUCKET_COPIES,
+    ONE_BIT_ERROR_BYTES_PER_PARAM,
+    ONE_BIT_STEP_BYTES_PER_PARAM,
+)
 from zplan.planner.cost.inputs import Candidates, ModelNumbers
 from zplan.schemas.cluster import ClusterSpec
 
@@ -174,6 +182,12 @@ def memory_per_gpu(
     pick = lambda a, c: np.where(use_first, a, c)  # noqa: E731
     reserve = np.full(len(cand), float(cluster.framework_reserve_bytes))
     weights, grads, optim, acts = pick(w1, w2), pick(g1, g2), pick(o1, o2), pick(first_act, last_act)
+    # Compression's buffers (module docstring).
+    bucket = np.minimum(DDP_BUCKET_BYTES, GRAD_BYTES * first_params)
+    comm = comm + np.where(cand.grad_compress == 1, INT8_HOOK_BUCKET_COPIES * bucket, 0.0)
+    one_bit_errors = ONE_BIT_ERROR_BYTES_PER_PARAM * (1.0 + 1.0 / dp) * params_gpu
+    one_bit_step = np.maximum(0.0, ONE_BIT_STEP_BYTES_PER_PARAM * params_gpu - acts)
+    comm = comm + np.where(cand.grad_compress == 2, one_bit_errors + one_bit_step, 0.0)
     total = weights + grads + optim + acts + comm + reserve
 
     # Host / NVMe: the offloaded states of every GPU of the node.

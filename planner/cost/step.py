@@ -18,6 +18,10 @@ overlapped with the micro-batch's compute. Where the profile says
 communication does not overlap compute (gloo on the CPU cores that compute), every collective adds to
 the step, and each FSDP2 unit adds host_overheads.sharded_unit_s per micro-batch. Every step also
 all-reduces the loss for logging over all ranks, and under ZeRO-2/3 the gradient norm for clipping.
+Compression (--compress; planner/cost/compression.py): int8 or 1-bit gradients replace the ZeRO 0/1 all-reduce by
+the runtime's compressed all-to-all + all-gather, not overlapped, plus its quantizing passes; int8 weights shrink
+ZeRO-3's all-gathers and add their dequantizing, exposed; int8 activations shrink the stage-to-stage sends and add
+their encoding and decoding.
 Optimizer: AdamW streams ADAM_BYTES_PER_PARAM per parameter at memory bandwidth, plus the host cost of
 OPTIMIZER_STEP_OPS aten ops (clipping, the fused step, zero_grad).
 Offload: planner/cost/offload.py (ZeRO-Offload / ZeRO-Infinity traffic, not overlapped).
@@ -30,6 +34,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from zplan.planner.cost.comm import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s
+from zplan.planner.cost.compression import (
+    activation_bytes_per_element,
+    activation_codec_s,
+    compressed_gradient_reduce_s,
+    weight_codec_s,
+    weight_gather_bytes_per_element,
+)
 from zplan.planner.cost.compute import (
     BACKWARD_OVER_FORWARD,
     EMBEDDING_OPS,
@@ -40,6 +51,7 @@ from zplan.planner.cost.compute import (
 from zplan.planner.cost.inputs import Candidates, ModelNumbers
 from zplan.planner.cost.memory import (
     DDP_BUCKET_BYTES,
+    GRAD_BYTES,
     MemoryEstimate,
     blocks_per_stage,
     element_bytes,
@@ -93,18 +105,24 @@ def fsdp_units(model: ModelNumbers, cand: Candidates) -> np.ndarray:
     return blocks_per_stage(model, cand) + cand.interleave
 
 
-def data_parallel_s(model: ModelNumbers, cand: Candidates, cluster: ClusterSpec, grads_bytes: np.ndarray,
-                    compute_mb: np.ndarray, m: np.ndarray) -> np.ndarray:
+def data_parallel_s(model: ModelNumbers, cand: Candidates, cluster: ClusterSpec, params_gpu: np.ndarray,
+                    elem: int, compute_mb: np.ndarray, m: np.ndarray) -> np.ndarray:
     """Seconds per step of data-parallel / ZeRO collectives (and FSDP2 host work) not hidden behind compute.
-    `grads_bytes`: this stage's gradients (= its gathered weights) per GPU; `compute_mb`: one micro-batch's
-    compute on the stage; `m`: micro-batches per step."""
+    `params_gpu`: this stage's parameters per GPU (its gradients and gathered weights are `elem` bytes each);
+    `compute_mb`: one micro-batch's compute on the stage; `m`: micro-batches per step."""
     t, p, dp, z = cand.tp, cand.pp, cand.dp, cand.zero
+    grads_bytes = elem * params_gpu
     overlap = cluster.overlaps_comm_with_compute
     one = np.ones_like(t)
     # ZeRO 0-1: one gradient all-reduce per step, hidden behind the last backward where comm overlaps.
     reduce_once = all_reduce_s(grads_bytes, dp, t, cluster)
     backward_window = compute_mb * BACKWARD_OVER_FORWARD / (1.0 + BACKWARD_OVER_FORWARD)
     reduce_exposed = np.maximum(0.0, reduce_once - backward_window) if overlap else reduce_once
+    # Compressed gradients instead: the runtime's synchronous compressed all-reduce, per DDP bucket of fp32
+    # gradients (int8) or once (1-bit), not hidden.
+    grad_buckets = np.maximum(1.0, np.ceil(GRAD_BYTES * params_gpu / DDP_BUCKET_BYTES))
+    reduce_exposed = np.where(cand.grad_compress > 0,
+                              compressed_gradient_reduce_s(params_gpu, cand, cluster, grad_buckets), reduce_exposed)
     # ZeRO-1 weight sync after the step: the updated weights all-gathered, one all-gather per bucket.
     buckets = np.maximum(1.0, np.ceil(grads_bytes / DDP_BUCKET_BYTES))
     zero1_sync = buckets * all_gather_s(grads_bytes / buckets, dp, t, cluster)
@@ -114,11 +132,15 @@ def data_parallel_s(model: ModelNumbers, cand: Candidates, cluster: ClusterSpec,
     units = fsdp_units(model, cand)
     unit_bytes = grads_bytes / units
     gathers_per_step = np.where(z == 3, 2.0 * m, 1.0)
-    gather = all_gather_s(unit_bytes, dp, t, cluster)
+    # int8 weights (ZeRO 3): the gathers move the compressed bytes; dequantizing each gathered unit is exposed.
+    gather_bytes = np.where(cand.weight_compress > 0,
+                            weight_gather_bytes_per_element(cand, elem) * params_gpu / units, unit_bytes)
+    gather = all_gather_s(gather_bytes, dp, t, cluster)
     comm_per_mb = units * (gathers_per_step / m * gather + reduce_scatter_s(unit_bytes, dp, t, cluster))
     first_gather = gather  # the first unit's gather cannot overlap
     exposed_mb = np.maximum(0.0, comm_per_mb - compute_mb) + first_gather / m if overlap else comm_per_mb
     stage23 = m * (exposed_mb + units * cluster.host_overheads.sharded_unit_s)
+    stage23 = stage23 + gathers_per_step * units * weight_codec_s(params_gpu / units, cand, cluster, elem)
     # Every step: the logged loss all-reduced over all ranks; ZeRO 2-3 also all-reduce the gradient norm.
     scalars = (all_reduce_s(SCALAR_BYTES * one, t * p * dp, one, cluster)
                + np.where(z >= 2, all_reduce_s(SCALAR_BYTES * one, dp, t, cluster), 0.0))
@@ -161,10 +183,16 @@ def estimate_step(
     bubble = (p - 1) / v * stage_s
     crosses_node = t * dp >= cluster.gpus_per_node
     p2p = np.where(p > 1, 2.0 * v * m * p2p_s(b * s * h * elem / t, crosses_node, cluster), 0.0)
+    # int8 activations: each crossing sends the compressed bytes and is encoded and decoded on the way.
+    act_elements = b * s * h / t
+    codec_forward, codec_backward = activation_codec_s(act_elements, cand, cluster, elem)
+    act_crossing = p2p_s(act_elements * activation_bytes_per_element(cand, h, elem), crosses_node, cluster)
+    p2p = np.where((p > 1) & (cand.act_compress > 0),
+                   v * m * (2.0 * act_crossing + codec_forward + codec_backward), p2p)
 
     memory = memory_per_gpu(model, cand, cluster, precision, m)
     params_gpu = memory.stage_params
-    dp_s = data_parallel_s(model, cand, cluster, elem * params_gpu, compute_mb, m)
+    dp_s = data_parallel_s(model, cand, cluster, params_gpu, elem, compute_mb, m)
 
     shard = params_gpu / np.where(z >= 1, dp, 1)
     offload_s = offload_time_s(cand, params_gpu, m, cluster, precision)

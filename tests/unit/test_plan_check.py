@@ -102,6 +102,24 @@ def test_parameters_on_nvme_need_zero3(zero_stage, runs, model_file):
             check_plan(plan, model_file, world_size=2)
 
 
+@pytest.mark.parametrize("zero_stage, compress, runs", [
+    (1, dict(grad="int8"), True), (3, dict(grad="int8"), False), (0, dict(grad="1bit"), True),
+    (1, dict(grad="1bit"), False), (3, dict(weights="int8"), True), (1, dict(weights="int8"), False),
+    (0, dict(activations="int8"), False)])
+def test_compression_the_plan_cannot_run_is_refused(zero_stage, compress, runs, model_file):
+    """What runtime/compression runs (act=int8 needs pp > 1; this plan has pp = 1)."""
+    from zplan.schemas.spec import CompressionConfig
+
+    plan = plan_for(model_file, zero_stage=zero_stage)
+    plan = plan.model_copy(update=dict(parallel=plan.parallel.model_copy(
+        update=dict(compression=CompressionConfig(**compress)))))
+    if runs:
+        check_plan(plan, model_file, world_size=2)
+    else:
+        with pytest.raises(PlanMismatchError, match=r"--compress .* recompile with a --compress that fits"):
+            check_plan(plan, model_file, world_size=2)
+
+
 def test_load_plan_round_trip_and_errors(model_file, tmp_path):
     plan = plan_for(model_file)
     (tmp_path / "plan.json").write_text(plan.model_dump_json())
