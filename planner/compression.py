@@ -3,8 +3,8 @@ candidates that support it, and the decision the report shows.
 
 What each setting needs (as runtime/compression/ and runtime/apply.py run it):
   grad=int8     ZeRO 0 or 1 with tp = 1: a DDP communication hook on the gradient buckets.
-  grad=1bit     ZeRO 0 with tp = pp = 1, so no offload: 1-bit Adam (Tang et al. 2021) runs on a DDP model whose
-                ranks hold the whole parameters and the whole optimizer.
+  grad=1bit     ZeRO 0 or 1 with tp = pp = 1, no offload: 1-bit Adam (Tang et al. 2021) on a DDP model; under
+                ZeRO 1 the gradients are compressed once the variance is frozen (OneBitZeroOneAdamW).
   weights=int8  ZeRO 3: it compresses ZeRO-3's parameter all-gathers (ZeRO++ qwZ, Wang et al. 2023; FSDP2's
                 custom all-gather, runtime/compression/weight_allgather.py).
   act=int8      pp > 1: it compresses the hidden states and their gradients between pipeline stages.
@@ -74,8 +74,8 @@ class Needs:
 _NEEDS = {
     ("grad", "int8"): Needs("grad=int8", (0, 1), True, "any", "it is a DDP communication hook on the gradient "
                             "buckets, which runs with ZeRO 0 or 1 and tensor parallel 1"),
-    ("grad", "1bit"): Needs("grad=1bit", (0,), True, "one", "1-bit Adam runs on a DDP model whose ranks hold the "
-                            "whole parameters and optimizer: ZeRO 0, no tensor or pipeline parallelism"),
+    ("grad", "1bit"): Needs("grad=1bit", (0, 1), True, "one", "1-bit Adam runs on a DDP model (ZeRO 0, or ZeRO 1 "
+                            "with the gradients compressed), no tensor or pipeline parallelism"),
     ("weights", "int8"): Needs("weights=int8", (3,), False, "any", "it compresses ZeRO-3's parameter all-gathers"),
     ("activations", "int8"): Needs("act=int8", (0, 1, 2, 3), False, "many", "it compresses the hidden states sent "
                                    "between pipeline stages"),
@@ -143,10 +143,10 @@ def check_compression(config: CompressionConfig | None, pins: Pins, gpus: int, d
             pinned = "--pp 1 is pinned" if pins.pp == 1 else "one GPU has no pipeline"
             raise SpecError(fail.format("pp > 1", pinned, f"pin --pp 2 or more on 2 or more GPUs, or drop "
                                         f"{need.option}"))
-        if need.zero == (0,) and pins.offload in ("cpu", "nvme"):
-            raise SpecError(fail.format("ZeRO 0", f"--offload {pins.offload} needs ZeRO >= 1",
+        if need.option == "grad=1bit" and pins.offload in ("cpu", "nvme"):
+            raise SpecError(fail.format("no offload", f"--offload {pins.offload} is pinned",
                                         f"drop --offload or {need.option}"))
-        if delayed_update == "on" and 1 not in need.zero:
+        if delayed_update == "on" and (1 not in need.zero or need.option == "grad=1bit"):
             raise SpecError(fail.format(_zero_words(need.zero), "--delayed-update on needs ZeRO 1 with CPU offload",
                                         f"pass --delayed-update auto, or drop {need.option}"))
 
@@ -159,9 +159,13 @@ def check_model_for_compression(config: CompressionConfig | None, summary: Model
                         f"a word), and {summary.name} has hidden {summary.hidden}: drop act=int8.")
 
 
-def supported_mask(config: CompressionConfig, tp: np.ndarray, pp: np.ndarray, zero: np.ndarray) -> np.ndarray:
-    """Which configurations (arrays over candidates) support every setting of `config`."""
+def supported_mask(config: CompressionConfig, tp: np.ndarray, pp: np.ndarray, zero: np.ndarray,
+                   offload: np.ndarray | None = None) -> np.ndarray:
+    """Which configurations (arrays over candidates; offload: tier codes, 0 = none) support every setting of
+    `config`. grad=1bit also needs no offload (its optimizer steps on the device)."""
     ok = np.ones(np.shape(tp), dtype=bool)
+    if config.grad == "1bit" and offload is not None:
+        ok &= offload == 0
     for need in needs(config):
         ok &= np.isin(zero, need.zero)
         if need.tp_one:

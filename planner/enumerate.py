@@ -74,7 +74,7 @@ def enumerate_candidates(
     pinned_gap = pins.offload == "nvme"
     legal &= (off < 2) | pinned_gap  # what the runtime runs (see above): CPU offload with ZeRO >= 1
     compression = pins.compress or CompressionConfig()
-    legal &= supported_mask(compression, t, p, z)
+    legal &= supported_mask(compression, t, p, z, off)
     idx = np.nonzero(legal)[0]
     return Candidates(tp=t[idx], pp=p[idx], dp=d[idx], micro_batch=b[idx], zero=z[idx], recompute=r[idx],
                       sp=sp[idx], interleave=v[idx], offload=off[idx]).with_compression(

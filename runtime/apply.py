@@ -249,8 +249,9 @@ def build_optimizer(
     offload='nvme' (ZeRO-Infinity): the moments in files under `nvme_path`, swapped per sub-group during
     the step (runtime.offload.nvme_optimizer: NvmeZeroOneAdamW for ZeRO 1, NvmeShardedAdamW for 2/3);
     swap_parameters (ZeRO 3): the parameter shards in files too (runtime.offload.param_swap).
-    grad_compression '1bit' (ZeRO 0, DDP): 1-bit Adam (runtime.compression.grad_compression.OneBitAdamW), exact
-    AdamW for `onebit_warmup_steps` steps, then the momentum all-reduced as signs.
+    grad_compression '1bit' (DDP): exact AdamW for `onebit_warmup_steps` steps, then Adam's variance frozen and,
+    ZeRO 0, the momentum all-reduced as signs (1-bit Adam: runtime.compression.grad_compression.OneBitAdamW), or,
+    ZeRO 1, the gradients (OneBitZeroOneAdamW).
     fp16 with ZeRO 2/3 uses the foreach kernel: the fused step rejects the shape-[1] inf flag that
     FSDP's ShardedGradScaler hands it (torch 2.13).
     """
@@ -260,12 +261,14 @@ def build_optimizer(
     if grad_compression == "1bit":
         from torch.nn.parallel import DistributedDataParallel
 
-        if zero_stage != 0 or offload != "none" or not isinstance(model, DistributedDataParallel):
-            raise NotImplementedError("1-bit Adam runs with ZeRO 0, no offload, on a DDP model (no tensor or "
-                                      "pipeline parallel)")
-        from zplan.runtime.compression.grad_compression import OneBitAdamW
+        from zplan.runtime.compression import grad_compression as compression
 
-        return OneBitAdamW(groups, model, dp_mesh.get_group(), lr=lr, warmup_steps=onebit_warmup_steps)
+        if zero_stage not in (0, 1) or offload != "none" or not isinstance(model, DistributedDataParallel):
+            raise NotImplementedError("1-bit compression runs with ZeRO 0 or 1, no offload, on a DDP model (no "
+                                      "tensor or pipeline parallel)")
+        if zero_stage == 1:
+            return compression.OneBitZeroOneAdamW(groups, dp_mesh, model, lr=lr, warmup_steps=onebit_warmup_steps)
+        return compression.OneBitAdamW(groups, model, dp_mesh.get_group(), lr=lr, warmup_steps=onebit_warmup_steps)
     fused = not (precision == "fp16" and zero_stage in (2, 3))
     if offload == "nvme":
         from zplan.runtime.offload import nvme_optimizer

@@ -100,9 +100,9 @@ def _compression_unsupported(plan: Plan) -> bool:
     p = plan.parallel
     if not p.compression.enabled:
         return False
-    if p.compression.grad == "1bit" and p.offload != "none":
-        return True
-    return not bool(supported_mask(p.compression, np.array([p.tp]), np.array([p.pp]), np.array([p.zero_stage]))[0])
+    offload = np.array([0 if p.offload == "none" else 1])
+    return not bool(supported_mask(p.compression, np.array([p.tp]), np.array([p.pp]), np.array([p.zero_stage]),
+                                   offload)[0])
 
 
 def check_plan(plan: Plan, model_path: str | Path | None, world_size: int) -> None:

@@ -186,6 +186,7 @@ def memory_per_gpu(
     bucket = np.minimum(DDP_BUCKET_BYTES, GRAD_BYTES * first_params)
     comm = comm + np.where(cand.grad_compress == 1, INT8_HOOK_BUCKET_COPIES * bucket, 0.0)
     one_bit_errors = ONE_BIT_ERROR_BYTES_PER_PARAM * (1.0 + 1.0 / dp) * params_gpu
+    one_bit_errors = one_bit_errors + np.where(z == 1, ADAM_BYTES / 2 * params_gpu, 0.0)  # ZeRO-1: whole momentum
     one_bit_step = np.maximum(0.0, ONE_BIT_STEP_BYTES_PER_PARAM * params_gpu - acts)
     comm = comm + np.where(cand.grad_compress == 2, one_bit_errors + one_bit_step, 0.0)
     total = weights + grads + optim + acts + comm + reserve

@@ -19,7 +19,9 @@ unchanged, so it works under ZeRO 0 and ZeRO 1 (runtime.zero1 reads DDP's averag
 a gradient hook: signs of gradients fed to Adam do not converge (1-bit Adam sec. 3.1, the variance term is not
 linear); `OneBitAdamW` runs exact AdamW for `warmup_steps` steps, then freezes Adam's variance and all-reduces
 the momentum through the 1-bit compressed all-reduce (DDP's hook then sends nothing). It needs every rank to
-hold whole parameters and the whole optimizer: ZeRO 0 only.
+hold whole parameters and the whole optimizer: ZeRO 0. Under ZeRO 1 (`OneBitZeroOneAdamW`) the ranks hold
+their rows' momentum only: there the gradients are 1-bit all-reduced with error feedback once the variance is
+frozen (the update is then linear in them).
 
 Bytes on the wire are counted at the collective calls (`WireBytes`) with the per-rank formulas of the ring
 and direct algorithms: all-reduce 2 (W-1)/W x size, all-to-all (W-1)/W x size, all-gather (W-1) x size of the
@@ -32,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from zplan.cuda.comm_quant import dequantize_int8_blocks, pack_signs, quantize_int8_blocks, unpack_signs
+from zplan.runtime.zero1 import ZeroOneAdamW, _local
 
 # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -251,3 +254,77 @@ def _warmup_or_local_hook(state: HookState, bucket: dist.GradBucket) -> torch.fu
     if state.compress:
         return local_gradients_hook(state, bucket)
     return _done(all_reduce_mean(bucket.buffer(), state.group, state.wire).view_as(bucket.buffer()))
+
+
+# ---- 1-bit with ZeRO-1 ----------------------------------------------------------------------------------------
+
+
+class OneBitZeroOneAdamW(ZeroOneAdamW):
+    """1-bit Adam under ZeRO-1 (runtime.zero1.ZeroOneAdamW), for a DDP model with tp = pp = 1.
+
+    Warm-up: ZeroOneAdamW as it is (exact AdamW, states sharded by rows). Then, as OneBitAdamW: DDP sends
+    nothing, Adam's variance is frozen (each rank keeps its rows of v), and the momentum is all-reduced in 1 bit
+    with error feedback. 1-bit Adam needs every rank's whole momentum for that, so from the warm-up's end each
+    rank holds a full momentum (4 bytes per parameter more than ZeRO-1's rows; gathered once from the rows when
+    the warm-up ends): m = beta1 m + (1 - beta1) g_local; m = one_bit_all_reduce_mean(m); each rank updates its
+    rows with m's rows and its frozen v, and the rows are all-gathered as in ZeroOneAdamW. (Compressing the
+    averaged gradients instead, with the momentum kept in rows, ended 19-21 % above the fp32 loss on the tiny
+    GPT, against -0.5 % for this.)"""
+
+    def __init__(self, params, dp_mesh, ddp: torch.nn.parallel.DistributedDataParallel, *,
+                 warmup_steps: int = 100, **kwargs):
+        super().__init__(params, dp_mesh, **kwargs)
+        self.warmup_steps = warmup_steps
+        self.hook_state = HookState(dp_mesh.get_group(), compress=False)
+        self.wire = self.hook_state.wire
+        self.errors = OneBitErrors()
+        self.momentum: dict[torch.Tensor, torch.Tensor] = {}  # full local momentum per parameter, after warm-up
+        ddp.register_comm_hook(self.hook_state, _warmup_or_local_hook)
+
+    def _steps_done(self) -> int:
+        return int(min((float(s["step"]) for s in self.state.values()), default=0))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self._steps_done() < self.warmup_steps:
+            loss = super().step(closure)
+        else:
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            self._one_bit_step()
+            self._all_gather_parameters()
+        self.hook_state.compress = self._steps_done() >= self.warmup_steps  # from the next backward on
+        return loss
+
+    def _one_bit_step(self) -> None:
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if not self.momentum:  # the warm-up's momentum, whole on every rank (one fp32 all-gather)
+            self.momentum = {p: self.state[p]["exp_avg"].full_tensor() for g in self.param_groups
+                             for p in g["params"]}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.momentum[p].lerp_(p.grad, 1 - group["betas"][0])
+        flat = torch.cat([self.momentum[p].reshape(-1) for p in params])
+        mean = one_bit_all_reduce_mean(flat, self.hook_state.group, self.wire, self.errors)
+        offset = 0
+        for p in params:
+            self.momentum[p].copy_(mean[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                rows, state = self._rows[p], self.state[p]
+                state["step"] += 1
+                if rows.stop == rows.start:
+                    continue
+                m_rows = self.momentum[p][rows.start:rows.stop]
+                state["exp_avg"].to_local().copy_(m_rows)  # the rows a checkpoint saves
+                denom = (state["exp_avg_sq"].to_local() / (1 - beta2**self.warmup_steps)).sqrt_().add_(group["eps"])
+                param = _local(p.detach())[rows.start:rows.stop]
+                param.mul_(1 - group["lr"] * group["weight_decay"])
+                param.addcdiv_(m_rows, denom, value=-group["lr"] / (1 - beta1 ** float(state["step"])))

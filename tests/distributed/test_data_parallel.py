@@ -198,12 +198,12 @@ def test_nvme_offload_matches_single_process(zero_stage, parameters, model_path,
 
 
 @pytest.mark.parametrize("zero_stage, pp, compress", [
-    (0, 1, dict(grad="int8")), (1, 1, dict(grad="int8")), (0, 1, dict(grad="1bit")), (3, 1, dict(weights="int8")),
-    (0, 2, dict(activations="int8"))])
+    (0, 1, dict(grad="int8")), (1, 1, dict(grad="int8")), (0, 1, dict(grad="1bit")), (1, 1, dict(grad="1bit")),
+    (3, 1, dict(weights="int8")), (0, 2, dict(activations="int8"))])
 def test_compressed_communication_trains_close_to_single_process(zero_stage, pp, compress, model_path, reference,
                                                                  tmp_path):
-    """The emitted train.py with --compress (runtime.compression): int8 gradients (ZeRO 0/1), 1-bit Adam (its
-    warm-up is 1 of these 4 steps), int8 ZeRO-3 weight all-gathers, int8 activations between 2 pipeline stages.
+    """The emitted train.py with --compress (runtime.compression): int8 gradients (ZeRO 0/1), 1-bit Adam (ZeRO 0/1;
+    its warm-up is 1 of these 4 steps), int8 ZeRO-3 weight all-gathers, int8 activations between 2 pipeline stages.
     Lossy: each step's loss within 3 % of one process (tests/distributed/test_grad_compression.py trains longer)."""
     from zplan.schemas.spec import CompressionConfig
 

@@ -104,8 +104,8 @@ def test_parameters_on_nvme_need_zero3(zero_stage, runs, model_file):
 
 @pytest.mark.parametrize("zero_stage, compress, runs", [
     (1, dict(grad="int8"), True), (3, dict(grad="int8"), False), (0, dict(grad="1bit"), True),
-    (1, dict(grad="1bit"), False), (3, dict(weights="int8"), True), (1, dict(weights="int8"), False),
-    (0, dict(activations="int8"), False)])
+    (1, dict(grad="1bit"), True), (3, dict(grad="1bit"), False), (3, dict(weights="int8"), True),
+    (1, dict(weights="int8"), False), (0, dict(activations="int8"), False)])
 def test_compression_the_plan_cannot_run_is_refused(zero_stage, compress, runs, model_file):
     """What runtime/compression runs (act=int8 needs pp > 1; this plan has pp = 1)."""
     from zplan.schemas.spec import CompressionConfig
