@@ -17,6 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Ranks  # noqa: E402
+from test_data_parallel import _print_records_and_close  # noqa: E402
 
 SHAPES = [(1024, 1024), (1024,), (2048, 1024), (7, 3)]  # 3.15M parameters: 12.6 MB of moments per rank of 2
 CAP_BYTES = 2 * 2**20  # the moments a rank may hold in memory
@@ -26,17 +27,6 @@ STEPS = 3
 def _resident_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _print_records_and_close(record: dict) -> None:
-    """Rank 0 prints every rank's record as one JSON line."""
-    import torch.distributed as dist
-
-    records = [None] * dist.get_world_size()
-    dist.all_gather_object(records, record)
-    if dist.get_rank() == 0:
-        print("RESULT " + json.dumps(records), flush=True)
-    dist.destroy_process_group()
 
 
 def _run_workers(mode: str, tmp_path: Path) -> list[dict]:
