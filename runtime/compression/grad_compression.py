@@ -151,7 +151,8 @@ class HookState:
 
     group: dist.ProcessGroup
     wire: WireBytes = field(default_factory=WireBytes)
-    compress: bool = True  # False: the counted fp32 baseline
+    # int8_hook: int8, or (False) the counted fp32 baseline; the 1-bit hook: past the warm-up, DDP sends nothing
+    compress: bool = True
 
 
 def _done(tensor: torch.Tensor) -> torch.futures.Future:
