@@ -177,6 +177,24 @@ def local_gradients_hook(state, bucket: dist.GradBucket) -> torch.futures.Future
 # ---- 1-bit Adam ---------------------------------------------------------------------------------------------
 
 
+def _average_in_one_bit(momenta: list[torch.Tensor], group, wire: WireBytes, errors: OneBitErrors) -> None:
+    """`momenta`, in place, averaged over ranks in one 1-bit all-reduce of their concatenation."""
+    mean = one_bit_all_reduce_mean(torch.cat([m.reshape(-1) for m in momenta]), group, wire, errors)
+    offset = 0
+    for m in momenta:
+        m.copy_(mean[offset:offset + m.numel()].view_as(m))
+        offset += m.numel()
+
+
+def _adamw_update_(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, group: dict, step: float,
+                   variance_steps: int) -> None:
+    """p = p (1 - lr wd) - lr (m / (1 - beta1^step)) / (sqrt(v / (1 - beta2^variance_steps)) + eps), in place."""
+    beta1, beta2 = group["betas"]
+    denom = (exp_avg_sq / (1 - beta2**variance_steps)).sqrt_().add_(group["eps"])
+    param.mul_(1 - group["lr"] * group["weight_decay"])
+    param.addcdiv_(exp_avg, denom, value=-group["lr"] / (1 - beta1**step))
+
+
 class OneBitAdamW(torch.optim.Optimizer):
     """1-bit Adam (Tang et al. 2021, Algorithm 1) with decoupled weight decay, for a DDP model (ZeRO 0).
 
@@ -213,6 +231,7 @@ class OneBitAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        compressing = self.compressing  # the warm-up is over
         self.steps += 1
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         for p in params:
@@ -220,32 +239,21 @@ class OneBitAdamW(torch.optim.Optimizer):
             if not state:
                 state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
             state["step"] = torch.tensor(float(self.steps))  # as torch's AdamW keeps it: checkpoints interchange
-        compressing = self.steps > self.warmup_steps
         for group in self.param_groups:
-            beta1, _ = group["betas"]
+            beta1, beta2 = group["betas"]
             for p in group["params"]:
                 if p.grad is not None:
                     self.state[p]["exp_avg"].lerp_(p.grad, 1 - beta1)
                     if not compressing:
-                        beta2 = group["betas"][1]
                         self.state[p]["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
         if compressing:  # the momenta of all parameters, averaged over ranks in one 1-bit all-reduce
-            flat = torch.cat([self.state[p]["exp_avg"].view(-1) for p in params])
-            mean = one_bit_all_reduce_mean(flat, self.group, self.wire, self.errors)
-            offset = 0
-            for p in params:
-                self.state[p]["exp_avg"].copy_(mean[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+            _average_in_one_bit([self.state[p]["exp_avg"] for p in params], self.group, self.wire, self.errors)
         variance_steps = min(self.steps, self.warmup_steps)
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                denom = (state["exp_avg_sq"] / (1 - beta2**variance_steps)).sqrt_().add_(group["eps"])
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - beta1**self.steps))
+                if p.grad is not None:
+                    state = self.state[p]
+                    _adamw_update_(p, state["exp_avg"], state["exp_avg_sq"], group, self.steps, variance_steps)
         self.hook_state.compress = self.compressing  # from the next backward on, DDP sends nothing
         return loss
 
@@ -308,14 +316,8 @@ class OneBitZeroOneAdamW(ZeroOneAdamW):
             for p in group["params"]:
                 if p.grad is not None:
                     self.momentum[p].lerp_(p.grad, 1 - group["betas"][0])
-        flat = torch.cat([self.momentum[p].reshape(-1) for p in params])
-        mean = one_bit_all_reduce_mean(flat, self.hook_state.group, self.wire, self.errors)
-        offset = 0
-        for p in params:
-            self.momentum[p].copy_(mean[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        _average_in_one_bit([self.momentum[p] for p in params], self.hook_state.group, self.wire, self.errors)
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -325,7 +327,5 @@ class OneBitZeroOneAdamW(ZeroOneAdamW):
                     continue
                 m_rows = self.momentum[p][rows.start:rows.stop]
                 state["exp_avg"].to_local().copy_(m_rows)  # the rows a checkpoint saves
-                denom = (state["exp_avg_sq"].to_local() / (1 - beta2**self.warmup_steps)).sqrt_().add_(group["eps"])
-                param = _local(p.detach())[rows.start:rows.stop]
-                param.mul_(1 - group["lr"] * group["weight_decay"])
-                param.addcdiv_(m_rows, denom, value=-group["lr"] / (1 - beta1 ** float(state["step"])))
+                _adamw_update_(_local(p.detach())[rows.start:rows.stop], m_rows, state["exp_avg_sq"].to_local(),
+                               group, float(state["step"]), self.warmup_steps)

@@ -1,4 +1,6 @@
-"""Offload of model states off the GPU: the NVMe swapping engine (ZeRO-Infinity) lives in nvme.py."""
+"""Offload of model states off the GPU: ZeRO-Offload's CPU AdamW (cpu_adam_optimizer.py), and ZeRO-Infinity's
+swapping engine (nvme.py), swapped Adam moments (swapped_moments.py, nvme_optimizer.py) and swapped ZeRO-3
+parameters (param_swap.py)."""
 
 from zplan.errors import SwapError
 from zplan.runtime.offload.nvme import (

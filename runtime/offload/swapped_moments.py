@@ -20,7 +20,6 @@ zero (as torch's AdamW initialises them) and no file exists.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -94,7 +93,6 @@ class SwappedMoments:
         self._slots = [aligned_tensor((2 * capacity,), torch.float32) for _ in range(min(SLOTS, len(self.sub_groups)))]
         self._writes: list[Future | None] = [None] * len(self._slots)  # the write in flight from each slot
         self._on_disk = [False] * len(self.sub_groups)
-        self.io_wait_s = 0.0  # seconds the last sweep waited for reads and for slots still being written
 
     # ---- what is where ------------------------------------------------------------------------------
 
@@ -120,12 +118,11 @@ class SwappedMoments:
         """For each sub-group in order: its moments in host memory, update(pieces, exp_avg, exp_avg_sq) (flat
         fp32 views, n_k elements each, piece i at pieces[i].offset), and, when it returns True, the moments
         written back. Reads run one sub-group ahead; writes go on after the call returns."""
-        self.io_wait_s = 0.0
         reads = {0: self._start_read(0)} if self.sub_groups else {}
         for k, pieces in enumerate(self.sub_groups):
             if k + 1 < len(self.sub_groups):
                 reads[k + 1] = self._start_read(k + 1)
-            self._wait(reads.pop(k))
+            self.engine.wait(reads.pop(k))
             exp_avg, exp_avg_sq = self._views(k)
             if update(pieces, exp_avg, exp_avg_sq):
                 self._writes[k % len(self._slots)] = self.engine.swap_out(self._name(k), self._buffer(k))
@@ -176,7 +173,7 @@ class SwappedMoments:
     def _start_read(self, k: int) -> Future:
         pending = self._writes[k % len(self._slots)]
         if pending is not None:  # the slot's previous sub-group is still being written from it
-            self._wait(pending)
+            self.engine.wait(pending)
             self._writes[k % len(self._slots)] = None
         if self._on_disk[k]:
             return self.engine.swap_in(self._name(k), out=self._buffer(k))
@@ -184,8 +181,3 @@ class SwappedMoments:
         done: Future = Future()
         done.set_result(None)
         return done
-
-    def _wait(self, future: Future) -> None:
-        started = time.perf_counter()
-        self.engine.wait(future)
-        self.io_wait_s += time.perf_counter() - started
