@@ -1,0 +1,145 @@
+"""The inference plan (`zplan compile --mode inference`): the contract between the inference planner
+(planner.inference) and the emitted generate.py / serve.py (runtime.inference).
+
+Serving splits the GPUs into `replicas` independent copies of the model, each tensor parallel over
+`tp` GPUs; requests go to one replica. Weights are quantized weight-only (int8/int4, group-wise) or
+kept at the compute precision, and live on the GPU or, when they do not fit, in host memory or NVMe
+files streamed to the GPU layer by layer (ZeRO-Inference, Aminabadi et al. 2022, Sec. 6).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from zplan.schemas.cluster import ClusterSpec
+from zplan.schemas.model import ModelSummary
+from zplan.schemas.plan import Assumption, Fingerprint
+
+INFERENCE_PLAN_SCHEMA_VERSION = 1
+Target = Literal["latency", "throughput"]
+WeightPrecision = Literal["fp32", "bf16", "fp16", "int8", "int4"]
+ComputeDtype = Literal["fp32", "bf16", "fp16"]
+WeightTier = Literal["gpu", "cpu", "nvme"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class InferenceSpec(_Frozen):
+    """What the user asks for."""
+
+    target: Target = Field(description="latency: the smallest time per output token (then time to first token); "
+                           "throughput: the most generated tokens/s over all replicas.")
+    batch: int = Field(gt=0, description="Sequences generated together on one replica (the server's largest batch).")
+    prompt_len: int = Field(gt=0, description="Prompt tokens per sequence the prediction assumes (and the most a "
+                            "request may send, with gen_len, within max_seq_len).")
+    gen_len: int = Field(gt=0, description="Generated tokens per sequence the prediction assumes.")
+
+
+class InferencePins(_Frozen):
+    """Choices the user fixed; None leaves the choice to the planner."""
+
+    tp: Optional[int] = Field(default=None, gt=0, description="Tensor-parallel degree.")
+    precision: Optional[WeightPrecision] = Field(default=None, description="Weight precision (--precision).")
+    offload: Optional[WeightTier] = Field(default=None, description="Where weights live (--offload none|cpu|nvme; "
+                                          "none is stored as gpu).")
+
+
+class InferenceParallel(_Frozen):
+    """The chosen configuration: everything generate.py and serve.py need to build the engine."""
+
+    tp: int = Field(gt=0, description="Tensor-parallel degree of one replica (GPUs per replica).")
+    replicas: int = Field(gt=0, description="Independent model replicas: gpus / tp.")
+    weight_precision: WeightPrecision = Field(description="Storage of the block Linears' weights; int8/int4 are "
+                                              "weight-only, group-wise symmetric, dequantized inside the matmul. "
+                                              "Embeddings, norms and the head stay at compute_dtype.")
+    quant_group_size: int = Field(default=128, gt=0, description="Input features per quantization scale "
+                                  "(int8/int4).")
+    compute_dtype: ComputeDtype = Field(description="Activations, KV cache and matmul precision.")
+    weight_tier: WeightTier = Field(description="Where the block weights live between uses: gpu (resident), cpu "
+                                    "(pinned host memory) or nvme (files), the last two streamed layer by layer.")
+    prefetch_layers: int = Field(default=1, ge=0, description="Layers streamed ahead of the one computing (weight "
+                                 "tiers cpu/nvme; 0 when resident).")
+    max_batch: int = Field(gt=0, description="Sequences one replica runs together; the KV cache is preallocated "
+                           "for this many.")
+    max_seq_len: int = Field(gt=0, description="Prompt plus generated tokens per sequence the KV cache holds.")
+
+
+class InferenceMemory(_Frozen):
+    """Bytes per GPU."""
+
+    weights: float = Field(ge=0, description="Resident weight bytes (streamed tiers: the layers in flight, plus "
+                           "embeddings and head).")
+    kv_cache: float = Field(ge=0, description="Preallocated KV cache: 2 * layers * max_batch * max_seq_len * "
+                            "kv_heads/tp * head_dim * bytes.")
+    activations: float = Field(ge=0, description="Largest transient activations (prefill of a full batch), "
+                               "including the logits.")
+    reserve: float = Field(ge=0, description="Framework reserve (context, allocator).")
+    total: float = Field(ge=0, description="Sum of the above.")
+    capacity: float = Field(gt=0, description="Device memory.")
+    cpu_bytes_per_node: float = Field(ge=0, description="Host bytes of streamed weights per node.")
+    nvme_bytes_per_node: float = Field(ge=0, description="NVMe bytes of streamed weights per node.")
+
+
+class InferenceTime(_Frozen):
+    """Where the time goes, seconds. Prefill: the whole batch's prompts in one pass; decode: one token for
+    every sequence of the batch."""
+
+    prefill_compute_s: float = Field(ge=0, description="Prefill matmul and attention FLOPs / achieved FLOP/s "
+                                     "(compute bound).")
+    prefill_tp_s: float = Field(ge=0, description="Prefill tensor-parallel all-reduces (two per layer).")
+    prefill_stream_s: float = Field(ge=0, description="Prefill time waiting for streamed weights, not hidden.")
+    decode_weights_s: float = Field(ge=0, description="Per decode step: weight bytes read / HBM bandwidth.")
+    decode_kv_s: float = Field(ge=0, description="Per decode step: KV-cache bytes read / HBM bandwidth.")
+    decode_compute_s: float = Field(ge=0, description="Per decode step: FLOPs / achieved FLOP/s, counted "
+                                    "instead of the bytes where the batch makes the step compute bound.")
+    decode_tp_s: float = Field(ge=0, description="Per decode step: tensor-parallel all-reduces (two per layer, "
+                               "latency bound).")
+    decode_stream_s: float = Field(ge=0, description="Per decode step: waiting for streamed weights, not hidden.")
+
+
+class InferencePrediction(_Frozen):
+    ttft_s: float = Field(ge=0, description="Time to first token: prefill of the batch, s.")
+    tpot_s: float = Field(ge=0, description="Time per output token: one decode step, s.")
+    request_latency_s: float = Field(ge=0, description="ttft_s + (gen_len - 1) * tpot_s.")
+    tokens_per_s: float = Field(ge=0, description="Generated tokens per second over all replicas: replicas * batch * "
+                                "gen_len / request_latency_s.")
+    memory: InferenceMemory = Field(description="Per-GPU memory.")
+    time: InferenceTime = Field(description="Where the time goes.")
+    feasible: bool = Field(description="Fits device, host and NVMe capacity.")
+
+
+class InferenceCandidate(_Frozen):
+    """One evaluated configuration, for the report and the choice's explanation."""
+
+    tp: int = Field(gt=0, description="Tensor-parallel degree.")
+    weight_precision: WeightPrecision = Field(description="Weight precision.")
+    weight_tier: WeightTier = Field(description="Where weights live.")
+    ttft_s: float = Field(ge=0, description="Predicted time to first token, s.")
+    tpot_s: float = Field(ge=0, description="Predicted time per output token, s.")
+    tokens_per_s: float = Field(ge=0, description="Predicted tokens/s over all replicas.")
+    memory_per_gpu_bytes: float = Field(ge=0, description="Predicted bytes per GPU.")
+    feasible: bool = Field(description="Fits memory.")
+    note: str = Field(default="", description="Why it lost or was refused, one sentence ('' for the chosen one).")
+
+
+class InferencePlan(_Frozen):
+    schema_version: int = Field(default=INFERENCE_PLAN_SCHEMA_VERSION, description="Inference plan format version.")
+    mode: Literal["inference"] = Field(default="inference", description="Tells an inference plan.json from a "
+                                       "training one.")
+    zplan_version: str = Field(description="zplan version that wrote the plan.")
+    fingerprint: Fingerprint = Field(description="Inputs the plan was made for (world_size: GPUs of all replicas).")
+    model: ModelSummary = Field(description="The traced or closed-form model.")
+    cluster: ClusterSpec = Field(description="The hardware profile, copied in full.")
+    spec: InferenceSpec = Field(description="Target, batch and lengths.")
+    pins: InferencePins = Field(description="What the user fixed.")
+    parallel: InferenceParallel = Field(description="The chosen configuration.")
+    prediction: InferencePrediction = Field(description="Predicted latency, throughput and memory.")
+    reason: str = Field(description="Why this configuration: the target, what it beat and by how much, and why "
+                        "weights are quantized or streamed, in one to three sentences with the numbers.")
+    candidates_evaluated: int = Field(ge=0, description="Configurations the planner scored.")
+    alternatives: list[InferenceCandidate] = Field(description="Every scored configuration, best first.")
+    assumptions: list[Assumption] = Field(description="Every number the prediction assumed.")
