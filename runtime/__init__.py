@@ -8,35 +8,33 @@
     train(model, optimizer, make_data_iter(...), loss_fn, ..., checkpoint=CheckpointConfig(...))
 """
 
-from zplan.planner.model_file import load_model_file  # the planner owns the model-file contract
-from zplan.runtime.apply import (
-    apply_data_parallel,
-    apply_pipeline,
-    apply_recompute,
-    apply_tensor_parallel,
-    build_optimizer,
-)
-from zplan.runtime.checkpoint import (
-    CheckpointConfig,
-    CheckpointError,
-    latest_checkpoint,
-    load_checkpoint,
-    resolve_checkpoint,
-    save_checkpoint,
-)
-from zplan.runtime.data import make_data_iter, synthetic_token_batch, synthetic_token_batches
-from zplan.runtime.distributed import RunContext, close_distributed, init_distributed
-from zplan.runtime.materialize import MaterializeReport, build_meta_model, build_model, materialize_weights
-from zplan.runtime.mesh import build_mesh
-from zplan.runtime.plan_check import check_plan, load_plan, model_file_sha256
-from zplan.runtime.train_loop import WarmupCosine, train
-from zplan.runtime.weights_file import save_full_weights
+from __future__ import annotations
 
-__all__ = [
-    "CheckpointConfig", "CheckpointError", "MaterializeReport", "RunContext", "WarmupCosine", "apply_data_parallel",
-    "apply_pipeline", "apply_recompute", "apply_tensor_parallel", "build_mesh", "build_meta_model", "build_model",
-    "build_optimizer", "check_plan", "close_distributed", "init_distributed", "latest_checkpoint",
-    "load_checkpoint", "load_model_file", "load_plan", "make_data_iter", "materialize_weights", "model_file_sha256",
-    "resolve_checkpoint", "save_checkpoint", "save_full_weights", "synthetic_token_batch",
-    "synthetic_token_batches", "train",
-]
+import importlib
+
+# Name -> module that defines it. Imported on first use (PEP 562), so that a program that needs one part of the
+# runtime (the inference engine, say) does not pay for importing pipelining and distributed checkpointing.
+_EXPORTS = {
+    "load_model_file": "zplan.planner.model_file",  # the planner owns the model-file contract
+    **dict.fromkeys(["apply_data_parallel", "apply_pipeline", "apply_recompute", "apply_tensor_parallel",
+                     "build_optimizer"], "zplan.runtime.apply"),
+    **dict.fromkeys(["CheckpointConfig", "CheckpointError", "latest_checkpoint", "load_checkpoint",
+                     "resolve_checkpoint", "save_checkpoint"], "zplan.runtime.checkpoint"),
+    **dict.fromkeys(["make_data_iter", "synthetic_token_batch", "synthetic_token_batches"], "zplan.runtime.data"),
+    **dict.fromkeys(["RunContext", "close_distributed", "init_distributed"], "zplan.runtime.distributed"),
+    **dict.fromkeys(["MaterializeReport", "build_meta_model", "build_model", "materialize_weights"],
+                    "zplan.runtime.materialize"),
+    "build_mesh": "zplan.runtime.mesh",
+    **dict.fromkeys(["check_plan", "load_plan", "model_file_sha256"], "zplan.runtime.plan_check"),
+    **dict.fromkeys(["WarmupCosine", "train"], "zplan.runtime.train_loop"),
+    "save_full_weights": "zplan.runtime.weights_file",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

@@ -6,10 +6,12 @@ import json
 from pathlib import Path
 
 from zplan.schemas.cluster import ClusterSpec
+from zplan.schemas.inference import InferencePlan
 from zplan.schemas.plan import Plan
 
 JSON_DIR = Path(__file__).resolve().parent / "json"
-SCHEMAS = {"plan.schema.json": Plan, "cluster.schema.json": ClusterSpec}
+SCHEMAS = {"plan.schema.json": Plan, "cluster.schema.json": ClusterSpec,
+           "inference_plan.schema.json": InferencePlan}
 
 
 def schema_text(model) -> str:

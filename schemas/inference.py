@@ -54,10 +54,13 @@ class InferenceParallel(_Frozen):
     tp: int = Field(gt=0, description="Tensor-parallel degree of one replica (GPUs per replica).")
     replicas: int = Field(gt=0, description="Independent model replicas: gpus / tp.")
     weight_precision: WeightPrecision = Field(description="Storage of the block Linears' weights; int8/int4 are "
-                                              "weight-only, group-wise symmetric, dequantized inside the matmul. "
-                                              "Embeddings, norms and the head stay at compute_dtype.")
+                                              "weight-only, group-wise symmetric (fp32 scales), dequantized inside "
+                                              "the matmul, and quantize the head's vocabulary x hidden matrix too "
+                                              "(the token table when tied to it). Other embeddings and the norms "
+                                              "stay at compute_dtype.")
     quant_group_size: int = Field(default=128, gt=0, description="Input features per quantization scale "
-                                  "(int8/int4).")
+                                  "(int8/int4): the largest power of two up to 128 that divides every quantized "
+                                  "Linear's input width on one GPU.")
     compute_dtype: ComputeDtype = Field(description="Activations, KV cache and matmul precision.")
     weight_tier: WeightTier = Field(description="Where the block weights live between uses: gpu (resident), cpu "
                                     "(pinned host memory) or nvme (files), the last two streamed layer by layer.")

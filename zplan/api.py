@@ -23,6 +23,7 @@ from zplan.planner.model_input import summarize_model
 from zplan.planner.placement_choice import PlacedStates, decide_delayed_update, place
 from zplan.planner.search import choose, refine, score
 from zplan.schemas.cluster import ClusterSpec
+from zplan.schemas.inference import InferencePlan
 from zplan.schemas.model import ModelSummary
 from zplan.schemas.plan import Fingerprint, MemoryBreakdown, Placement, Plan, Prediction, Stage, TimeBreakdown
 from zplan.schemas.spec import CompressionConfig, Pins, TrainSpec
@@ -218,11 +219,13 @@ def estimate_config(req: Request) -> dict:
     }
 
 
-def write_outputs(plan: Plan, out_dir: Path, model_ref: str) -> list[Path]:
-    """Render everything into a temporary sibling folder first, so a failure leaves nothing half-written;
-    then rename it into place (a new folder) or move each file over its old version (an existing folder:
-    files zplan did not write there, such as logs or checkpoints, are kept)."""
-    from zplan.codegen.render import render_outputs
+def write_outputs(plan: Plan | InferencePlan, out_dir: Path, model_ref: str) -> list[Path]:
+    """Render everything (a training Plan or an InferencePlan) into a temporary sibling folder first, so a
+    failure leaves nothing half-written; then rename it into place (a new folder) or move each file over its
+    old version (an existing folder: files zplan did not write there, such as logs or checkpoints, are kept)."""
+    from zplan.codegen.render import render_inference_outputs, render_outputs
+
+    render = render_inference_outputs if isinstance(plan, InferencePlan) else render_outputs
 
     out_dir = out_dir.resolve()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -230,7 +233,7 @@ def write_outputs(plan: Plan, out_dir: Path, model_ref: str) -> list[Path]:
     try:
         model_path = Path(model_ref)
         script_model = os.path.relpath(model_path.resolve(), out_dir) if model_path.is_file() else None
-        written = [p.relative_to(tmp) for p in render_outputs(plan, tmp, script_model)]
+        written = [p.relative_to(tmp) for p in render(plan, tmp, script_model)]
         if not out_dir.exists():
             tmp.rename(out_dir)
         else:

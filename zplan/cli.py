@@ -14,7 +14,7 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console
 
-from zplan.errors import ClusterError, ZplanError
+from zplan.errors import ClusterError, SpecError, ZplanError
 from zplan.reduce_cli import reduce_command
 from zplan.schemas.spec import Pins
 
@@ -28,6 +28,26 @@ class Precision(str, Enum):
     bf16 = "bf16"
     fp16 = "fp16"
     fp32 = "fp32"
+
+
+class WeightPrecision(str, Enum):
+    """compile's --precision: the training compute precision, or an inference weight precision."""
+
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+    int8 = "int8"
+    int4 = "int4"
+
+
+class Mode(str, Enum):
+    training = "training"
+    inference = "inference"
+
+
+class Target(str, Enum):
+    latency = "latency"
+    throughput = "throughput"
 
 
 class Recompute(str, Enum):
@@ -94,26 +114,88 @@ COMPRESS = typer.Option(
          "keeps the configurations that support it.")
 
 
+def _check_mode_options(mode: Mode, given: dict[str, bool]) -> None:
+    """Options of the other mode are errors naming the option (given: option -> whether it was passed)."""
+    training_only = ("--global-batch", "--seq", "--pp", "--dp", "--zero", "--micro-batch", "--recompute",
+                     "--sequence-parallel", "--interleave", "--delayed-update", "--compress")
+    inference_only = ("--target", "--batch", "--prompt-len", "--gen-len", "--precision int8", "--precision int4")
+    other, kind, fix = ((training_only, "training", "drop {} with --mode inference (inference takes "
+                         "--target, --batch, --prompt-len, --gen-len, --precision, --tp, --offload)")
+                        if mode is Mode.inference else
+                        (inference_only, "inference", "add --mode inference, or drop {} for training"))
+    wrong = [name for name in other if given.get(name)]
+    if len(wrong) == 1:
+        article = "an" if kind == "inference" else "a"
+        raise SpecError(f"{wrong[0]} is {article} {kind} option: {fix.format('it')}.")
+    if wrong:
+        raise SpecError(f"{', '.join(wrong)} are {kind} options: {fix.format('them')}.")
+
+
 @app.command()
 def compile(
     model: str = typer.Argument(..., help=MODEL_HELP),
-    gpus: int = GPUS, cluster: str = CLUSTER, global_batch: Optional[int] = BATCH, seq: Optional[int] = SEQ,
-    precision: Precision = PRECISION, tp: Optional[int] = TP, pp: Optional[int] = PP, dp: Optional[int] = DP,
-    zero: Optional[int] = ZERO, offload: Optional[Offload] = OFFLOAD, micro_batch: Optional[int] = MICRO,
+    gpus: int = GPUS, cluster: str = CLUSTER,
+    mode: Mode = typer.Option(Mode.training, "--mode", help="training (train.py) or inference (generate.py, "
+                              "serve.py)."),
+    global_batch: Optional[int] = BATCH, seq: Optional[int] = SEQ,
+    precision: Optional[WeightPrecision] = typer.Option(
+        None, "--precision",
+        help="Training: compute precision bf16|fp16|fp32 (default bf16). Inference: weight precision (default: the "
+             "compute precision, bf16 where the GPU has it, else fp16; int8/int4 weight-only quantization is chosen "
+             "only when nothing unquantized fits, or when pinned here)."),
+    tp: Optional[int] = TP, pp: Optional[int] = PP, dp: Optional[int] = DP,
+    zero: Optional[int] = ZERO,
+    offload: Optional[Offload] = typer.Option(
+        None, "--offload", help="Training: pin where optimizer states live. Inference: pin where the weights live "
+                                "(none = on the GPU; cpu/nvme: streamed layer by layer; default: the GPU, streaming "
+                                "only when nothing fits there)."),
+    micro_batch: Optional[int] = MICRO,
     recompute: Optional[Recompute] = RECOMPUTE, sequence_parallel: Optional[bool] = SP,
     interleave: Optional[int] = INTERLEAVE,
-    delayed_update: DelayedUpdate = typer.Option(
-        DelayedUpdate.auto, "--delayed-update",
-        help="ZeRO-Offload's one-step delayed parameter update (ZeRO-1 with CPU offload only): auto turns it on "
-             "where it saves at least 10 % of the step; on forces it (an error for any other plan); off."),
+    delayed_update: Optional[DelayedUpdate] = typer.Option(
+        None, "--delayed-update",
+        help="ZeRO-Offload's one-step delayed parameter update (ZeRO-1 with CPU offload only): auto (default) turns "
+             "it on where it saves at least 10 % of the step; on forces it (an error for any other plan); off."),
     compress: Optional[str] = COMPRESS,
+    target: Optional[Target] = typer.Option(
+        None, "--target", help="Inference: latency (default: the smallest time per output token) or throughput "
+                               "(the most tokens/s over all replicas)."),
+    batch: Optional[int] = typer.Option(
+        None, "--batch", help="Inference: sequences per replica (default: 1 for latency; for throughput the power "
+                              "of two up to 256 with the most tokens/s that fits the KV cache)."),
+    prompt_len: Optional[int] = typer.Option(
+        None, "--prompt-len", help="Inference: prompt tokens per sequence (default 512, less where the model's "
+                                   "sequence length is shorter: prompt + gen <= it)."),
+    gen_len: Optional[int] = typer.Option(
+        None, "--gen-len", help="Inference: generated tokens per sequence (default 128, at most a quarter of the "
+                                "model's sequence length)."),
     out_dir: Optional[Path] = typer.Option(None, "-o", "--out", help="Output folder (default: out/<model>)."),
     as_json: bool = JSON,
 ) -> None:
-    """Trace MODEL, search the plan, write plan.json, train.py, launch/, report.md/html, ds_config.json."""
+    """Trace MODEL, search the plan, write plan.json, train.py, launch/, report.md/html, ds_config.json
+    (--mode inference: plan.json, generate.py, serve.py, launch/, report.md/html)."""
+    given = {"--global-batch": global_batch is not None, "--seq": seq is not None, "--pp": pp is not None,
+             "--dp": dp is not None, "--zero": zero is not None, "--micro-batch": micro_batch is not None,
+             "--recompute": recompute is not None, "--sequence-parallel": sequence_parallel is not None,
+             "--interleave": interleave is not None, "--delayed-update": delayed_update is not None,
+             "--compress": compress is not None, "--target": target is not None, "--batch": batch is not None,
+             "--prompt-len": prompt_len is not None, "--gen-len": gen_len is not None,
+             "--precision int8": precision is WeightPrecision.int8,
+             "--precision int4": precision is WeightPrecision.int4}
+    try:
+        _check_mode_options(mode, given)
+    except ZplanError as exc:
+        _fail(exc)
+    if mode is Mode.inference:
+        _compile_inference(model, gpus, cluster, target or Target.latency, batch, prompt_len, gen_len,
+                           precision.value if precision else None, tp, offload.value if offload else None,
+                           out_dir, as_json)
+        return
     from zplan.api import compile_plan, prepare, write_outputs
     from zplan.cli_render import default_out_dir, print_plan_summary
 
+    precision = Precision(precision.value) if precision else Precision.bf16
+    delayed_update = delayed_update or DelayedUpdate.auto
     try:
         pins = _pins(tp, pp, dp, zero, offload, micro_batch, recompute, sequence_parallel, interleave, compress)
         with err.status("tracing the model", spinner="dots") as status:
@@ -121,23 +203,48 @@ def compile(
             status.update(f"scoring configurations for {gpus} GPUs")
             plan = compile_plan(req)
             status.update("writing outputs")
-            target = out_dir or default_out_dir(model)
-            files = write_outputs(plan, target, model)
+            folder = out_dir or default_out_dir(model)
+            files = write_outputs(plan, folder, model)
     except ZplanError as exc:
         _fail(exc)
     from zplan.runtime.plan_check import runtime_gaps
 
     gaps = runtime_gaps(plan)
     if as_json:
-        print(json.dumps({"out_dir": str(target), "parallel": plan.parallel.model_dump(),
+        print(json.dumps({"out_dir": str(folder), "parallel": plan.parallel.model_dump(),
                           "prediction": plan.prediction.model_dump(),
                           "placement": plan.placement.model_dump(),
                           "delayed_update": plan.delayed_update.model_dump(),
                           "compression": plan.compression.model_dump(), "runtime_gaps": gaps}, indent=2))
     else:
-        print_plan_summary(out, plan, target, files)
+        print_plan_summary(out, plan, folder, files)
     for gap in gaps:
         err.print(f"warning: the emitted train.py cannot run this plan yet: {gap}.", soft_wrap=True)
+
+
+def _compile_inference(model: str, gpus: int, cluster: str, target: Target, batch: Optional[int],
+                       prompt_len: Optional[int], gen_len: Optional[int], precision: Optional[str],
+                       tp: Optional[int], offload: Optional[str], out_dir: Optional[Path], as_json: bool) -> None:
+    """compile --mode inference: search the serving configuration and write its outputs."""
+    from zplan.api import write_outputs
+    from zplan.cli_render import default_out_dir, print_inference_summary
+    from zplan.inference_api import compile_inference_plan, prepare
+
+    try:
+        with err.status("tracing the model", spinner="dots") as status:
+            req = prepare(model, gpus, cluster, target.value, batch, prompt_len, gen_len, precision, tp, offload)
+            status.update(f"scoring serving configurations for {gpus} GPUs")
+            plan = compile_inference_plan(req)
+            status.update("writing outputs")
+            folder = out_dir or default_out_dir(model)
+            files = write_outputs(plan, folder, model)
+    except ZplanError as exc:
+        _fail(exc)
+    if as_json:
+        print(json.dumps({"out_dir": str(folder), "parallel": plan.parallel.model_dump(),
+                          "prediction": plan.prediction.model_dump(), "reason": plan.reason}, indent=2))
+    else:
+        print_inference_summary(out, plan, folder, files)
 
 
 @app.command()
@@ -168,14 +275,19 @@ def estimate(
 
 @app.command()
 def explain(plan_json: Path = typer.Argument(..., help="A plan.json written by `zplan compile`.")) -> None:
-    """The best alternatives to a plan and why each rejected family lost."""
-    from zplan.cli_render import load_plan_file, print_explanation
+    """The best alternatives to a plan and why each rejected family lost (an inference plan: its alternatives
+    and the reason for the choice)."""
+    from zplan.cli_render import load_any_plan_file, print_explanation, print_inference_explanation
+    from zplan.schemas.inference import InferencePlan
 
     try:
-        plan = load_plan_file(plan_json)
+        plan = load_any_plan_file(plan_json)
     except ZplanError as exc:
         _fail(exc)
-    print_explanation(out, plan)
+    if isinstance(plan, InferencePlan):
+        print_inference_explanation(out, plan)
+    else:
+        print_explanation(out, plan)
 
 
 @app.command()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -10,6 +11,7 @@ from rich.table import Table
 
 from zplan.errors import ZplanError
 from zplan.schemas.cluster import ClusterSpec
+from zplan.schemas.inference import InferencePlan
 from zplan.schemas.plan import Plan
 
 GiB = 1024**3
@@ -27,6 +29,23 @@ def load_plan_file(path: Path) -> Plan:
         raise ZplanError(f"cannot read {path}: {exc.strerror}. Pass the plan.json written by `zplan compile`.") from exc
     except ValidationError as exc:
         raise ZplanError(f"{path} is not a zplan plan ({exc.error_count()} schema errors): recompile it.") from exc
+
+
+def load_any_plan_file(path: Path) -> Plan | InferencePlan:
+    """A training or an inference plan.json (told apart by its "mode")."""
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise ZplanError(f"cannot read {path}: {exc.strerror}. Pass the plan.json written by `zplan compile`.") from exc
+    except ValueError as exc:
+        raise ZplanError(f"{path} is not JSON ({exc}): pass the plan.json written by `zplan compile`.") from exc
+    if isinstance(data, dict) and data.get("mode") == "inference":
+        try:
+            return InferencePlan.model_validate(data)
+        except ValidationError as exc:
+            raise ZplanError(f"{path} is not a zplan inference plan ({exc.error_count()} schema errors): "
+                             "recompile it.") from exc
+    return load_plan_file(path)
 
 
 def _count(n: float) -> str:
@@ -96,6 +115,52 @@ def print_explanation(console: Console, plan: Plan) -> None:
     for r in plan.rejected:
         rej.add_row(r.family, r.reason, r.detail)
     console.print(rej)
+
+
+def _ms(seconds: float) -> str:
+    """Milliseconds below a second, else seconds."""
+    return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:,.2f} s"
+
+
+def print_inference_summary(console: Console, plan: InferencePlan, out_dir: Path, files: list[Path]) -> None:
+    pred, mem, par, t = plan.prediction, plan.prediction.memory, plan.parallel, plan.prediction.time
+    table = Table(title=f"zplan inference: {plan.model.name} on {plan.fingerprint.world_size}x "
+                        f"{plan.cluster.gpu.name}", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("model", f"{_count(plan.model.params)} parameters, {plan.model.num_blocks} blocks "
+                           f"({plan.model.tracer})")
+    table.add_row("request", f"target {plan.spec.target}, batch {plan.spec.batch} per replica, prompt "
+                             f"{plan.spec.prompt_len} + {plan.spec.gen_len} generated tokens")
+    table.add_row("plan", f"{par.replicas} replica(s) x tp={par.tp}, {par.weight_precision} weights on "
+                          f"{par.weight_tier}, {par.compute_dtype} compute")
+    table.add_row("latency", f"TTFT {_ms(pred.ttft_s)}, TPOT {_ms(pred.tpot_s)}, request {_ms(pred.request_latency_s)}")
+    table.add_row("throughput", f"{pred.tokens_per_s:,.1f} tokens/s")
+    table.add_row("decode step", f"weights {_ms(t.decode_weights_s)}, KV {_ms(t.decode_kv_s)}, compute "
+                                 f"{_ms(t.decode_compute_s)}, TP {_ms(t.decode_tp_s)}, stream {_ms(t.decode_stream_s)}")
+    table.add_row("memory/GPU", f"{mem.total / GiB:.1f} of {mem.capacity / GiB:.1f} GiB (weights "
+                                f"{mem.weights / GiB:.1f}, KV cache {mem.kv_cache / GiB:.1f}, activations "
+                                f"{mem.activations / GiB:.2f})")
+    table.add_row("why", plan.reason)
+    table.add_row("searched", f"{plan.candidates_evaluated:,} configurations")
+    table.add_row("written", f"{out_dir}/ ({len(files)} files: plan.json, report.html, generate.py, serve.py, ...)")
+    console.print(table)
+
+
+def print_inference_explanation(console: Console, plan: InferencePlan) -> None:
+    par, pred = plan.parallel, plan.prediction
+    console.print(f"[bold]chosen:[/] {par.replicas} x tp={par.tp} {par.weight_precision} weights on "
+                  f"{par.weight_tier}, batch {plan.spec.batch}: TTFT {_ms(pred.ttft_s)}, TPOT {_ms(pred.tpot_s)}, "
+                  f"{pred.tokens_per_s:,.1f} tokens/s, {pred.memory.total / GiB:.1f} GiB/GPU")
+    console.print(f"[bold]why:[/] {plan.reason}", highlight=False)
+    table = Table(title=f"alternatives (target {plan.spec.target}, best first)")
+    for col in ("#", "configuration", "TTFT", "TPOT", "tokens/s", "GiB/GPU", "fits", "note"):
+        table.add_column(col)
+    for i, c in enumerate(plan.alternatives, 1):
+        table.add_row(str(i), f"tp={c.tp} {c.weight_precision} {c.weight_tier}", _ms(c.ttft_s), _ms(c.tpot_s),
+                      f"{c.tokens_per_s:,.1f}", f"{c.memory_per_gpu_bytes / GiB:.1f}", "yes" if c.feasible else "no",
+                      c.note)
+    console.print(table)
 
 
 def print_clusters(console: Console, clusters: dict[str, ClusterSpec]) -> None:

@@ -214,3 +214,65 @@ def test_export_of_a_missing_checkpoint_fails_cleanly(tmp_path):
     result = run("export", tmp_path / "no-such-ckpt", "--to", tmp_path / "m.safetensors")
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_inference_compile_writes_its_outputs_and_json_parses(tmp_path):
+    out = tmp_path / "inf"
+    result = run("compile", TINY, "--mode", "inference", "--gpus", 1, "--cluster", "cpu-local", "--precision",
+                 "fp32", "-o", out, "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert set(data) == {"out_dir", "parallel", "prediction", "reason"}
+    assert (data["parallel"]["tp"], data["parallel"]["weight_precision"], data["parallel"]["weight_tier"]) == \
+        (1, "fp32", "gpu")
+    assert data["prediction"]["tpot_s"] > 0 and data["reason"].startswith("Target latency")
+    names = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
+    assert {"plan.json", "report.md", "report.html"} <= names and "train.py" not in names
+    assert json.loads((out / "plan.json").read_text())["mode"] == "inference"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    explained = run("explain", out / "plan.json")
+    assert explained.exit_code == 0, explained.output
+    assert "alternatives" in explained.output and "Target latency" in " ".join(explained.output.split())
+    summary = run("compile", TINY, "--mode", "inference", "--gpus", 1, "--cluster", "cpu-local", "-o", out)
+    assert summary.exit_code == 0 and "TTFT" in summary.output and "tokens/s" in summary.output
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--global-batch", 8], "--global-batch is a training option"),
+    (["--pp", 2], "--pp is a training option"),
+    (["--zero", 1, "--micro-batch", 2], "--zero, --micro-batch are training options"),
+    (["--recompute", "full"], "--recompute"),
+    (["--delayed-update", "off"], "--delayed-update"),
+    (["--prompt-len", 100, "--gen-len", 100], "--gen-len 28 or less"),
+    (["--tp", 3], "use one of 1, 2, 4, 8"),
+])
+def test_bad_inference_request_fails_cleanly(tmp_path, args, needle):
+    out = tmp_path / "out"
+    result = run("compile", GPT_SMALL, "--mode", "inference", "--gpus", 8, *args, "-o", out)
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    assert needle in " ".join(result.output.split())
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--target", "latency"], "--target is an inference option"),
+    (["--batch", 4], "--batch is an inference option"),
+    (["--prompt-len", 10, "--gen-len", 5], "--prompt-len, --gen-len are inference options"),
+    (["--precision", "int8"], "--precision int8 is an inference option"),
+])
+def test_inference_options_in_training_mode_fail_cleanly(tmp_path, args, needle):
+    out = tmp_path / "out"
+    result = run("compile", GPT_SMALL, "--gpus", 8, *args, "-o", out)
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output and needle in " ".join(result.output.split())
+    assert not out.exists()
+
+
+def test_inference_that_fits_nowhere_names_what_would_fit(tmp_path):
+    result = run("compile", "gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200", "--mode", "inference",
+                 "--gpus", 1, "--cluster", "dgx-h100", "--offload", "none", "-o", tmp_path / "out")
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert "Closest" in text and "--offload cpu" in text and "Traceback" not in text
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,157 @@
+"""InferencePlan -> the flat context of report_inference.md.j2 and report_inference.html.j2.
+
+Nothing here predicts anything: values are read from the plan and formatted (fixed precision, so the same plan
+renders to the same bytes), or related to each other for display (a part as a share of its whole).
+"""
+
+from __future__ import annotations
+
+from math import ceil
+from typing import Any
+
+from zplan.codegen.context import format_bytes, format_count, format_percent, format_rate, format_seconds, share, yes_no
+from zplan.codegen.report import cluster_rows
+from zplan.schemas.inference import InferenceCandidate, InferencePlan
+
+# (field of InferenceMemory, label): the parts of the per-GPU memory.
+MEMORY_PARTS = (
+    ("weights", "Weights"),
+    ("kv_cache", "KV cache"),
+    ("activations", "Activations (prefill, logits)"),
+    ("reserve", "Framework reserve"),
+)
+# (field of InferenceTime, label): prefill parts add up to the time to first token, decode parts to a step.
+PREFILL_PARTS = (
+    ("prefill_compute_s", "Compute (matmuls, attention)"),
+    ("prefill_tp_s", "Tensor-parallel all-reduces"),
+    ("prefill_stream_s", "Waiting for streamed weights"),
+)
+DECODE_PARTS = (
+    ("decode_weights_s", "Reading the weights (HBM)"),
+    ("decode_kv_s", "Reading the KV cache (HBM)"),
+    ("decode_compute_s", "Compute (where compute bound)"),
+    ("decode_tp_s", "Tensor-parallel all-reduces"),
+    ("decode_stream_s", "Waiting for streamed weights"),
+)
+TIER_TEXT = {"gpu": "resident on the GPU", "cpu": "host memory, streamed layer by layer",
+             "nvme": "NVMe, streamed layer by layer"}
+
+
+def _parts(time, parts, whole: float) -> list[dict[str, str]]:
+    return [{"label": label, "display": format_seconds(getattr(time, key)),
+             "percent": format_percent(share(getattr(time, key), whole)),
+             "width": f"{100 * share(getattr(time, key), whole):.2f}"}
+            for key, label in parts]
+
+
+def describe_candidate(c: InferenceCandidate) -> str:
+    return f"tp={c.tp} {c.weight_precision} {c.weight_tier}"
+
+
+def alternative_rows(plan: InferencePlan) -> list[dict[str, str]]:
+    """Every scored configuration, best first, against the chosen one on the plan's target."""
+    pred = plan.prediction
+    rows = []
+    for c in plan.alternatives:
+        # one alternative per (tp, precision, tier): the chosen one matches the plan on all three
+        chosen = (c.tp, c.weight_precision, c.weight_tier) == (
+            plan.parallel.tp, plan.parallel.weight_precision, plan.parallel.weight_tier)
+        if plan.spec.target == "latency":
+            vs = share(c.tpot_s, pred.tpot_s) - 1
+        else:
+            vs = share(c.tokens_per_s, pred.tokens_per_s) - 1
+        rows.append({"config": describe_candidate(c), "ttft": format_seconds(c.ttft_s),
+                     "tpot": format_seconds(c.tpot_s), "tokens_per_s": f"{c.tokens_per_s:,.1f}",
+                     "vs_chosen": "" if chosen or not c.feasible else f"{vs * 100:+.1f} %",
+                     "memory": format_bytes(c.memory_per_gpu_bytes), "feasible": yes_no(c.feasible),
+                     "chosen": yes_no(chosen), "note": c.note})
+    return rows
+
+
+def run_commands(plan: InferencePlan) -> list[dict[str, str]]:
+    """How to run the emitted programs (codegen.inference_script writes them)."""
+    return [
+        {"command": 'echo "The plan is" | bash launch/generate.sh --max-new-tokens 32',
+         "what": f"generate.py on {plan.parallel.tp} process(es): one completion per prompt line, in batches of up "
+                 f"to {plan.parallel.max_batch}"},
+        {"command": "bash launch/generate.sh --prompts prompts.txt --weights model.safetensors",
+         "what": "prompts from a file and trained weights (without --weights the model keeps a random "
+                 "initialisation)"},
+        {"command": "bash launch/serve.sh",
+         "what": f"serve.py: an HTTP server with {plan.parallel.replicas} replica(s) of tp={plan.parallel.tp}; "
+                 "`python serve.py --help` lists its options"},
+        *([{"command": "bash launch/generate.sh --nvme-path /local/nvme/folder",
+            "what": "the folder on a local NVMe drive the streamed weights are written to and read from"}]
+          if plan.parallel.weight_tier == "nvme" else []),
+    ]
+
+
+def inference_report_context(plan: InferencePlan) -> dict[str, Any]:
+    """Everything report_inference.md.j2 and report_inference.html.j2 read."""
+    par, pred, spec, model, cluster = plan.parallel, plan.prediction, plan.spec, plan.model, plan.cluster
+    mem, time = pred.memory, pred.time
+    world = plan.fingerprint.world_size
+    pinned = [(name, value) for name, value in plan.pins.model_dump().items() if value is not None]
+    quantized = par.weight_precision in ("int8", "int4")
+    return {
+        "title": f"{model.name} on {world} x {cluster.gpu.name}",
+        "zplan_version": plan.zplan_version,
+        "schema_version": plan.schema_version,
+        "model_name": model.name,
+        "model_ref": plan.fingerprint.model_ref,
+        "model_sha256_short": plan.fingerprint.model_sha256[:12],
+        "model_source": model.source,
+        "tracer": model.tracer,
+        "params_display": format_count(model.params),
+        "params_exact": f"{model.params:,}",
+        "model_shape": (f"{model.num_blocks} blocks, hidden {model.hidden}, {model.heads} heads "
+                        f"({model.kv_heads} KV heads), MLP {model.ffn_hidden}, vocabulary {model.vocab}, "
+                        f"sequence {model.seq_len}"),
+        "cluster_name": cluster.name,
+        "cluster_description": cluster.description,
+        "cluster_source": cluster.source,
+        "gpu_name": cluster.gpu.name,
+        "world_size": world,
+        "gpus_per_node": cluster.gpus_per_node,
+        "num_nodes": ceil(world / cluster.gpus_per_node),
+        "target": spec.target,
+        "batch": spec.batch,
+        "prompt_len": spec.prompt_len,
+        "gen_len": spec.gen_len,
+        "tp": par.tp,
+        "replicas": par.replicas,
+        "weight_precision": par.weight_precision,
+        "quantization": (f"weight-only {par.weight_precision}, one scale per {par.quant_group_size} inputs"
+                         if quantized else "not quantized"),
+        "compute_dtype": par.compute_dtype,
+        "weight_tier": TIER_TEXT[par.weight_tier] + (f", {par.prefetch_layers} layer(s) prefetched"
+                                                     if par.weight_tier != "gpu" else ""),
+        "max_batch": par.max_batch,
+        "max_seq_len": par.max_seq_len,
+        "pins_display": ", ".join(f"{name}={value}" for name, value in pinned) or "none",
+        "reason": plan.reason,
+        "ttft": format_seconds(pred.ttft_s),
+        "tpot": format_seconds(pred.tpot_s),
+        "request_latency": format_seconds(pred.request_latency_s),
+        "tokens_per_s": f"{pred.tokens_per_s:,.1f}",
+        "tokens_per_s_per_replica": f"{pred.tokens_per_s / par.replicas:,.1f}",
+        "feasible": yes_no(pred.feasible),
+        "candidates_evaluated": f"{plan.candidates_evaluated:,}",
+        "memory_rows": [{"label": label, "display": format_bytes(getattr(mem, key)),
+                         "percent": format_percent(share(getattr(mem, key), mem.capacity)),
+                         "width": f"{100 * share(getattr(mem, key), mem.capacity):.2f}"}
+                        for key, label in MEMORY_PARTS],
+        "memory_total": format_bytes(mem.total),
+        "memory_capacity": format_bytes(mem.capacity),
+        "memory_headroom": format_bytes(mem.capacity - mem.total),
+        "memory_used_percent": format_percent(share(mem.total, mem.capacity)),
+        "cpu_bytes_per_node": format_bytes(mem.cpu_bytes_per_node),
+        "nvme_bytes_per_node": format_bytes(mem.nvme_bytes_per_node),
+        "prefill_rows": _parts(time, PREFILL_PARTS, pred.ttft_s),
+        "decode_rows": _parts(time, DECODE_PARTS, pred.tpot_s),
+        "alternative_rows": alternative_rows(plan),
+        "assumption_rows": [a.model_dump() for a in plan.assumptions],
+        "cluster_rows": cluster_rows(plan),
+        "peak_flops": format_rate(cluster.peak_flops(par.compute_dtype), "FLOP"),
+        "run_commands": run_commands(plan),
+    }

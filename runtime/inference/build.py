@@ -1,0 +1,249 @@
+"""Build the inference engine an InferencePlan describes: what the emitted generate.py and serve.py call first.
+
+    settings = EngineSettings.from_plan(plan)       # or the script's constants (they state the plan)
+    engine, tokenizer, ctx = engine_from_plan(plan, model_path, settings=settings, weights=..., seed=...)
+
+In order: join torch.distributed (runtime.distributed: torchrun's environment, else a world of one), refuse a
+plan made for another model file or world size before any collective (as train.py does), build the whole
+model on the CPU on every rank (the engine shards it for tensor parallelism), load the weights (a
+.safetensors file from `zplan export` or a torch.save state dict from train.py --save-weights; without one,
+the seeded random init, with a warning that the text will be noise), and make the engine on a 1-D "tp"
+DeviceMesh when tp > 1. Without CUDA the engine runs on the CPU in fp32, whatever the plan's dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from pydantic import ValidationError
+from torch import nn
+
+from zplan.errors import ModelLoadError, PlanMismatchError, SpecError
+from zplan.runtime.distributed import RunContext, init_distributed
+from zplan.runtime.plan_check import model_file_sha256
+from zplan.schemas.inference import INFERENCE_PLAN_SCHEMA_VERSION, InferencePlan
+
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The plan's engine choices (InferencePlan.parallel); the emitted scripts state them as constants."""
+
+    tp: int  # tensor-parallel degree: processes of this replica
+    weight_precision: str  # fp32 | bf16 | fp16 | int8 | int4 (block Linears' weights)
+    group_size: int  # input features per quantization scale (int8/int4)
+    compute_dtype: str  # fp32 | bf16 | fp16 (activations, KV cache)
+    weight_tier: str  # gpu (resident) | cpu | nvme (streamed layer by layer)
+    prefetch_layers: int  # layers streamed ahead of the one computing
+    max_batch: int  # sequences per engine batch (the KV cache is preallocated for them)
+    max_seq_len: int  # prompt + generated tokens per sequence
+
+    @classmethod
+    def from_plan(cls, plan: InferencePlan) -> EngineSettings:
+        p = plan.parallel
+        return cls(tp=p.tp, weight_precision=p.weight_precision, group_size=p.quant_group_size,
+                   compute_dtype=p.compute_dtype, weight_tier=p.weight_tier, prefetch_layers=p.prefetch_layers,
+                   max_batch=p.max_batch, max_seq_len=p.max_seq_len)
+
+
+def load_inference_plan(path: str | Path) -> InferencePlan:
+    """The InferencePlan in a plan.json; PlanMismatchError when it is missing, a training plan or invalid."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise PlanMismatchError(f"cannot read the plan {path}: {exc.strerror}. generate.py and serve.py expect "
+                                "plan.json beside them, as `zplan compile --mode inference` writes them.") from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PlanMismatchError(f"{path} is not JSON ({exc.msg} at line {exc.lineno}): recompile.") from exc
+    if isinstance(data, dict) and data.get("mode") != "inference":
+        raise PlanMismatchError(f"{path} is a training plan: compile with `zplan compile MODEL --mode inference` "
+                                "to get generate.py and serve.py.")
+    try:
+        return InferencePlan.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise PlanMismatchError(
+            f"{path} is not an inference plan this zplan can read (it reads inference plan schema version "
+            f"{INFERENCE_PLAN_SCHEMA_VERSION}): {exc.error_count()} validation error(s), first: {first['msg']} at "
+            f"{'.'.join(str(p) for p in first['loc'])}. Recompile the model with this zplan."
+        ) from exc
+
+
+def check_inference_plan(plan: InferencePlan, model_path: str | Path | None, world_size: int, tp: int) -> None:
+    """Raise PlanMismatchError naming every way this run differs from what the plan was made for.
+
+    Checks: the model is a file (family specs have no code to run), the file's SHA-256 against the
+    fingerprint, and this run's processes against tp (one replica; the plan's world size counts all
+    replicas). Touches no process group, so every rank stops with the same message."""
+    fp = plan.fingerprint
+    if plan.model.source == "family":
+        raise PlanMismatchError(
+            f"this plan was made for the family spec '{fp.model_ref}', which has no model code to run: family "
+            "specs are for planning only. Compile a model file instead, e.g. `zplan compile model.py --mode "
+            "inference --gpus N`, and run the generate.py / serve.py it writes.")
+    problems: list[str] = []
+    if model_path is None:
+        problems.append(f"no model file given; the plan was made for {fp.model_ref} (pass --model PATH)")
+    elif not Path(model_path).is_file():
+        problems.append(f"model file {model_path} does not exist (the plan was made for {fp.model_ref})")
+    elif model_file_sha256(model_path) != fp.model_sha256:
+        problems.append(f"model file edited since the plan was made: recompile (sha256 of {model_path} is "
+                        f"{model_file_sha256(model_path)[:12]}..., the plan's fingerprint says "
+                        f"{fp.model_sha256[:12]}...)")
+    if world_size != tp:
+        problems.append(f"world size: this run has {world_size} process(es), one replica of the plan needs tp = "
+                        f"{tp}; launch with launch/generate.sh or launch/serve.sh (torchrun --nproc-per-node {tp})")
+    if len(problems) == 1:
+        raise PlanMismatchError(f"plan does not match this run: {problems[0]}.")
+    if problems:
+        raise PlanMismatchError("plan does not match this run:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+# ---- weights ----------------------------------------------------------------------------------------------
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """{name: tensor} of a .safetensors file: 8 bytes header length (little-endian u64), the JSON header,
+    then the tensors' bytes (the layout zplan.export writes)."""
+    from zplan.export import SAFETENSORS_DTYPES
+
+    dtypes = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+    data = bytearray(path.read_bytes())  # writable: the tensors below are views of it
+    try:
+        (header_len,) = struct.unpack("<Q", data[:8])
+        header = json.loads(data[8:8 + header_len])
+    except (struct.error, ValueError) as exc:
+        raise ModelLoadError(f"{path} is not a safetensors file (its header cannot be read): {exc}") from exc
+    body = memoryview(data)[8 + header_len:]
+    state = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = entry["data_offsets"]
+        if entry["dtype"] not in dtypes:
+            raise ModelLoadError(f"{path}: tensor {name} has dtype {entry['dtype']}, which zplan cannot read")
+        dtype = dtypes[entry["dtype"]]
+        flat = torch.frombuffer(body[begin:end], dtype=dtype) if end > begin else torch.empty(0, dtype=dtype)
+        state[name] = flat.reshape(entry["shape"])
+    return state
+
+
+def read_weights_file(path: str | Path) -> dict[str, torch.Tensor]:
+    """A state dict from a .safetensors file (zplan export) or a torch.save'd dict of tensors (train.py
+    --save-weights), on the CPU."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelLoadError(f"weights file {path} does not exist: pass the .safetensors file `zplan export` "
+                             "wrote or the file train.py --save-weights wrote.")
+    if path.suffix == ".safetensors":
+        return _read_safetensors(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise ModelLoadError(f"{path} cannot be read as a torch.save state dict: {exc}") from exc
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ModelLoadError(f"{path} is not a state dict (a dict of tensors, as train.py --save-weights writes).")
+    return state
+
+
+def load_weights(model: nn.Module, path: str | Path) -> None:
+    """Load `path` into `model` in place. Every parameter and buffer must be in the file, except a tied
+    weight stored under one of its names only; names the model lacks are an error."""
+    state = read_weights_file(path)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # shapes differ
+        raise ModelLoadError(f"weights {path} do not fit the model: {str(exc).strip()}") from exc
+    aliases: dict[int, set[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), set()).add(name)
+    loaded = set(state)
+    really_missing = [name for name in missing
+                      if not any(alias in loaded for alias in aliases.get(id(_get(model, name)), ()))]
+    if really_missing or unexpected:
+        parts = []
+        if really_missing:
+            parts.append(f"missing {', '.join(really_missing[:5])}" + (" ..." if len(really_missing) > 5 else ""))
+        if unexpected:
+            parts.append(f"not in the model: {', '.join(unexpected[:5])}" + (" ..." if len(unexpected) > 5 else ""))
+        raise ModelLoadError(f"weights {path} do not fit the model ({'; '.join(parts)}): pass the weights of the "
+                             "model file the plan was made for.")
+
+
+def _get(model: nn.Module, name: str) -> torch.Tensor | None:
+    module_path, _, attribute = name.rpartition(".")
+    try:
+        return getattr(model.get_submodule(module_path) if module_path else model, attribute)
+    except AttributeError:
+        return None
+
+
+# ---- device, dtype and the engine -------------------------------------------------------------------------
+
+
+def _info(ctx: RunContext, message: str) -> None:
+    if ctx.is_main:
+        print(f"zplan: {message}", file=sys.stderr, flush=True)
+
+
+def runnable_settings(settings: EngineSettings, device: torch.device) -> tuple[EngineSettings, str | None]:
+    """The settings this device can run, and a note when they differ from the plan's: without CUDA, fp32
+    activations and weights (bf16/fp16 matmuls on a CPU are slow or missing); int8/int4 weights stay."""
+    if device.type == "cuda" or settings.compute_dtype == "fp32":
+        return settings, None
+    weights = "fp32" if settings.weight_precision in ("bf16", "fp16") else settings.weight_precision
+    note = (f"no CUDA device: running on the CPU in fp32 (the plan asked for {settings.compute_dtype} compute"
+            f"{f' and {settings.weight_precision} weights' if weights != settings.weight_precision else ''})")
+    return replace(settings, compute_dtype="fp32", weight_precision=weights), note
+
+
+def engine_from_plan(plan: InferencePlan, model_file: str | Path | None, *, weights: str | Path | None = None,
+                     seed: int = 0, nvme_dir: str | Path | None = None, settings: EngineSettings | None = None):
+    """(engine, tokenizer, run context) for this process of one replica of `plan`.
+
+    model_file: the model's .py file (the plan's fingerprint must match it); weights: a .safetensors or
+    torch.save state dict (None: `torch.manual_seed(seed); build_model()`, noise); nvme_dir: folder for the
+    streamed weights' files (weight tier nvme); settings: the engine's choices, default the plan's."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zplan.planner.model_file import load_model_file
+    from zplan.runtime.inference.engine import InferenceEngine
+    from zplan.runtime.inference.tokenizer import ByteTokenizer
+    from zplan.runtime.materialize import build_model
+
+    settings = settings or EngineSettings.from_plan(plan)
+    ctx = init_distributed()
+    check_inference_plan(plan, model_file, ctx.world_size, settings.tp)  # before any collective
+    if settings.weight_tier == "nvme" and nvme_dir is None:
+        raise SpecError("the plan streams the weights from NVMe: pass --nvme-path DIR, a folder on a local "
+                                "NVMe drive with room for the model's weights.")
+    settings, note = runnable_settings(settings, ctx.device)
+    if note:
+        _info(ctx, note)
+
+    loaded = load_model_file(model_file)
+    model = build_model(loaded.build_model, seed, "cpu")  # the whole model on every rank; the engine shards it
+    if weights is not None:
+        load_weights(model, weights)
+    else:
+        _info(ctx, f"warning: no --weights given: the model has its random initialisation (seed {seed}), so the "
+                   "text will be noise. Pass --weights FILE (from `zplan export` or train.py --save-weights).")
+    model.eval()
+
+    tp_mesh = init_device_mesh(ctx.device.type, (settings.tp,), mesh_dim_names=("tp",)) if settings.tp > 1 else None
+    engine = InferenceEngine.from_model(
+        model, plan.model, compute_dtype=COMPUTE_DTYPES[settings.compute_dtype], device=ctx.device,
+        max_batch=settings.max_batch, max_seq_len=settings.max_seq_len, weight_precision=settings.weight_precision,
+        group_size=settings.group_size, weight_tier=settings.weight_tier,
+        nvme_dir=Path(nvme_dir) if nvme_dir is not None else None, prefetch_layers=settings.prefetch_layers,
+        tp_mesh=tp_mesh)
+    return engine, ByteTokenizer(engine.vocab_size), ctx

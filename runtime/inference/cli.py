@@ -1,0 +1,205 @@
+"""What the emitted generate.py and serve.py run: their command lines, the prompts, and the output.
+
+    generate_main(plan_path, model_path, settings, default_max_new_tokens)  # prompts (file/stdin) -> completions
+    serve_main(plan_path, model_path, settings, default_max_new_tokens)     # the HTTP server (runtime.inference.server)
+
+Both return the process's exit status: 0, or 2 with a one-line message (no traceback) for an error the user
+can fix (a plan that does not match, a bad prompt file, a prompt too long for the KV cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from zplan.errors import SpecError, ZplanError
+from zplan.runtime.inference.build import (
+    EngineSettings,
+    check_inference_plan,
+    engine_from_plan,
+    load_inference_plan,
+)
+
+
+def _common_arguments(parser: argparse.ArgumentParser, default_max_new_tokens: int) -> None:
+    parser.add_argument("--weights", metavar="FILE",
+                        help="model weights: the .safetensors of `zplan export`, or train.py --save-weights' file "
+                             "(default: the seeded random initialisation: the text is noise)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the random initialisation without --weights, and of sampling (default 0)")
+    parser.add_argument("--max-new-tokens", type=int, default=default_max_new_tokens,
+                        help=f"tokens to generate per prompt (default {default_max_new_tokens}, the plan's gen_len)")
+    parser.add_argument("--nvme-path", metavar="DIR", help="folder on a local NVMe drive for the streamed weights' "
+                        "files (plans whose weights live on NVMe)")
+    parser.add_argument("--model", metavar="PATH", help="model file (default: MODEL_FILE of the script)")
+
+
+def _error(message: str) -> int:
+    print(f"zplan: error: {message}", file=sys.stderr, flush=True)
+    return 2
+
+
+# ---- generate.py ---------------------------------------------------------------------------------------------
+
+
+def read_prompts(path: str | None) -> list[str]:
+    """Prompts one per line from `path` (None or '-': stdin); blank lines are skipped. SpecError when none."""
+    source = "standard input" if path in (None, "-") else path
+    try:
+        text = sys.stdin.read() if path in (None, "-") else Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise SpecError(f"cannot read the prompts from {source}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise SpecError(f"{source} is not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    prompts = [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise SpecError(f"no prompts in {source}: give one prompt per line (--prompts FILE, or on standard input)")
+    return prompts
+
+
+def check_lengths(prompt_ids: list[list[int]], max_new_tokens: int, max_seq_len: int) -> None:
+    """SpecError naming the first prompt whose tokens + max_new_tokens exceed max_seq_len."""
+    if max_new_tokens < 1:
+        raise SpecError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    if max_new_tokens >= max_seq_len:
+        raise SpecError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt: the KV cache holds "
+                        f"max_seq_len = {max_seq_len} tokens per sequence (prompt + generated)")
+    for number, ids in enumerate(prompt_ids, start=1):
+        if len(ids) + max_new_tokens > max_seq_len:
+            raise SpecError(f"prompt {number} has {len(ids)} tokens: with --max-new-tokens {max_new_tokens} that is "
+                            f"over max_seq_len = {max_seq_len} (prompt + generated tokens per sequence); shorten it "
+                            f"to at most {max_seq_len - max_new_tokens} tokens or ask for fewer new tokens")
+
+
+def escape_line(text: str) -> str:
+    """One completion on one line: backslash, newline and carriage return written as \\\\, \\n, \\r."""
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
+
+
+def _generate_parser(default_max_new_tokens: int) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="Generate a completion for each prompt (one per line), in batches.")
+    parser.add_argument("--prompts", metavar="FILE", help="prompts, one per line (default: standard input)")
+    _common_arguments(parser, default_max_new_tokens)
+    parser.add_argument("--temperature", type=float, default=0.0, help="softmax temperature; 0 is greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, 0 < p <= 1 (default 1)")
+    parser.add_argument("--batch", type=int, help="prompts per engine batch (default and most: the plan's max batch)")
+    parser.add_argument("--tokens", action="store_true", help="print the generated token ids instead of the text")
+    return parser
+
+
+def _share_prompts(prompt_ids: list[list[int]] | None, world_size: int) -> list[list[int]]:
+    """Rank 0's prompts on every rank of the tensor-parallel group (only rank 0 reads the input)."""
+    if world_size == 1:
+        return prompt_ids
+    import torch.distributed as dist
+
+    box = [prompt_ids]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def run_generate(args: argparse.Namespace, plan_path: Path, model_path: Path | None,
+                 settings: EngineSettings) -> None:
+    from zplan.runtime.inference.sampling import SamplingParams
+    from zplan.runtime.inference.tokenizer import ByteTokenizer
+
+    plan = load_inference_plan(plan_path)
+    if args.batch is not None and not 1 <= args.batch <= settings.max_batch:
+        raise SpecError(f"--batch {args.batch}: the engine runs 1 to {settings.max_batch} (the plan's max batch) "
+                        "sequences at a time")
+    if not 0.0 < args.top_p <= 1.0 or args.temperature < 0:
+        raise SpecError(f"--temperature {args.temperature} --top-p {args.top_p}: temperature must be >= 0 and "
+                        "0 < top-p <= 1")
+    # the plan against the model file and launch, before reading any input (engine_from_plan checks again)
+    check_inference_plan(plan, model_path, int(os.environ.get("WORLD_SIZE", "1")), settings.tp)
+    prompt_ids = None
+    if int(os.environ.get("RANK", "0")) == 0:  # only rank 0 reads the input; an error stops the run before the engine
+        prompt_ids = [ByteTokenizer(plan.model.vocab).encode(p) for p in read_prompts(args.prompts)]
+        check_lengths(prompt_ids, args.max_new_tokens, settings.max_seq_len)
+
+    engine, tokenizer, ctx = engine_from_plan(plan, model_path, weights=args.weights, seed=args.seed,
+                                              nvme_dir=args.nvme_path, settings=settings)
+    try:
+        prompt_ids = _share_prompts(prompt_ids, ctx.world_size)
+        batch = args.batch or engine.max_batch
+        sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                                  stop_token=tokenizer.eos_id)
+        start, generated = time.perf_counter(), 0
+        for first in range(0, len(prompt_ids), batch):
+            chunk = prompt_ids[first:first + batch]
+            outputs = engine.generate(chunk, args.max_new_tokens, [sampling] * len(chunk))
+            generated += sum(len(tokens) for tokens in outputs)
+            if ctx.is_main:
+                for tokens in outputs:
+                    if args.tokens:
+                        print(" ".join(str(t) for t in tokens), flush=True)
+                    else:
+                        print(escape_line(tokenizer.decode([t for t in tokens if t != tokenizer.eos_id])), flush=True)
+        elapsed_s = time.perf_counter() - start
+        if ctx.is_main:
+            print(f"zplan: {len(prompt_ids)} prompt(s), {generated} tokens generated in {elapsed_s:.2f} s "
+                  f"({generated / max(elapsed_s, 1e-9):.1f} tokens/s; batches of up to {batch})",
+                  file=sys.stderr, flush=True)
+    finally:
+        engine.close()
+
+
+def generate_main(plan_path: Path, model_path: Path | None, settings: EngineSettings, default_max_new_tokens: int,
+                  argv: list[str] | None = None) -> int:
+    """generate.py: completions of the prompts, one line each, on rank 0's standard output."""
+    from zplan.runtime.distributed import close_distributed
+
+    args = _generate_parser(default_max_new_tokens).parse_args(argv)
+    try:
+        run_generate(args, plan_path, Path(args.model) if args.model else model_path, settings)
+    except ZplanError as error:
+        return _error(str(error))
+    finally:
+        close_distributed()
+    return 0
+
+
+# ---- serve.py ------------------------------------------------------------------------------------------------
+
+
+def _serve_parser(default_max_new_tokens: int) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="Serve POST /v1/generate and GET /health over HTTP.")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: all)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    _common_arguments(parser, default_max_new_tokens)
+    parser.add_argument("--queue-size", type=int, help="requests waiting beyond which the server answers 503 "
+                        "(default: 8 x the plan's max batch)")
+    parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
+    return parser
+
+
+def serve_main(plan_path: Path, model_path: Path | None, settings: EngineSettings, default_max_new_tokens: int,
+               argv: list[str] | None = None) -> int:
+    """serve.py: the HTTP server on rank 0, the batch followers on the other tensor-parallel ranks."""
+    from zplan.runtime.distributed import close_distributed
+    from zplan.runtime.inference.server import ServerLimits, serve
+
+    args = _serve_parser(default_max_new_tokens).parse_args(argv)
+    try:
+        plan = load_inference_plan(plan_path)
+        if not 1 <= args.max_new_tokens < settings.max_seq_len:
+            raise SpecError(f"--max-new-tokens {args.max_new_tokens}: must be 1 to {settings.max_seq_len - 1} "
+                            f"(max_seq_len = {settings.max_seq_len} holds prompt + generated tokens)")
+        overrides = {"max_body_bytes": args.max_body_bytes}
+        if args.queue_size is not None:
+            overrides["queue_size"] = args.queue_size
+        engine, tokenizer, ctx = engine_from_plan(plan, Path(args.model) if args.model else model_path,
+                                                  weights=args.weights, seed=args.seed, nvme_dir=args.nvme_path,
+                                                  settings=settings)
+        limits = ServerLimits.for_engine(engine.max_seq_len, engine.max_batch, args.max_new_tokens, **overrides)
+        try:
+            return serve(engine, tokenizer, ctx, args.host, args.port, limits)
+        finally:
+            engine.close()
+    except ZplanError as error:
+        return _error(str(error))
+    finally:
+        close_distributed()

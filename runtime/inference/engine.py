@@ -1,0 +1,360 @@
+"""The inference engine: batched generation with a preallocated KV cache, per-sequence sampling, weight-only
+INT8/INT4, weights resident or streamed layer by layer (ZeRO-Inference), and tensor parallelism.
+
+    engine = InferenceEngine.from_model(model, summary, max_batch=8, max_seq_len=256)
+    for step in engine.stream([[1, 2, 3], [4, 5]], max_new_tokens=16):
+        ...  # step: one new token per prompt, None for a sequence that has finished
+
+One generation (stream) at a time: prefill runs all prompts in one pass, right-padded to the longest, so with
+causal attention a real token never sees padding; the first token of each sequence comes from its last prompt
+position. Each decode step then feeds every sequence's newest token at its own position (learned position
+embedding or RoPE of that position) and attends to its own cached positions 0..pos only, so a sequence's tokens do
+not depend on the others in the batch (up to float rounding of batched matmuls). Sequences that have finished stay
+in the batch (their rows are computed and ignored) until all have finished.
+
+Under tensor parallelism every rank of the mesh builds the engine from the same model and calls stream with the
+same arguments; tp rank 0 samples and broadcasts the tokens, so all ranks yield the same ones.
+The engine keeps references to (and may share memory with) the model's tensors; do not train the model while
+the engine is in use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zplan.cuda.fused_norm_rope import apply_rotary
+from zplan.cuda.weight_quant import QuantizedWeight, dequantize_groupwise, quantize_groupwise
+from zplan.errors import ZplanError
+from zplan.runtime.inference import decoder
+from zplan.runtime.inference.decoder import DecoderSpec, Shards, UnsupportedModelError, linear, norm
+from zplan.runtime.inference.kv_cache import KVCache
+from zplan.runtime.inference.sampling import SamplingParams, make_generators, sample_next
+from zplan.runtime.inference.weight_store import ResidentWeights, WeightStore, tensor_bytes
+from zplan.schemas.model import ModelSummary
+
+WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+WEIGHT_TIERS = ("gpu", "cpu", "nvme")
+CHECK_TOKENS = 8  # length of the input the build-time check runs
+CHECK_MIN_COSINE = {"int8": 0.99, "int4": 0.95}  # quantized or 16-bit engines: cosine of logits vs the model
+
+
+class GenerationError(ZplanError):
+    """A generation request the engine cannot serve (too many prompts, too long, ids outside the vocabulary)."""
+
+
+class InferenceEngine:
+    def __init__(self, spec: DecoderSpec, store: WeightStore, outer: dict[str, torch.Tensor], outer_bytes: int, *,
+                 compute_dtype: torch.dtype, device: torch.device, max_batch: int, max_seq_len: int, tp_mesh=None):
+        self.spec, self.store, self.outer = spec, store, outer
+        self.max_batch, self.max_seq_len, self.vocab_size = max_batch, max_seq_len, spec.vocab
+        self.compute_dtype, self.device = compute_dtype, device
+        self.tp = 1 if tp_mesh is None else tp_mesh.size()
+        self._group = None if tp_mesh is None else tp_mesh.get_group()
+        self._outer_bytes = outer_bytes
+        kv_heads = spec.kv_heads // self.tp
+        self.cache = KVCache(spec.num_layers, max_batch, kv_heads, max_seq_len, spec.head_dim, compute_dtype, device)
+        self._rope = None if spec.rope_theta is None else decoder.rope_table(spec, max_seq_len, compute_dtype,
+                                                                               device)
+        self._gqa = spec.kv_heads != spec.heads
+        self._generation = 0  # bumped by each stream(): an older stream's iterator then refuses to continue
+
+    # ---- building -----------------------------------------------------------------------------------------
+
+    @classmethod
+    @torch.no_grad()
+    def from_model(cls, model: nn.Module, summary: ModelSummary, *, compute_dtype: torch.dtype = torch.float32,
+                   device: torch.device = torch.device("cpu"), max_batch: int = 8, max_seq_len: int = 256,
+                   weight_precision: str = "fp32", group_size: int = 128, weight_tier: str = "gpu",
+                   nvme_dir: str | None = None, prefetch_layers: int = 1, tp_mesh=None) -> InferenceEngine:
+        """Recognise `model` (materialised, on the CPU; the same on every tp rank), pack and place its weights,
+        and check the engine's logits against model(idx) on a short input (UnsupportedModelError if they
+        differ)."""
+        device = torch.device(device)
+        if weight_precision not in (*WEIGHT_DTYPES, *decoder.QUANT_BITS):
+            raise ZplanError(f"weight_precision {weight_precision!r}: use one of fp32, bf16, fp16, int8, int4")
+        if weight_tier not in WEIGHT_TIERS:
+            raise ZplanError(f"weight_tier {weight_tier!r}: use one of {', '.join(WEIGHT_TIERS)}")
+        if max_batch < 1 or max_seq_len < 1:
+            raise ZplanError(f"max_batch ({max_batch}) and max_seq_len ({max_seq_len}) must be positive")
+        spec = decoder.recognise(model, summary)
+        if spec.position_rows and max_seq_len > spec.position_rows:
+            raise ZplanError(f"max_seq_len {max_seq_len} exceeds the model's {spec.position_rows} learned positions: "
+                             f"use max_seq_len <= {spec.position_rows}")
+        shards = Shards()
+        if tp_mesh is not None:
+            if tp_mesh.ndim != 1:
+                raise ZplanError(f"tp_mesh must be a 1-D DeviceMesh, got {tp_mesh.ndim} dimensions")
+            decoder.check_split(spec, tp_mesh.size())
+            shards = Shards(tp_mesh.size(), tp_mesh.get_local_rank(), tp_mesh)
+        bits = decoder.QUANT_BITS.get(weight_precision)
+        weight_dtype = WEIGHT_DTYPES.get(weight_precision, compute_dtype)
+        blocks = model.get_submodule(summary.block_prefix)
+        layers = [decoder.pack_layer(block, spec, shards, weight_dtype, compute_dtype) for block in blocks]
+        if bits:
+            for layer in layers:
+                for name in decoder.LINEARS:
+                    if f"{name}.weight" in layer:
+                        decoder.quantize_linear(layer, name, bits, group_size)
+        outer = _pack_outer(model, spec, compute_dtype, bits, group_size)
+        outer_bytes = sum(tensor_bytes(t) for t in {id(t): t for t in outer.values()}.values())
+        outer = {name: t.to(device) for name, t in outer.items()}
+        if spec.tied_head and "head.weight" in outer:  # keep one table after the move
+            outer["head.weight"] = outer["tok.weight"]
+        # the CPU's fastest layout for resident fp32 Linears: oneDNN's packed weights (F.linear's (out, in) on GPUs)
+        onednn = device.type == "cpu" and compute_dtype == torch.float32 and torch.backends.mkldnn.is_available()
+        store = _weight_store(layers, device, weight_tier, nvme_dir, prefetch_layers, max_batch if onednn else 0)
+        if onednn and "head.weight" in outer:  # tied: a packed copy beside the embedding table
+            outer["head.weight"] = torch.ops.mkldnn._reorder_linear_weight(outer["head.weight"], max_batch)
+        engine = cls(spec, store, outer, outer_bytes, compute_dtype=compute_dtype, device=device,
+                     max_batch=max_batch, max_seq_len=max_seq_len, tp_mesh=tp_mesh)
+        engine._check_against(model, weight_precision, compute_dtype)
+        return engine
+
+    def _check_against(self, model: nn.Module, weight_precision: str, compute_dtype: torch.dtype) -> None:
+        """The engine's uncached logits against model(idx) on CHECK_TOKENS fixed tokens: fp32 within float
+        rounding, other precisions by cosine similarity (CHECK_MIN_COSINE)."""
+        length = min(CHECK_TOKENS, self.max_seq_len)
+        idx = torch.randint(0, self.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
+        training = model.training
+        model.eval()  # no dropout in the reference
+        try:
+            reference = model(idx).float()  # (1, T, V), on the CPU
+        finally:
+            model.train(training)
+        ours = self.forward_logits(idx.to(self.device)).cpu()
+        if weight_precision == "fp32" and compute_dtype == torch.float32:
+            diff = (ours - reference).abs().max().item()
+            ok = diff <= 1e-4 + 1e-3 * reference.abs().max().item()
+            found = f"max |difference| {diff:.3g} (max |logit| {reference.abs().max().item():.3g})"
+        else:
+            cosine = F.cosine_similarity(ours.flatten(), reference.flatten(), dim=0).item()
+            ok = cosine >= CHECK_MIN_COSINE.get(weight_precision, 0.99)
+            found = f"cosine similarity {cosine:.5f}"
+        if not ok:
+            raise UnsupportedModelError(
+                f"the inference engine's logits differ from model(idx) ({found}): the model's blocks do something "
+                "the engine does not (it runs pre-norm x + attn(norm1(x)); x + mlp(norm2(x)) with the parts listed "
+                "in runtime/inference/decoder.py); run this model without zplan's engine")
+
+    # ---- computing -----------------------------------------------------------------------------------------
+
+    def _reduce(self, t: torch.Tensor) -> None:
+        torch.distributed.all_reduce(t, group=self._group)
+
+    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """tokens (B, T) -> (B, T, h); positions (T,) or (B, 1), for the learned position table."""
+        if "tok.weight" in self.outer:
+            x = F.embedding(tokens, self.outer["tok.weight"])  # (B, T, h)
+        else:  # the tied table is quantized: dequantize just the rows looked up
+            qw = decoder.quantized(self.outer, "tok")
+            rows = tokens.reshape(-1)
+            picked = QuantizedWeight(qw.qweight[rows], qw.scales[rows], None, qw.bits, qw.group_size,
+                                     (rows.numel(), qw.shape[1]))
+            x = dequantize_groupwise(picked).to(self.compute_dtype).view(*tokens.shape, -1)
+        if "pos.weight" in self.outer:
+            x = x + self.outer["pos.weight"][positions]  # (T, h) or (B, 1, h)
+        return x
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., h) -> fp32 logits (..., V)."""
+        return linear(self.outer, "head", norm(self.outer, "norm", self.spec.final_norm, x), bias=False).float()
+
+    def _layers(self, x: torch.Tensor, attend, rotary) -> torch.Tensor:
+        """All blocks, asking the weight store for layer 0..L-1 in order; attend(i, q, k, v) for layer i."""
+        reduce = self._reduce if self.tp > 1 else None
+        for i in range(self.spec.num_layers):
+            x = decoder.block_forward(self.spec, self.store.layer(i), x, partial(attend, i), rotary, reduce)
+            self.store.done(i)
+        return x
+
+    def _causal_attention(self, q, k, v) -> torch.Tensor:
+        """(B, a, T, d), (B, a_kv, T, d) x2 -> (B, T, a d)."""
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self._gqa)  # (B, a, T, d)
+        return y.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+
+    def _rotary(self, cos: torch.Tensor, sin: torch.Tensor):
+        return None if self._rope is None else (lambda t: apply_rotary(t, cos, sin))
+
+    @torch.no_grad()
+    def forward_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Uncached forward (for tests and the build-time check): tokens (B, T) -> fp32 logits (B, T, V)."""
+        seq = tokens.shape[1]
+        positions = torch.arange(seq, device=self.device)
+        rotary = None if self._rope is None else self._rotary(self._rope[0][:seq], self._rope[1][:seq])  # (T, d)
+        x = self._layers(self._embed(tokens.to(self.device), positions),
+                         lambda i, q, k, v: self._causal_attention(q, k, v), rotary)
+        return self._logits(x)
+
+    def _prefill(self, tokens: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """tokens (B, T) right-padded; caches positions 0..T-1; fp32 logits (B, V) at positions last (B,)."""
+        batch, seq = tokens.shape
+
+        def attend(i, q, k, v):
+            self.cache.write_prefix(i, k, v)
+            return self._causal_attention(q, k, v)
+
+        rotary = None if self._rope is None else self._rotary(self._rope[0][:seq], self._rope[1][:seq])
+        x = self._layers(self._embed(tokens, torch.arange(seq, device=self.device)), attend, rotary)  # (B, T, h)
+        return self._logits(x[torch.arange(batch, device=self.device), last])
+
+    def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, length: int) -> torch.Tensor:
+        """One step: tokens (B,) at positions (B,) (all < length) -> fp32 logits (B, V)."""
+        batch = tokens.shape[0]
+        rows = torch.arange(batch, device=self.device)
+        visible = torch.arange(length, device=self.device)[None, :] <= positions[:, None]  # (B, S): own past
+        visible = visible[:, None, None, :]  # (B, 1, 1, S)
+
+        def attend(i, q, k, v):  # q (B, a, 1, d), k and v (B, a_kv, 1, d)
+            self.cache.write_step(i, k, v, rows, positions)
+            keys, values = self.cache.prefix(i, batch, length)  # (B, a_kv, S, d)
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, enable_gqa=self._gqa)
+            return y.reshape(batch, 1, -1)  # (B, a, 1, d) -> (B, 1, a d)
+
+        rotary = None
+        if self._rope is not None:
+            rotary = self._rotary(self._rope[0][positions][:, None, None], self._rope[1][positions][:, None, None])
+        x = self._layers(self._embed(tokens[:, None], positions[:, None]), attend, rotary)  # (B, 1, h)
+        return self._logits(x[:, 0])
+
+    def _sample(self, logits: torch.Tensor, params, generators) -> list[int]:
+        """Tokens chosen on tp rank 0 and broadcast, so every rank continues with the same ones."""
+        if self.tp == 1:
+            return sample_next(logits, params, generators)
+        chosen = torch.tensor(sample_next(logits, params, generators), dtype=torch.int64, device=self.device)
+        torch.distributed.broadcast(chosen, src=torch.distributed.get_global_rank(self._group, 0), group=self._group)
+        return chosen.tolist()
+
+    # ---- generating ----------------------------------------------------------------------------------------
+
+    def _validate(self, prompts, max_new_tokens, sampling) -> tuple[list[int], list[SamplingParams]]:
+        if not prompts or len(prompts) > self.max_batch:
+            raise GenerationError(f"{len(prompts)} prompts: send 1 to max_batch={self.max_batch} at a time")
+        new = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+        if len(new) != len(prompts) or len(params) != len(prompts):
+            raise GenerationError(f"max_new_tokens and sampling must be one value or one per prompt "
+                                  f"({len(prompts)}), got {len(new)} and {len(params)}")
+        for b, (prompt, n) in enumerate(zip(prompts, new, strict=True)):
+            if not prompt:
+                raise GenerationError(f"prompt {b} is empty: send at least one token")
+            if n < 1:
+                raise GenerationError(f"max_new_tokens of prompt {b} is {n}: ask for at least one token")
+            if len(prompt) + n > self.max_seq_len:
+                raise GenerationError(f"prompt {b} has {len(prompt)} tokens + {n} new > max_seq_len="
+                                      f"{self.max_seq_len}: shorten it or ask for fewer tokens")
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise GenerationError(f"prompt {b} holds token ids outside the vocabulary [0, {self.vocab_size}): "
+                                      f"{bad[:5]}")
+        return new, params
+
+    def stream(self, prompts: list[list[int]], max_new_tokens: int | list[int],
+               sampling: SamplingParams | list[SamplingParams] = SamplingParams()) -> Iterator[list[int | None]]:
+        """Yields once per decode step a list of len(prompts): each sequence's new token, None once it has
+        finished (after its stop token or max_new_tokens); ends when all have finished. Checks the request now
+        (GenerationError), before the first step."""
+        new, params = self._validate(prompts, max_new_tokens, sampling)
+        self._generation += 1
+        return self._steps(prompts, new, params, self._generation)
+
+    @torch.no_grad()
+    def _steps(self, prompts, new: list[int], params: list[SamplingParams], generation: int):
+        batch = len(prompts)
+        lengths = [len(p) for p in prompts]
+        tokens = torch.zeros(batch, max(lengths), dtype=torch.int64)  # (B, T) right-padded with 0
+        for b, prompt in enumerate(prompts):
+            tokens[b, :len(prompt)] = torch.tensor(prompt)
+        generators = make_generators(params)
+        last = torch.tensor(lengths, device=self.device) - 1  # (B,)
+        logits = self._prefill(tokens.to(self.device), last)
+        produced = [0] * batch
+        finished = [False] * batch
+        positions = last.clone()  # where each sequence's newest token goes
+        while True:
+            chosen = self._sample(logits, params, generators)
+            step: list[int | None] = []
+            for b in range(batch):
+                if finished[b]:
+                    step.append(None)
+                    continue
+                step.append(chosen[b])
+                produced[b] += 1
+                finished[b] = produced[b] >= new[b] or chosen[b] == params[b].stop_token
+            yield step
+            if all(finished):
+                return
+            if generation != self._generation:
+                raise GenerationError("another stream() started on this engine: finish one generation before "
+                                      "starting the next")
+            advance = torch.tensor([0 if f else 1 for f in finished], device=self.device)
+            positions = positions + advance  # finished sequences stay where they are
+            fed = torch.tensor([c if c is not None else 0 for c in chosen], device=self.device)
+            logits = self._decode(fed, positions, int(positions.max()) + 1)
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int],
+                 sampling: SamplingParams | list[SamplingParams] = SamplingParams()) -> list[list[int]]:
+        """The generated tokens of each prompt (a stop token included)."""
+        out: list[list[int]] = [[] for _ in prompts]
+        for step in self.stream(prompts, max_new_tokens, sampling):
+            for b, token in enumerate(step):
+                if token is not None:
+                    out[b].append(token)
+        return out
+
+    def weight_bytes(self) -> int:
+        """Bytes of all weights as stored on this rank: blocks (its shards) plus embeddings, final norm and head (a
+        tied table once; the oneDNN-packed copy of a tied head on the CPU is a layout, not counted)."""
+        return self.store.nbytes() + self._outer_bytes
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def _weight_store(layers: list[dict[str, torch.Tensor]], device: torch.device, tier: str, nvme_dir: str | None,
+                  prefetch_layers: int, onednn_batch: int) -> WeightStore:
+    """Blocks resident on `device` (tier "gpu"; oneDNN-packed for batches of onednn_batch when > 0), or streamed
+    from host memory / NVMe by ZeRO-Inference's StreamedWeights (tiers "cpu", "nvme")."""
+    if tier != "gpu":
+        from zplan.runtime.inference.zero_inference import StreamedWeights
+
+        return StreamedWeights(layers, device, tier, nvme_dir, prefetch_layers)
+    layers = [{name: t.to(device) for name, t in layer.items()} for layer in layers]
+    if onednn_batch:
+        for layer in layers:
+            decoder.onednn_pack(layer, decoder.LINEARS, onednn_batch)
+    return ResidentWeights(layers)
+
+
+def _pack_outer(model: nn.Module, spec: DecoderSpec, dtype: torch.dtype, bits: int | None,
+                group_size: int) -> dict[str, torch.Tensor]:
+    """Token / position tables, final norm and head on the CPU (replicated under TP). With int8/int4 the head is
+    quantized too (and so a tied token table, whose looked-up rows are dequantized)."""
+    get = model.get_submodule
+    out = {"tok.weight": get(spec.outer["tok"]).weight.detach().to(dtype)}
+    if "pos" in spec.outer:
+        out["pos.weight"] = get(spec.outer["pos"]).weight.detach().to(dtype)
+    final = get(spec.outer["norm"])
+    out["norm.weight"] = final.weight.detach().to(dtype)
+    if getattr(final, "bias", None) is not None:
+        out["norm.bias"] = final.bias.detach().to(dtype)
+    head = get(spec.outer["head"])
+    out["head.weight"] = out["tok.weight"] if spec.tied_head else head.weight.detach().to(dtype)
+    if bits:
+        qw = quantize_groupwise(out.pop("head.weight"), bits=bits, group_size=_head_group(spec, group_size))
+        out["head.qweight"], out["head.scales"] = qw.qweight, qw.scales
+        if spec.tied_head:
+            del out["tok.weight"]
+            out["tok.qweight"], out["tok.scales"] = qw.qweight, qw.scales
+    return out
+
+
+def _head_group(spec: DecoderSpec, group_size: int) -> int:
+    if spec.hidden % group_size:
+        raise ZplanError(f"hidden={spec.hidden} is not a multiple of the quantization group size {group_size}: "
+                         "choose a group size that divides it")
+    return group_size
