@@ -13,7 +13,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from zplan.codegen.script import py_literal, script_environment
+from zplan.codegen.script import py_literal, render_executables
 from zplan.schemas.inference import InferencePlan
 
 BASE_PORT = 8000  # serve.sh's default PORT (replica r: BASE_PORT + r)
@@ -84,17 +84,6 @@ def render_inference_scripts(plan: InferencePlan, out_dir: Path, model_path_for_
 
     model_path_for_script: the model file as the scripts should name it, relative to out_dir or absolute;
     None for family-spec plans, whose scripts say that families cannot be run and exit with status 2."""
-    out_dir = Path(out_dir)
-    (out_dir / "launch").mkdir(parents=True, exist_ok=True)
-    context = inference_script_context(plan, model_path_for_script)
-    environment = script_environment()
-    outputs = {
-        out_dir / "generate.py": "generate.py.j2",
-        out_dir / "serve.py": "serve.py.j2",
-        out_dir / "launch" / "generate.sh": "generate.sh.j2",
-        out_dir / "launch" / "serve.sh": "serve.sh.j2",
-    }
-    for path, template in outputs.items():
-        path.write_text(environment.get_template(template).render(**context), encoding="utf-8", newline="\n")
-        path.chmod(0o755)
-    return list(outputs)
+    templates = {"generate.py": "generate.py.j2", "serve.py": "serve.py.j2", "launch/generate.sh": "generate.sh.j2",
+                 "launch/serve.sh": "serve.sh.j2"}
+    return render_executables(templates, inference_script_context(plan, model_path_for_script), Path(out_dir))

@@ -152,16 +152,19 @@ def render_script_files(plan: Plan, out_dir: Path, model_path_for_script: str | 
     output folder and the model can move together) or absolute; None for family-spec plans, whose
     train.py explains that families cannot be trained and exits with status 2.
     """
-    out_dir = Path(out_dir)
-    (out_dir / "launch").mkdir(parents=True, exist_ok=True)
-    context = script_context(plan, model_path_for_script)
+    templates = {"train.py": "train.py.j2", "launch/torchrun.sh": "torchrun.sh.j2",
+                 "launch/slurm.sbatch": "slurm.sbatch.j2"}
+    return render_executables(templates, script_context(plan, model_path_for_script), Path(out_dir))
+
+
+def render_executables(templates: dict[str, str], context: dict[str, Any], out_dir: Path) -> list[Path]:
+    """Render each template (output path relative to out_dir -> template name) into an executable file."""
     environment = script_environment()
-    outputs = {
-        out_dir / "train.py": "train.py.j2",
-        out_dir / "launch" / "torchrun.sh": "torchrun.sh.j2",
-        out_dir / "launch" / "slurm.sbatch": "slurm.sbatch.j2",
-    }
-    for path, template in outputs.items():
+    written = []
+    for relative, template in templates.items():
+        path = out_dir / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(environment.get_template(template).render(**context), encoding="utf-8", newline="\n")
         path.chmod(0o755)
-    return list(outputs)
+        written.append(path)
+    return written

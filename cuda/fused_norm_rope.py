@@ -20,18 +20,16 @@ reference.
 
 from __future__ import annotations
 
-import hashlib
-import warnings
 from pathlib import Path
 
 import torch
 
-from zplan.cuda import cpu_adam
+from zplan.cuda.jit import JitExtension
 
 CUDA_SOURCE = Path(__file__).with_name("fused_norm_rope.cu")
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
-_cuda_module = None  # loaded extension; False once its build failed
+_CUDA = JitExtension(CUDA_SOURCE, cuda=True, cuda_cflags=("-O3",))
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -91,28 +89,7 @@ def _kernel_handles_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 def load_cuda(strict: bool = False):
     """The fused_norm_rope.cu extension, built just in time where CUDA is available; None otherwise or when the
     build failed (after a one-line warning). strict=True raises instead of returning None."""
-    global _cuda_module
-    if not torch.cuda.is_available():
-        if strict:
-            raise RuntimeError("zplan.cuda.fused_norm_rope: CUDA is not available")
-        return None
-    if _cuda_module is None:
-        try:
-            from torch.utils import cpp_extension
-
-            cpu_adam._put_venv_ninja_on_path()
-            digest = hashlib.sha256(CUDA_SOURCE.read_bytes()).hexdigest()[:12]
-            _cuda_module = cpp_extension.load(name=f"zplan_fused_norm_rope_{digest}", sources=[str(CUDA_SOURCE)],
-                                              extra_cuda_cflags=["-O3"], verbose=False)
-        except Exception as exc:  # noqa: BLE001 - any build failure: the reference stays in use
-            _cuda_module = False
-            if strict:
-                raise RuntimeError(f"zplan.cuda.fused_norm_rope: CUDA build failed: {exc}") from exc
-            warnings.warn(f"zplan.cuda.fused_norm_rope: CUDA build failed ({type(exc).__name__}); using the "
-                          "pure-torch references", RuntimeWarning, stacklevel=2)
-    if _cuda_module is False and strict:
-        raise RuntimeError("zplan.cuda.fused_norm_rope: CUDA build failed")
-    return _cuda_module or None
+    return _CUDA.load(strict)
 
 
 def rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -26,15 +26,14 @@ inference: where autograd would record (grad enabled and x or bias requiring gra
 
 from __future__ import annotations
 
-import hashlib
 import os
-import warnings
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from zplan.cuda import cpu_adam
+from zplan.cuda.jit import JitExtension
 from zplan.cuda.weight_quant import QuantizedWeight, dequantize_groupwise
 
 CUDA_SOURCE = Path(__file__).with_name("weight_only_matmul.cu")
@@ -45,8 +44,8 @@ GEMV_MAX_ROWS = 8  # CUDA: rows of x up to which the fused GEMV kernel runs (its
 CPU_MAX_ROWS = 128
 _CPU_SIMD_FLAGS = {"avx2": ["-mavx2", "-mfma", "-DZPLAN_AVX2"], "scalar": []}
 
-_cuda_module = None  # loaded extension; False once its build failed
-_cpu_module = None
+_CUDA = JitExtension(CUDA_SOURCE, cuda=True, variant="cuda", cuda_cflags=("-O3",))
+_cpu_extensions: dict[str, JitExtension] = {}  # per SIMD level (cpu_simd())
 
 
 def weight_only_linear_reference(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None
@@ -106,26 +105,11 @@ def cpu_simd() -> str:
 def load_cpu(warn: bool = True):
     """The C++ extension (weight_only_matmul.cpp), built just in time and cached; None (after one warning) when
     the build fails."""
-    global _cpu_module
-    if _cpu_module is None:
-        try:
-            from torch.utils import cpp_extension
-
-            cpu_adam._put_venv_ninja_on_path()
-            simd = cpu_simd()
-            flags = _CPU_SIMD_FLAGS[simd]
-            digest = hashlib.sha256(CPU_SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
-            _cpu_module = cpp_extension.load(name=f"zplan_weight_only_matmul_{simd}_{digest}",
-                                             sources=[str(CPU_SOURCE)],
-                                             extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"],
-                                             verbose=False)
-        except Exception as exc:  # noqa: BLE001 - any build failure: the reference stays in use
-            _cpu_module = False
-            if warn:
-                warnings.warn(f"zplan.cuda.weight_only_matmul: C++ build failed ({type(exc).__name__}: "
-                              f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}); using the "
-                              "pure-torch reference", RuntimeWarning, stacklevel=2)
-    return _cpu_module or None
+    simd = cpu_simd()
+    if simd not in _cpu_extensions:
+        _cpu_extensions[simd] = JitExtension(CPU_SOURCE, cuda=False, variant=simd,
+                                             cflags=("-O3", "-fopenmp", *_CPU_SIMD_FLAGS[simd]), ldflags=("-fopenmp",))
+    return _cpu_extensions[simd].load(warn=warn)
 
 
 def cpu_backend() -> str:
@@ -162,28 +146,7 @@ def weight_only_linear_cpu(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Ten
 def load_cuda(strict: bool = False):
     """The weight_only_matmul.cu extension, built just in time where torch.cuda.is_available(); None otherwise or
     when the build failed (after a one-line warning). strict=True raises instead of returning None."""
-    global _cuda_module
-    if not torch.cuda.is_available():
-        if strict:
-            raise RuntimeError("zplan.cuda.weight_only_matmul: CUDA is not available")
-        return None
-    if _cuda_module is None:
-        try:
-            from torch.utils import cpp_extension
-
-            cpu_adam._put_venv_ninja_on_path()
-            digest = hashlib.sha256(CUDA_SOURCE.read_bytes()).hexdigest()[:12]
-            _cuda_module = cpp_extension.load(name=f"zplan_weight_only_matmul_cuda_{digest}",
-                                              sources=[str(CUDA_SOURCE)], extra_cuda_cflags=["-O3"], verbose=False)
-        except Exception as exc:  # noqa: BLE001 - any build failure: the reference stays in use
-            _cuda_module = False
-            if strict:
-                raise RuntimeError(f"zplan.cuda.weight_only_matmul: CUDA build failed: {exc}") from exc
-            warnings.warn(f"zplan.cuda.weight_only_matmul: CUDA build failed ({type(exc).__name__}); using the "
-                          "pure-torch reference", RuntimeWarning, stacklevel=2)
-    if _cuda_module is False and strict:
-        raise RuntimeError("zplan.cuda.weight_only_matmul: CUDA build failed")
-    return _cuda_module or None
+    return _CUDA.load(strict)
 
 
 def _run_cuda(module, x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None,

@@ -35,18 +35,18 @@ where torch.cuda.is_available(); the CPU path never builds them.
 
 from __future__ import annotations
 
-import hashlib
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from zplan.cuda.jit import JitExtension
+
 CUDA_SOURCE = Path(__file__).with_name("weight_quant.cu")
 BITS = (4, 8)
 
-_cuda_module = None  # the loaded extension; False once its build failed
-_cuda_error: str | None = None
+# --fmad=false: no contraction into FMA (the source also uses the explicit __f*_rn intrinsics).
+_CUDA = JitExtension(CUDA_SOURCE, cuda=True, cuda_cflags=("-O3", "--fmad=false"))
 
 
 @dataclass
@@ -179,31 +179,7 @@ def fake_quantize(w: torch.Tensor, bits: int, group_size: int, symmetric: bool =
 def load_cuda(strict: bool = False):
     """The weight_quant.cu extension, built just in time on first call; None where CUDA is not available or
     the build failed (after a one-line warning). strict=True raises instead of returning None."""
-    global _cuda_module, _cuda_error
-    if not torch.cuda.is_available():
-        if strict:
-            raise RuntimeError("zplan.cuda.weight_quant: CUDA is not available")
-        return None
-    if _cuda_module is None:
-        try:
-            from torch.utils import cpp_extension
-
-            from zplan.cuda.cpu_adam import _put_venv_ninja_on_path
-
-            _put_venv_ninja_on_path()
-            digest = hashlib.sha256(CUDA_SOURCE.read_bytes()).hexdigest()[:12]
-            # --fmad=false: no contraction into FMA (the source also uses the explicit __f*_rn intrinsics).
-            _cuda_module = cpp_extension.load(name=f"zplan_weight_quant_{digest}", sources=[str(CUDA_SOURCE)],
-                                              extra_cuda_cflags=["-O3", "--fmad=false"], verbose=False)
-        except Exception as exc:  # noqa: BLE001 - any build failure: the reference stays in use
-            _cuda_module = False
-            _cuda_error = f"{type(exc).__name__}: {exc}"
-            if not strict:
-                warnings.warn(f"zplan.cuda.weight_quant: CUDA build failed ({_cuda_error.splitlines()[0]}); "
-                              "using the pure-torch reference", RuntimeWarning, stacklevel=2)
-    if _cuda_module is False and strict:
-        raise RuntimeError(f"zplan.cuda.weight_quant: CUDA build failed: {_cuda_error}")
-    return _cuda_module or None
+    return _CUDA.load(strict)
 
 
 def quantize_groupwise_cuda(w: torch.Tensor, bits: int, group_size: int, symmetric: bool = True) -> QuantizedWeight:

@@ -105,6 +105,32 @@ def _compression_unsupported(plan: Plan) -> bool:
                                    offload)[0])
 
 
+def model_file_problems(source: str, fp, model_path: str | Path | None, compile_example: str, emitted: str
+                        ) -> list[str]:
+    """What is wrong with the model file of this run against the plan's fingerprint `fp` (an empty list: nothing).
+    A plan made for a family spec (`source` 'family') has no model code to run: PlanMismatchError at once."""
+    if source == "family":
+        raise PlanMismatchError(
+            f"this plan was made for the family spec '{fp.model_ref}', which has no model code to run: family specs "
+            f"are for planning only. Compile a model file instead, e.g. {compile_example}, and run {emitted}.")
+    if model_path is None:
+        return [f"no model file given; the plan was made for {fp.model_ref} (pass --model PATH)"]
+    if not Path(model_path).is_file():
+        return [f"model file {model_path} does not exist (the plan was made for {fp.model_ref})"]
+    if model_file_sha256(model_path) != fp.model_sha256:
+        return [f"model file edited since the plan was made: recompile (sha256 of {model_path} is "
+                f"{model_file_sha256(model_path)[:12]}..., the plan's fingerprint says {fp.model_sha256[:12]}...)"]
+    return []
+
+
+def raise_mismatch(problems: list[str]) -> None:
+    """PlanMismatchError listing `problems`, if any."""
+    if len(problems) == 1:
+        raise PlanMismatchError(f"plan does not match this run: {problems[0]}.")
+    if problems:
+        raise PlanMismatchError("plan does not match this run:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
 def check_plan(plan: Plan, model_path: str | Path | None, world_size: int) -> None:
     """Raise PlanMismatchError naming every way this run differs from what the plan was made for.
 
@@ -113,22 +139,8 @@ def check_plan(plan: Plan, model_path: str | Path | None, world_size: int) -> No
     yet (runtime_gaps), and the torch features the plan needs. Touches no process group.
     """
     fp = plan.fingerprint
-    if plan.model.source == "family":
-        raise PlanMismatchError(
-            f"this plan was made for the family spec '{fp.model_ref}', which has no model code to run: "
-            "family specs are for planning only. Compile a model file instead, e.g. "
-            "`zplan compile model.py --gpus N`, and run the train.py it writes."
-        )
-    problems: list[str] = []
-    if model_path is None:
-        problems.append(f"no model file given; the plan was made for {fp.model_ref} (pass --model PATH)")
-    elif not Path(model_path).is_file():
-        problems.append(f"model file {model_path} does not exist (the plan was made for {fp.model_ref})")
-    elif model_file_sha256(model_path) != fp.model_sha256:
-        problems.append(
-            f"model file edited since the plan was made: recompile (sha256 of {model_path} is "
-            f"{model_file_sha256(model_path)[:12]}..., the plan's fingerprint says {fp.model_sha256[:12]}...)"
-        )
+    problems = model_file_problems(plan.model.source, fp, model_path, "`zplan compile model.py --gpus N`",
+                                   "the train.py it writes")
     if world_size != fp.world_size:
         problems.append(
             f"world size: this run has {world_size} process(es), the plan was made for {fp.world_size}; "
@@ -148,7 +160,4 @@ def check_plan(plan: Plan, model_path: str | Path | None, world_size: int) -> No
             f"torch {torch.__version__} lacks {', '.join(missing)}, which the plan needs "
             f"(ZeRO {p.zero_stage}, tp={p.tp}, pp={p.pp}, recompute={p.recompute}); install a newer torch"
         )
-    if len(problems) == 1:
-        raise PlanMismatchError(f"plan does not match this run: {problems[0]}.")
-    if problems:
-        raise PlanMismatchError("plan does not match this run:\n" + "\n".join(f"  - {p}" for p in problems))
+    raise_mismatch(problems)

@@ -25,7 +25,7 @@ from torch import nn
 
 from zplan.errors import ModelLoadError, PlanMismatchError, SpecError
 from zplan.runtime.distributed import RunContext, init_distributed
-from zplan.runtime.plan_check import model_file_sha256
+from zplan.runtime.plan_check import model_file_problems, raise_mismatch
 from zplan.schemas.inference import INFERENCE_PLAN_SCHEMA_VERSION, InferencePlan
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -84,28 +84,13 @@ def check_inference_plan(plan: InferencePlan, model_path: str | Path | None, wor
     Checks: the model is a file (family specs have no code to run), the file's SHA-256 against the
     fingerprint, and this run's processes against tp (one replica; the plan's world size counts all
     replicas). Touches no process group, so every rank stops with the same message."""
-    fp = plan.fingerprint
-    if plan.model.source == "family":
-        raise PlanMismatchError(
-            f"this plan was made for the family spec '{fp.model_ref}', which has no model code to run: family "
-            "specs are for planning only. Compile a model file instead, e.g. `zplan compile model.py --mode "
-            "inference --gpus N`, and run the generate.py / serve.py it writes.")
-    problems: list[str] = []
-    if model_path is None:
-        problems.append(f"no model file given; the plan was made for {fp.model_ref} (pass --model PATH)")
-    elif not Path(model_path).is_file():
-        problems.append(f"model file {model_path} does not exist (the plan was made for {fp.model_ref})")
-    elif model_file_sha256(model_path) != fp.model_sha256:
-        problems.append(f"model file edited since the plan was made: recompile (sha256 of {model_path} is "
-                        f"{model_file_sha256(model_path)[:12]}..., the plan's fingerprint says "
-                        f"{fp.model_sha256[:12]}...)")
+    problems = model_file_problems(plan.model.source, plan.fingerprint, model_path,
+                                   "`zplan compile model.py --mode inference --gpus N`",
+                                   "the generate.py / serve.py it writes")
     if world_size != tp:
         problems.append(f"world size: this run has {world_size} process(es), one replica of the plan needs tp = "
                         f"{tp}; launch with launch/generate.sh or launch/serve.sh (torchrun --nproc-per-node {tp})")
-    if len(problems) == 1:
-        raise PlanMismatchError(f"plan does not match this run: {problems[0]}.")
-    if problems:
-        raise PlanMismatchError("plan does not match this run:\n" + "\n".join(f"  - {p}" for p in problems))
+    raise_mismatch(problems)
 
 
 # ---- weights ----------------------------------------------------------------------------------------------
