@@ -9,10 +9,7 @@ fp32|int8 --offload none|cpu|nvme --prompt-len P --gen-len G` makes (zplan.infer
 compile_inference_plan, no files written), for benchmarks/_small_gpt.py (4 layers, hidden 256, vocabulary 8192:
 decode reads 21 MB of fp32 weights per step) at batch 1 / 4 / 8, fp32 and int8, weights resident ("gpu") or
 streamed from host memory or NVMe, and for examples/tiny.py (2 layers, hidden 64: host overhead only) at batch 1
-and 8. One exception: for int8 the CLI picks bf16 compute on cpu-local (the profile has a bf16 rate), but the engine
-runs on the CPU in fp32 whatever the plan says (runtime/inference/build.py runnable_settings); the plan measured
-against is the same request with fp32 compute (prepared with --precision fp32, then int8 weights pinned), and the
-CLI's own bf16 prediction is printed beside it.
+and 8 (on cpu-local the planner computes in fp32, the profile's fastest dtype, as the engine does on a CPU).
 
 The engine is built as the emitted generate.py builds it (runtime.inference.build.engine_from_plan with the plan's
 EngineSettings, seeded random weights), with torch.set_num_threads(1): the profile's device is one process on one
@@ -41,7 +38,6 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -55,7 +51,6 @@ from zplan.inference_api import compile_inference_plan, prepare  # noqa: E402
 from zplan.planner.clusters import load_cluster  # noqa: E402
 from zplan.planner.inference.cost import BLOCK_FORWARD_OPS, EDGE_FORWARD_OPS  # noqa: E402
 from zplan.runtime.inference.build import engine_from_plan  # noqa: E402
-from zplan.schemas.inference import InferencePins  # noqa: E402
 
 SEED = 0
 # (model file, batch, weight precision, weight tier)
@@ -67,18 +62,12 @@ PLANS = [
 ]
 
 
-def compile_plans(model: Path, batch: int, precision: str, tier: str, prompt_len: int, gen_len: int):
-    """(the plan measured against, the CLI's plan for the same flags): the same plan for fp32; for int8 the first
-    has fp32 compute (what the engine runs on a CPU), the second the CLI's default (bf16 on cpu-local)."""
+def compile_plan(model: Path, batch: int, precision: str, tier: str, prompt_len: int, gen_len: int):
+    """The plan `zplan compile MODEL --mode inference` makes for these flags on one cpu-local device."""
     offload = "none" if tier == "gpu" else tier
-    common = dict(gpus=1, cluster="cpu-local", target="latency", batch=batch, prompt_len=prompt_len,
-                  gen_len=gen_len, tp=1, offload=offload)
-    cli = compile_inference_plan(prepare(str(model), precision=precision, **common))
-    if precision == "fp32":
-        return cli, cli
-    req = prepare(str(model), precision="fp32", **common)
-    req = replace(req, pins=InferencePins(tp=1, precision=precision, offload=tier))
-    return compile_inference_plan(req), cli
+    return compile_inference_plan(prepare(str(model), gpus=1, cluster="cpu-local", target="latency", batch=batch,
+                                          prompt_len=prompt_len, gen_len=gen_len, precision=precision, tp=1,
+                                          offload=offload))
 
 
 class CountOps:
@@ -176,7 +165,7 @@ def linear_probe(rows_in_out: tuple[int, int, int], reps: int) -> dict:
             "fp32_weight_Bps": 4.0 * w.numel() / fp32_s, "int8_weight_Bps": 1.0 * w.numel() / int8_s}
 
 
-def row(model: Path, plan, cli_plan, measured: dict) -> dict:
+def row(model: Path, plan, measured: dict) -> dict:
     p, pred = plan.parallel, plan.prediction
     layers = sum(1 for u in plan.model.layers if u.kind == "block")
     model_ops = BLOCK_FORWARD_OPS * layers + EDGE_FORWARD_OPS
@@ -186,10 +175,8 @@ def row(model: Path, plan, cli_plan, measured: dict) -> dict:
         "predicted_ttft_s": pred.ttft_s, "predicted_tpot_s": pred.tpot_s,
         "predicted_time": pred.time.model_dump(),
         # which term set the predicted decode step: weight + KV bytes, or FLOPs + host dispatch (planner/inference/cost)
-        "predicted_decode_bound": "FLOPs+host" if pred.time.decode_compute_s > 0 else "bytes",
+        "predicted_decode_bound": "bytes+host" if pred.time.decode_weights_s > 0 else "FLOPs+host",
         "predicted_host_s": model_ops * plan.cluster.host_overheads.op_s, "model_aten_ops_per_pass": model_ops,
-        "cli_compute_dtype": cli_plan.parallel.compute_dtype,
-        "cli_predicted_ttft_s": cli_plan.prediction.ttft_s, "cli_predicted_tpot_s": cli_plan.prediction.tpot_s,
         **measured,
     }
     out["ttft_ratio"] = out["measured_ttft_s"] / out["predicted_ttft_s"]
@@ -214,8 +201,8 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="zplan-inference-prediction-") as nvme_dir:
         for model, batch, precision, tier in PLANS:
-            plan, cli_plan = compile_plans(model, batch, precision, tier, args.prompt_len, args.gen_len)
-            rows.append(row(model, plan, cli_plan, measure(plan, model, args.rounds, nvme_dir)))
+            plan = compile_plan(model, batch, precision, tier, args.prompt_len, args.gen_len)
+            rows.append(row(model, plan, measure(plan, model, args.rounds, nvme_dir)))
     engine_op_s = next(r["measured_tpot_s"] / r["decode_aten_ops"] for r in rows
                        if r["model"].endswith("tiny.py") and r["batch"] == 1)
     cluster = load_cluster("cpu-local")
@@ -245,11 +232,6 @@ def main() -> None:
               f"{r['tpot_ratio']:5.2f}x {r['measured_tpot_cpu_s'] * 1e3:6.2f}  {r['decode_aten_ops']:4d} "
               f"({r['model_aten_ops_per_pass']})  {r['predicted_decode_bound']}"
               + (f" + stream {r['predicted_time']['decode_stream_s'] * 1e3:.1f}" if r["weight_tier"] != "gpu" else ""))
-    for r in rows:
-        if r["cli_compute_dtype"] != r["compute_dtype"]:
-            print(f"  {label(r)}: the CLI's plan computes in {r['cli_compute_dtype']} and predicts TTFT "
-                  f"{r['cli_predicted_ttft_s'] * 1e3:.1f} ms, TPOT {r['cli_predicted_tpot_s'] * 1e3:.1f} ms "
-                  f"(the engine runs fp32 on a CPU)")
     print(f"Spearman rank correlation, predicted vs measured: TPOT {result['tpot_rank_correlation']:.2f}, TTFT "
           f"{result['ttft_rank_correlation']:.2f}; median ratio TPOT {result['median_tpot_ratio']:.2f}x, TTFT "
           f"{result['median_ttft_ratio']:.2f}x")

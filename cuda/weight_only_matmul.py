@@ -26,6 +26,7 @@ inference: where autograd would record (grad enabled and x or bias requiring gra
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -99,6 +100,12 @@ def cpu_simd() -> str:
         if forced not in _CPU_SIMD_FLAGS:
             raise ValueError(f"ZPLAN_WOM_SIMD={forced!r}: expected one of {sorted(_CPU_SIMD_FLAGS)}")
         return forced
+    return _detected_simd()
+
+
+@functools.cache
+def _detected_simd() -> str:
+    """Read once: the decode loop asks for the kernel on every matmul (cpu_adam.simd_choice reads /proc/cpuinfo)."""
     return "avx2" if cpu_adam.simd_choice() in ("avx2", "avx512") else "scalar"
 
 

@@ -98,7 +98,8 @@ class InferenceTime(_Frozen):
     decode_weights_s: float = Field(ge=0, description="Per decode step: weight bytes read / HBM bandwidth.")
     decode_kv_s: float = Field(ge=0, description="Per decode step: KV-cache bytes read / HBM bandwidth.")
     decode_compute_s: float = Field(ge=0, description="Per decode step: FLOPs / achieved FLOP/s, counted "
-                                    "instead of the bytes where the batch makes the step compute bound.")
+                                    "instead of the bytes where the batch makes the step compute bound, plus the "
+                                    "host's time dispatching the step's ops (CPU profiles; 0 on GPUs).")
     decode_tp_s: float = Field(ge=0, description="Per decode step: tensor-parallel all-reduces (two per layer, "
                                "latency bound).")
     decode_stream_s: float = Field(ge=0, description="Per decode step: waiting for streamed weights, not hidden.")

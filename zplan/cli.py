@@ -141,8 +141,8 @@ def compile(
     precision: Optional[WeightPrecision] = typer.Option(
         None, "--precision",
         help="Training: compute precision bf16|fp16|fp32 (default bf16). Inference: weight precision (default: the "
-             "compute precision, bf16 where the GPU has it, else fp16; int8/int4 weight-only quantization is chosen "
-             "only when nothing unquantized fits, or when pinned here)."),
+             "compute precision, the device's fastest of bf16, fp16 and fp32; int8/int4 weight-only quantization is "
+             "chosen only when nothing unquantized fits, or when pinned here)."),
     tp: Optional[int] = TP, pp: Optional[int] = PP, dp: Optional[int] = DP,
     zero: Optional[int] = ZERO,
     offload: Optional[Offload] = typer.Option(

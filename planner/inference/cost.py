@@ -20,12 +20,14 @@ weights per block, t tensor-parallel degree, B sequences per replica, P prompt t
           c = P + G / 2 (Pope et al. Sec. 3.1: small-batch decode is memory-bandwidth bound), at
           hbm_bandwidth * efficiency.memory_bound; where B makes the FLOPs (2 W L B + 4 L B c h) / t + 2 h V B
           take longer, the step is compute bound and the FLOPs time counts instead of the bytes. Two
-          all-reduces of B * h per block (latency bound).
+          all-reduces of B * h per block (latency bound). CPU profiles add the host's dispatch time per op
+          (host_overheads.op_s) to prefill and decode: there it runs on the computing core.
   streamed tiers (ZeRO-Inference, Aminabadi et al. 2022, "DeepSpeed-Inference", Sec. 6): each forward pass
           moves the block weights from host memory over PCIe (host_to_device_bandwidth * efficiency.host_link),
           and for nvme from the node's disks (nvme_bandwidth shared by the node's GPUs in use) through host
           memory, pipelined, so the slower link sets the pace. Prefetching the next layer while one computes
-          makes a pass take max(transfer, compute) per layer; the part not hidden is the stream time.
+          makes a pass take max(transfer, compute) per layer; the part not hidden is the stream time. A device
+          that cannot overlap copies with compute (overlaps_comm_with_compute false) hides none of it.
   tokens/s = replicas * B * G / (ttft + (G - 1) * tpot).
 """
 
@@ -274,18 +276,25 @@ def estimate(model: InferenceModel, cand: InferenceCandidates, cluster: ClusterS
     weights_s = read_b / hbm
     kv_s = kv_cache_bytes(model, t, B, 1, dtype) * c / hbm
     decode_flops = (2.0 * model.block_linear_params * L * B + 4.0 * L * B * c * h) / t + 2.0 * h * V * B
-    flops_s = decode_flops / (peak * gemm_efficiency(2.0 * B * h * f / t, cluster)) + host_s
+    flops_s = decode_flops / (peak * gemm_efficiency(2.0 * B * h * f / t, cluster))
     compute_bound = flops_s > weights_s + kv_s
     decode_weights = np.where(compute_bound, 0.0, weights_s)
     decode_kv = np.where(compute_bound, 0.0, kv_s)
-    decode_compute = np.where(compute_bound, flops_s, 0.0)
+    # the host dispatches the step's ops one after another, beside neither the reads nor the FLOPs on a CPU
+    # profile (op_s = 0 on GPU profiles, whose launches run ahead of the device)
+    decode_compute = np.where(compute_bound, flops_s, 0.0) + host_s
     decode_tp = 2.0 * L * all_reduce_s(B * h * cbytes, cand.tp, ones, cluster)
 
     # Streamed tiers: every pass (the prefill and each decode step) moves all block weights.
+    # A device that cannot overlap copies with compute (overlaps_comm_with_compute False: the CPU profiles, where
+    # the copy is a memcpy on the computing core) hides nothing.
     layer_transfer = np.where(resident, 0.0, blocks_b / L / stream_link_Bps(cand.tier, cluster, work.gpus))
-    prefill_stream = not_hidden_stream_s(layer_transfer, prefill_compute + prefill_tp, L)
     decode_step = decode_weights + decode_kv + decode_compute + decode_tp
-    decode_stream = not_hidden_stream_s(layer_transfer, decode_step, L)
+    if cluster.overlaps_comm_with_compute:
+        prefill_stream = not_hidden_stream_s(layer_transfer, prefill_compute + prefill_tp, L)
+        decode_stream = not_hidden_stream_s(layer_transfer, decode_step, L)
+    else:
+        prefill_stream = decode_stream = L * layer_transfer
 
     ttft = prefill_compute + prefill_tp + prefill_stream
     tpot = decode_step + decode_stream

@@ -10,6 +10,8 @@ import pytest
 from zplan.planner.clusters import DGX_H100
 from zplan.planner.family import family_summary
 from zplan.planner.inference.cost import (
+    BLOCK_FORWARD_OPS,
+    EDGE_FORWARD_OPS,
     WEIGHT_PRECISIONS,
     WEIGHT_TIERS,
     InferenceCandidates,
@@ -135,6 +137,20 @@ def test_streamed_weights_wait_for_the_slower_link(tier, link_Bps):
     assert est.decode_stream_s[0] == pytest.approx(10 * (layer_s - resident.tpot_s[0] / 10))
     assert est.tpot_s[0] == pytest.approx(10 * layer_s)  # a step takes max(transfer, compute) per layer
     assert est.ttft_s[0] == pytest.approx(10 * layer_s)
+
+
+def test_a_device_without_overlap_waits_for_every_copy_and_dispatches_ops_in_series():
+    # CPU-like profile: copies on the computing core (no overlap), 10 us of host time per dispatched op
+    cpu_like = CLUSTER.model_copy(update={"overlaps_comm_with_compute": False, "host_overheads":
+                                          CLUSTER.host_overheads.model_copy(update={"op_s": 1e-5})})
+    work = Workload(prompt_len=100, gen_len=20, compute_dtype="bf16", gpus=1)
+    est = estimate(MODEL, one(tier="cpu"), cpu_like, work)
+    layer_s = 12e6 * BF16 / (1e10 * 0.5)  # one block's weights over PCIe at half its 10 GB/s
+    assert est.decode_stream_s[0] == pytest.approx(10 * layer_s)
+    assert est.prefill_stream_s[0] == pytest.approx(10 * layer_s)
+    host_s = (BLOCK_FORWARD_OPS * 10 + EDGE_FORWARD_OPS) * 1e-5  # ops of one forward pass
+    assert est.decode_compute_s[0] == pytest.approx(host_s)  # memory bound: bytes, then the host time beside none
+    assert est.decode_weights_s[0] == pytest.approx((10 * 12e6 * BF16 + 1e6 * BF16) / HBM)
 
 
 def test_tokens_per_s_counts_replicas():
