@@ -16,7 +16,13 @@ demo: $(VENV)
 	  --cluster dgx-a100-80g --global-batch 1536 -o out/gpt175b
 	.venv/bin/zplan compile examples/tiny.py --gpus 2 --cluster cpu-local --global-batch 8 --seq 64 \
 	  --precision fp32 -o out/tiny
-	PATH="$(CURDIR)/.venv/bin:$$PATH" bash out/tiny/launch/torchrun.sh --steps 20
+	PATH="$(CURDIR)/.venv/bin:$$PATH" bash out/tiny/launch/torchrun.sh --steps 300 --lr 3e-3 \
+	  --save-weights out/tiny/weights.pt
+	.venv/bin/zplan compile gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200 --mode inference \
+	  --gpus 8 --cluster dgx-h200 -o out/gpt175b-serve
+	.venv/bin/zplan compile examples/tiny.py --mode inference --gpus 1 --cluster cpu-local -o out/tiny-serve
+	printf 'abcdefghij\nACEGIK\n' | PATH="$(CURDIR)/.venv/bin:$$PATH" bash out/tiny-serve/launch/generate.sh \
+	  --weights out/tiny/weights.pt --max-new-tokens 12
 
 test: $(VENV)
 	.venv/bin/ruff check .
