@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from zplan.errors import SpecError, ZplanError
 from zplan.runtime.inference.build import (
     EngineSettings,
@@ -155,6 +157,8 @@ def generate_main(plan_path: Path, model_path: Path | None, settings: EngineSett
     args = _generate_parser(default_max_new_tokens).parse_args(argv)
     try:
         run_generate(args, plan_path, Path(args.model) if args.model else model_path, settings)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()  # leave the last collective together (see server.follow_batches)
     except ZplanError as error:
         return _error(str(error))
     finally:

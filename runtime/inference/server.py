@@ -119,6 +119,8 @@ class Broadcaster:
         import torch.distributed as dist
 
         dist.broadcast_object_list([message], src=0, group=self.group)
+        if message["kind"] == "shutdown":
+            dist.barrier(group=self.group)  # see follow_batches
 
 
 class BatchWorker:
@@ -266,6 +268,9 @@ def follow_batches(engine) -> int:
             return 1
         kind = message[0]["kind"]
         if kind == "shutdown":
+            # every rank leaves the last collective together before the process group is destroyed: a rank that
+            # tears its connections down while rank 0 still uses them made rank 0 abort in gloo (SIGABRT)
+            dist.barrier()
             return 0
         if kind == "batch":
             try:
