@@ -43,7 +43,7 @@ def inference_assumptions(cluster: ClusterSpec, summary: ModelSummary, model: In
          "zplan default (planner/cost/memory.py)"),
         ("framework reserve", f"{cluster.framework_reserve_bytes / 2**30:.1f} GiB per GPU", src),
         ("weights", f"block Linears split over tp at the weight precision; embeddings, norms, biases and the head "
-                    f"({model.replicated_params / 1e6:,.1f} M parameters) replicated at {dtype}, the head's "
+                    f"({model.replicated_params:,.0f} parameters) replicated at {dtype}, the head's "
                     "vocabulary x hidden matrix at the weight precision when int8/int4",
          "zplan's inference engine (runtime.inference)"),
         ("quantization", f"weight-only, group-wise symmetric: int8 1 byte, int4 0.5 byte per weight, plus one "
