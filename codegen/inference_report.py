@@ -6,6 +6,7 @@ renders to the same bytes), or related to each other for display (a part as a sh
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from math import ceil
 from typing import Any
 
@@ -37,10 +38,13 @@ TIER_TEXT = {"gpu": "resident on the GPU", "cpu": "host memory, streamed layer b
              "nvme": "NVMe, streamed layer by layer"}
 
 
-def _parts(time, parts, whole: float) -> list[dict[str, str]]:
-    return [{"label": label, "display": format_seconds(getattr(time, key)),
-             "percent": format_percent(share(getattr(time, key), whole)),
-             "width": f"{100 * share(getattr(time, key), whole):.2f}"}
+def share_rows(values: object, parts: tuple[tuple[str, str], ...], whole: float,
+               display: Callable[[float], str]) -> list[dict[str, str]]:
+    """One row per (field, label) of `parts`: the field of `values` shown with `display`, and its share of
+    `whole` as a percentage and a bar width."""
+    return [{"label": label, "display": display(getattr(values, key)),
+             "percent": format_percent(share(getattr(values, key), whole)),
+             "width": f"{100 * share(getattr(values, key), whole):.2f}"}
             for key, label in parts]
 
 
@@ -137,18 +141,15 @@ def inference_report_context(plan: InferencePlan) -> dict[str, Any]:
         "tokens_per_s_per_replica": f"{pred.tokens_per_s / par.replicas:,.1f}",
         "feasible": yes_no(pred.feasible),
         "candidates_evaluated": f"{plan.candidates_evaluated:,}",
-        "memory_rows": [{"label": label, "display": format_bytes(getattr(mem, key)),
-                         "percent": format_percent(share(getattr(mem, key), mem.capacity)),
-                         "width": f"{100 * share(getattr(mem, key), mem.capacity):.2f}"}
-                        for key, label in MEMORY_PARTS],
+        "memory_rows": share_rows(mem, MEMORY_PARTS, mem.capacity, format_bytes),
         "memory_total": format_bytes(mem.total),
         "memory_capacity": format_bytes(mem.capacity),
         "memory_headroom": format_bytes(mem.capacity - mem.total),
         "memory_used_percent": format_percent(share(mem.total, mem.capacity)),
         "cpu_bytes_per_node": format_bytes(mem.cpu_bytes_per_node),
         "nvme_bytes_per_node": format_bytes(mem.nvme_bytes_per_node),
-        "prefill_rows": _parts(time, PREFILL_PARTS, pred.ttft_s),
-        "decode_rows": _parts(time, DECODE_PARTS, pred.tpot_s),
+        "prefill_rows": share_rows(time, PREFILL_PARTS, pred.ttft_s, format_seconds),
+        "decode_rows": share_rows(time, DECODE_PARTS, pred.tpot_s, format_seconds),
         "alternative_rows": alternative_rows(plan),
         "assumption_rows": [a.model_dump() for a in plan.assumptions],
         "cluster_rows": cluster_rows(plan),

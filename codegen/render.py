@@ -19,13 +19,13 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoes
 from zplan.codegen import svg_charts
 from zplan.codegen.ds_config import deepspeed_config, deepspeed_config_notes
 from zplan.codegen.inference_report import inference_report_context
+from zplan.codegen.inference_script import render_inference_scripts
 from zplan.codegen.report import report_context
 from zplan.schemas.inference import InferencePlan
 from zplan.schemas.plan import Plan
 
 TEMPLATES_DIR = Path(__file__).parent / "templates"
 SCRIPT_MODULE = "zplan.codegen.script"
-INFERENCE_SCRIPT_MODULE = "zplan.codegen.inference_script"
 
 
 def markdown_cell(text: str) -> str:
@@ -68,21 +68,14 @@ def render_reports(plan: Plan) -> dict[str, str]:
     }
 
 
-def _optional_module(name: str):
-    """The module `name`, or None while it does not exist (an import error inside it still raises)."""
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as error:
-        if error.name == name:
-            return None
-        raise
-
-
 def _render_script_files(plan: Plan, out_dir: Path, model_path_for_script: str | None) -> list[Path]:
     """train.py and launch/ from zplan.codegen.script, skipped while that module does not exist."""
-    script = _optional_module(SCRIPT_MODULE)
-    if script is None:
-        return []
+    try:
+        script = importlib.import_module(SCRIPT_MODULE)
+    except ModuleNotFoundError as error:
+        if error.name == SCRIPT_MODULE:
+            return []
+        raise
     return list(script.render_script_files(plan, out_dir, model_path_for_script) or [])
 
 
@@ -97,14 +90,12 @@ def render_inference_reports(plan: InferencePlan) -> dict[str, str]:
 
 
 def render_inference_outputs(plan: InferencePlan, out_dir: Path, model_path_for_script: str | None) -> list[Path]:
-    """Write plan.json, the reports and (zplan.codegen.inference_script, skipped while it does not exist)
-    generate.py, serve.py and launch/ into the existing folder `out_dir`; return the written paths."""
+    """Write plan.json, the reports, generate.py, serve.py and launch/ into the existing folder `out_dir`;
+    return the written paths."""
     out_dir = Path(out_dir)
     written = [_write(out_dir / "plan.json", plan.model_dump_json(indent=2) + "\n")]
     written += [_write(out_dir / name, text) for name, text in render_inference_reports(plan).items()]
-    scripts = _optional_module(INFERENCE_SCRIPT_MODULE)
-    if scripts is not None:
-        written += list(scripts.render_inference_scripts(plan, out_dir, model_path_for_script) or [])
+    written += render_inference_scripts(plan, out_dir, model_path_for_script)
     return written
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from zplan.cuda.jit import JitExtension
+from zplan.cuda.jit import JitExtension, needs_autograd
 
 CUDA_SOURCE = Path(__file__).with_name("fused_norm_rope.cu")
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -51,23 +51,16 @@ def apply_rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension; the fused kernel on CUDA tensors, else the reference."""
     if x.is_cuda and x.dtype in _FLOATS and x.numel() > 0 and (weight is None or weight.numel() == x.shape[-1]) \
-            and not _needs_autograd(x, weight):
-        module = load_cuda()
-        if module is not None:
-            return rms_norm_cuda(x, weight, eps)
+            and not needs_autograd(x, weight) and load_cuda() is not None:
+        return rms_norm_cuda(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE, rotate-half; the fused kernel on CUDA tensors it handles, else the reference."""
-    if _kernel_handles_rotary(x, cos, sin) and not _needs_autograd(x, cos, sin) and load_cuda() is not None:
+    if _kernel_handles_rotary(x, cos, sin) and not needs_autograd(x, cos, sin) and load_cuda() is not None:
         return apply_rotary_cuda(x, cos, sin)
     return apply_rotary_reference(x, cos, sin)
-
-
-def _needs_autograd(*tensors: torch.Tensor | None) -> bool:
-    """The kernels record no gradient: where autograd would, the references run."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _kernel_handles_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:

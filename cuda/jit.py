@@ -2,6 +2,7 @@
 
     _CUDA = JitExtension(Path(__file__).with_name("weight_quant.cu"), cuda=True, cuda_cflags=("-O3",))
     module = _CUDA.load()  # the built module, or None where CUDA is absent or the build failed
+    if needs_autograd(x, bias): ...  # the kernels record no gradient: run the pure-torch reference
 
 torch.utils.cpp_extension.load builds the source once per content and flags (the extension's name carries their
 hash, so an edited source is rebuilt, not loaded stale) and caches the result. A failed build is remembered: the
@@ -61,3 +62,9 @@ class JitExtension:
         if self._module is False and strict:
             raise RuntimeError(f"{self.label}: build failed: {self._error}")
         return self._module or None
+
+
+def needs_autograd(*tensors: torch.Tensor | None) -> bool:
+    """True where autograd would record (grad enabled, a tensor requires grad): the kernels record no gradient,
+    so their callers run the pure-torch reference there."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)

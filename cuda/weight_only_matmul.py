@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from zplan.cuda import cpu_adam
-from zplan.cuda.jit import JitExtension
+from zplan.cuda.jit import JitExtension, needs_autograd
 from zplan.cuda.weight_quant import QuantizedWeight, dequantize_groupwise
 
 CUDA_SOURCE = Path(__file__).with_name("weight_only_matmul.cu")
@@ -62,7 +62,7 @@ def weight_only_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor 
     module docstring), else the reference."""
     _check(x, qw)
     rows = x.numel() // max(x.shape[-1], 1)
-    if _needs_autograd(x, bias):
+    if needs_autograd(x, bias):
         return weight_only_linear_reference(x, qw, bias)  # the kernels record no gradient
     if x.is_cuda:
         module = load_cuda()
@@ -78,10 +78,6 @@ def _check(x: torch.Tensor, qw: QuantizedWeight) -> None:
     if x.shape[-1] != qw.shape[1]:
         raise ValueError(f"x has {x.shape[-1]} input features but the quantized weight {qw.shape} expects "
                          f"{qw.shape[1]}")
-
-
-def _needs_autograd(*tensors: torch.Tensor | None) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _zeros_or_empty(qw: QuantizedWeight) -> torch.Tensor:

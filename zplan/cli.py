@@ -277,11 +277,11 @@ def estimate(
 def explain(plan_json: Path = typer.Argument(..., help="A plan.json written by `zplan compile`.")) -> None:
     """The best alternatives to a plan and why each rejected family lost (an inference plan: its alternatives
     and the reason for the choice)."""
-    from zplan.cli_render import load_any_plan_file, print_explanation, print_inference_explanation
+    from zplan.cli_render import load_plan_file, print_explanation, print_inference_explanation
     from zplan.schemas.inference import InferencePlan
 
     try:
-        plan = load_any_plan_file(plan_json)
+        plan = load_plan_file(plan_json)
     except ZplanError as exc:
         _fail(exc)
     if isinstance(plan, InferencePlan):

@@ -22,30 +22,21 @@ def default_out_dir(model_ref: str) -> Path:
     return Path("out") / stem
 
 
-def load_plan_file(path: Path) -> Plan:
-    try:
-        return Plan.model_validate_json(path.read_text())
-    except OSError as exc:
-        raise ZplanError(f"cannot read {path}: {exc.strerror}. Pass the plan.json written by `zplan compile`.") from exc
-    except ValidationError as exc:
-        raise ZplanError(f"{path} is not a zplan plan ({exc.error_count()} schema errors): recompile it.") from exc
-
-
-def load_any_plan_file(path: Path) -> Plan | InferencePlan:
+def load_plan_file(path: Path) -> Plan | InferencePlan:
     """A training or an inference plan.json (told apart by its "mode")."""
     try:
-        data = json.loads(path.read_text())
+        text = path.read_text()
+        data = json.loads(text)
     except OSError as exc:
         raise ZplanError(f"cannot read {path}: {exc.strerror}. Pass the plan.json written by `zplan compile`.") from exc
     except ValueError as exc:
         raise ZplanError(f"{path} is not JSON ({exc}): pass the plan.json written by `zplan compile`.") from exc
-    if isinstance(data, dict) and data.get("mode") == "inference":
-        try:
-            return InferencePlan.model_validate(data)
-        except ValidationError as exc:
-            raise ZplanError(f"{path} is not a zplan inference plan ({exc.error_count()} schema errors): "
-                             "recompile it.") from exc
-    return load_plan_file(path)
+    inference = isinstance(data, dict) and data.get("mode") == "inference"
+    schema, kind = (InferencePlan, "inference plan") if inference else (Plan, "plan")
+    try:
+        return schema.model_validate_json(text)
+    except ValidationError as exc:
+        raise ZplanError(f"{path} is not a zplan {kind} ({exc.error_count()} schema errors): recompile it.") from exc
 
 
 def _count(n: float) -> str:

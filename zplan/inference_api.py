@@ -12,8 +12,10 @@ from zplan.errors import SpecError
 from zplan.planner.clusters import load_cluster
 from zplan.planner.inference.assumptions import inference_assumptions
 from zplan.planner.inference.cost import (
+    PREFETCH_LAYERS,
     WEIGHT_PRECISIONS,
     WEIGHT_TIERS,
+    InferenceEstimate,
     InferenceModel,
     Workload,
     quant_group_size,
@@ -161,13 +163,12 @@ def compile_inference_plan(req: InferenceRequest) -> InferencePlan:
     cand, est = scored.cand, scored.est
     order = best_per_config(scored, req.target)
     capacity = float(cluster.gpu.hbm_bytes)
-    tp, tier = int(cand.tp[chosen]), WEIGHT_TIERS[cand.tier[chosen]]
-    batch = int(cand.batch[chosen])
+    tp, tier, batch = int(cand.tp[chosen]), WEIGHT_TIERS[cand.tier[chosen]], int(cand.batch[chosen])
     parallel = InferenceParallel(
         tp=tp, replicas=req.gpus // tp, weight_precision=WEIGHT_PRECISIONS[cand.precision[chosen]],
         quant_group_size=int(quant_group_size(model, cand.tp[[chosen]])[0]), compute_dtype=req.compute_dtype,
-        weight_tier=tier,
-        prefetch_layers=0 if tier == "gpu" else 1, max_batch=batch, max_seq_len=work.max_seq_len)
+        weight_tier=tier, prefetch_layers=0 if tier == "gpu" else PREFETCH_LAYERS, max_batch=batch,
+        max_seq_len=work.max_seq_len)
     alternatives = [
         InferenceCandidate(
             tp=int(cand.tp[i]), weight_precision=WEIGHT_PRECISIONS[cand.precision[i]],
@@ -188,7 +189,9 @@ def compile_inference_plan(req: InferenceRequest) -> InferencePlan:
     )
 
 
-def prediction(est, i: int, capacity: float) -> InferencePrediction:
+def prediction(est: InferenceEstimate, i: int, capacity: float) -> InferencePrediction:
+    """The chosen candidate i's numbers as the plan's prediction."""
+
     def f(name: str) -> float:
         return float(getattr(est, name)[i])
 

@@ -58,12 +58,15 @@ def inference_assumptions(cluster: ClusterSpec, summary: ModelSummary, model: In
                     "logits for the last position only; at least one read of the weights",
          "Pope et al. 2022 Sec. 2-3; Kaplan et al. 2020 (C = 2N)"),
         ("decode step", "memory bound: resident weights + KV cache read once; compute bound instead where the "
-                        "FLOPs take longer", "Pope et al. 2022 Sec. 3.1"),
+                        "FLOPs take longer; plus the host's dispatch time on CPU profiles",
+         "Pope et al. 2022 Sec. 3.1"),
         ("attention memory", "flash / memory-efficient attention: no P x P scores kept", "Dao et al. 2022"),
         ("activations", "largest prefill transient of one block: residual, q/k/v/output and MLP inner values, plus "
                         "the last position's fp32 logits", "zplan estimate"),
         ("streaming", f"block weights move every pass (prefill and each decode step), {PREFETCH_LAYERS} layer "
-                      "prefetched: a layer takes max(transfer, compute)",
+                      "prefetched: a layer takes max(transfer, compute)" if cluster.overlaps_comm_with_compute else
+                      "block weights move every pass (prefill and each decode step); this device does not overlap "
+                      "copies with compute, so a layer takes transfer + compute",
          "Aminabadi et al. 2022 (DeepSpeed-Inference, ZeRO-Inference) Sec. 6"),
         *([("host overhead", f"{cluster.host_overheads.op_s * 1e6:.1f} us per aten op, {BLOCK_FORWARD_OPS} per block "
                              "per forward pass", f"{src}; op counts of planner/cost/compute.py")]

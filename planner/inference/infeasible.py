@@ -13,8 +13,6 @@ from zplan.planner.inference.cost import InferenceModel, Workload
 from zplan.planner.inference.search import QUANTIZED, GiB, SearchSpace, describe, legal_tps, score
 from zplan.schemas.cluster import ClusterSpec
 
-MAX_GPU_MULTIPLE = 64
-
 
 def fits(model: InferenceModel, cluster: ClusterSpec, work: Workload, space: SearchSpace) -> bool:
     return bool(space.tps) and bool(np.any(score(model, cluster, work, space).est.fits))
@@ -22,12 +20,10 @@ def fits(model: InferenceModel, cluster: ClusterSpec, work: Workload, space: Sea
 
 def fewest_gpus(model: InferenceModel, cluster: ClusterSpec, work: Workload, space: SearchSpace,
                 pinned_tp: int | None) -> int | None:
-    """The fewest GPUs (a whole number of nodes beyond one) on which some tensor-parallel degree fits; more
-    GPUs help only up to one node (a replica is tensor parallel inside a node), so larger counts add nothing."""
-    counts = list(range(work.gpus + 1, cluster.gpus_per_node + 1))
-    for n in counts:
-        tps = [pinned_tp] if pinned_tp else legal_tps(model, n, cluster)
-        tps = [t for t in tps if t in legal_tps(model, n, cluster)]
+    """The fewest GPUs, more than now and at most one node, on which some tensor-parallel degree (the pinned one,
+    if any) fits; a replica is tensor parallel inside a node, so GPUs beyond one node do not shrink it."""
+    for n in range(work.gpus + 1, cluster.gpus_per_node + 1):
+        tps = [t for t in legal_tps(model, n, cluster) if pinned_tp in (None, t)]
         if fits(model, cluster, replace(work, gpus=n), replace(space, tps=tuple(tps))):
             return n
     return None

@@ -195,7 +195,15 @@ def reason(scored: Scored, chosen: int, target: str, order: np.ndarray, pins: In
         text += f" (tp={cand.tp[chosen]}: the only tensor-parallel degree for {gpus} GPU{'s' if gpus > 1 else ''})"
     else:
         text += f"; no other tensor-parallel degree fits with {precision} weights {TIER_TEXT[tier]}"
-    text += "."
+    return text + "." + why_quantized_or_streamed(scored, chosen, pins, capacity)
+
+
+def why_quantized_or_streamed(scored: Scored, chosen: int, pins: InferencePins, capacity: float) -> str:
+    """' Weights are quantized ... Weights stream ...': why the chosen weights are quantized and/or streamed (a
+    pin, or the smallest more preferred configuration's memory); '' for unquantized weights on the GPU."""
+    est, cand, rank = scored.est, scored.cand, scored.rank
+    precision, tier = WEIGHT_PRECISIONS[cand.precision[chosen]], WEIGHT_TIERS[cand.tier[chosen]]
+    text = ""
     preferred = np.flatnonzero(rank < rank[chosen])
     smallest = int(preferred[np.argmin(est.total[preferred])]) if len(preferred) else None
     closest = (f" (the smallest, {describe(scored, smallest)}, needs {est.total[smallest] / GiB:.1f} GiB per GPU "

@@ -210,7 +210,7 @@ def engine_from_plan(plan: InferencePlan, model_file: str | Path | None, *, weig
     check_inference_plan(plan, model_file, ctx.world_size, settings.tp)  # before any collective
     if settings.weight_tier == "nvme" and nvme_dir is None:
         raise SpecError("the plan streams the weights from NVMe: pass --nvme-path DIR, a folder on a local "
-                                "NVMe drive with room for the model's weights.")
+                        "NVMe drive with room for the model's weights.")
     settings, note = runnable_settings(settings, ctx.device)
     if note:
         _info(ctx, note)

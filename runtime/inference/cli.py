@@ -39,6 +39,11 @@ def _common_arguments(parser: argparse.ArgumentParser, default_max_new_tokens: i
     parser.add_argument("--model", metavar="PATH", help="model file (default: MODEL_FILE of the script)")
 
 
+def _model_file(args: argparse.Namespace, default: Path | None) -> Path | None:
+    """--model when given, else the script's MODEL_FILE."""
+    return Path(args.model) if args.model else default
+
+
 def _error(message: str) -> int:
     print(f"zplan: error: {message}", file=sys.stderr, flush=True)
     return 2
@@ -156,7 +161,7 @@ def generate_main(plan_path: Path, model_path: Path | None, settings: EngineSett
 
     args = _generate_parser(default_max_new_tokens).parse_args(argv)
     try:
-        run_generate(args, plan_path, Path(args.model) if args.model else model_path, settings)
+        run_generate(args, plan_path, _model_file(args, model_path), settings)
         if torch.distributed.is_initialized():
             torch.distributed.barrier()  # leave the last collective together (see server.follow_batches)
     except ZplanError as error:
@@ -195,7 +200,7 @@ def serve_main(plan_path: Path, model_path: Path | None, settings: EngineSetting
         overrides = {"max_body_bytes": args.max_body_bytes}
         if args.queue_size is not None:
             overrides["queue_size"] = args.queue_size
-        engine, tokenizer, ctx = engine_from_plan(plan, Path(args.model) if args.model else model_path,
+        engine, tokenizer, ctx = engine_from_plan(plan, _model_file(args, model_path),
                                                   weights=args.weights, seed=args.seed, nvme_dir=args.nvme_path,
                                                   settings=settings)
         limits = ServerLimits.for_engine(engine.max_seq_len, engine.max_batch, args.max_new_tokens, **overrides)

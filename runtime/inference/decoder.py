@@ -212,10 +212,9 @@ def recognise(model: nn.Module, summary: ModelSummary) -> DecoderSpec:
 
 @dataclass(frozen=True)
 class Shards:
-    """Which slice of each split tensor this rank keeps: tp ranks, this rank's index (1 and 0 without TP)."""
+    """Which slice of each split tensor this rank keeps: tp ranks (1 without TP) of the 1-D `mesh`."""
 
     tp: int = 1
-    rank: int = 0
     mesh: object = None  # the 1-D DeviceMesh when tp > 1
 
     def colwise(self, w: torch.Tensor) -> torch.Tensor:
@@ -278,8 +277,8 @@ def quantize_linear(layer: dict[str, torch.Tensor], name: str, bits: int, group_
     """Replace layer[name.weight] with name.qweight / name.scales (weight-only, group-wise symmetric)."""
     w = layer.pop(f"{name}.weight")
     if w.shape[1] % group_size:
-        raise ZplanError(f"{name} has {w.shape[1]} input features (per tensor-parallel rank), not a multiple of the "
-                         f"quantization group size {group_size}: choose a group size that divides it")
+        raise ZplanError(f"{name} has {w.shape[1]} input features (on this tensor-parallel rank), not a multiple of "
+                         f"the quantization group size {group_size}: choose a group size that divides it")
     qw = quantize_groupwise(w, bits=bits, group_size=group_size, symmetric=True)
     layer[f"{name}.qweight"], layer[f"{name}.scales"] = qw.qweight, qw.scales
 
@@ -320,7 +319,7 @@ def linear(layer: dict[str, torch.Tensor], name: str, x: torch.Tensor, *, bias: 
         if w.layout == torch._mkldnn:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, b, "gelu" if gelu else "none", [],
                                                       gelu or "")
-        y = F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype), b)
+        y = F.linear(x, w.to(x.dtype), b)
     return F.gelu(y, approximate=gelu) if gelu else y
 
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zplan.cuda.fused_norm_rope import apply_rotary
-from zplan.cuda.weight_quant import QuantizedWeight, dequantize_groupwise, quantize_groupwise
+from zplan.cuda.weight_quant import QuantizedWeight, dequantize_groupwise
 from zplan.errors import ZplanError
 from zplan.runtime.inference import decoder
 from zplan.runtime.inference.decoder import DecoderSpec, Shards, UnsupportedModelError, linear, norm
@@ -75,12 +75,7 @@ class InferenceEngine:
         and check the engine's logits against model(idx) on a short input (UnsupportedModelError if they
         differ)."""
         device = torch.device(device)
-        if weight_precision not in (*WEIGHT_DTYPES, *decoder.QUANT_BITS):
-            raise ZplanError(f"weight_precision {weight_precision!r}: use one of fp32, bf16, fp16, int8, int4")
-        if weight_tier not in WEIGHT_TIERS:
-            raise ZplanError(f"weight_tier {weight_tier!r}: use one of {', '.join(WEIGHT_TIERS)}")
-        if max_batch < 1 or max_seq_len < 1:
-            raise ZplanError(f"max_batch ({max_batch}) and max_seq_len ({max_seq_len}) must be positive")
+        _check_choices(weight_precision, weight_tier, max_batch, max_seq_len)
         spec = decoder.recognise(model, summary)
         if spec.position_rows and max_seq_len > spec.position_rows:
             raise ZplanError(f"max_seq_len {max_seq_len} exceeds the model's {spec.position_rows} learned positions: "
@@ -90,16 +85,10 @@ class InferenceEngine:
             if tp_mesh.ndim != 1:
                 raise ZplanError(f"tp_mesh must be a 1-D DeviceMesh, got {tp_mesh.ndim} dimensions")
             decoder.check_split(spec, tp_mesh.size())
-            shards = Shards(tp_mesh.size(), tp_mesh.get_local_rank(), tp_mesh)
+            shards = Shards(tp_mesh.size(), tp_mesh)
         bits = decoder.QUANT_BITS.get(weight_precision)
-        weight_dtype = WEIGHT_DTYPES.get(weight_precision, compute_dtype)
-        blocks = model.get_submodule(summary.block_prefix)
-        layers = [decoder.pack_layer(block, spec, shards, weight_dtype, compute_dtype) for block in blocks]
-        if bits:
-            for layer in layers:
-                for name in decoder.LINEARS:
-                    if f"{name}.weight" in layer:
-                        decoder.quantize_linear(layer, name, bits, group_size)
+        layers = _pack_layers(model.get_submodule(summary.block_prefix), spec, shards,
+                              WEIGHT_DTYPES.get(weight_precision, compute_dtype), compute_dtype, bits, group_size)
         outer = _pack_outer(model, spec, compute_dtype, bits, group_size)
         outer_bytes = sum(tensor_bytes(t) for t in {id(t): t for t in outer.values()}.values())
         outer = {name: t.to(device) for name, t in outer.items()}
@@ -108,7 +97,7 @@ class InferenceEngine:
         # the CPU's fastest layout for resident fp32 Linears: oneDNN's packed weights (F.linear's (out, in) on GPUs)
         onednn = device.type == "cpu" and compute_dtype == torch.float32 and torch.backends.mkldnn.is_available()
         store = _weight_store(layers, device, weight_tier, nvme_dir, prefetch_layers, max_batch if onednn else 0)
-        if onednn and "head.weight" in outer:  # tied: a packed copy beside the embedding table
+        if onednn and "head.weight" in outer:  # packed head (when tied, a copy beside the embedding table)
             outer["head.weight"] = torch.ops.mkldnn._reorder_linear_weight(outer["head.weight"], max_batch)
         engine = cls(spec, store, outer, outer_bytes, compute_dtype=compute_dtype, device=device,
                      max_batch=max_batch, max_seq_len=max_seq_len, tp_mesh=tp_mesh)
@@ -177,15 +166,19 @@ class InferenceEngine:
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self._gqa)  # (B, a, T, d)
         return y.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
 
-    def _rotary(self, cos: torch.Tensor, sin: torch.Tensor):
-        return None if self._rope is None else (lambda t: apply_rotary(t, cos, sin))
+    def _rotary(self, index):
+        """RoPE at the rows `index` picks from the (S, d) cos/sin tables, or None without RoPE."""
+        if self._rope is None:
+            return None
+        cos, sin = self._rope[0][index], self._rope[1][index]
+        return lambda t: apply_rotary(t, cos, sin)
 
     @torch.no_grad()
     def forward_logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Uncached forward (for tests and the build-time check): tokens (B, T) -> fp32 logits (B, T, V)."""
         seq = tokens.shape[1]
         positions = torch.arange(seq, device=self.device)
-        rotary = None if self._rope is None else self._rotary(self._rope[0][:seq], self._rope[1][:seq])  # (T, d)
+        rotary = self._rotary(slice(0, seq))  # (T, d)
         x = self._layers(self._embed(tokens.to(self.device), positions),
                          lambda i, q, k, v: self._causal_attention(q, k, v), rotary)
         return self._logits(x)
@@ -198,7 +191,7 @@ class InferenceEngine:
             self.cache.write_prefix(i, k, v)
             return self._causal_attention(q, k, v)
 
-        rotary = None if self._rope is None else self._rotary(self._rope[0][:seq], self._rope[1][:seq])
+        rotary = self._rotary(slice(0, seq))  # (T, d)
         x = self._layers(self._embed(tokens, torch.arange(seq, device=self.device)), attend, rotary)  # (B, T, h)
         return self._logits(x[torch.arange(batch, device=self.device), last])
 
@@ -215,9 +208,7 @@ class InferenceEngine:
             y = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, enable_gqa=self._gqa)
             return y.reshape(batch, 1, -1)  # (B, a, 1, d) -> (B, 1, a d)
 
-        rotary = None
-        if self._rope is not None:
-            rotary = self._rotary(self._rope[0][positions][:, None, None], self._rope[1][positions][:, None, None])
+        rotary = self._rotary(positions[:, None, None])  # (B, 1, 1, d)
         x = self._layers(self._embed(tokens[:, None], positions[:, None]), attend, rotary)  # (B, 1, h)
         return self._logits(x[:, 0])
 
@@ -315,6 +306,28 @@ class InferenceEngine:
         self.store.close()
 
 
+def _check_choices(weight_precision: str, weight_tier: str, max_batch: int, max_seq_len: int) -> None:
+    if weight_precision not in (*WEIGHT_DTYPES, *decoder.QUANT_BITS):
+        raise ZplanError(f"weight_precision {weight_precision!r}: use one of fp32, bf16, fp16, int8, int4")
+    if weight_tier not in WEIGHT_TIERS:
+        raise ZplanError(f"weight_tier {weight_tier!r}: use one of {', '.join(WEIGHT_TIERS)}")
+    if max_batch < 1 or max_seq_len < 1:
+        raise ZplanError(f"max_batch ({max_batch}) and max_seq_len ({max_seq_len}) must be positive")
+
+
+def _pack_layers(blocks: nn.Module, spec: DecoderSpec, shards: Shards, weight_dtype: torch.dtype,
+                 dtype: torch.dtype, bits: int | None, group_size: int) -> list[dict[str, torch.Tensor]]:
+    """Every block packed (decoder.pack_layer: this rank's shards, on the CPU), its Linears quantized to `bits`
+    (int8/int4) when given."""
+    layers = [decoder.pack_layer(block, spec, shards, weight_dtype, dtype) for block in blocks]
+    if bits:
+        for layer in layers:
+            for name in decoder.LINEARS:
+                if f"{name}.weight" in layer:
+                    decoder.quantize_linear(layer, name, bits, group_size)
+    return layers
+
+
 def _weight_store(layers: list[dict[str, torch.Tensor]], device: torch.device, tier: str, nvme_dir: str | None,
                   prefetch_layers: int, onednn_batch: int) -> WeightStore:
     """Blocks resident on `device` (tier "gpu"; oneDNN-packed for batches of onednn_batch when > 0), or streamed
@@ -345,16 +358,8 @@ def _pack_outer(model: nn.Module, spec: DecoderSpec, dtype: torch.dtype, bits: i
     head = get(spec.outer["head"])
     out["head.weight"] = out["tok.weight"] if spec.tied_head else head.weight.detach().to(dtype)
     if bits:
-        qw = quantize_groupwise(out.pop("head.weight"), bits=bits, group_size=_head_group(spec, group_size))
-        out["head.qweight"], out["head.scales"] = qw.qweight, qw.scales
+        decoder.quantize_linear(out, "head", bits, group_size)
         if spec.tied_head:
             del out["tok.weight"]
-            out["tok.qweight"], out["tok.scales"] = qw.qweight, qw.scales
+            out["tok.qweight"], out["tok.scales"] = out["head.qweight"], out["head.scales"]
     return out
-
-
-def _head_group(spec: DecoderSpec, group_size: int) -> int:
-    if spec.hidden % group_size:
-        raise ZplanError(f"hidden={spec.hidden} is not a multiple of the quantization group size {group_size}: "
-                         "choose a group size that divides it")
-    return group_size

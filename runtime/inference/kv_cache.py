@@ -19,9 +19,6 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
-    def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
-
     def write_prefix(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v (B, kv_heads, T, d) of rows 0..B-1 at positions 0..T-1."""
         batch, _, seq, _ = k.shape

@@ -377,17 +377,14 @@ def create_app(worker: BatchWorker, tokenizer, limits: ServerLimits, *, tp: int 
         request = PendingRequest(prompt_ids, body.max_new_tokens, sampling, asyncio.get_running_loop())
         try:
             worker.submit(request)
-        except queue.Full:
-            return JSONResponse({"detail": f"server busy: {limits.queue_size} requests already waiting; retry"},
-                                status_code=503, headers={"Retry-After": str(limits.retry_after_s)})
-        except RuntimeError as error:
-            return JSONResponse({"detail": str(error)}, status_code=503,
+        except (queue.Full, RuntimeError) as error:
+            detail = (f"server busy: {limits.queue_size} requests already waiting; retry"
+                      if isinstance(error, queue.Full) else str(error))
+            return JSONResponse({"detail": detail}, status_code=503,
                                 headers={"Retry-After": str(limits.retry_after_s)})
 
         first = await request.events.get()
-        if first[0] == "error":
-            return JSONResponse({"detail": f"generation failed: {first[1]}"}, status_code=500)
-        if not body.stream:
+        if not body.stream or first[0] == "error":
             tokens, event = [], first
             while event[0] == "token":
                 tokens.append(event[1])

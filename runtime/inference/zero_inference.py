@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from zplan.errors import SpecError, SwapError
+from zplan.runtime.inference.weight_store import tensor_bytes
 from zplan.runtime.offload import nvme
 
 TIERS = ("cpu", "nvme")
@@ -78,7 +79,7 @@ def _layout(layer: dict[str, torch.Tensor]) -> tuple[list[_TensorSpec], int]:
     """Each tensor's place in the packed layer, and the packed size in bytes."""
     specs, offset = [], 0
     for name, t in layer.items():
-        nbytes = t.numel() * t.element_size()
+        nbytes = tensor_bytes(t)
         specs.append(_TensorSpec(name, t.dtype, tuple(t.shape), offset, nbytes))
         offset = nvme.round_up(offset + nbytes, SLOT_ALIGN_BYTES)
     return specs, offset
@@ -203,11 +204,7 @@ class StreamedWeights:
             return
         self._closed = True
         for slot in self._slots:
-            if slot.loading is not None:
-                try:
-                    slot.loading.result()
-                except Exception:  # noqa: BLE001, S110 - closing: the error was or will never be asked for
-                    pass
+            _wait_ignoring_errors(slot)  # closing: the error was or will never be asked for
         if self._cuda and self._copy_stream is not None:
             self._copy_stream.synchronize()
         if self._reader is not None:
@@ -270,11 +267,7 @@ class StreamedWeights:
             raise RuntimeError(f"layer({i}) while layers {held} are not done: call done() on them first "
                                f"(layers are visited in order 0..{self.num_layers - 1})")
         for slot in self._slots:
-            if slot.loading is not None:
-                try:
-                    slot.loading.result()
-                except Exception:  # noqa: BLE001, S110 - this load is being discarded
-                    pass
+            _wait_ignoring_errors(slot)  # this load is being discarded
             slot.layer = None
         self._next_to_load = i
         for slot in self._slots:
@@ -338,6 +331,15 @@ class StreamedWeights:
         except BaseException:
             self._swap.close()
             raise
+
+
+def _wait_ignoring_errors(slot: _Slot) -> None:
+    """Wait for the slot's load in flight, if any; its error is dropped (the caller discards the load)."""
+    if slot.loading is not None:
+        try:
+            slot.loading.result()
+        except Exception:  # noqa: BLE001, S110 - see the docstring
+            pass
 
 
 def _file_name(i: int) -> str:

@@ -1,7 +1,7 @@
 """The serving cost model (planner.inference.cost) against hand computations on round numbers.
 
-No published inference measurement exists in the reference data (/work/shared/reference holds training runs
-only), so every check here is a hand computation on a made-up model and cluster with round numbers.
+No published inference measurement exists in the project's reference data (it holds training runs only), so
+every check here is a hand computation on a made-up model and cluster with round numbers.
 """
 
 import numpy as np

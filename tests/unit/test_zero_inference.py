@@ -179,9 +179,9 @@ def test_a_pass_abandoned_midway_restarts_cleanly_at_layer_0(tmp_path, tier, pre
 
 
 def _engine_pair(tier: str, tmp_path, monkeypatch, precision: str):
-    engine_mod = pytest.importorskip("zplan.runtime.inference.engine")
     from zplan.examples import gpt
     from zplan.planner.trace import trace_module
+    from zplan.runtime.inference.engine import InferenceEngine
 
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)  # the same F.linear path for both
     kwargs = dict(num_layers=2, hidden=64, heads=4, vocab_size=256, max_seq_len=64)
@@ -191,9 +191,9 @@ def _engine_pair(tier: str, tmp_path, monkeypatch, precision: str):
     torch.manual_seed(0)
     model = gpt.build_model(**kwargs).eval()
     common = dict(max_seq_len=64, weight_precision=precision, group_size=32)
-    resident = engine_mod.InferenceEngine.from_model(model, summary, weight_tier="gpu", **common)
-    streamed = engine_mod.InferenceEngine.from_model(model, summary, weight_tier=tier, nvme_dir=str(tmp_path),
-                                                     prefetch_layers=1, **common)
+    resident = InferenceEngine.from_model(model, summary, weight_tier="gpu", **common)
+    streamed = InferenceEngine.from_model(model, summary, weight_tier=tier, nvme_dir=str(tmp_path),
+                                          prefetch_layers=1, **common)
     return resident, streamed
 
 
