@@ -1,5 +1,6 @@
 """What the runtime benchmarks share: start N processes as torchrun does, compile plans in process, time
-steps from the outside, and the statistics they print (median, Spearman rank correlation).
+steps from the outside, time functions in process (interleaved_times), and the statistics they print
+(median, Spearman rank correlation).
 
 A benchmark script runs in two roles: the parent (what the user starts) compiles plans and launches
 `python SCRIPT --worker RESULT.json ...` on N processes; rank 0 of the workers writes its measurements
@@ -180,6 +181,22 @@ def apply_plan(plan, model_file, mesh, ctx, *, seed: int, lr: float, weight_deca
                           micro_batch=p.micro_batch, num_micro_batches=p.num_micro_batches,
                           dp_rank=mesh["dp"].get_local_rank(), dp_size=p.dp, seed=seed)
     return model, optimizer, data
+
+
+def interleaved_times(fns, reps: int, warmup: int) -> list[list[float]]:
+    """Seconds of each function over `reps` rounds; round r starts with function r % len(fns), so that a slow
+    moment of this shared machine does not fall on one side only."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for r in range(reps):
+        for k in range(len(fns)):
+            j = (r + k) % len(fns)
+            start = time.perf_counter()
+            fns[j]()
+            times[j].append(time.perf_counter() - start)
+    return times
 
 
 def load_average() -> float:

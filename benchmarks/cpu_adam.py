@@ -37,31 +37,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _launch import interleaved_times  # noqa: E402
 
 from zplan.cuda import cpu_adam  # noqa: E402
 
 OFFLOAD_BYTES_PER_PARAM = 28
 TRIAD_BYTES_PER_ELEM = 16
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
-
-
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def interleaved_times(fns, reps: int, warmup: int) -> list[list[float]]:
-    """Seconds of each function over `reps` rounds; round r starts with function r % len(fns)."""
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for r in range(reps):
-        for k in range(len(fns)):
-            j = (r + k) % len(fns)
-            times[j].append(timed(fns[j]))
-    return times
 
 
 def make_torch_adamw(p32: torch.Tensor, g32: torch.Tensor) -> tuple[torch.nn.Parameter, torch.optim.AdamW]:

@@ -25,31 +25,18 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _launch import interleaved_times  # noqa: E402
 
 from zplan.cuda import weight_only_matmul as wom  # noqa: E402
 from zplan.cuda import weight_quant as wq  # noqa: E402
-
-
-def interleaved_times(fns, reps: int, warmup: int) -> list[list[float]]:
-    """Seconds of each function over `reps` rounds; round r starts with function r % len(fns)."""
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for r in range(reps):
-        for k in range(len(fns)):
-            j = (r + k) % len(fns)
-            start = time.perf_counter()
-            fns[j]()
-            times[j].append(time.perf_counter() - start)
-    return times
 
 
 def bench(out_f: int, in_f: int, bits: int, rows: int, group_size: int, reps: int, warmup: int) -> dict:
