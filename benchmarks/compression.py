@@ -81,12 +81,16 @@ def _train(run: str, args, rank: int, group) -> dict:
 
 def _rank(rank: int, args, port: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(args.world))
+    from zplan.runtime.distributed import run_distributed
+
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    results = {run: _train(run, args, rank, dist.group.WORLD) for run in RUNS}
-    if rank == 0:
-        queue.put(results)
-    dist.destroy_process_group()
+
+    def work(ctx) -> None:
+        results = {run: _train(run, args, rank, dist.group.WORLD) for run in RUNS}
+        if rank == 0:
+            queue.put(results)
+
+    run_distributed(work)
 
 
 def main() -> int:

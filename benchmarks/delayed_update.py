@@ -87,20 +87,24 @@ def worker(result: Path, args: argparse.Namespace) -> None:
     sys.path.insert(0, str(SMALL_GPT.parent))
     import _small_gpt
 
+    from zplan.runtime.distributed import run_distributed
+
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
-    runs: dict[str, dict[str, list[float]]] = {mode: {"step_s": [], "wait_s": [], "cpu_step_s": []}
-                                               for mode in ("exact", "delayed")}
-    for r in range(args.rounds):
-        for mode in (("exact", "delayed") if r % 2 == 0 else ("delayed", "exact")):
-            record = _run(_small_gpt.build_model, mesh, delayed=mode == "delayed", steps=args.steps,
-                          batch=args.batch, seq_len=args.seq_len, vocab=_small_gpt.VOCAB_SIZE)
-            for key, values in record.items():
-                runs[mode][key] += values
-    if dist.get_rank() == 0:
-        result.write_text(json.dumps(runs))
-    dist.destroy_process_group()
+
+    def work(ctx) -> None:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+        runs: dict[str, dict[str, list[float]]] = {mode: {"step_s": [], "wait_s": [], "cpu_step_s": []}
+                                                   for mode in ("exact", "delayed")}
+        for r in range(args.rounds):
+            for mode in (("exact", "delayed") if r % 2 == 0 else ("delayed", "exact")):
+                record = _run(_small_gpt.build_model, mesh, delayed=mode == "delayed", steps=args.steps,
+                              batch=args.batch, seq_len=args.seq_len, vocab=_small_gpt.VOCAB_SIZE)
+                for key, values in record.items():
+                    runs[mode][key] += values
+        if dist.get_rank() == 0:
+            result.write_text(json.dumps(runs))
+
+    run_distributed(work)
 
 
 def summarize(runs: dict, args: argparse.Namespace) -> dict:

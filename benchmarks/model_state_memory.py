@@ -146,14 +146,13 @@ def predicted_gathered_bytes(plan) -> float:
                                           plan.train.precision)[0])
 
 
-def worker(args) -> None:
+def worker(args, ctx) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    from zplan.runtime import build_mesh, check_plan, close_distributed, init_distributed, load_model_file, load_plan
+    from zplan.runtime import build_mesh, check_plan, load_model_file, load_plan
 
-    ctx = init_distributed()
     model_file = load_model_file(SMALL_GPT)
     mesh = build_mesh(pp=1, dp=ctx.world_size, tp=1, device_type=ctx.device.type)
     rows = {}
@@ -170,7 +169,6 @@ def worker(args) -> None:
         rows[z] = {**max(every, key=total), "per_rank_total": [total(r) for r in every]}
     if ctx.is_main:
         write_result(args.worker, {"rows": {str(z): r for z, r in rows.items()}})
-    close_distributed()
 
 
 # ---- parent -------------------------------------------------------------------------------------------
@@ -184,7 +182,9 @@ def main() -> None:
     parser.add_argument("--plan-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args)
+        from zplan.runtime import run_distributed
+
+        run_distributed(lambda ctx: worker(args, ctx))
         return
 
     start = time.perf_counter()

@@ -45,7 +45,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -116,20 +115,8 @@ def _hidden(slower_s: float, faster_s: float, io_s: float) -> float:
     return min(1.0, max(0.0, 1.0 - (slower_s - faster_s) / io_s))
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--path", help="swap folder (default: a temporary folder on the repository's disk)")
-    parser.add_argument("--blocks", type=int, default=4)
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--micro-batches", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5)
-    args = parser.parse_args()
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29561"), RANK="0",
-                      WORLD_SIZE="1")
-    dist.init_process_group("gloo")
+def measure(args) -> tuple:
+    """Both models' phase times, the parameter reads' wait, and the NVMe I/O alone (one process)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from zplan.runtime.offload.nvme_optimizer import NvmeShardedAdamW
@@ -150,7 +137,25 @@ def main() -> int:
         for leftover in sorted(folder.rglob("*"), reverse=True):
             leftover.rmdir() if leftover.is_dir() else leftover.unlink()
         folder.rmdir()
-    dist.destroy_process_group()
+    return times, read_wait_s, layer_io_s, step_io_s, io_bytes, direct_io
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--path", help="swap folder (default: a temporary folder on the repository's disk)")
+    parser.add_argument("--blocks", type=int, default=4)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--micro-batches", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+
+    from zplan.runtime.distributed import run_distributed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29561"), RANK="0",
+                      WORLD_SIZE="1")
+    times, read_wait_s, layer_io_s, step_io_s, io_bytes, direct_io = run_distributed(lambda ctx: measure(args))
 
     cpu, nvme = times["cpu"], times["nvme"]
     t_cpu, t_nvme = cpu["fb"] + cpu["opt"], nvme["fb"] + nvme["opt"]

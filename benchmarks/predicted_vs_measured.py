@@ -256,14 +256,13 @@ def _breakdown_one(plan, model_file, ctx, steps: int) -> dict:
     return out
 
 
-def breakdown_worker(args) -> None:
+def breakdown_worker(args, ctx) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    from zplan.runtime import close_distributed, init_distributed, load_model_file, load_plan
+    from zplan.runtime import load_model_file, load_plan
 
-    ctx = init_distributed()
     model_file = load_model_file(args.model)
     plans = [load_plan(Path(d) / "plan.json") for d in args.plan_dir]
     out = {"plans": [_breakdown_one(plan, model_file, ctx, args.steps) for plan in plans]}
@@ -313,7 +312,6 @@ def breakdown_worker(args) -> None:
     out["profile_op_s"] = cluster.host_overheads.op_s
     if ctx.is_main:
         write_result(args.worker, out)
-    close_distributed()
 
 
 def _size(num_bytes: float) -> str:
@@ -369,7 +367,9 @@ def main() -> None:
     parser.add_argument("--plan-dir", action="append", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        breakdown_worker(args)
+        from zplan.runtime import run_distributed
+
+        run_distributed(lambda ctx: breakdown_worker(args, ctx))
         return
 
     start, load_start = time.perf_counter(), load_average()

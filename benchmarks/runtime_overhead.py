@@ -200,14 +200,12 @@ def run_deepspeed(plan, model_file, ctx, steps: int) -> tuple[list[float], list[
 # ---- the worker: every configuration, round after round, in these 2 processes ------------------------
 
 
-def worker(args) -> None:
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+def worker(args, ctx) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from zplan.runtime import build_mesh, close_distributed, init_distributed, load_model_file, load_plan
+    from zplan.runtime import build_mesh, load_model_file, load_plan
 
-    ctx = init_distributed()
     plan_dir = Path(args.plan_dir)
     plans = {z: load_plan(plan_dir / f"zero{z}" / "plan.json") for z in (0, 1, 2, 3)}
     model_file = load_model_file(SMALL_GPT)
@@ -263,7 +261,6 @@ def worker(args) -> None:
     if ctx.is_main:
         write_result(args.worker, {"rows": rows, "deepspeed": deepspeed_result, "torch": torch.__version__,
                                    "load_average_end": load_average()})
-    close_distributed()
 
 
 # ---- the parent ----------------------------------------------------------------------------------------
@@ -282,7 +279,10 @@ def main() -> None:
     parser.add_argument("--plan-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args)
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        from zplan.runtime import run_distributed
+
+        run_distributed(lambda ctx: worker(args, ctx))
         return
 
     start, load_start = time.perf_counter(), load_average()

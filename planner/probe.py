@@ -386,16 +386,19 @@ def sharded_unit_overhead_s(seconds: float) -> float:
 
 
 def _two_process_worker(rank: int, port: int, seconds: float, results) -> None:
-    import torch.distributed as dist
+    from zplan.runtime.distributed import run_distributed
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    costs = collective_costs(_collective_times_s(seconds / 2))
-    unit_s = sharded_unit_overhead_s(seconds / 2)
-    if rank == 0:
-        results.put((costs.model_dump(), unit_s, _resident_bytes()))
-    dist.barrier()
-    dist.destroy_process_group()
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+
+    def measure(ctx) -> None:
+        costs = collective_costs(_collective_times_s(seconds / 2))
+        unit_s = sharded_unit_overhead_s(seconds / 2)
+        if rank == 0:
+            results.put((costs.model_dump(), unit_s, _resident_bytes()))
+
+    run_distributed(measure)
 
 
 def gloo_two_processes(seconds: float) -> tuple[CollectiveCosts, float, int]:

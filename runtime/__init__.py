@@ -1,6 +1,7 @@
 """zplan's runtime: what the emitted train.py calls, in this order (DESIGN.md decision 5).
 
-    ctx = init_distributed(); plan = load_plan(...); check_plan(plan, model_path, ctx.world_size)
+    run_distributed(run): ctx = init_distributed(); run(ctx); close_distributed(), where run does:
+    plan = load_plan(...); check_plan(plan, model_path, ctx.world_size)
     mesh = build_mesh(pp, dp, tp, device_type); model, weights = build_meta_model(build_fn, seed)
     apply_tensor_parallel -> apply_recompute -> apply_pipeline -> apply_data_parallel -> build_optimizer,
     with materialize_weights(model, weights, device) before apply_data_parallel (ZeRO 0/1: DDP needs real
@@ -21,7 +22,8 @@ _EXPORTS = {
     **dict.fromkeys(["CheckpointConfig", "CheckpointError", "latest_checkpoint", "load_checkpoint",
                      "resolve_checkpoint", "save_checkpoint"], "zplan.runtime.checkpoint"),
     **dict.fromkeys(["make_data_iter", "synthetic_token_batch", "synthetic_token_batches"], "zplan.runtime.data"),
-    **dict.fromkeys(["RunContext", "close_distributed", "init_distributed"], "zplan.runtime.distributed"),
+    **dict.fromkeys(["RunContext", "close_distributed", "init_distributed", "run_distributed"],
+                    "zplan.runtime.distributed"),
     **dict.fromkeys(["MaterializeReport", "build_meta_model", "build_model", "materialize_weights"],
                     "zplan.runtime.materialize"),
     "build_mesh": "zplan.runtime.mesh",

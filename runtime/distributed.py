@@ -1,18 +1,29 @@
-"""Start and stop torch.distributed for one training process.
+"""Start and stop torch.distributed for one process of a run.
 
 Under torchrun the rank, local rank and world size come from its environment variables (RANK,
 LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). A plain `python train.py` without them is a world
 of one process; it still gets a process group (from an in-memory store, no port) so that DeviceMesh,
 DDP and FSDP2 work unchanged.
+
+Every program and benchmark runs its work as `run_distributed(work)`: the process group is started, `work(ctx)`
+runs, and once it has returned (so that the model, optimizer and engine it built are garbage) the process group
+is closed in the one order that lets the interpreter exit cleanly (close_distributed).
 """
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -58,7 +69,75 @@ def init_distributed() -> RunContext:
     return RunContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend)
 
 
-def close_distributed() -> None:
-    """Leave the process group (safe to call when none was started)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def run_distributed(work: Callable[[RunContext], T]) -> T:
+    """init_distributed, `work(ctx)`, then close_distributed. `work` returns None or 0 when this rank finished in
+    step with the others (the close then starts with a barrier), another exit status when it did not; when it
+    raises, the close has no barrier either (the other ranks may never reach it). Returns what `work` returned."""
+    ctx = init_distributed()
+    try:
+        result = work(ctx)
+    except BaseException:
+        close_distributed(clean=False)
+        raise
+    close_distributed(clean=result in (None, 0))
+    return result
+
+
+def close_distributed(*, clean: bool) -> int:
+    """Leave the process group; safe to call when none was started. Returns how many of its process groups are
+    still alive afterwards (0: every gloo worker thread has been joined; more: a caller still holds a model,
+    optimizer or mesh that uses them).
+
+    Call it after everything that runs collectives in the background has stopped (the server's batch worker,
+    a delayed optimizer update) and after the objects holding process groups are garbage (run_distributed
+    calls it once `work` has returned). In order:
+    1. clean: a barrier, so that every rank leaves its last collective together and no rank tears down
+       connections a peer still reads from;
+    2. destroy_process_group();
+    3. clean: drop the references torch's DTensor caches keep to device meshes (and so to process groups),
+       then gc.collect(): each ProcessGroupGloo is destroyed here, on the main thread, and its destructor joins
+       its worker threads with the GIL released (torch binds ProcessGroup with a destructor that releases it).
+
+    Why step 3: a gloo worker thread that drops a finished collective's work can hold the last reference to a
+    tensor whose Python object the main thread has already released; freeing it takes the GIL. When the main
+    thread is past this point and into interpreter exit, Python ends any other thread that asks for the GIL
+    with pthread_exit, whose unwinding through gloo's worker loop calls std::terminate: "terminate called
+    without an active exception", SIGABRT, after all the run's work was done (native backtrace: runLoop ->
+    ~AsyncAllreduceWork -> TensorImpl::decref_pyobject -> take_gil -> PyThread_exit_thread). Joined workers
+    cannot ask. Without `clean` (an error on this rank) nothing is joined: a worker may still wait on a peer.
+    """
+    if not dist.is_initialized():
+        return 0
+    groups = [weakref.ref(group) for group in dist.distributed_c10d._world.pg_map]
+    if clean and dist.get_world_size() > 1:
+        try:
+            if dist.get_backend() == "nccl":
+                dist.barrier(device_ids=[torch.cuda.current_device()])
+            else:
+                dist.barrier()
+        except RuntimeError as error:  # a peer already left: nothing to wait for
+            print(f"zplan: rank {dist.get_rank()}: another rank left before the final barrier ({error})",
+                  file=sys.stderr, flush=True)
+            clean = False
+    dist.destroy_process_group()
+    if clean:
+        _drop_cached_meshes()
+        gc.collect()
+    return sum(group() is not None for group in groups)
+
+
+def _drop_cached_meshes() -> None:
+    """Empty the caches of torch 2.13's DTensor that hold DeviceMesh objects (and through them process groups)
+    after every tensor using the mesh is gone: sharding propagation (Python and C++), redistribution planning,
+    mesh topology. They refill on the next DTensor operation."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return  # no DTensor was made: nothing cached
+    from torch.distributed.tensor import DTensor, _collective_utils, _redistribute
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    type(propagator)._propagate_tensor_meta_cached.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    _redistribute.clear_redistribute_planner_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+    _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()

@@ -15,8 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from zplan.errors import SpecError, ZplanError
 from zplan.runtime.inference.build import (
     EngineSettings,
@@ -157,17 +155,13 @@ def run_generate(args: argparse.Namespace, plan_path: Path, model_path: Path | N
 def generate_main(plan_path: Path, model_path: Path | None, settings: EngineSettings, default_max_new_tokens: int,
                   argv: list[str] | None = None) -> int:
     """generate.py: completions of the prompts, one line each, on rank 0's standard output."""
-    from zplan.runtime.distributed import close_distributed
+    from zplan.runtime.distributed import run_distributed
 
     args = _generate_parser(default_max_new_tokens).parse_args(argv)
     try:
-        run_generate(args, plan_path, _model_file(args, model_path), settings)
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()  # leave the last collective together (see server.follow_batches)
+        run_distributed(lambda ctx: run_generate(args, plan_path, _model_file(args, model_path), settings))
     except ZplanError as error:
         return _error(str(error))
-    finally:
-        close_distributed()
     return 0
 
 
@@ -188,27 +182,29 @@ def _serve_parser(default_max_new_tokens: int) -> argparse.ArgumentParser:
 def serve_main(plan_path: Path, model_path: Path | None, settings: EngineSettings, default_max_new_tokens: int,
                argv: list[str] | None = None) -> int:
     """serve.py: the HTTP server on rank 0, the batch followers on the other tensor-parallel ranks."""
-    from zplan.runtime.distributed import close_distributed
-    from zplan.runtime.inference.server import ServerLimits, serve
+    from zplan.runtime.distributed import run_distributed
 
     args = _serve_parser(default_max_new_tokens).parse_args(argv)
     try:
-        plan = load_inference_plan(plan_path)
-        if not 1 <= args.max_new_tokens < settings.max_seq_len:
-            raise SpecError(f"--max-new-tokens {args.max_new_tokens}: must be 1 to {settings.max_seq_len - 1} "
-                            f"(max_seq_len = {settings.max_seq_len} holds prompt + generated tokens)")
-        overrides = {"max_body_bytes": args.max_body_bytes}
-        if args.queue_size is not None:
-            overrides["queue_size"] = args.queue_size
-        engine, tokenizer, ctx = engine_from_plan(plan, _model_file(args, model_path),
-                                                  weights=args.weights, seed=args.seed, nvme_dir=args.nvme_path,
-                                                  settings=settings)
-        limits = ServerLimits.for_engine(engine.max_seq_len, engine.max_batch, args.max_new_tokens, **overrides)
-        try:
-            return serve(engine, tokenizer, ctx, args.host, args.port, limits)
-        finally:
-            engine.close()
+        return run_distributed(lambda ctx: run_serve(args, plan_path, _model_file(args, model_path), settings))
     except ZplanError as error:
         return _error(str(error))
+
+
+def run_serve(args: argparse.Namespace, plan_path: Path, model_path: Path | None, settings: EngineSettings) -> int:
+    from zplan.runtime.inference.server import ServerLimits, serve
+
+    plan = load_inference_plan(plan_path)
+    if not 1 <= args.max_new_tokens < settings.max_seq_len:
+        raise SpecError(f"--max-new-tokens {args.max_new_tokens}: must be 1 to {settings.max_seq_len - 1} "
+                        f"(max_seq_len = {settings.max_seq_len} holds prompt + generated tokens)")
+    overrides = {"max_body_bytes": args.max_body_bytes}
+    if args.queue_size is not None:
+        overrides["queue_size"] = args.queue_size
+    engine, tokenizer, ctx = engine_from_plan(plan, model_path, weights=args.weights, seed=args.seed,
+                                              nvme_dir=args.nvme_path, settings=settings)
+    limits = ServerLimits.for_engine(engine.max_seq_len, engine.max_batch, args.max_new_tokens, **overrides)
+    try:
+        return serve(engine, tokenizer, ctx, args.host, args.port, limits)
     finally:
-        close_distributed()
+        engine.close()

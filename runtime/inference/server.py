@@ -119,8 +119,6 @@ class Broadcaster:
         import torch.distributed as dist
 
         dist.broadcast_object_list([message], src=0, group=self.group)
-        if message["kind"] == "shutdown":
-            dist.barrier(group=self.group)  # see follow_batches
 
 
 class BatchWorker:
@@ -148,8 +146,9 @@ class BatchWorker:
             raise RuntimeError("the server is stopping")
         self.waiting.put_nowait(request)
 
-    def close(self, timeout_s: float = 60.0) -> None:
-        """Finish the batch in flight, fail the queued requests, and end the other ranks' loops."""
+    def close(self, timeout_s: float = 60.0) -> bool:
+        """Finish the batch in flight, fail the queued requests, and end the other ranks' loops. True when every
+        rank stopped in step (the process group can then be closed with its final barrier)."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
@@ -157,12 +156,16 @@ class BatchWorker:
         if self._thread.is_alive():  # a batch still running: a second thread must not start a collective
             print(f"zplan: the batch in flight did not end within {timeout_s:.0f} s; stopping without it",
                   file=sys.stderr, flush=True)
-        elif self.broadcaster is not None:
+            return False
+        if self.broadcaster is not None:
             try:
                 self.broadcaster.send({"kind": "shutdown"})
             except Exception as error:  # another rank is already gone: nothing left to stop
                 print(f"zplan: could not tell the other ranks to stop: {error}", file=sys.stderr, flush=True)
-            self.broadcaster = None
+                return False
+            finally:
+                self.broadcaster = None
+        return True
 
     def _fail_waiting(self, message: str) -> None:
         while True:
@@ -267,10 +270,7 @@ def follow_batches(engine) -> int:
             print(f"zplan: rank {dist.get_rank()} lost rank 0 ({error}); stopping", file=sys.stderr, flush=True)
             return 1
         kind = message[0]["kind"]
-        if kind == "shutdown":
-            # every rank leaves the last collective together before the process group is destroyed: a rank that
-            # tears its connections down while rank 0 still uses them made rank 0 abort in gloo (SIGABRT)
-            dist.barrier()
+        if kind == "shutdown":  # close_distributed's barrier then pairs with rank 0's
             return 0
         if kind == "batch":
             try:
@@ -454,8 +454,8 @@ def serve(engine, tokenizer, ctx, host: str, port: int, limits: ServerLimits) ->
               flush=True)
         server.run(sockets=[sock])
     finally:
-        worker.close()
+        stopped_in_step = worker.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     print(f"zplan: server stopped ({worker.batches_run} batches run)", file=sys.stderr, flush=True)
-    return 0 if server.started else 1
+    return 0 if server.started and stopped_in_step else 1

@@ -128,11 +128,10 @@ def _train_pipelined(mesh, dp: int, schedule: str, zero_stage: int, stage_units:
 
 
 def worker(out_file: str, world: int) -> None:
-    from zplan.runtime.distributed import close_distributed, init_distributed
+    from zplan.runtime.distributed import run_distributed
     from zplan.runtime.mesh import build_mesh
 
-    ctx = init_distributed()
-    try:
+    def work(ctx) -> None:
         results = {}
         for name, (dp, schedule, zero_stage, stage_units) in RUNS[world].items():
             mesh = build_mesh(pp=world // dp, dp=dp, tp=1, device_type="cpu")
@@ -140,8 +139,8 @@ def worker(out_file: str, world: int) -> None:
             results[name] = {"losses": losses, "norms": norms, "weights": weights}
         if ctx.is_main:
             torch.save(results, out_file)
-    finally:
-        close_distributed()
+
+    run_distributed(work)
 
 
 # ---- the tests -----------------------------------------------------------------------------------

@@ -182,7 +182,7 @@ def test_engine_from_plan_loads_a_weights_file(compiled, tmp_path, suffix):
         engine, tokenizer, ctx = engine_from_plan(plan, ROOT / "examples" / "tiny.py", weights=path)
         tokens = engine.generate([tokenizer.encode(PROMPTS[0])], NEW_TOKENS, SamplingParams())
     finally:
-        close_distributed()
+        close_distributed(clean=True)
     assert ctx.world_size == 1
     assert tokens == reference_tokens(compiled, PROMPTS[:1], trained)
     assert tokens != reference_tokens(compiled, PROMPTS[:1])  # other weights than the seed-0 init

@@ -41,7 +41,7 @@ def ctx():
     """A process group of one (in-memory store: no port), as train.py has without torchrun."""
     context = init_distributed()
     yield context
-    close_distributed()
+    close_distributed(clean=True)
 
 
 def _model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -165,7 +165,7 @@ def test_export_needs_no_process_group(ctx, tmp_path):
     """`zplan export` runs in a plain process: no torch.distributed group."""
     model, optimizer = _model_and_optimizer()
     checkpoint = save_checkpoint(tmp_path / "ckpt", 1, model, optimizer, ctx, keep=3)
-    close_distributed()
+    close_distributed(clean=True)
     _assert_equal(load_file(export_checkpoint(Path(checkpoint), tmp_path / "m.safetensors")), _expected(model))
 
 
