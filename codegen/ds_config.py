@@ -16,10 +16,11 @@ from typing import Any
 
 from zplan.planner.compression import ONE_BIT_WARMUP_STEPS
 from zplan.schemas.plan import Plan
+from zplan.schemas.spec import ADAMW_DEFAULTS, GRAD_CLIP
 
-# Optimizer defaults of the emitted training script (AdamW, GPT-3 style hyper-parameters).
-ADAMW_PARAMS: dict[str, Any] = {"lr": 3.0e-4, "betas": [0.9, 0.95], "eps": 1.0e-8, "weight_decay": 0.1}
-GRADIENT_CLIPPING = 1.0
+# The emitted training script's optimizer and clipping (schemas.spec), in DeepSpeed's spelling.
+ADAMW_PARAMS: dict[str, Any] = {**ADAMW_DEFAULTS, "betas": list(ADAMW_DEFAULTS["betas"])}
+GRADIENT_CLIPPING = GRAD_CLIP
 # Where NVMe offload swaps to; DeepSpeed needs a path, the plan only a tier. Edit to the node's mount.
 DEFAULT_NVME_PATH = "/local_nvme"
 # ZeRO bucket sizes in elements: DeepSpeed's defaults (5e8), written out so the config is explicit.

@@ -22,6 +22,7 @@ from zplan.codegen.context import (
     share,
     yes_no,
 )
+from zplan.schemas.capability import CAPABILITIES, RULES, blocking
 from zplan.schemas.plan import Candidate, ParallelConfig, Plan
 
 MAX_DRAWN_MICRO_BATCHES = 16
@@ -301,6 +302,14 @@ def cluster_rows(plan: Plan) -> list[dict[str, str]]:
     return [{"name": name, "value": value} for name, value in rows]
 
 
+def capability_rows(plan: Plan) -> list[dict[str, str]]:
+    """What the runtime cannot run on this model and why (schemas.capability), one row per trait and parallelism."""
+    return [{"parallelism": capability.replace("_", " "), "module": trait.module or "(the model)",
+             "found": trait.detail, "why": RULES[trait.kind].why}
+            for capability in CAPABILITIES for trait in blocking(plan.model.traits, capability)
+            if capability != "sequence_parallel" or "tensor_parallel" not in RULES[trait.kind].blocks]  # said once
+
+
 def report_context(plan: Plan) -> dict[str, Any]:
     """Everything report.md.j2 and report.html.j2 read: plan_context plus chart data and tables."""
     timeline = pipeline_timeline(plan.parallel)
@@ -322,6 +331,7 @@ def report_context(plan: Plan) -> dict[str, Any]:
         "table_best_feasible": TABLE_BEST_FEASIBLE,
         "pareto_front_count": sum(p.on_front for p in pareto.points),
         "rejected_rows": [r.model_dump() for r in plan.rejected],
+        "capability_rows": capability_rows(plan),
         "assumption_rows": [a.model_dump() for a in plan.assumptions],
         "cluster_rows": cluster_rows(plan),
         "cluster_source": plan.cluster.source,

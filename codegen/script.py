@@ -17,6 +17,7 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
 from zplan.planner.compression import ONE_BIT_WARMUP_STEPS
 from zplan.schemas.plan import Plan
+from zplan.schemas.spec import ADAMW_DEFAULTS, GRAD_CLIP
 
 TEMPLATES_DIR = Path(__file__).parent / "templates"
 LINE_WIDTH = 100  # wrap long literals in train.py at this width
@@ -115,6 +116,11 @@ def script_context(plan: Plan, model_path_for_script: str | None) -> dict[str, A
         "activation_compression": py_literal(parallel.compression.activations),
         "onebit_adam": parallel.compression.grad == "1bit",  # train.py then takes --onebit-warmup-steps
         "onebit_warmup_steps": ONE_BIT_WARMUP_STEPS,
+        "lr": py_literal(ADAMW_DEFAULTS["lr"]),
+        "weight_decay": py_literal(ADAMW_DEFAULTS["weight_decay"]),
+        "betas": repr(ADAMW_DEFAULTS["betas"]),
+        "eps": repr(ADAMW_DEFAULTS["eps"]),
+        "grad_clip": py_literal(GRAD_CLIP),
         "parameters_on_nvme": plan.placement.parameters == "nvme",
         "recompute": py_literal(parallel.recompute),
         "precision": py_literal(plan.train.precision),

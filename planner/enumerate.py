@@ -2,7 +2,9 @@
 
 Legality: dp * tp * pp = gpus; heads and kv_heads divisible by tp; at least one block per pipeline
 chunk (pp * v <= blocks) and, when interleaved, blocks divisible by pp * v and micro-batches by pp
-(Megatron's interleaved schedule); the global batch divisible by dp * micro_batch; sequence parallel
+(Megatron's interleaved schedule); a pipeline runs at least pp micro-batches (1F1B's warm-up fills every stage);
+tp > 1, sequence parallel and pp > 1 only where the runtime runs them on this model (schemas.capability, from
+the traits the tracer found); the global batch divisible by dp * micro_batch; sequence parallel
 only with tp > 1; offload only with ZeRO >= 1 (each rank steps its own shard), NVMe only with ZeRO-3
 (ZeRO-Infinity) and only where the cluster has it; user pins fix a value; a --compress pin keeps the
 configurations that support it (planner.compression.supported_mask) and sets every candidate's compression.
@@ -18,6 +20,7 @@ import numpy as np
 
 from zplan.planner.compression import supported_mask
 from zplan.planner.cost.inputs import OFFLOAD_TIERS, RECOMPUTE_MODES, Candidates
+from zplan.schemas.capability import allows, sequence_parallel_fits
 from zplan.schemas.cluster import ClusterSpec
 from zplan.schemas.model import ModelSummary
 from zplan.schemas.spec import CompressionConfig, Pins
@@ -38,16 +41,20 @@ def enumerate_candidates(
     model: ModelSummary, cluster: ClusterSpec, gpus: int, global_batch: int, pins: Pins
 ) -> Candidates:
     """Every legal configuration that respects the pins (may be empty)."""
-    tps = [t for t in divisors(gpus) if model.heads % t == 0 and model.kv_heads % t == 0]
+    # what the runtime can run on this model (schemas.capability; a pin it rules out failed in zplan.api)
+    can_split = allows(model.traits, "tensor_parallel")
+    tps = [t for t in divisors(gpus) if model.heads % t == 0 and model.kv_heads % t == 0 and (t == 1 or can_split)]
     tps = _pinned(tps, pins.tp)
-    pps = _pinned([p for p in divisors(gpus) if p <= model.num_blocks], pins.pp)
+    can_pipeline = allows(model.traits, "pipeline")
+    pps = _pinned([p for p in divisors(gpus) if p <= model.num_blocks and (p == 1 or can_pipeline)], pins.pp)
     layouts = [(t, p, gpus // (t * p)) for t in tps for p in pps if gpus % (t * p) == 0]
     if pins.dp is not None:
         layouts = [lay for lay in layouts if lay[2] == pins.dp]
     micro = _pinned([b for b in divisors(global_batch) if b <= MAX_MICRO_BATCH], pins.micro_batch)
     zeros = _pinned([0, 1, 2, 3], pins.zero)
     recompute = _pinned([0, 1, 2], None if pins.recompute is None else RECOMPUTE_MODES.index(pins.recompute))
-    sps = [0, 1] if pins.sequence_parallel is None else [int(pins.sequence_parallel)]
+    sps = ([0, 1] if allows(model.traits, "sequence_parallel") else [0]) if pins.sequence_parallel is None \
+        else [int(pins.sequence_parallel)]
     inter = _pinned(list(INTERLEAVE_CHOICES), pins.interleave)
     tiers = [0, 1, 2] if pins.offload is None else [OFFLOAD_TIERS.index(pins.offload)]
     if cluster.nvme_bytes == 0:
@@ -64,10 +71,11 @@ def enumerate_candidates(
     per_replica = global_batch // d
     legal = (
         (global_batch % (d * b) == 0)
-        & ((sp == 0) | (t > 1))
+        & ((sp == 0) | ((t > 1) & sequence_parallel_fits(model.block_tokens, t)))
         & ((off == 0) | (z >= 1))
         & ((off < 2) | (z == 3))  # NVMe optimizer swapping is ZeRO-3's (ZeRO-Infinity)
         & ((v == 1) | (p > 1))
+        & ((p == 1) | (per_replica // np.maximum(b, 1) >= p))  # 1F1B runs at least one micro-batch per stage
         & (p * v <= model.num_blocks)
         & ((v == 1) | ((model.num_blocks % (p * v) == 0) & ((per_replica // np.maximum(b, 1)) % p == 0)))
     )

@@ -101,7 +101,8 @@ def choose(summary: ModelSummary, cluster: ClusterSpec, gpus: int, train: TrainS
         raise SpecError(
             f"no legal configuration for {gpus} GPUs with pins {pins.model_dump(exclude_none=True)}: "
             f"check that tp divides the {summary.heads} heads, pp * interleave <= {summary.num_blocks} blocks, "
-            f"dp*tp*pp = {gpus}, and the global batch {train.global_batch} divides by dp*micro_batch."
+            f"dp*tp*pp = {gpus}, the global batch {train.global_batch} divides by dp*micro_batch, and a pipeline "
+            "gets at least pp micro-batches (global batch >= dp * micro_batch * pp)."
         )
     refined: dict[int, Choice | None] = {}
     for index in scored.order[: REFINE_TOP_K * 4]:

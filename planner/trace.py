@@ -30,6 +30,7 @@ from zplan.errors import SpecError, TraceError
 from zplan.planner.graph import ModelGraph
 from zplan.planner.model_file import load_model_file
 from zplan.planner.tracers import DROPOUT_OPS, SDPA, TRACER_FUNCTIONS, MetaOpCache, RawTrace, TracedOp, as_call
+from zplan.planner.traits import find_traits
 from zplan.schemas.model import LayerCost, ModelSummary, TensorParallelRule
 
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}  # bytes per floating-point element
@@ -96,7 +97,7 @@ def trace_module(model: nn.Module, example_inputs: Any, seq_len: int, precision:
     prefix, num_blocks = find_block_container(model)
     raw = run_tracers(model, example_inputs, tracers)
     graph = _build_graph(raw, model, prefix, num_blocks, seq_len, precision)
-    return graph, _summarize(graph, raw, model, name)
+    return graph, _summarize(graph, raw, model, name, as_call(example_inputs))
 
 
 # --- running the tracers (zplan.planner.tracers: a model and one sample -> TracedOps) ------------------
@@ -312,7 +313,8 @@ def _mark_tensor_parallel(graph: ModelGraph, model: nn.Module, blocks: range) ->
 
 # --- summary --------------------------------------------------------------------------------------------
 
-def _summarize(graph: ModelGraph, raw: RawTrace, model: nn.Module, name: str) -> ModelSummary:
+def _summarize(graph: ModelGraph, raw: RawTrace, model: nn.Module, name: str,
+               example_call: tuple[tuple, dict]) -> ModelSummary:
     prefix, num_blocks = graph.block_prefix, graph.num_blocks
     by_name = {op.name: op for op in raw.ops}
     units = ["embedding"] + [f"{prefix}.{i}" for i in range(num_blocks)] + ["head"]
@@ -332,7 +334,7 @@ def _summarize(graph: ModelGraph, raw: RawTrace, model: nn.Module, name: str) ->
     layers = [
         LayerCost(name=unit, kind="embedding" if unit == "embedding" else "head" if unit == "head" else "block",
                   params=int(params_of[unit]), fwd_flops=flops_of[unit], act_bytes=act_of[unit],
-                  modules=list(modules_of[unit]) or [unit])
+                  modules=_outermost(list(modules_of[unit])) or [unit])
         for unit in units
     ]
     block0 = graph.nodes_of_block(0)
@@ -345,11 +347,25 @@ def _summarize(graph: ModelGraph, raw: RawTrace, model: nn.Module, name: str) ->
     ffn_hidden = max(rowwise_inputs or linear_outputs or [4 * hidden])
     rules = [TensorParallelRule(module=module[len(f"{prefix}.0."):], style=style)
              for module, style in styles.items()]
+    traits = find_traits(model, graph, {r.module: r.style for r in rules}, example_call)
     return ModelSummary(
         name=name, source="file", tracer=graph.tracer, num_blocks=num_blocks, hidden=hidden, heads=heads,
         kv_heads=kv_heads, ffn_hidden=ffn_hidden, vocab=vocab, seq_len=graph.seq_len,
         params=sum(p.numel() for p in all_params.values()), layers=layers, block_prefix=prefix, tp_rules=rules,
+        block_tokens=_block_tokens(graph, block0), traits=traits,
     )
+
+
+def _block_tokens(graph: ModelGraph, block0: list[str]) -> int | None:
+    """T of block 0's output (B, T, h), the hidden states sequence parallel splits; None when not 3-d."""
+    shape = graph[block0[-1]]["shape"] if block0 else None
+    return int(shape[1]) if shape is not None and len(shape) == 3 else None
+
+
+def _outermost(paths: list[str]) -> list[str]:
+    """`paths` without those inside another of them ('bert.embeddings.word_embeddings' runs as part of
+    'bert.embeddings'), in order: a pipeline stage owns each module once."""
+    return [p for p in paths if not any(p.startswith(q + ".") for q in paths if q)]
 
 
 def _hidden_and_vocab(graph: ModelGraph, by_name: dict[str, TracedOp], block0: list[str]) -> tuple[int, int]:

@@ -13,6 +13,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from zplan.errors import PlanMismatchError
+from zplan.schemas.capability import capability_problems
 from zplan.schemas.plan import PLAN_SCHEMA_VERSION, Plan
 
 
@@ -79,14 +80,14 @@ def runtime_gaps(plan: Plan) -> list[str]:
     if p.offload != "none" and p.zero_stage == 0:  # nothing sharded: every rank would step every parameter
         gaps.append(f"{p.offload} offload with ZeRO 0 (ZeRO-Offload and ZeRO-Infinity step each rank's optimizer "
                     "shard; ZeRO 0 has none): pin --zero 1, 2 or 3")
-    elif p.delayed_update and (p.zero_stage, p.offload) != (1, "cpu"):
+    if p.delayed_update and (p.zero_stage, p.offload) != (1, "cpu"):
         gaps.append(f"the delayed parameter update with ZeRO {p.zero_stage} and offload {p.offload} (it runs with "
                     "ZeRO-1 CPU offload): pin --delayed-update off")
-    elif _compression_unsupported(plan):
+    if _compression_unsupported(plan):
         gaps.append(f"--compress {p.compression.as_option()} with ZeRO {p.zero_stage}, tp={p.tp}, pp={p.pp}, offload "
                     f"{p.offload} (grad=int8 runs with ZeRO 0/1 and tp 1, grad=1bit with ZeRO 0, tp = pp = 1 and no "
                     "offload, weights=int8 with ZeRO 3, act=int8 with pp > 1): recompile with a --compress that fits")
-    elif plan.placement.parameters == "nvme" and p.zero_stage != 3:
+    if plan.placement.parameters == "nvme" and p.zero_stage != 3:
         gaps.append(f"parameters on NVMe with ZeRO {p.zero_stage} (only ZeRO 3 shards parameters, and swaps "
                     "them): pin --zero 3")
     return gaps
@@ -152,6 +153,8 @@ def check_plan(plan: Plan, model_path: str | Path | None, world_size: int) -> No
             f"the plan is inconsistent: tp*pp*dp = {p.tp * p.pp * p.dp} != its world size {fp.world_size}"
         )
     problems += [f"the runtime does not run {gap}" for gap in runtime_gaps(plan)]
+    problems += capability_problems(plan.model.traits, p.tp, p.pp, p.sequence_parallel,
+                                    block_tokens=plan.model.block_tokens)
     missing = missing_torch_features(plan)
     if missing:
         import torch

@@ -5,9 +5,11 @@ The cost model and the solvers read only this, never torch objects.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from zplan.schemas.capability import ModelTrait
 
 LayerKind = Literal["embedding", "block", "head", "other"]
 TPStyle = Literal["colwise", "rowwise"]
@@ -56,6 +58,13 @@ class ModelSummary(BaseModel):
     layers: list[LayerCost] = Field(description="Pipeline units in execution order.")
     block_prefix: str = Field(description="Module path of the block container, e.g. 'blocks' or 'model.layers'.")
     tp_rules: list[TensorParallelRule] = Field(description="Column/row split of each Linear in a block.")
+    block_tokens: Optional[int] = Field(default=None, gt=0, description="Tokens per sample in the hidden states "
+                                        "between blocks (B, T, h), as traced: may differ from seq_len (a ViT's "
+                                        "patches and class token); sequence parallel splits them over tp. None: "
+                                        "seq_len.")
+    traits: list[ModelTrait] = Field(default_factory=list, description="What the tracer found that rules out a "
+                                     "parallelism the runtime cannot run on this model (schemas.capability.RULES); "
+                                     "empty for closed-form families.")
 
     @property
     def fwd_flops_per_sample(self) -> float:

@@ -67,3 +67,10 @@ class Pins(BaseModel):
     compress: Optional[CompressionConfig] = Field(default=None, description="Compressed communication "
                                                   "(--compress); the search keeps the configurations that support "
                                                   "it. None: nothing compressed.")
+
+
+# The optimizer the emitted train.py runs unless overridden on its command line (--lr): AdamW with torch's betas
+# and eps, decoupled weight decay on matrices only, gradients clipped to this global norm. train.py renders these
+# values and runtime.apply.build_optimizer passes them on; ds_config.json says the same (tests/unit/test_ds_config).
+ADAMW_DEFAULTS = {"lr": 3.0e-4, "betas": (0.9, 0.999), "eps": 1.0e-8, "weight_decay": 0.1}
+GRAD_CLIP = 1.0

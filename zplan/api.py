@@ -22,6 +22,7 @@ from zplan.planner.explain import alternatives, parallel_config, rejected_famili
 from zplan.planner.model_input import summarize_model
 from zplan.planner.placement_choice import PlacedStates, decide_delayed_update, place
 from zplan.planner.search import choose, refine, score
+from zplan.schemas.capability import PIN_OF, capability_problems
 from zplan.schemas.cluster import ClusterSpec
 from zplan.schemas.inference import InferencePlan
 from zplan.schemas.model import ModelSummary
@@ -42,17 +43,26 @@ class Request:
     delayed_update: str = "auto"  # 'auto' | 'on' | 'off': ZeRO-Offload's delayed parameter update
 
 
+def default_compute_dtype(cluster: ClusterSpec) -> str:
+    """The fastest of bf16, fp16 and fp32 on this device, bf16 on ties: bf16 on data-centre GPUs, fp32 on CPU
+    profiles (cpu-local's bf16 and fp16 GEMMs run a slow path)."""
+    return max(("bf16", "fp16", "fp32"), key=lambda dtype: cluster.peak_flops(dtype))
+
+
 def prepare(model_ref: str, gpus: int, cluster: str, global_batch: int | None, seq_len: int | None,
-            precision: str, pins: Pins, delayed_update: str = "auto") -> Request:
-    """Load the cluster and the model and check the request; raises ZplanError subclasses."""
+            precision: str | None, pins: Pins, delayed_update: str = "auto") -> Request:
+    """Load the cluster and the model and check the request; raises ZplanError subclasses. precision None: the
+    device's fastest (default_compute_dtype)."""
     spec = load_cluster(cluster)
     check_gpus(gpus, spec)
+    precision = precision or default_compute_dtype(spec)
     if spec.peak_flops(precision) <= 0:
         raise SpecError(f"{spec.gpu.name} has no {precision} support: pass --precision fp16 (or fp32).")
     check_pins(gpus, pins)
     check_delayed_update(delayed_update, pins)
     check_compression(pins.compress, pins, gpus, delayed_update)
     _, summary = summarize_model(model_ref, seq_len, precision)
+    check_pins_against_model(pins, summary)
     check_model_for_compression(pins.compress, summary)
     batch = global_batch if global_batch is not None else default_global_batch(gpus)
     dp = pins.dp or (gpus // (pins.tp * pins.pp) if pins.tp and pins.pp else None)
@@ -95,6 +105,15 @@ def check_pins(gpus: int, pins: Pins) -> None:
     if pins.offload in ("cpu", "nvme") and pins.zero == 0:
         raise SpecError("offload needs ZeRO >= 1 (each rank steps its own optimizer shard): pass --zero 1, 2 "
                         "or 3.")
+
+
+def check_pins_against_model(pins: Pins, summary: ModelSummary) -> None:
+    """A pin asking for a parallelism the runtime cannot run on this model fails here, naming the module and the
+    pin to change (schemas.capability)."""
+    problems = capability_problems(summary.traits, pins.tp or 1, pins.pp or 1, bool(pins.sequence_parallel),
+                                   names=PIN_OF, block_tokens=summary.block_tokens)
+    if problems:
+        raise SpecError("; ".join(problems) + ".")
 
 
 def check_delayed_update(mode: str, pins: Pins) -> None:

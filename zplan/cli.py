@@ -96,7 +96,8 @@ GPUS = typer.Option(..., "--gpus", help="Number of GPUs.")
 CLUSTER = typer.Option("dgx-a100-80g", "--cluster", help="Built-in profile (see `zplan clusters`) or YAML/JSON file.")
 BATCH = typer.Option(None, "--global-batch", help="Sequences per optimizer step (default: max(8, gpus)).")
 SEQ = typer.Option(None, "--seq", help="Sequence length (default: the model's).")
-PRECISION = typer.Option(Precision.bf16, "--precision", help="Compute precision.")
+PRECISION = typer.Option(None, "--precision", help="Compute precision (default: the device's fastest of bf16, fp16 "
+                                                  "and fp32: bf16 on data-centre GPUs, fp32 on cpu-local).")
 TP = typer.Option(None, "--tp", help="Pin the tensor-parallel degree.")
 PP = typer.Option(None, "--pp", help="Pin the pipeline-parallel degree.")
 DP = typer.Option(None, "--dp", help="Pin the data-parallel degree.")
@@ -140,9 +141,9 @@ def compile(
     global_batch: Optional[int] = BATCH, seq: Optional[int] = SEQ,
     precision: Optional[WeightPrecision] = typer.Option(
         None, "--precision",
-        help="Training: compute precision bf16|fp16|fp32 (default bf16). Inference: weight precision (default: the "
-             "compute precision, the device's fastest of bf16, fp16 and fp32; int8/int4 weight-only quantization is "
-             "chosen only when nothing unquantized fits, or when pinned here)."),
+        help="Training: compute precision bf16|fp16|fp32 (default: the device's fastest of them: bf16 on "
+             "data-centre GPUs, fp32 on cpu-local). Inference: weight precision (default: that compute precision; "
+             "int8/int4 weight-only quantization is chosen only when nothing unquantized fits, or when pinned here)."),
     tp: Optional[int] = TP, pp: Optional[int] = PP, dp: Optional[int] = DP,
     zero: Optional[int] = ZERO,
     offload: Optional[Offload] = typer.Option(
@@ -194,12 +195,12 @@ def compile(
     from zplan.api import compile_plan, prepare, write_outputs
     from zplan.cli_render import default_out_dir, print_plan_summary
 
-    precision = Precision(precision.value) if precision else Precision.bf16
     delayed_update = delayed_update or DelayedUpdate.auto
     try:
         pins = _pins(tp, pp, dp, zero, offload, micro_batch, recompute, sequence_parallel, interleave, compress)
         with err.status("tracing the model", spinner="dots") as status:
-            req = prepare(model, gpus, cluster, global_batch, seq, precision.value, pins, delayed_update.value)
+            req = prepare(model, gpus, cluster, global_batch, seq, precision.value if precision else None, pins,
+                          delayed_update.value)
             status.update(f"scoring configurations for {gpus} GPUs")
             plan = compile_plan(req)
             status.update("writing outputs")
@@ -251,7 +252,7 @@ def _compile_inference(model: str, gpus: int, cluster: str, target: Target, batc
 def estimate(
     model: str = typer.Argument(..., help=MODEL_HELP),
     gpus: int = GPUS, cluster: str = CLUSTER, global_batch: Optional[int] = BATCH, seq: Optional[int] = SEQ,
-    precision: Precision = PRECISION, tp: int = typer.Option(..., "--tp", help="Tensor-parallel degree."),
+    precision: Optional[Precision] = PRECISION, tp: int = typer.Option(..., "--tp", help="Tensor-parallel degree."),
     pp: int = typer.Option(..., "--pp", help="Pipeline-parallel degree."), dp: Optional[int] = DP,
     zero: Optional[int] = ZERO, offload: Optional[Offload] = OFFLOAD, micro_batch: Optional[int] = MICRO,
     recompute: Optional[Recompute] = RECOMPUTE, sequence_parallel: Optional[bool] = SP,
@@ -263,7 +264,7 @@ def estimate(
 
     try:
         pins = _pins(tp, pp, dp, zero, offload, micro_batch, recompute, sequence_parallel, interleave, compress)
-        req = prepare(model, gpus, cluster, global_batch, seq, precision.value, pins)
+        req = prepare(model, gpus, cluster, global_batch, seq, precision.value if precision else None, pins)
         result = estimate_config(req)
     except ZplanError as exc:
         _fail(exc)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zplan import __version__
-from zplan.api import check_gpus, fingerprint
+from zplan.api import check_gpus, default_compute_dtype, fingerprint
 from zplan.errors import SpecError
 from zplan.planner.clusters import load_cluster
 from zplan.planner.inference.assumptions import inference_assumptions
@@ -73,12 +73,6 @@ class InferenceRequest:
     def workload(self) -> Workload:
         return Workload(prompt_len=self.prompt_len, gen_len=self.gen_len, compute_dtype=self.compute_dtype,
                         gpus=self.gpus)
-
-
-def default_compute_dtype(cluster: ClusterSpec) -> str:
-    """The fastest of bf16, fp16 and fp32 on this device, bf16 on ties: bf16 on data-centre GPUs, fp32 on CPU
-    profiles (cpu-local's bf16 and fp16 GEMMs run a slow path)."""
-    return max(("bf16", "fp16", "fp32"), key=lambda dtype: cluster.peak_flops(dtype))
 
 
 def compute_dtype_for(precision: str | None, cluster: ClusterSpec) -> str:

@@ -97,3 +97,35 @@ def test_notes_name_what_deepspeed_cannot_express():
     assert "interleaved" in notes
     assert "AutoTP" in notes
     assert not any("Pipeline" in note for note in deepspeed_config_notes(sample_plan("tiny-dp")))
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_the_optimizer_and_clipping_are_what_train_py_runs(tmp_path, zero_stage):
+    """ds_config.json's AdamW and clipping against train.py's constants and the optimizer build_optimizer makes with
+    them, read back from its param groups (one process)."""
+    import torch
+
+    from tests.distributed.harness import import_file
+    from zplan.codegen.script import render_script_files
+    from zplan.runtime.apply import build_optimizer
+    from zplan.runtime.distributed import close_distributed, init_distributed
+    from zplan.runtime.mesh import build_mesh
+
+    plan = sample_plan("tiny-dp")
+    config = deepspeed_config(plan)
+    render_script_files(plan, tmp_path, None)
+    train = import_file(tmp_path / "train.py", "emitted_train")
+    assert config["gradient_clipping"] == train.GRAD_CLIP
+    assert config["optimizer"]["params"]["lr"] == train.LR
+    ctx = init_distributed()
+    try:
+        mesh = build_mesh(pp=1, dp=1, tp=1, device_type=ctx.device.type)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+        optimizer = build_optimizer(model, mesh["dp"], zero_stage, lr=train.LR, weight_decay=train.WEIGHT_DECAY,
+                                    offload="none")
+    finally:
+        close_distributed(clean=True)
+    decayed = next(g for g in optimizer.param_groups if g["weight_decay"] > 0)
+    params = config["optimizer"]["params"]
+    assert (decayed["lr"], list(decayed["betas"]), decayed["eps"], decayed["weight_decay"]) == (
+        params["lr"], params["betas"], params["eps"], params["weight_decay"])

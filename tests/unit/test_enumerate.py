@@ -34,6 +34,7 @@ def brute_force(model, gpus, batch, runtime_gaps_pinned=False):
             model.heads % tp == 0 and model.kv_heads % tp == 0 and pp <= model.num_blocks
             and batch % (dp * mb) == 0 and (sp == 0 or tp > 1) and (off == 0 or z >= 1) and (off < 2 or z == 3)
             and (v == 1 or pp > 1) and pp * v <= model.num_blocks
+            and (pp == 1 or batch // dp // mb >= pp)  # 1F1B: at least one micro-batch per stage
             and (v == 1 or (model.num_blocks % (pp * v) == 0 and (batch // dp // mb) % pp == 0))
             # the runtime runs CPU offload with ZeRO 1/2/3, NVMe not yet: NVMe only when pinned
             and (off == 0 or (off == 1 and z >= 1) or runtime_gaps_pinned)

@@ -1,0 +1,180 @@
+"""Find what in a traced model decides which parallelisms zplan's runtime can run on it: ModelTraits
+(schemas/capability.py, where RULES says what each rules out).
+
+Each finder mirrors one thing the runtime does (the module docstrings of runtime/tensor_parallel.py and
+runtime/pipeline.py state those contracts):
+  tensor parallel  splits the nn.Linear pairs the trace marked colwise / rowwise, whole heads per rank; a
+                   module with parameters inside a module that holds split Linears (a q/k norm, a post-LN
+                   LayerNorm, a relative position bias) would see one rank's features only;
+  sequence parallel runs the blocks' norms on this rank's tokens; any other module with parameters, or a norm
+                   applied to a row-split Linear's output before the residual add (sandwich norms), breaks it;
+  pipeline         hands one tensor from stage to stage: blocks called as x = block(x), one stack of blocks,
+                   and the code around the blocks in the model's own forward (the block container a child of the
+                   root), not in a submodule that wraps them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import torch
+from torch import nn
+
+from zplan.planner.graph import ModelGraph
+from zplan.schemas.capability import ModelTrait
+
+SLICING_OPS = {"getitem", "split", "chunk", "narrow", "unbind", "split_with_sizes", "tensor_split"}
+PASS_THROUGH_OPS = {"dropout", "to", "contiguous", "view", "reshape", "type_as"}
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return type(module).__name__.endswith("Norm")  # LayerNorm, RMSNorm, LlamaRMSNorm, ... (as the runtime)
+
+
+def _owns_parameters(module: nn.Module) -> bool:
+    return any(p is not None for p in module._parameters.values())
+
+
+def _parent(path: str) -> str:
+    return path.rpartition(".")[0]
+
+
+def find_traits(model: nn.Module, graph: ModelGraph, tp_rules: dict[str, str],
+                example_call: tuple[tuple, dict]) -> list[ModelTrait]:
+    """Every trait of `model` (on the meta device; `graph` its trace, `tp_rules` block-relative Linear path ->
+    style, `example_call` the (args, kwargs) of one sample)."""
+    prefix = graph.block_prefix
+    block = model.get_submodule(f"{prefix}.0")
+    return [*_tensor_parallel_traits(block, f"{prefix}.0", graph, tp_rules),
+            *_pipeline_traits(model, prefix, example_call)]
+
+
+# ---- tensor and sequence parallel -----------------------------------------------------------------------------
+
+
+def _tensor_parallel_traits(block: nn.Module, block_name: str, graph: ModelGraph,
+                            tp_rules: dict[str, str]) -> list[ModelTrait]:
+    if not tp_rules:
+        kinds = sorted({type(m).__name__ for m in block.modules() if type(m).__name__ in ("Conv1D", "Conv1d")})
+        detail = (f"its projections are {', '.join(kinds)} modules, not nn.Linear" if kinds
+                  else "no nn.Linear feeds another through attention or an activation")
+        return [ModelTrait(kind="no_tensor_parallel_rules", module=block_name, detail=detail)]
+    traits = []
+    holders = {_parent(path) for path in tp_rules} - {""}
+    for name, module in block.named_modules():
+        if name in tp_rules or not _owns_parameters(module):
+            continue
+        where = f"{block_name}.{name}" if name else block_name
+        if name in holders or any(name.startswith(holder + ".") for holder in holders):
+            traits.append(ModelTrait(kind="parameters_beside_split_linears", module=where,
+                                     detail=f"a {type(module).__name__} inside {block_name}.{_parent(name) or name}"))
+        elif not (name and _is_norm(module)):
+            traits.append(ModelTrait(kind="parameters_outside_split_linears", module=where,
+                                     detail=f"a {type(module).__name__} with parameters, not a norm"))
+    first = graph.nodes_of_block(0)
+    for node in first:
+        data = graph[node]
+        if data["tp_style"] == "colwise" and _is_fused(graph, node):
+            traits.append(ModelTrait(kind="fused_projection", module=data["module"],
+                                     detail="one Linear whose output is sliced into several projections"))
+        if data["tp_style"] == "rowwise" and _norm_before_residual(graph, node, block):
+            traits.append(ModelTrait(kind="parameters_outside_split_linears", module=data["module"],
+                                     detail="its output goes through a norm before the residual add"))
+    return traits
+
+
+def _is_fused(graph: ModelGraph, node: str) -> bool:
+    """The Linear's output is cut into parts: sliced twice or more, or split / chunked / unbound once."""
+    consumers = [graph[n]["op"] for n in graph.graph.successors(node)]
+    slices = [op for op in consumers if op in SLICING_OPS]
+    return len(slices) >= 2 or any(op in SLICING_OPS - {"getitem"} for op in slices)
+
+
+def _norm_before_residual(graph: ModelGraph, node: str, block: nn.Module) -> bool:
+    """A rowwise Linear whose output reaches a norm module before any add (Gemma-2's post-attention norm)."""
+    prefix = graph[node]["module"].split(".")
+    block_path = ".".join(prefix[:len(graph.block_prefix.split(".")) + 1])
+    queue, seen = deque(graph.graph.successors(node)), set()
+    while queue:
+        name = queue.popleft()
+        if name in seen:
+            continue
+        seen.add(name)
+        data = graph[name]
+        if data["op"] in ("add", "add_"):
+            return False
+        module = data["module"] or ""
+        relative = module[len(block_path) + 1:] if module.startswith(block_path + ".") else None
+        if relative and _is_norm(block.get_submodule(relative)):
+            return True
+        if data["op"] in PASS_THROUGH_OPS or (relative is not None and data["op"] != "linear"):
+            queue.extend(graph.graph.successors(name))
+    return False
+
+
+# ---- pipeline ------------------------------------------------------------------------------------------------
+
+
+class _SeenFirstBlock(Exception):
+    pass
+
+
+def _pipeline_traits(model: nn.Module, prefix: str, example_call: tuple[tuple, dict]) -> list[ModelTrait]:
+    traits = []
+    if "." in prefix:  # not a child of the root: its owner iterates it, inside the model's forward
+        owner = prefix.rpartition(".")[0]
+        traits.append(ModelTrait(kind="blocks_inside_a_module", module=owner,
+                                 detail=f"{owner}.forward calls the blocks"))
+    extra = _extra_block_inputs(model, prefix, example_call)
+    if extra:
+        traits.append(ModelTrait(kind="block_extra_inputs", module=f"{prefix}.0", detail=extra))
+    stack_params = sum(p.numel() for p in model.get_submodule(prefix).parameters())
+    for path, module in model.named_modules():
+        if (not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2 or path == prefix
+                or path.startswith(prefix + ".") or prefix.startswith(path + ".")
+                or len({type(child) for child in module.children()}) != 1):
+            continue
+        if sum(p.numel() for p in module.parameters()) >= stack_params / 4:  # another stack of blocks, not a list
+            traits.append(ModelTrait(kind="several_block_stacks", module=path,
+                                     detail=f"a second stack of {len(module)} {type(module[0]).__name__}"))
+    return traits
+
+
+def _extra_block_inputs(model: nn.Module, prefix: str, example_call: tuple[tuple, dict]) -> str:
+    """What block 0 is called with beyond the hidden states, or returns besides them ('' when x = block(x))."""
+    seen: dict[str, Any] = {}
+
+    def pre_hook(module, args, kwargs):
+        seen["args"], seen["kwargs"] = args, kwargs
+        raise _SeenFirstBlock
+
+    block = model.get_submodule(f"{prefix}.0")
+    handle = block.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(*example_call[0], **example_call[1])
+    except _SeenFirstBlock:
+        pass
+    except Exception:  # the model's forward does not run again on meta: the tracers ran it, say nothing here
+        return ""
+    finally:
+        handle.remove()
+    if "args" not in seen:
+        return ""
+
+    def has_tensor(value: Any) -> bool:
+        if isinstance(value, torch.Tensor):
+            return True
+        if isinstance(value, (tuple, list)):
+            return any(has_tensor(v) for v in value)
+        if isinstance(value, dict):
+            return any(has_tensor(v) for v in value.values())
+        return False
+
+    args, kwargs = seen["args"], seen["kwargs"]
+    names = [f"argument {i}" for i, a in enumerate(args) if i > 0 and has_tensor(a)]
+    names += [name for name, value in kwargs.items() if has_tensor(value)]
+    if not args or not isinstance(args[0], torch.Tensor):
+        names.insert(0, "its hidden states as a keyword")
+    return f"called with {', '.join(names)}" if names else ""

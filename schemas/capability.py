@@ -1,0 +1,120 @@
+"""What zplan's runtime can execute for a model, as data (DESIGN.md decision 8).
+
+The tracer records what it finds in the model that matters to the runtime as ModelTraits (planner/traits.py:
+a fused projection, a block that takes more than the hidden states, a router, ...). RULES says, for each kind
+of trait, which parallelisms the runtime cannot run on such a model and what to do instead. Everything that
+decides or checks a plan reads this one table: the enumerator proposes only what it allows, a pin it rules out
+is refused at compile time, and the emitted program's check_plan refuses a plan.json that contradicts it
+before any collective. When the runtime learns to run a trait, its rule goes, and nothing else changes.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Capability = Literal["tensor_parallel", "sequence_parallel", "pipeline"]
+CAPABILITIES: tuple[str, ...] = Capability.__args__
+
+TraitKind = Literal[
+    "no_tensor_parallel_rules",
+    "fused_projection",
+    "parameters_beside_split_linears",
+    "parameters_outside_split_linears",
+    "block_extra_inputs",
+    "blocks_inside_a_module",
+    "several_block_stacks",
+]
+
+
+class ModelTrait(BaseModel):
+    """One thing the tracer found in the model that the runtime's capabilities depend on."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: TraitKind = Field(description="What was found (schemas.capability.RULES says what it rules out).")
+    module: str = Field(description="Module path in the model where it was found ('' for the model as a whole).")
+    detail: str = Field(description="What exactly, in a few words, for the error message.")
+
+
+class Rule(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    blocks: tuple[Capability, ...] = Field(description="Parallelisms the runtime cannot run on a model with it.")
+    why: str = Field(description="Why, in terms of what the runtime does.")
+
+
+RULES: dict[str, Rule] = {
+    "no_tensor_parallel_rules": Rule(
+        blocks=("tensor_parallel", "sequence_parallel"),
+        why="tensor parallel splits nn.Linear pairs inside the blocks (column- then row-wise) and the trace found "
+            "none"),
+    "fused_projection": Rule(
+        blocks=("tensor_parallel", "sequence_parallel"),
+        why="its output is cut into several projections (q/k/v or gate/up); a column split would give each rank "
+            "a slice across them"),
+    "parameters_beside_split_linears": Rule(
+        blocks=("tensor_parallel", "sequence_parallel"),
+        why="a module with parameters of its own sits beside the split Linears and would see only this rank's "
+            "features or heads"),
+    "parameters_outside_split_linears": Rule(
+        blocks=("sequence_parallel",),
+        why="a module with parameters that is not a norm would see only this rank's tokens under sequence "
+            "parallel"),
+    "block_extra_inputs": Rule(
+        blocks=("pipeline",),
+        why="a pipeline stage hands its successor one tensor, the hidden states; these blocks take more "
+            "(masks, rotary tables, ...)"),
+    "blocks_inside_a_module": Rule(
+        blocks=("pipeline",),
+        why="the first stage runs the model's own forward with the blocks passed through, but here the blocks are "
+            "called from inside a submodule's forward, whose code before and after them a stage cannot split"),
+    "several_block_stacks": Rule(
+        blocks=("pipeline",),
+        why="the model runs more than one stack of blocks (an encoder and a decoder), and a pipeline cuts one"),
+}
+
+# The pin that asks for each capability, and the plan.json field that holds it.
+PIN_OF: dict[str, str] = {"tensor_parallel": "--tp", "sequence_parallel": "--sequence-parallel", "pipeline": "--pp"}
+FIELD_OF: dict[str, str] = {"tensor_parallel": "parallel.tp", "sequence_parallel": "parallel.sequence_parallel",
+                            "pipeline": "parallel.pp"}
+FIX_OF: dict[str, str] = {"tensor_parallel": "--tp 1", "sequence_parallel": "no --sequence-parallel",
+                          "pipeline": "--pp 1"}
+
+
+def blocking(traits: list[ModelTrait], capability: str) -> list[ModelTrait]:
+    """The traits of the model that rule `capability` out."""
+    return [trait for trait in traits if capability in RULES[trait.kind].blocks]
+
+
+def allows(traits: list[ModelTrait], capability: str) -> bool:
+    return not blocking(traits, capability)
+
+
+def explain(traits: list[ModelTrait], capability: str) -> str:
+    """Why the runtime cannot run `capability` on this model: the first blocking trait, with its module."""
+    trait = blocking(traits, capability)[0]
+    where = f"{trait.module} " if trait.module else ""
+    more = len(blocking(traits, capability)) - 1
+    return f"{where}({trait.detail}): {RULES[trait.kind].why}" + (f" (and {more} more)" if more else "")
+
+
+def sequence_parallel_fits(block_tokens: int | None, tp):
+    """Sequence parallel gives each tp rank T/tp of the tokens between blocks: T must divide (tp an int or an
+    integer array; the answer has its shape)."""
+    return tp == tp if block_tokens is None else block_tokens % tp == 0
+
+
+def capability_problems(traits: list[ModelTrait], tp: int, pp: int, sequence_parallel: bool,
+                        names: dict[str, str] = FIELD_OF, block_tokens: int | None = None) -> list[str]:
+    """What in a configuration (tp, pp, sequence_parallel) the runtime cannot run on a model with `traits`, one
+    message per capability naming what asked for it (`names`: the plan field, or PIN_OF for the pin), the module
+    and the fix; empty when it runs."""
+    asked = {"tensor_parallel": tp > 1, "sequence_parallel": sequence_parallel, "pipeline": pp > 1}
+    problems = [f"{names[c]}: the runtime cannot run {c.replace('_', ' ')} on this model: {explain(traits, c)}; "
+                f"use {FIX_OF[c]}" for c, wanted in asked.items() if wanted and not allows(traits, c)]
+    if sequence_parallel and allows(traits, "sequence_parallel") and not sequence_parallel_fits(block_tokens, tp):
+        problems.append(f"{names['sequence_parallel']}: the blocks see {block_tokens} tokens per sample, which "
+                        f"tp={tp} does not divide; use {FIX_OF['sequence_parallel']}")
+    return problems

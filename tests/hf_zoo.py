@@ -1,0 +1,117 @@
+"""Tiny Hugging Face models, built from their configs (nothing is downloaded), as zplan model files."""
+
+from pathlib import Path
+
+COMMON = "vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4"
+
+DECODER = '''"""A tiny Hugging Face {name}, built from its config."""
+from transformers import AutoModelForCausalLM, {config}
+
+VOCAB_SIZE = 128
+SEQ_LEN = 32
+
+
+def build_model():
+    return AutoModelForCausalLM.from_config({config}({args}))
+'''
+
+DECODERS = {
+    "llama": ("LlamaConfig", COMMON + ", num_key_value_heads=2, max_position_embeddings=64"),
+    "qwen2": ("Qwen2Config", COMMON + ", num_key_value_heads=2, max_position_embeddings=64"),
+    "mistral": ("MistralConfig", COMMON + ", num_key_value_heads=2, max_position_embeddings=64"),
+    "gemma2": ("Gemma2Config", COMMON + ", num_key_value_heads=2, head_dim=8, max_position_embeddings=64"),
+    "phi3": ("Phi3Config", COMMON + ", num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, "
+             "bos_token_id=1, eos_token_id=2"),
+    "mixtral": ("MixtralConfig", COMMON + ", num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4, "
+                "num_experts_per_tok=2"),
+    "gpt2": ("GPT2Config", "vocab_size=VOCAB_SIZE, n_embd=32, n_layer=2, n_head=4, n_positions=64"),
+}
+
+BERT = '''"""A tiny Hugging Face BERT (masked LM), built from its config."""
+from transformers import BertConfig, BertForMaskedLM
+
+VOCAB_SIZE = 128
+SEQ_LEN = 32
+
+
+def build_model():
+    return BertForMaskedLM(BertConfig(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64))
+'''
+
+T5 = '''"""A tiny Hugging Face T5, built from its config: the decoder reads the input shifted right."""
+import torch
+import torch.nn.functional as F
+from transformers import T5Config, T5ForConditionalGeneration
+
+VOCAB_SIZE = 128
+SEQ_LEN = 32
+
+
+def build_model():
+    return T5ForConditionalGeneration(T5Config(vocab_size=VOCAB_SIZE, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                               num_heads=4, decoder_start_token_id=0, pad_token_id=0))
+
+
+def _batch(ids):
+    decoder = torch.cat([torch.zeros_like(ids[:, :1]), ids[:, :-1]], dim=1)
+    return {"input_ids": ids, "decoder_input_ids": decoder}
+
+
+def example_inputs(batch_size, seq_len):
+    return _batch(torch.zeros(batch_size, seq_len, dtype=torch.long))
+
+
+def train_data(batch_size, seq_len, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        yield _batch(torch.randint(0, VOCAB_SIZE, (batch_size, seq_len), generator=generator))
+
+
+def loss_fn(outputs, batch):
+    return F.cross_entropy(outputs.logits.reshape(-1, VOCAB_SIZE), batch["input_ids"].reshape(-1))
+'''
+
+VIT = '''"""A tiny Hugging Face ViT image classifier, built from its config, on random 32x32 images."""
+import torch
+import torch.nn.functional as F
+from transformers import ViTConfig, ViTForImageClassification
+
+CLASSES = 10
+
+
+def build_model():
+    return ViTForImageClassification(ViTConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                               num_attention_heads=4, image_size=32, patch_size=8,
+                                               num_labels=CLASSES))
+
+
+def example_inputs(batch_size, seq_len):
+    return {"pixel_values": torch.zeros(batch_size, 3, 32, 32)}
+
+
+def train_data(batch_size, seq_len, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        yield {"pixel_values": torch.randn(batch_size, 3, 32, 32, generator=generator),
+               "labels": torch.randint(0, CLASSES, (batch_size,), generator=generator)}
+
+
+def loss_fn(outputs, batch):
+    return F.cross_entropy(outputs.logits, batch["labels"])
+'''
+
+
+def model_sources() -> dict[str, str]:
+    sources = {name: DECODER.format(name=name, config=config, args=args) for name, (config, args) in DECODERS.items()}
+    sources.update(bert=BERT, t5=T5, vit=VIT)
+    return sources
+
+
+def write_model_files(folder: Path) -> dict[str, Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for name, source in model_sources().items():
+        paths[name] = folder / f"hf_{name}.py"
+        paths[name].write_text(source)
+    return paths

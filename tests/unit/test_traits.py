@@ -1,0 +1,149 @@
+"""The tracer finds the traits that decide what the runtime can run (planner/traits.py), on small models written
+here that each have one, on zplan's examples (none) and on Hugging Face models built from their configs."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zplan.examples
+from zplan.planner.trace import trace_model_file, trace_module
+
+EXAMPLES = Path(zplan.examples.__file__).parent
+H, HEADS, T, V = 32, 4, 16, 64
+
+
+class Norm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(H))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+class Attention(nn.Module):
+    """q/k/v -> attention -> o; fused: one qkv Linear chunked in three; q_norm: a norm beside the split Linears."""
+
+    def __init__(self, fused=False, q_norm=False):
+        super().__init__()
+        self.fused = fused
+        if fused:
+            self.qkv = nn.Linear(H, 3 * H)
+        else:
+            self.q, self.k, self.v = nn.Linear(H, H), nn.Linear(H, H), nn.Linear(H, H)
+        self.q_norm = nn.LayerNorm(H // HEADS) if q_norm else None
+        self.o = nn.Linear(H, H)
+
+    def forward(self, x):  # (B, T, H)
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=-1) if self.fused else (self.q(x), self.k(x), self.v(x))
+        q, k, v = (y.view(b, t, -1, H // HEADS).transpose(1, 2) for y in (q, k, v))
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, sandwich=False, router=False, **attention):
+        super().__init__()
+        self.norm = Norm()
+        self.attn = Attention(**attention)
+        self.post = nn.LayerNorm(H) if sandwich else None
+        self.router = Norm() if router else None  # parameters that are not a norm's (the class name says)
+        if router:
+            self.router.__class__ = type("Router", (Norm,), {})
+        self.up, self.down = nn.Linear(H, 2 * H), nn.Linear(2 * H, H)
+
+    def forward(self, x, mask=None):
+        y = self.attn(self.norm(x))
+        if self.post is not None:
+            y = self.post(y)
+        x = x + y
+        if self.router is not None:
+            x = self.router(x)
+        return x + self.down(F.gelu(self.up(x)))
+
+
+class Decoder(nn.Module):
+    def __init__(self, layers=2, nested=False, second_stack=False, mask=False, **block):
+        super().__init__()
+        self.mask = mask
+        self.embed = nn.Embedding(V, H)
+        blocks = nn.ModuleList(Block(**block) for _ in range(layers))
+        if nested:
+            self.inner = nn.Module()
+            self.inner.blocks = blocks
+        else:
+            self.blocks = blocks
+        self.encoder = nn.ModuleList(Block(**block) for _ in range(layers)) if second_stack else None
+        self.head = nn.Linear(H, V)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        if self.encoder is not None:
+            for block in self.encoder:
+                x = block(x)
+        blocks = self.inner.blocks if hasattr(self, "inner") else self.blocks
+        mask = torch.ones(idx.shape, device=idx.device) if self.mask else None
+        for block in blocks:
+            x = block(x, mask) if self.mask else block(x)
+        return self.head(x)
+
+
+def traits_of(**options) -> set[tuple[str, str]]:
+    with torch.device("meta"):
+        model = Decoder(**options)
+        tokens = torch.zeros(1, T, dtype=torch.long)
+    _, summary = trace_module(model, tokens, T, "fp32")
+    return {(t.kind, t.module) for t in summary.traits}
+
+
+def test_a_plain_decoder_has_none():
+    assert traits_of() == set()
+
+
+@pytest.mark.parametrize("options, expected", [
+    ({"fused": True}, {("fused_projection", "blocks.0.attn.qkv")}),
+    ({"q_norm": True}, {("parameters_beside_split_linears", "blocks.0.attn.q_norm")}),
+    ({"sandwich": True}, {("parameters_outside_split_linears", "blocks.0.attn.o")}),
+    ({"router": True}, {("parameters_outside_split_linears", "blocks.0.router")}),
+    ({"nested": True}, {("blocks_inside_a_module", "inner")}),
+    ({"mask": True}, {("block_extra_inputs", "blocks.0")}),
+])
+def test_each_trait_is_found_where_it_is(options, expected):
+    """(With a q norm the tracer pairs q with no Linear, so q stays whole beside the split k, v: also found.)"""
+    found = traits_of(**options)
+    assert expected <= found and {kind for kind, _ in found} == {kind for kind, _ in expected}, found
+
+
+def test_a_second_stack_of_blocks():
+    found = traits_of(second_stack=True)
+    assert found and {kind for kind, _ in found} == {"several_block_stacks"}
+
+
+@pytest.mark.parametrize("example", ["tiny.py", "gpt.py", "llama.py"])
+def test_the_examples_run_every_parallelism(example):
+    _, summary = trace_model_file(EXAMPLES / example, 32, "fp32")
+    assert summary.traits == [] and summary.block_tokens == 32
+
+
+def test_hugging_face_models():
+    transformers = pytest.importorskip("transformers")
+    common = dict(vocab_size=V, hidden_size=H, intermediate_size=2 * H, num_hidden_layers=2, num_attention_heads=HEADS,
+                  num_key_value_heads=2, max_position_embeddings=64)
+    found = {}
+    for name, config in (("llama", transformers.LlamaConfig(**common)),
+                         ("phi3", transformers.Phi3Config(**common, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+                         ("gpt2", transformers.GPT2Config(vocab_size=V, n_embd=H, n_layer=2, n_head=HEADS))):
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        _, summary = trace_module(model, torch.zeros(1, T, dtype=torch.long, device="meta"), T, "fp32")
+        found[name] = {(t.kind, t.module) for t in summary.traits}
+    assert found["llama"] == {("blocks_inside_a_module", "model"), ("block_extra_inputs", "model.layers.0")}
+    assert {("fused_projection", "model.layers.0.self_attn.qkv_proj"),
+            ("fused_projection", "model.layers.0.mlp.gate_up_proj")} < found["phi3"]
+    assert ("no_tensor_parallel_rules", "transformer.h.0") in found["gpt2"]
