@@ -16,28 +16,47 @@ runtime/pipeline.py state those contracts):
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
 
-from zplan.planner.graph import ModelGraph
 from zplan.schemas.capability import ModelTrait
+
+if TYPE_CHECKING:  # runtime/tensor_parallel.py imports this module: no networkx at run time
+    from zplan.planner.graph import ModelGraph
 
 SLICING_OPS = {"getitem", "split", "chunk", "narrow", "unbind", "split_with_sizes", "tensor_split"}
 PASS_THROUGH_OPS = {"dropout", "to", "contiguous", "view", "reshape", "type_as"}
 
 
-def _is_norm(module: nn.Module) -> bool:
-    return type(module).__name__.endswith("Norm")  # LayerNorm, RMSNorm, LlamaRMSNorm, ... (as the runtime)
+def is_norm(module: nn.Module) -> bool:
+    """LayerNorm, RMSNorm and model files' own *Norm classes (e.g. LlamaRMSNorm)."""
+    return type(module).__name__.endswith("Norm")
 
 
-def _owns_parameters(module: nn.Module) -> bool:
-    return any(p is not None for p in module._parameters.values())
-
-
-def _parent(path: str) -> str:
+def parent_path(path: str) -> str:
+    """'attn.q' -> 'attn'; 'qkv' -> '' (the block itself)."""
     return path.rpartition(".")[0]
+
+
+def unsplit_parameter_owners(block: nn.Module, split: set[str]
+                             ) -> list[tuple[str, nn.Module, Literal["beside", "norm", "other"]]]:
+    """The modules of `block` that own parameters and are not among the `split` Linears (paths in the block),
+    each with its role under tensor parallel: 'beside' (inside a module holding split Linears: it would see one
+    rank's features or heads), 'norm' (elsewhere, a norm: sequence parallel runs it on this rank's tokens) or
+    'other' (elsewhere: replicated, but under sequence parallel it would see one rank's tokens). The runtime's
+    check_block_split and the tracer's traits both judge by this."""
+    holders = {parent_path(path) for path in split} - {""}
+    owners = []
+    for name, module in block.named_modules():
+        if name in split or not any(p is not None for p in module._parameters.values()):
+            continue
+        if name in holders or any(name.startswith(holder + ".") for holder in holders):
+            owners.append((name, module, "beside"))
+        else:
+            owners.append((name, module, "norm" if name and is_norm(module) else "other"))
+    return owners
 
 
 def find_traits(model: nn.Module, graph: ModelGraph, tp_rules: dict[str, str],
@@ -61,15 +80,13 @@ def _tensor_parallel_traits(block: nn.Module, block_name: str, graph: ModelGraph
                   else "no nn.Linear feeds another through attention or an activation")
         return [ModelTrait(kind="no_tensor_parallel_rules", module=block_name, detail=detail)]
     traits = []
-    holders = {_parent(path) for path in tp_rules} - {""}
-    for name, module in block.named_modules():
-        if name in tp_rules or not _owns_parameters(module):
-            continue
+    for name, module, role in unsplit_parameter_owners(block, set(tp_rules)):
         where = f"{block_name}.{name}" if name else block_name
-        if name in holders or any(name.startswith(holder + ".") for holder in holders):
+        holder = f"{block_name}.{parent_path(name) or name}"
+        if role == "beside":
             traits.append(ModelTrait(kind="parameters_beside_split_linears", module=where,
-                                     detail=f"a {type(module).__name__} inside {block_name}.{_parent(name) or name}"))
-        elif not (name and _is_norm(module)):
+                                     detail=f"a {type(module).__name__} inside {holder}"))
+        elif role == "other":
             traits.append(ModelTrait(kind="parameters_outside_split_linears", module=where,
                                      detail=f"a {type(module).__name__} with parameters, not a norm"))
     first = graph.nodes_of_block(0)
@@ -106,7 +123,7 @@ def _norm_before_residual(graph: ModelGraph, node: str, block: nn.Module) -> boo
             return False
         module = data["module"] or ""
         relative = module[len(block_path) + 1:] if module.startswith(block_path + ".") else None
-        if relative and _is_norm(block.get_submodule(relative)):
+        if relative and is_norm(block.get_submodule(relative)):
             return True
         if data["op"] in PASS_THROUGH_OPS or (relative is not None and data["op"] != "linear"):
             queue.extend(graph.graph.successors(name))
@@ -142,7 +159,8 @@ def _pipeline_traits(model: nn.Module, prefix: str, example_call: tuple[tuple, d
 
 
 def _extra_block_inputs(model: nn.Module, prefix: str, example_call: tuple[tuple, dict]) -> str:
-    """What block 0 is called with beyond the hidden states, or returns besides them ('' when x = block(x))."""
+    """What block 0 is called with beyond the hidden states ('' when x = block(x)), from a forward on meta that
+    stops at the block's first call."""
     seen: dict[str, Any] = {}
 
     def pre_hook(module, args, kwargs):
@@ -156,12 +174,12 @@ def _extra_block_inputs(model: nn.Module, prefix: str, example_call: tuple[tuple
             model(*example_call[0], **example_call[1])
     except _SeenFirstBlock:
         pass
-    except Exception:  # the model's forward does not run again on meta: the tracers ran it, say nothing here
-        return ""
+    except Exception as error:  # unknown how the blocks are called: say so rather than allow a pipeline
+        return f"not seen: the forward did not run on the meta device ({type(error).__name__})"
     finally:
         handle.remove()
     if "args" not in seen:
-        return ""
+        return "not seen: the forward did not call the first block"
 
     def has_tensor(value: Any) -> bool:
         if isinstance(value, torch.Tensor):

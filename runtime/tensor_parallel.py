@@ -57,24 +57,11 @@ from torch.distributed.tensor.parallel import (
 )
 
 from zplan.errors import PlanMismatchError
+from zplan.planner.traits import parent_path, unsplit_parameter_owners
 from zplan.runtime.apply import transformer_blocks
 
 STYLES = ("colwise", "rowwise")
 SEQUENCE_DIM = 1  # activations are (B, T, h)
-
-
-def _parent(path: str) -> str:
-    """'attn.q' -> 'attn'; 'qkv' -> '' (the block itself)."""
-    return path.rpartition(".")[0]
-
-
-def _is_norm(module: nn.Module) -> bool:
-    """LayerNorm, RMSNorm and model files' own *Norm classes (e.g. LlamaRMSNorm)."""
-    return type(module).__name__.endswith("Norm")
-
-
-def _owns_parameters(module: nn.Module) -> bool:
-    return any(p is not None for p in module._parameters.values())
 
 
 # ---- the plan as ParallelStyles ---------------------------------------------------------------------
@@ -92,7 +79,7 @@ def block_styles(tp_plan: dict[str, str], sequence_parallel: bool, norm_paths: l
         if style not in STYLES:
             raise PlanMismatchError(f"tensor-parallel style of {path!r} is {style!r}; expected one of {STYLES}")
         if style == "colwise":
-            gathers_itself = sequence_parallel and not _parent(path)
+            gathers_itself = sequence_parallel and not parent_path(path)
             styles[path] = ColwiseParallel(input_layouts=Shard(SEQUENCE_DIM)) if gathers_itself else ColwiseParallel()
         else:
             scatters = sequence_parallel
@@ -125,21 +112,16 @@ def check_block_split(block: nn.Module, block_name: str, tp_plan: dict[str, str]
             side = "output" if style == "colwise" else "input"
             problems.append(f"{block_name}.{path} has {split_features} {side} features, not a multiple of tp={tp}")
             continue
-        head_dim = getattr(block.get_submodule(_parent(path)), "head_dim", None) if _parent(path) else None
+        head_dim = getattr(block.get_submodule(parent_path(path)), "head_dim", None) if parent_path(path) else None
         if style == "colwise" and isinstance(head_dim, int) and (split_features // tp) % head_dim:
             problems.append(f"{block_name}.{path} has {split_features // head_dim} heads of {head_dim}, "
                             f"not a multiple of tp={tp}: a rank would hold part of a head")
-    split = set(tp_plan)
-    holders = {_parent(path) for path in split} - {""}
     norms = []
-    for name, module in block.named_modules():
-        if name in split or not _owns_parameters(module):
-            continue
+    for name, module, role in unsplit_parameter_owners(block, set(tp_plan)):
         where, kind = (f"{block_name}.{name}" if name else block_name), type(module).__name__
-        if name in holders or any(name.startswith(holder + ".") for holder in holders):
-            # it would see this rank's features or heads only: its gradient, a partial sum
+        if role == "beside":  # it would see this rank's features or heads only: its gradient, a partial sum
             problems.append(f"{where} ({kind}) has parameters of its own beside the split Linears")
-        elif sequence_parallel and name and _is_norm(module):
+        elif sequence_parallel and role == "norm":
             norms.append(name)
         elif sequence_parallel:  # it would see this rank's tokens only: its gradient, a partial sum
             problems.append(f"{where} ({kind}) has parameters and is not a norm: sequence parallel cannot run "
@@ -295,7 +277,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[s
         norms = check_block_split(block, name, tp_plan, tp, sequence_parallel)
         parallelize_module(block, tp_mesh, block_styles(tp_plan, sequence_parallel, norms))
         if sequence_parallel:
-            for holder in sorted({_parent(path) for path in tp_plan} - {""}):
+            for holder in sorted({parent_path(path) for path in tp_plan} - {""}):
                 block.get_submodule(holder).register_forward_pre_hook(_gather_sequence_inputs, with_kwargs=True)
     if sequence_parallel:
         blocks[0].register_forward_pre_hook(_first_arg_hook(_scatter_sequence(tp_mesh)))

@@ -103,7 +103,7 @@ def explain(traits: list[ModelTrait], capability: str) -> str:
 def sequence_parallel_fits(block_tokens: int | None, tp):
     """Sequence parallel gives each tp rank T/tp of the tokens between blocks: T must divide (tp an int or an
     integer array; the answer has its shape)."""
-    return tp == tp if block_tokens is None else block_tokens % tp == 0
+    return tp > 0 if block_tokens is None else block_tokens % tp == 0
 
 
 def capability_problems(traits: list[ModelTrait], tp: int, pp: int, sequence_parallel: bool,
