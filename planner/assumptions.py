@@ -8,6 +8,7 @@ from zplan.planner.cost.memory import (
     DDP_BUCKET_BYTES,
     GRAD_BYTES,
     HOST_USABLE_FRACTION,
+    LOSS_BYTES_PER_LOGIT,
     PARAM_BYTES,
 )
 from zplan.planner.cost.step import ADAM_BYTES_PER_PARAM
@@ -59,6 +60,9 @@ def assumptions(cluster: ClusterSpec, summary: ModelSummary, train: TrainSpec) -
          "count of a Megatron GPT block's elementwise traffic (planner/cost/compute.py)"),
         ("activation memory", "per-block saved bytes split replicated (10sbh) / tp-sharded",
          "Korthikanti et al. MLSys'23 Table 2"),
+        ("logits and loss", f"{LOSS_BYTES_PER_LOGIT[train.precision]:.0f} B per logit (b, s, V) on the last stage, "
+                            "whole on every tp rank: embedding and head are replicated over tp, not vocab-parallel",
+         "measured: benchmarks/loss_memory.py; runtime/tensor_parallel.py"),
         ("model states", f"{PARAM_BYTES:.0f} B fp32 weight + {GRAD_BYTES:.0f} B fp32 gradient + {ADAM_BYTES:.0f} B "
                          "Adam moments per parameter, sharded by ZeRO stage; 16-bit copies for compute are transient",
          "zplan's runtime; partitioning: Rajbhandari et al. SC'20"),

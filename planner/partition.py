@@ -24,10 +24,13 @@ Two exact methods, both exposed:
   constraints make the LP relaxation tight for a fixed bottleneck, so proofs need little search;
   without a good upper bound the model has O(p * n^2) booleans (slow beyond ~50 units).
 
-``method="auto"`` (the default): the DP first. When memory does not bind (the memory-aware optimum
-equals the unconstrained optimum) the DP answer is returned. When memory binds, CP-SAT solves the
-constrained model, seeded with the DP's partition as hint and the unconstrained optimum as lower
-bound; its answer is returned (the DP's partition when the two tie, so output is deterministic).
+``method="auto"`` (the default, and what planner.search uses): the DP decides the split. When memory
+does not bind (the memory-aware optimum equals the unconstrained optimum) that is all. When memory binds,
+CP-SAT re-solves the constrained model as an independent check, seeded with the DP's split as hint and the
+unconstrained optimum as lower bound; its split would replace the DP's only if strictly cheaper, which the
+exact DP leaves no room for (it would take float error in the DP), so the DP's split is returned and
+``solver`` records whether CP-SAT proved its optimum on the integer costs ("dp+cp-sat") or stopped at its time
+limit ("dp+cp-sat-unproven"). CP-SAT chooses the split itself only with ``method="cp-sat"`` (solver "cp-sat").
 """
 
 from __future__ import annotations
@@ -58,9 +61,11 @@ class PartitionResult:
     optimal: bool  # proven optimal (by the exact DP or by CP-SAT's OPTIMAL status)
     feasible: bool
     min_feasible_capacity_bytes: float | None = None  # set only when infeasible
-    # Who decided: "trivial" (one possible split), "dp" (exact DP; memory did not raise the optimum),
-    # "cp-sat" (CP-SAT proved it), "cp-sat-unproven" (CP-SAT hit its time limit; the DP's exact split),
-    # "given" (evaluate_partition).
+    # Which solver produced ``boundaries``: "trivial" (one possible split), "dp" (the exact DP; memory did not
+    # raise the optimum, or method="dp"; also the min-memory split of an infeasible request), "dp+cp-sat" (the
+    # DP's split; memory binds, and CP-SAT, run as a check, proved optimal a split no cheaper), "dp+cp-sat-unproven"
+    # (the DP's split; CP-SAT stopped at its time limit without a proof), "cp-sat" (CP-SAT's own split: method="cp-sat",
+    # or auto where CP-SAT beat the DP), "given" (evaluate_partition).
     solver: str = ""
 
 
@@ -312,12 +317,12 @@ def partition_layers(
     lower_bound, _ = _bottleneck_dp(problem.interval_matrix(_integer_cost_prefix(problem)), n, p)
     starts, proven = _solve_cp_sat(problem, time_limit_s, best_starts, int(lower_bound))
     if starts is None:  # out of time (CP-SAT cannot call the DP's own split infeasible)
-        return _result(problem, best_starts, optimal=True, feasible=True, solver="cp-sat-unproven")
+        return _result(problem, best_starts, optimal=True, feasible=True, solver="dp+cp-sat-unproven")
     if max(problem.evaluate(starts)[1]) < best_cost * (1 - 1e-9):  # cross-check: not while the DP is exact
         return _result(problem, starts, optimal=proven, feasible=True, solver="cp-sat")
     # Equal bottleneck: return the DP's partition, so that the output does not depend on CP-SAT's workers.
     return _result(problem, best_starts, optimal=True, feasible=True,
-                   solver="cp-sat" if proven else "cp-sat-unproven")
+                   solver="dp+cp-sat" if proven else "dp+cp-sat-unproven")
 
 
 def evaluate_partition(

@@ -30,7 +30,7 @@ from zplan.errors import SpecError, TraceError
 from zplan.planner.graph import ModelGraph
 from zplan.planner.model_file import load_model_file
 from zplan.planner.tracers import DROPOUT_OPS, SDPA, TRACER_FUNCTIONS, MetaOpCache, RawTrace, TracedOp, as_call
-from zplan.planner.traits import find_traits
+from zplan.planner.traits import find_traits, parent_path
 from zplan.schemas.model import LayerCost, ModelSummary, TensorParallelRule
 
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}  # bytes per floating-point element
@@ -322,8 +322,9 @@ def _summarize(graph: ModelGraph, raw: RawTrace, model: nn.Module, name: str,
     flops_of = dict.fromkeys(units, 0.0)
     act_of = dict.fromkeys(units, 0.0)
     modules_of: dict[str, dict[str, None]] = {unit: {} for unit in units}  # ordered sets
-    for _, data in graph.iter_nodes():
-        if data["module"] and data["unit"] in ("embedding", "head"):
+    for node, data in graph.iter_nodes():
+        reads_parameter = any(arg.param is not None for arg in by_name[node].args)
+        if data["module"] is not None and data["unit"] in ("embedding", "head") and reads_parameter:
             modules_of[data["unit"]][data["module"]] = None
         params_of[data["unit"]] += data["params"]
         flops_of[data["unit"]] += data["fwd_flops"]
@@ -331,10 +332,14 @@ def _summarize(graph: ModelGraph, raw: RawTrace, model: nn.Module, name: str,
     all_params = dict(model.named_parameters())
     unread = sum(p.numel() for p in all_params.values()) - sum(params_of.values())
     params_of["embedding"] += max(unread, 0)  # parameters no traced operation reads (unused modules)
+    read = {arg.param for op in raw.ops for arg in op.args if arg.param is not None}
+    for param_name in all_params:  # their modules go with the embedding, so that a pipeline stage owns them
+        if param_name not in read and not param_name.startswith(prefix + "."):
+            modules_of["embedding"][parent_path(param_name)] = None
     layers = [
         LayerCost(name=unit, kind="embedding" if unit == "embedding" else "head" if unit == "head" else "block",
                   params=int(params_of[unit]), fwd_flops=flops_of[unit], act_bytes=act_of[unit],
-                  modules=_outermost(list(modules_of[unit])) or [unit])
+                  modules=_unit_modules(model, list(modules_of[unit]), prefix) or [unit])
         for unit in units
     ]
     block0 = graph.nodes_of_block(0)
@@ -347,7 +352,7 @@ def _summarize(graph: ModelGraph, raw: RawTrace, model: nn.Module, name: str,
     ffn_hidden = max(rowwise_inputs or linear_outputs or [4 * hidden])
     rules = [TensorParallelRule(module=module[len(f"{prefix}.0."):], style=style)
              for module, style in styles.items()]
-    traits = find_traits(model, graph, {r.module: r.style for r in rules}, example_call)
+    traits = find_traits(model, graph, {r.module: r.style for r in rules}, layers, example_call)
     return ModelSummary(
         name=name, source="file", tracer=graph.tracer, num_blocks=num_blocks, hidden=hidden, heads=heads,
         kv_heads=kv_heads, ffn_hidden=ffn_hidden, vocab=vocab, seq_len=graph.seq_len,
@@ -360,6 +365,22 @@ def _block_tokens(graph: ModelGraph, block0: list[str]) -> int | None:
     """T of block 0's output (B, T, h), the hidden states sequence parallel splits; None when not 3-d."""
     shape = graph[block0[-1]]["shape"] if block0 else None
     return int(shape[1]) if shape is not None and len(shape) == 3 else None
+
+
+def _unit_modules(model: nn.Module, paths: list[str], block_prefix: str) -> list[str]:
+    """The modules of the embedding or the head, in order: the outermost of those whose operations read parameters
+    (`paths`), each set of them replaced by their parent while the parent holds no parameters but theirs and no
+    block ('bert.embeddings' for its embeddings and norm; not 'model', which holds the blocks too)."""
+    paths = _outermost(paths)
+    while True:
+        held = {id(p) for path in paths for p in model.get_submodule(path).parameters()}
+        parents = [parent_path(path) for path in paths]
+        grown = next((parent for parent in parents if parent and not (block_prefix + ".").startswith(parent + ".")
+                      and {id(p) for p in model.get_submodule(parent).parameters()} <= held), None)
+        if grown is None:
+            return paths
+        first = parents.index(grown)
+        paths = _outermost([*paths[:first], grown, *paths[first:]])
 
 
 def _outermost(paths: list[str]) -> list[str]:

@@ -8,20 +8,20 @@ runtime/pipeline.py state those contracts):
                    LayerNorm, a relative position bias) would see one rank's features only;
   sequence parallel runs the blocks' norms on this rank's tokens; any other module with parameters, or a norm
                    applied to a row-split Linear's output before the residual add (sandwich norms), breaks it;
-  pipeline         hands one tensor from stage to stage: blocks called as x = block(x), one stack of blocks,
-                   and the code around the blocks in the model's own forward (the block container a child of the
-                   root), not in a submodule that wraps them.
+  pipeline         runs the model's own forward on every stage with the other stages' units stood in for, one
+                   stack of blocks: the runtime's split is run on the meta device at a two-stage cut and must
+                   reproduce the forward's output.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
 from torch import nn
 
 from zplan.schemas.capability import ModelTrait
+from zplan.schemas.model import LayerCost
 
 if TYPE_CHECKING:  # runtime/tensor_parallel.py imports this module: no networkx at run time
     from zplan.planner.graph import ModelGraph
@@ -59,14 +59,14 @@ def unsplit_parameter_owners(block: nn.Module, split: set[str]
     return owners
 
 
-def find_traits(model: nn.Module, graph: ModelGraph, tp_rules: dict[str, str],
+def find_traits(model: nn.Module, graph: ModelGraph, tp_rules: dict[str, str], layers: list[LayerCost],
                 example_call: tuple[tuple, dict]) -> list[ModelTrait]:
     """Every trait of `model` (on the meta device; `graph` its trace, `tp_rules` block-relative Linear path ->
-    style, `example_call` the (args, kwargs) of one sample)."""
+    style, `layers` its units in order, `example_call` the (args, kwargs) of one sample)."""
     prefix = graph.block_prefix
     block = model.get_submodule(f"{prefix}.0")
     return [*_tensor_parallel_traits(block, f"{prefix}.0", graph, tp_rules),
-            *_pipeline_traits(model, prefix, example_call)]
+            *_pipeline_traits(model, prefix, layers, example_call)]
 
 
 # ---- tensor and sequence parallel -----------------------------------------------------------------------------
@@ -133,19 +133,9 @@ def _norm_before_residual(graph: ModelGraph, node: str, block: nn.Module) -> boo
 # ---- pipeline ------------------------------------------------------------------------------------------------
 
 
-class _SeenFirstBlock(Exception):
-    pass
-
-
-def _pipeline_traits(model: nn.Module, prefix: str, example_call: tuple[tuple, dict]) -> list[ModelTrait]:
+def _pipeline_traits(model: nn.Module, prefix: str, layers: list[LayerCost],
+                     example_call: tuple[tuple, dict]) -> list[ModelTrait]:
     traits = []
-    if "." in prefix:  # not a child of the root: its owner iterates it, inside the model's forward
-        owner = prefix.rpartition(".")[0]
-        traits.append(ModelTrait(kind="blocks_inside_a_module", module=owner,
-                                 detail=f"{owner}.forward calls the blocks"))
-    extra = _extra_block_inputs(model, prefix, example_call)
-    if extra:
-        traits.append(ModelTrait(kind="block_extra_inputs", module=f"{prefix}.0", detail=extra))
     stack_params = sum(p.numel() for p in model.get_submodule(prefix).parameters())
     for path, module in model.named_modules():
         if (not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2 or path == prefix
@@ -155,44 +145,28 @@ def _pipeline_traits(model: nn.Module, prefix: str, example_call: tuple[tuple, d
         if sum(p.numel() for p in module.parameters()) >= stack_params / 4:  # another stack of blocks, not a list
             traits.append(ModelTrait(kind="several_block_stacks", module=path,
                                      detail=f"a second stack of {len(module)} {type(module[0]).__name__}"))
+    problem = "" if traits else _split_problem(model, layers, example_call)
+    if problem:
+        traits.append(ModelTrait(kind="forward_not_split_by_stages", module="", detail=problem))
     return traits
 
 
-def _extra_block_inputs(model: nn.Module, prefix: str, example_call: tuple[tuple, dict]) -> str:
-    """What block 0 is called with beyond the hidden states ('' when x = block(x)), from a forward on meta that
-    stops at the block's first call."""
-    seen: dict[str, Any] = {}
+def _split_problem(model: nn.Module, layers: list[LayerCost], example_call: tuple[tuple, dict]) -> str:
+    """Why the runtime's own pipeline split (runtime/pipeline.py), cut in two in the middle of the blocks and run on
+    the meta device, does not reproduce the model's forward ('' when it does, or when there are too few blocks)."""
+    from zplan.runtime.pipeline import PipelineSplitError, check_split, split_model  # torch only, no process group
 
-    def pre_hook(module, args, kwargs):
-        seen["args"], seen["kwargs"] = args, kwargs
-        raise _SeenFirstBlock
-
-    block = model.get_submodule(f"{prefix}.0")
-    handle = block.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    blocks = [index for index, layer in enumerate(layers) if layer.kind == "block"]
+    if len(blocks) < 2:
+        return ""
+    cut = blocks[len(blocks) // 2]
+    stages = [[path for layer in part for path in layer.modules] for part in (layers[:cut], layers[cut:])]
+    args, kwargs = example_call
+    if args and kwargs:
+        return "the model is called with positional and keyword inputs at once; a pipeline batch is one or the other"
+    batch = kwargs if kwargs else args[0] if len(args) == 1 else args
     try:
-        with torch.no_grad():
-            model(*example_call[0], **example_call[1])
-    except _SeenFirstBlock:
-        pass
-    except Exception as error:  # unknown how the blocks are called: say so rather than allow a pipeline
-        return f"not seen: the forward did not run on the meta device ({type(error).__name__})"
-    finally:
-        handle.remove()
-    if "args" not in seen:
-        return "not seen: the forward did not call the first block"
-
-    def has_tensor(value: Any) -> bool:
-        if isinstance(value, torch.Tensor):
-            return True
-        if isinstance(value, (tuple, list)):
-            return any(has_tensor(v) for v in value)
-        if isinstance(value, dict):
-            return any(has_tensor(v) for v in value.values())
-        return False
-
-    args, kwargs = seen["args"], seen["kwargs"]
-    names = [f"argument {i}" for i, a in enumerate(args) if i > 0 and has_tensor(a)]
-    names += [name for name, value in kwargs.items() if has_tensor(value)]
-    if not args or not isinstance(args[0], torch.Tensor):
-        names.insert(0, "its hidden states as a keyword")
-    return f"called with {', '.join(names)}" if names else ""
+        check_split(model, split_model(model, stages), batch)
+    except PipelineSplitError as error:
+        return str(error).split(": every stage")[0]
+    return ""

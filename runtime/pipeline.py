@@ -11,24 +11,28 @@ rank, stage s = c * pp + r is chunk c of pipeline rank r (torch's PipelineStage 
 rank s % pp). GPipe and 1F1B run one stage per rank (v = 1); interleaved 1F1B runs v >= 2.
 
 What a stage computes. stage_modules[s] lists the module paths stage s runs (the plan's units, e.g.
-['wte', 'wpe', 'blocks.0'], ['blocks.1', ...], [..., 'ln_f', 'lm_head']). A path whose parent is a
-ModuleList, ModuleDict or Sequential is a block; the paths before the first block are the embedding, the
-paths after the last block the head. Then:
-  - stage 0 runs the model's own forward (its class's `forward`, or `pipeline_embed` when the class
-    defines one) on a shallow copy of the model in which every block and head module is replaced by a
-    pass-through (returns its first argument). What the forward computes outside modules, e.g. the
-    token positions of a GPT's position embedding (`wpe(arange(T))`), is thereby computed as in one
-    process. What it returns is the hidden state entering the first block;
-  - then every stage runs its blocks in order, x = block(x);
-  - the last stage runs the head modules in order, x = module(x) (lm_head(ln_f(x))), or the class's
-    `pipeline_head(hidden)` when it defines one, called on a shallow copy that has the head modules.
+['model.embed_tokens', 'model.layers.0'], ['model.layers.1', 'model.norm', 'lm_head']). A path whose parent
+is a ModuleList, ModuleDict or Sequential is a block; the paths before the first block are the embedding,
+the paths after the last block the head. Every stage runs the model's own forward (its class's `forward`)
+on the micro-batch, on a shallow copy of the model in which the units of the other stages are stood in for:
+  - a unit before the stage's first unit: an embedding module gives zeros shaped like the hidden state the
+    stage received, a block gives that hidden state itself (so the first block of this stage receives it);
+  - a unit after the stage's last unit ends the stage's forward: what it was called with (the hidden state
+    leaving this stage's last block) is the stage's output, sent to the next stage.
+So what the forward computes outside the units runs on every stage as in one process: positions, rotary
+tables and attention masks built from the batch and the hidden state's shape, blocks nested in a submodule
+(Hugging Face's `model.layers`) and called with extra arguments, work after the head (a logit soft-cap).
+Stage 0 gets the micro-batch from the schedule; the others get it by its index (a keyword the schedule
+hands every stage) from the micro-batches step() was given, which every pipeline rank holds. The last
+stage returns the model's output: a tensor, or the logits of an output object (`.logits`, as Hugging
+Face models return), which the loss receives as an object of the same class holding the logits.
 
-A model satisfies this contract when (examples/tiny.py, gpt.py and llama.py do):
-  1. its forward runs the embedding, then each block as x = block(x) with one tensor in and one tensor of
-     the same kind out (no extra arguments such as masks or rotary tables: compute those inside the
-     block), then the head modules in order, and returns the head's output;
-  2. after the blocks, the forward calls only head modules, or the class defines `pipeline_embed(self,
-     *inputs)` (the embedding alone) and `pipeline_head(self, hidden)` (e.g. a logit soft-cap);
+A model satisfies this contract when:
+  1. its forward runs the embedding, then the blocks in order, each called with the hidden state as its
+     first argument (or `hidden_states=`) and returning the next hidden state (one tensor), then the head;
+     between the embedding and the first block it computes only from the batch and from the embedding's
+     output's shape, dtype and device (later stages see zeros in its place);
+  2. its output is a tensor, or an object holding the logits (`.logits`) that the loss reads;
   3. the root module holds no parameters of its own (put them in a submodule inside a unit);
   4. batches are tensors, or tuples, lists or dicts of tensors, with the batch in dim 0.
 build_pipeline checks the split: the stages composed in one process must reproduce model(example)
@@ -58,21 +62,105 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from zplan.errors import ZplanError
+from zplan.planner.model_file import logits_of
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
 BLOCK_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 SPLIT_TOLERANCE = 1e-5  # max |stages composed - model(example)|, eval mode, fp32
+MICRO_BATCH_INDEX = "micro_batch_index"  # the keyword by which a stage learns which micro-batch it runs
 
 
 class PipelineSplitError(ZplanError):
     """The plan's stages do not fit the model, or the model's forward cannot be cut at them."""
 
 
-class PassThrough(nn.Module):
-    """Stands in for a module that another stage runs: returns its first argument unchanged."""
+# ---- stand-ins for the units of other stages -----------------------------------------------------
 
-    def forward(self, x, *args, **kwargs):
-        return x
+
+class _Received:
+    """The hidden state this stage received for the forward in progress (shared by its stand-ins)."""
+
+    tensor: torch.Tensor | None = None
+
+
+def _meta_replica(module: nn.Module) -> nn.Module:
+    """A copy of `module` whose parameters and buffers are meta tensors of the same shapes and dtypes (no memory)."""
+    clone = copy.copy(module)
+    clone._parameters = {n: None if p is None else nn.Parameter(p.detach().to("meta"), p.requires_grad)
+                         for n, p in module._parameters.items()}
+    clone._buffers = {n: None if b is None else b.to("meta") for n, b in module._buffers.items()}
+    clone._modules = {n: None if m is None else _meta_replica(m) for n, m in module._modules.items()}
+    return clone
+
+
+class ZerosForEmbedding(nn.Module):
+    """Stands in for an embedding module of stage 0 on a later stage: zeros shaped like the received hidden
+    state (B, T, h), in its dtype, so the code between the embedding and the first block runs as in one
+    process (what it computes from them is thrown away when the first block hands over the hidden state).
+    Other attributes are the embedding's, read from a meta replica (e.g. a forward reading its weight's dtype)."""
+
+    def __init__(self, embedding: nn.Module, received: _Received):
+        super().__init__()
+        self._received = received
+        self._replica = (_meta_replica(embedding),)  # in a tuple: not a submodule
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_replica"][0], name)
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        hidden = self._received.tensor
+        return torch.zeros(tuple(hidden.shape), dtype=hidden.dtype, device=_local(hidden).device)
+
+
+class ReceivedForBlock(nn.Module):
+    """Stands in for a block of an earlier stage: gives the hidden state this stage received."""
+
+    def __init__(self, received: _Received):
+        super().__init__()
+        self._received = received
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        return self._received.tensor
+
+
+class ReceivedIntoBlock(nn.Module):
+    """Wraps this stage's first block (when the stage starts with one): the block is called as the forward calls
+    it, with the received hidden state in place of the one the forward computed (from the stand-ins)."""
+
+    def __init__(self, block: nn.Module, received: _Received):
+        super().__init__()
+        self._block = (block,)  # in a tuple: the block is the chunk's, not this wrapper's
+        self._received = received
+
+    def forward(self, *args, **kwargs):
+        if args:
+            args = (self._received.tensor, *args[1:])
+        elif "hidden_states" in kwargs:
+            kwargs = {**kwargs, "hidden_states": self._received.tensor}
+        else:
+            raise PipelineSplitError("a pipeline stage hands its successor the hidden state a block is called with: "
+                                     "call each block with it as the first argument or as hidden_states=")
+        return self._block[0](*args, **kwargs)
+
+
+class _StageOutput(BaseException):  # not an Exception: a model's own `except Exception` must not catch it
+    def __init__(self, hidden: torch.Tensor):
+        super().__init__()
+        self.hidden = hidden
+
+
+class EndOfStage(nn.Module):
+    """Stands in for the first unit of a later stage: ends the forward with the hidden state it is given."""
+
+    def forward(self, *args, **kwargs):
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if not isinstance(hidden, torch.Tensor):
+            raise PipelineSplitError("a pipeline stage hands its successor the hidden state a block is called with: "
+                                     "call each block with it as the first argument or as hidden_states=")
+        raise _StageOutput(hidden)
 
 
 # ---- which module does what ----------------------------------------------------------------------
@@ -82,10 +170,10 @@ class PassThrough(nn.Module):
 class UnitRoles:
     """The module paths of all stages, sorted into embedding, blocks and head (see the module docstring)."""
 
-    embedding: tuple[str, ...]  # before the first block: stage 0 runs them inside the model's forward
-    head: tuple[str, ...]  # after the last block, in order: the last stage runs them
-    block_containers: tuple[str, ...]  # parents of the blocks, e.g. ('blocks',)
-    all_paths: frozenset[str]
+    embedding: tuple[str, ...]  # before the first block: only stage 0 runs them
+    head: tuple[str, ...]  # after the last block: the last stage runs them
+    block_containers: tuple[str, ...]  # parents of the blocks, e.g. ('model.layers',)
+    all_paths: tuple[str, ...]  # every stage's paths, in stage order
 
 
 def _is_block(model: nn.Module, path: str) -> bool:
@@ -134,7 +222,8 @@ def unit_roles(model: nn.Module, stage_modules: Sequence[Sequence[str]]) -> Unit
     if not set(head) <= set(stage_modules[-1]):
         raise PipelineSplitError(f"the head modules {list(head)} must all be in the last pipeline stage")
     containers = tuple(dict.fromkeys(flat[i].rpartition(".")[0] for i in blocks))
-    return UnitRoles(embedding=embedding, head=head, block_containers=containers, all_paths=frozenset(flat))
+    return UnitRoles(embedding=embedding, head=head, block_containers=containers, all_paths=tuple(flat))
+
 
 
 # ---- stage modules -------------------------------------------------------------------------------
@@ -155,18 +244,18 @@ def _attach(root: nn.Module, model: nn.Module, paths: Sequence[str], containers:
             node.add_module(leaf, model.get_submodule(path) if path in paths else nn.ModuleDict())
 
 
-def _skeleton(model: nn.Module, present: set[str], unit_paths: frozenset[str]) -> nn.Module:
-    """A shallow copy of `model` in which the unit modules not in `present` are PassThrough. Only the
-    modules on the way to a unit are copied; the modules kept are the model's own objects."""
+def _skeleton(model: nn.Module, stand_ins: dict[str, nn.Module], unit_paths: Sequence[str]) -> nn.Module:
+    """A shallow copy of `model` in which the unit modules in `stand_ins` are replaced. Only the modules on the
+    way to a unit are copied; every other module, and every unit not replaced, is the model's own object."""
 
     def copy_along(module: nn.Module, prefix: str) -> nn.Module:
         clone = copy.copy(module)
         clone._modules = dict(module._modules)  # the copy shares the dict otherwise
         for name, child in module._modules.items():
             path = prefix + name
-            if path in unit_paths:
-                clone._modules[name] = child if path in present else PassThrough()
-            elif child is not None and any(unit.startswith(path + ".") for unit in unit_paths):
+            if path in stand_ins:
+                clone._modules[name] = stand_ins[path]
+            elif child is not None and path not in unit_paths and any(u.startswith(path + ".") for u in unit_paths):
                 clone._modules[name] = copy_along(child, path + ".")
         return clone
 
@@ -183,13 +272,25 @@ def _call_with_batch(fn: Callable, module: nn.Module, batch: Any) -> Any:
     return fn(module, batch)
 
 
+class MicroBatches:
+    """The micro-batches of the step in progress, which stages after the first read by index (shared)."""
+
+    def __init__(self):
+        self.batches: list[Any] = []
+
+    def get(self, index: torch.Tensor | int | None) -> Any:
+        if index is None:
+            raise PipelineSplitError(f"a pipeline stage after the first needs the {MICRO_BATCH_INDEX} keyword")
+        return self.batches[int(index.reshape(-1)[0]) if isinstance(index, torch.Tensor) else index]
+
+
 class PipelineChunk(nn.Module):
     """One pipeline stage (a model chunk): its modules under their original names, and the forward that
-    runs them (module docstring). Stage 0 takes the leaves of a batch (tensors) and rebuilds the batch;
-    the others take the hidden state of the stage before."""
+    runs them (module docstring). Stage 0 takes the leaves of a batch (tensors) and rebuilds the batch; the
+    others take the hidden state of the stage before, and the micro-batch's index."""
 
     def __init__(self, model: nn.Module, paths: Sequence[str], stage_index: int, num_stages: int,
-                 roles: UnitRoles, activation_compression: str = "none"):
+                 roles: UnitRoles, micro_batches: MicroBatches, activation_compression: str = "none"):
         super().__init__()
         if activation_compression not in ("none", "int8"):
             raise PipelineSplitError(f"activation compression between stages is none or int8, got "
@@ -200,18 +301,24 @@ class PipelineChunk(nn.Module):
         _attach(self, model, list(paths), roles.block_containers)
         self._stage_index, self._num_stages = stage_index, num_stages
         self._paths = tuple(paths)
-        model_class = type(model)
-        head_hook = getattr(model_class, "pipeline_head", None) if stage_index == num_stages - 1 else None
-        skipped = set(roles.embedding) | (set(roles.head) if head_hook else set())
-        self._run_paths = tuple(p for p in paths if p not in skipped)  # run as x = module(x), in order
-        # (shallow copy of the model, function to call on it): kept in tuples, not registered as submodules
-        self._embed: tuple[nn.Module, Callable] | None = None
-        self._head: tuple[nn.Module, Callable] | None = None
-        if stage_index == 0:
-            embed = getattr(model_class, "pipeline_embed", None) or model_class.forward
-            self._embed = (_skeleton(model, set(roles.embedding), roles.all_paths), embed)
-        if head_hook is not None:
-            self._head = (_skeleton(model, set(roles.head), roles.all_paths), head_hook)
+        self._micro_batches = micro_batches
+        self._received = _Received()
+        first, last = roles.all_paths.index(paths[0]), roles.all_paths.index(paths[-1])
+        stand_ins: dict[str, nn.Module] = {}
+        for position, path in enumerate(roles.all_paths):
+            if position < first:
+                stand_ins[path] = (ZerosForEmbedding(model.get_submodule(path), self._received)
+                                   if path in roles.embedding else ReceivedForBlock(self._received))
+            elif position > last:
+                stand_ins[path] = EndOfStage()
+        if stage_index > 0 and paths[0] not in roles.head:  # the stage starts with a block: it takes the hidden state
+            stand_ins[paths[0]] = ReceivedIntoBlock(model.get_submodule(paths[0]), self._received)
+        self._skeleton_of = (_skeleton(model, stand_ins, roles.all_paths), type(model).forward)  # not registered
+        # the modules the skeleton runs outside the units (copies and the model's own): they follow train/eval
+        self._outside_units = tuple(
+            module for name, module in self._skeleton_of[0].named_modules()
+            if not any(name == p or name.startswith(p + ".") for p in roles.all_paths))
+        self._output_class: type | None = None  # the last stage: the class of the model's output, if not a tensor
         self._batch_spec: pytree.TreeSpec | None = None  # stage 0: the structure of a batch
 
     @property
@@ -219,37 +326,57 @@ class PipelineChunk(nn.Module):
         return self._stage_index
 
     @property
-    def skeletons(self) -> list[nn.Module]:
-        """The shallow copies of the model that stage 0's embedding and the last stage's pipeline_head run
-        on: tensors held by the model's root (e.g. a RoPE table) are reached through them."""
-        return [pair[0] for pair in (self._embed, self._head) if pair is not None]
+    def skeleton(self) -> nn.Module:
+        """The shallow copy of the model this stage runs the forward on: tensors held outside the units (e.g.
+        a rotary table's inv_freq) are reached through it."""
+        return self._skeleton_of[0]
 
-    def forward(self, *args: torch.Tensor) -> torch.Tensor:
-        if self._embed is not None:
-            skeleton, embed = self._embed
-            skeleton.training = self.training
+    def forward(self, *args: torch.Tensor, micro_batch_index: torch.Tensor | None = None) -> torch.Tensor:
+        skeleton, model_forward = self._skeleton_of
+        for module in self._outside_units:
+            module.training = self.training
+        if self._stage_index == 0:
             batch = pytree.tree_unflatten(list(args), self._batch_spec) if self._batch_spec else args[0]
-            x = _call_with_batch(embed, skeleton, batch)
         elif len(args) == 1:
-            (x,) = args
+            (hidden,) = args
             if self._int8_in:
                 from zplan.runtime.compression.activations import receive_int8
 
-                x = receive_int8(x)
+                hidden = receive_int8(hidden)
+            self._received.tensor = hidden
+            batch = self._micro_batches.get(micro_batch_index)
         else:
             raise PipelineSplitError(f"pipeline stage {self._stage_index} received {len(args)} tensors: the "
                                      "stages must pass one hidden-state tensor (a block returns one tensor)")
-        for path in self._run_paths:
-            x = self.get_submodule(path)(x)
-        if self._head is not None:
-            skeleton, head = self._head
-            skeleton.training = self.training
-            x = head(skeleton, x)
+        try:
+            output = _call_with_batch(model_forward, skeleton, batch)
+        except _StageOutput as end:
+            x = end.hidden
+        else:
+            if self._stage_index < self._num_stages - 1:
+                raise PipelineSplitError(f"the forward of {type(skeleton).__name__} returned before reaching the "
+                                         f"units of pipeline stage {self._stage_index + 1}")
+            x = output if isinstance(output, torch.Tensor) else logits_of(output)
+            self._output_class = None if isinstance(output, torch.Tensor) else type(output)
+        finally:
+            self._received.tensor = None
         if self._int8_out:
             from zplan.runtime.compression.activations import send_int8
 
             x = send_int8(x)
         return x
+
+    def outputs_for_loss(self, logits: torch.Tensor) -> Any:
+        """What the loss receives from the last stage: its tensor, or the model's output class holding it."""
+        kind = self._output_class
+        if kind is None:
+            return logits
+        if issubclass(kind, tuple):
+            return (logits,)
+        try:
+            return kind(logits=logits)
+        except TypeError:
+            return {"logits": logits}
 
 
 def batch_leaves(batch: Any) -> tuple[list[torch.Tensor], pytree.TreeSpec]:
@@ -264,9 +391,10 @@ def batch_leaves(batch: Any) -> tuple[list[torch.Tensor], pytree.TreeSpec]:
 
 def split_model(model: nn.Module, stage_modules: Sequence[Sequence[str]],
                 roles: UnitRoles | None = None, activation_compression: str = "none") -> list[PipelineChunk]:
-    """Every stage of the pipeline, in one process (they share the model's modules)."""
+    """Every stage of the pipeline, in one process (they share the model's modules and one MicroBatches)."""
     roles = roles or unit_roles(model, stage_modules)
-    return [PipelineChunk(model, paths, index, len(stage_modules), roles, activation_compression)
+    micro_batches = MicroBatches()
+    return [PipelineChunk(model, paths, index, len(stage_modules), roles, micro_batches, activation_compression)
             for index, paths in enumerate(stage_modules)]
 
 
@@ -275,9 +403,12 @@ def run_stages(chunks: Sequence[PipelineChunk], batch: Any) -> list[torch.Tensor
     leaves, spec = batch_leaves(batch)
     outputs: list[torch.Tensor] = []
     for chunk in chunks:
+        chunk._micro_batches.batches = [batch]
         if chunk.stage_index == 0:
             chunk._batch_spec = spec
-        outputs.append(chunk(*leaves) if chunk.stage_index == 0 else chunk(outputs[-1]))
+            outputs.append(chunk(*leaves))
+        else:
+            outputs.append(chunk(outputs[-1], micro_batch_index=0))
     return outputs
 
 
@@ -289,13 +420,29 @@ def check_split(model: nn.Module, chunks: Sequence[PipelineChunk], example_batch
     compare: there the check is of the output's shape only, the forward still run through every stage."""
     was_training = model.training
     model.eval()
+    for chunk in chunks:  # the modules outside the units follow the chunk's mode (PipelineChunk.forward)
+        chunk.eval()
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             expected = _call_with_batch(lambda module, *a, **k: module(*a, **k), model, example_batch)
             outputs = run_stages(chunks, example_batch)
+    except PipelineSplitError:
+        raise
+    except Exception as error:
+        raise PipelineSplitError(
+            f"the pipeline stages of {type(model).__name__} cannot run its forward ({type(error).__name__}: "
+            f"{error}): every stage runs the forward with the other stages' units stood in for (runtime/pipeline.py "
+            "says what the forward may do)") from error
     finally:
+        for chunk in chunks:
+            chunk.train(was_training)
         model.train(was_training)
     got = outputs[-1]
+    if not isinstance(expected, torch.Tensor):
+        try:
+            expected = logits_of(expected)
+        except TypeError:
+            pass
     on_meta = any(_local(p).is_meta for p in model.parameters())
     if isinstance(expected, DTensor) and not on_meta:
         expected = expected.full_tensor()
@@ -304,17 +451,16 @@ def check_split(model: nn.Module, chunks: Sequence[PipelineChunk], example_batch
     if not isinstance(expected, torch.Tensor) or not isinstance(got, torch.Tensor) or got.shape != expected.shape:
         raise PipelineSplitError(
             f"the pipeline stages of {type(model).__name__} return {_describe(got)} where the model returns "
-            f"{_describe(expected)}: the forward must return the head's output tensor (or define pipeline_head)")
+            f"{_describe(expected)}: the forward must return a tensor or an object with .logits")
     if on_meta:
         return outputs
     error = (got.float() - expected.float()).abs().max().item()
     if not error <= SPLIT_TOLERANCE * max(1.0, expected.float().abs().max().item()):
         raise PipelineSplitError(
             f"the pipeline stages of {type(model).__name__} do not reproduce its forward (max difference "
-            f"{error:.3g}): stage 0 runs the forward with the blocks and head passed through, then each stage "
-            "runs its blocks as x = block(x) and the last the head modules in order. If the forward does more "
-            "after the blocks than calling head modules (a soft-cap, a scale), define pipeline_embed(self, "
-            "*inputs) and pipeline_head(self, hidden) on the model class (runtime/pipeline.py says more)")
+            f"{error:.3g}): every stage runs the forward with the other stages' units stood in for, so between the "
+            "embedding and the first block the forward may compute only from the batch and the embedding "
+            "output's shape, and each block must return the next hidden state (runtime/pipeline.py says more)")
     return outputs
 
 
@@ -377,7 +523,8 @@ class PipelineRun(nn.Module):
         self._loss_fn = loss_fn
         self._loss_scale = 1.0  # step() sets it: the factor of fp16 loss scaling
         self._schedule = None
-        self._current_micro_batches: list[Any] = []
+        self._micro_batches = chunks[0]._micro_batches  # shared by the chunks: what later stages read
+        self._last_chunk = tuple(chunk for chunk in chunks if chunk.stage_index == self._num_stages - 1)
         # Tied parameters on several ranks: this rank's name of each, the pipeline ranks holding it, and
         # whether this rank counts it in the gradient norm (the first holder does).
         self._tied: list[tuple[str, list[int]]] = []
@@ -411,7 +558,7 @@ class PipelineRun(nn.Module):
     def weight_roots(self) -> list[nn.Module]:
         """The modules under which each tensor of this rank's stages appears with its model-file name:
         the stage modules and the model copies the first and last stage run (runtime.materialize)."""
-        return [*self._built_chunks, *(skeleton for chunk in self._built_chunks for skeleton in chunk.skeletons)]
+        return [*self._built_chunks, *(chunk.skeleton for chunk in self._built_chunks)]
 
     @property
     def tied_names(self) -> dict[str, str]:
@@ -445,6 +592,7 @@ class PipelineRun(nn.Module):
         examples: dict[int, tuple[tuple, tuple]] = {}
         has_dtensor = False
         local = dict(zip(self._stage_indices, self._chunks, strict=True))
+        self._micro_batches.batches = [first_micro_batch]
         outputs: tuple = ()
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             for stage in range(self._num_stages):
@@ -459,7 +607,7 @@ class PipelineRun(nn.Module):
                     dist.recv_object_list(received, group=self._group, group_src=(stage - 1) % self._pp)
                     inputs = tuple(torch.zeros(shape, dtype=dtype, device=self._device)
                                    for shape, dtype in received[0])
-                result = local[stage](*inputs)
+                result = local[stage](*inputs, **{MICRO_BATCH_INDEX: torch.zeros(1, dtype=torch.long)})
                 outputs = result if isinstance(result, tuple) else (result,)
                 has_dtensor |= any(isinstance(t, DTensor) for t in (*inputs, *outputs))
                 examples[stage] = (tuple(meta(t, grad=stage > 0) for t in inputs),
@@ -488,7 +636,7 @@ class PipelineRun(nn.Module):
     def _micro_batch_loss(self, output: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         # The schedule hands the loss a slice of `target`; step() passes the micro-batch indices as target,
         # so that loss_fn receives the whole micro-batch (any structure), as in the non-pipelined loop.
-        loss = self._loss_fn(output, self._current_micro_batches[int(index.reshape(-1)[0])])
+        loss = self._loss_fn(self._last_chunk[0].outputs_for_loss(output), self._micro_batches.get(index))
         return loss * self._loss_scale
 
     def step(self, micro_batches: Sequence[Any], loss_scale: float = 1.0) -> torch.Tensor:
@@ -508,12 +656,13 @@ class PipelineRun(nn.Module):
             args = tuple(torch.cat(parts) for parts in zip(*(leaves for leaves, _ in per_micro), strict=True))
         if self._schedule is None:
             self._schedule = self._build_schedule(micro_batches[0])
-        self._current_micro_batches = list(micro_batches)
+        self._micro_batches.batches = list(micro_batches)
         self._loss_scale = loss_scale
         target = torch.arange(self._num_micro_batches) if holds_last else None
         losses: list[torch.Tensor] = []
-        self._schedule.step(*args, target=target, losses=losses if holds_last else None, return_outputs=False)
-        self._current_micro_batches = []
+        self._schedule.step(*args, target=target, losses=losses if holds_last else None, return_outputs=False,
+                            **{MICRO_BATCH_INDEX: torch.arange(self._num_micro_batches)})  # one index per stage call
+        self._micro_batches.batches = []
         for param in self.parameters():  # unique parameters of this rank
             if param.grad is not None:
                 param.grad.div_(self._num_micro_batches)

@@ -22,8 +22,7 @@ TraitKind = Literal[
     "fused_projection",
     "parameters_beside_split_linears",
     "parameters_outside_split_linears",
-    "block_extra_inputs",
-    "blocks_inside_a_module",
+    "forward_not_split_by_stages",
     "several_block_stacks",
 ]
 
@@ -62,14 +61,10 @@ RULES: dict[str, Rule] = {
         blocks=("sequence_parallel",),
         why="a module with parameters that is not a norm would see only this rank's tokens under sequence "
             "parallel"),
-    "block_extra_inputs": Rule(
+    "forward_not_split_by_stages": Rule(
         blocks=("pipeline",),
-        why="a pipeline stage hands its successor one tensor, the hidden states; these blocks take more "
-            "(masks, rotary tables, ...)"),
-    "blocks_inside_a_module": Rule(
-        blocks=("pipeline",),
-        why="the first stage runs the model's own forward with the blocks passed through, but here the blocks are "
-            "called from inside a submodule's forward, whose code before and after them a stage cannot split"),
+        why="each pipeline stage runs the model's forward with the other stages' modules stood in for, and on this "
+            "model that does not reproduce the forward at a two-stage cut"),
     "several_block_stacks": Rule(
         blocks=("pipeline",),
         why="the model runs more than one stack of blocks (an encoder and a decoder), and a pipeline cuts one"),

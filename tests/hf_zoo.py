@@ -27,6 +27,18 @@ DECODERS = {
     "gpt2": ("GPT2Config", "vocab_size=VOCAB_SIZE, n_embd=32, n_layer=2, n_head=4, n_positions=64"),
 }
 
+# Every dropout of each decoder's config, set to 0 (explicitly, whatever the config's default): runs of the same
+# model under different plans then compute the same function, so their losses and weights can be compared.
+DROPOUT_FREE = {
+    "llama": "attention_dropout=0.0",
+    "qwen2": "attention_dropout=0.0",
+    "mistral": "attention_dropout=0.0",
+    "gemma2": "attention_dropout=0.0",
+    "phi3": "attention_dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0",
+    "mixtral": "attention_dropout=0.0, router_jitter_noise=0.0",
+    "gpt2": "resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0",
+}
+
 BERT = '''"""A tiny Hugging Face BERT (masked LM), built from its config."""
 from transformers import BertConfig, BertForMaskedLM
 
@@ -106,6 +118,12 @@ def model_sources() -> dict[str, str]:
     sources = {name: DECODER.format(name=name, config=config, args=args) for name, (config, args) in DECODERS.items()}
     sources.update(bert=BERT, t5=T5, vit=VIT)
     return sources
+
+
+def deterministic_decoder_sources() -> dict[str, str]:
+    """The model files of DECODERS with every dropout 0 (DROPOUT_FREE), same names and sizes."""
+    return {name: DECODER.format(name=name, config=config, args=f"{args}, {DROPOUT_FREE[name]}")
+            for name, (config, args) in DECODERS.items()}
 
 
 def write_model_files(folder: Path) -> dict[str, Path]:

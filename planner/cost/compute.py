@@ -91,10 +91,12 @@ def block_host_s(recompute: np.ndarray, cluster: ClusterSpec) -> np.ndarray:
 def edge_time_s(
     fwd_flops: float, model: ModelNumbers, cand: Candidates, cluster: ClusterSpec, precision: str, ops: int = 0
 ) -> np.ndarray:
-    """Forward + backward seconds of the embedding or head for one micro-batch (vocab-parallel), with the
-    host cost of its `ops` aten ops (EMBEDDING_OPS or HEAD_OPS)."""
+    """Forward + backward seconds of the embedding or head for one micro-batch on one GPU, with the host cost
+    of its `ops` aten ops (EMBEDDING_OPS or HEAD_OPS). The runtime replicates the embedding and the head over
+    the tp ranks (runtime/tensor_parallel.py; not vocabulary-parallel), so every tp rank computes all of their
+    `fwd_flops` (per sample) and the logits GEMM is the whole (b*s, h) x (h, V): nothing is divided by tp."""
     peak = cluster.peak_flops(precision)
-    b, t = cand.micro_batch, cand.tp
-    gemm_flops = 2.0 * b * model.seq_len * model.hidden * model.vocab / t
+    b = cand.micro_batch
+    gemm_flops = 2.0 * b * model.seq_len * model.hidden * model.vocab  # the head's logits GEMM, FLOPs per GPU
     eff = gemm_efficiency(gemm_flops, cluster)
-    return b * (1.0 + BACKWARD_OVER_FORWARD) * fwd_flops / t / (peak * eff) + ops * cluster.host_overheads.op_s
+    return b * (1.0 + BACKWARD_OVER_FORWARD) * fwd_flops / (peak * eff) + ops * cluster.host_overheads.op_s

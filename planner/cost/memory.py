@@ -16,6 +16,11 @@ Activations per block (Korthikanti et al., MLSys'23, Table 2): of the block's sa
 unless sequence parallel shards them; the rest is divided by tp. Selective recompute drops the
 attention-core bytes; full recompute keeps only the block input (2*s*b*h, /tp with sequence parallel)
 plus one block's activations live while it is recomputed.
+Tensor parallel splits the blocks only: the runtime (runtime/tensor_parallel.py) replicates the embedding,
+the final norm and the output head over the tp ranks, so every tp rank holds their whole parameters, their
+gradients and optimizer states (sharded over dp by ZeRO like every parameter, never divided by tp), and
+computes the whole logits (B, T, V) and the loss on them. The loss's peak (logits_loss_bytes) is
+LOSS_BYTES_PER_LOGIT bytes per logit, measured, not divided by tp.
 Pipeline in-flight micro-batches on the first stage: 1F1B min(p, m); interleaved with v chunks
 multiplies by (1 + (p-1)/(p*v)) (Korthikanti et al., Sec. 4.2.3).
 Compression (planner.cost.compression) adds to the communication buffers: the int8 gradient hook's copies of
@@ -45,10 +50,27 @@ PARAM_BYTES = 4.0  # fp32 parameters: the master weights, in every precision
 GRAD_BYTES = 4.0  # fp32 gradients (autocast; FSDP2 reduce_dtype=fp32)
 ADAM_BYTES = 8.0  # fp32 m and v
 
+# Peak live bytes per logit while the runtime's default loss (planner.model_file.next_token_loss: cross-entropy
+# on logits[:, :-1].flatten(0, 1).float()) runs its forward and backward, counting the (B, T, V) logits the
+# head produced (in the compute dtype) and everything the loss allocates: at the peak (the log-softmax
+# backward) the logits, the fp32 log-softmax output, its gradient and the gradient of its input, i.e.
+# elem + 3 * 4 bytes (the last three over T-1 of the T positions, and a (B, T-1, V) copy of the logits that
+# flatten makes when B > 1 is freed by then). Measured exactly, counting live storages with a
+# TorchDispatchMode on fake tensors (torch 2.13, CPU):
+#     .venv/bin/python benchmarks/loss_memory.py --json
+# which prints these bytes per logit for several (B, T, V) with B*T = 2048: elem + 12 (1 - 1/T), the constants below.
+LOSS_BYTES_PER_LOGIT = {"fp32": 16.0, "bf16": 14.0, "fp16": 14.0}
+
 
 def element_bytes(precision: str) -> int:
     """Bytes of one value in the compute dtype."""
     return 4 if precision == "fp32" else 2
+
+
+def logits_loss_bytes(model: ModelNumbers, micro_batch, precision: str):
+    """Peak bytes of the logits (b, s, V) and the loss on them for one micro-batch, on every tp rank alike: the
+    runtime's head is replicated, not vocabulary-parallel, so nothing here is divided by tp."""
+    return np.asarray(micro_batch, dtype=float) * model.seq_len * model.vocab * LOSS_BYTES_PER_LOGIT[precision]
 
 
 def optimizer_bytes_per_param(precision: str) -> int:
@@ -85,7 +107,7 @@ class MemoryEstimate:
     cpu_bytes_per_node: np.ndarray
     nvme_bytes_per_node: np.ndarray
     fits: np.ndarray  # bool: device, host and NVMe capacity all respected
-    stage_params: np.ndarray  # parameters per GPU on the most loaded stage (after tp)
+    stage_params: np.ndarray  # parameters per GPU on the most loaded stage (blocks / tp, embedding and head whole)
 
 
 def blocks_per_stage(model: ModelNumbers, cand: Candidates) -> np.ndarray:
@@ -148,8 +170,11 @@ def memory_per_gpu(
 
     n_blocks = blocks_per_stage(model, cand)
     single = p == 1
-    first_params = np.where(single, model.params, model.embed_params + n_blocks * model.block_params) / t
-    last_params = np.where(single, model.params, model.head_params + n_blocks * model.block_params) / t
+    # Per GPU: the blocks split by tp, the embedding and head whole (replicated over tp; module docstring).
+    edges = model.embed_params + model.head_params  # embedding, final norm, head
+    whole_model = edges + (model.params - edges) / t
+    first_params = np.where(single, whole_model, model.embed_params + n_blocks * model.block_params / t)
+    last_params = np.where(single, whole_model, model.head_params + n_blocks * model.block_params / t)
 
     per_param = state_bytes_per_param(z, dp, offloaded)
 
@@ -160,8 +185,8 @@ def memory_per_gpu(
     act_block = block_activation_bytes(model, cand, precision)
     live_block = np.where(cand.recompute == 2, b * model.block_act_bytes / t, 0.0)  # recomputed block
     first_act = inflight * (n_blocks * act_block + b * s * h * elem) + live_block
-    logits = b * s * model.vocab * (elem + 4.0) / t  # 16-bit logits + fp32 softmax for the loss
-    last_act = n_blocks * act_block + live_block + logits + b * model.head_act_bytes / t
+    logits = logits_loss_bytes(model, b, precision)  # (b, s, V) on every tp rank, and the loss's fp32 temporaries
+    last_act = n_blocks * act_block + live_block + logits + b * model.head_act_bytes  # replicated head: not / tp
     first_act = np.where(single, first_act + logits, first_act)
 
     block_params_gpu = model.block_params / t

@@ -1,4 +1,10 @@
-"""Per-pipeline-unit time and bytes for ONE candidate: the numbers planner.partition balances."""
+"""Per-pipeline-unit time and bytes for ONE candidate: the numbers planner.partition balances.
+
+Tensor parallel divides the blocks' parameters, compute and most activations by tp; the embedding, final norm
+and head are replicated over the tp ranks by the runtime (runtime/tensor_parallel.py), so their parameters
+(and gradients, optimizer states), their compute time and the logits with the loss's peak
+(planner.cost.memory.logits_loss_bytes) are counted whole on every tp rank.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,12 @@ import numpy as np
 from zplan.planner.cost.comm import all_reduce_s
 from zplan.planner.cost.compute import EMBEDDING_OPS, HEAD_OPS, block_time_s, edge_time_s
 from zplan.planner.cost.inputs import Candidates, ModelNumbers
-from zplan.planner.cost.memory import block_activation_bytes, element_bytes, state_bytes_per_param
+from zplan.planner.cost.memory import (
+    block_activation_bytes,
+    element_bytes,
+    logits_loss_bytes,
+    state_bytes_per_param,
+)
 from zplan.schemas.cluster import ClusterSpec
 from zplan.schemas.model import ModelSummary
 
@@ -19,8 +30,8 @@ class UnitCosts:
     """Arrays over ModelSummary.layers for one candidate (per GPU, one micro-batch)."""
 
     time_s: np.ndarray  # forward + backward (+ recompute) + tensor-parallel collectives
-    static_bytes: np.ndarray  # model states held on the GPU
-    act_bytes: np.ndarray  # activations saved per in-flight micro-batch
+    static_bytes: np.ndarray  # model states held on the GPU, bytes (blocks / tp; embedding and head whole)
+    act_bytes: np.ndarray  # activations saved per in-flight micro-batch, bytes (the head's: + logits and loss peak)
     block_time_s: float  # one average block, for converting a stage's time to block-times
 
 
@@ -40,7 +51,8 @@ def unit_costs(summary: ModelSummary, cand: Candidates, cluster: ClusterSpec, pr
 
     times, static, acts = [], [], []
     for unit in summary.layers:
-        static.append(unit.params / t * per_param)
+        split = t if unit.kind == "block" else 1  # tensor parallel splits the blocks; the rest is replicated
+        static.append(unit.params / split * per_param)
         if unit.kind == "block":
             scale = unit.fwd_flops / model.block_fwd_flops if model.block_fwd_flops else 1.0
             times.append(block_s * scale)
@@ -48,7 +60,8 @@ def unit_costs(summary: ModelSummary, cand: Candidates, cluster: ClusterSpec, pr
         else:
             ops = {"embedding": EMBEDDING_OPS, "head": HEAD_OPS}.get(unit.kind, 0)
             times.append(float(edge_time_s(unit.fwd_flops, model, cand, cluster, precision, ops)[0]))
-            logits = b * model.seq_len * model.vocab * (elem + 4.0) / t if unit.kind == "head" else 0.0
+            # the head's whole (b, s, V) logits and the loss's peak on every tp rank (replicated head: not / tp)
+            logits = float(logits_loss_bytes(model, b, precision)) if unit.kind == "head" else 0.0
             acts.append(b * model.seq_len * model.hidden * elem + logits)
     return UnitCosts(time_s=np.array(times), static_bytes=np.array(static), act_bytes=np.array(acts),
                      block_time_s=block_s)

@@ -7,8 +7,10 @@ over the dp sub-mesh, and pp=4 (1F1B, the tied head on the first and last of 4 r
 gradient norm of every step and the final parameters must equal one process training the same model on
 the same global batch, in plain torch, within 1e-5. The workers are this file run as a script.
 
-Single process (fast): the stages composed reproduce the model's forward for tiny.py, gpt.py and
-llama.py; a model whose forward does more after the head is refused unless it defines the hooks.
+Single process (fast): the stages composed reproduce the model's forward and gradients for tiny.py, gpt.py,
+llama.py and tiny Hugging Face Llama, Gemma-2, Mixtral and GPT-2 models (stages from the tracer's units); a
+forward that works between the embedding and the blocks, and after the head, runs on every stage; one that
+reads the embedding's values there is refused.
 """
 
 from __future__ import annotations
@@ -257,42 +259,91 @@ def test_stages_reproduce_the_forward_and_its_gradients(name):
 
 
 class SoftCapGPT(nn.Module):
-    """A forward that does more after the head (Gemma 2's logit soft-cap): with the head passed through,
-    stage 0 would soft-cap the hidden state, and the last stage would not soft-cap the logits."""
+    """A forward that does more after the head (Gemma 2's logit soft-cap) and between the embedding and the
+    blocks (a scale, a mask the blocks take): every stage runs it, the soft-cap lands on the logits only."""
 
-    def __init__(self):
+    def __init__(self, values_between=False):
         super().__init__()
+        self.values_between = values_between
         self.wte = nn.Embedding(VOCAB, HIDDEN)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, HIDDEN)) for _ in range(2))
+        self.blocks = nn.ModuleList(MaskedBlock() for _ in range(2))
         self.lm_head = nn.Linear(HIDDEN, VOCAB)
 
     def forward(self, idx):
-        x = self.wte(idx)
+        x = self.wte(idx) * HIDDEN**0.5
+        mask = torch.ones(idx.shape, dtype=x.dtype, device=x.device)  # (B, T), from the batch's shape
+        if self.values_between:  # from the embedding's values: later stages see zeros there
+            mask = mask * x.sum(-1).sign()
         for block in self.blocks:
-            x = block(x)
+            x = block(x, mask=mask)
         return 3.0 * torch.tanh(self.lm_head(x) / 3.0)
 
 
-def test_forward_with_work_after_the_head_needs_the_hooks():
+class MaskedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.proj = nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x, mask):
+        return x + self.proj(self.norm(x)) * mask[..., None]
+
+
+def test_the_forward_runs_on_every_stage():
     from zplan.runtime.pipeline import PipelineSplitError, check_split, split_model
 
     stages = [["wte", "blocks.0"], ["blocks.1", "lm_head"]]
     tokens = global_batch(1, 0)[:2]
-    plain = SoftCapGPT()
-    with pytest.raises(PipelineSplitError, match="pipeline_head"):
-        check_split(plain, split_model(plain, stages), tokens)
+    model = SoftCapGPT()
+    outputs = check_split(model, split_model(model, stages), tokens)
+    mask = torch.ones(tokens.shape)
+    assert torch.equal(outputs[0], model.blocks[0](model.wte(tokens) * HIDDEN**0.5, mask))  # no soft-cap on it
+    assert torch.allclose(outputs[-1], model(tokens))
+    reads_values = SoftCapGPT(values_between=True)
+    with pytest.raises(PipelineSplitError, match="do not reproduce its forward"):
+        check_split(reads_values, split_model(reads_values, stages), tokens)
 
-    class WithHooks(SoftCapGPT):  # the hooks say where the embedding and the head end
-        def pipeline_embed(self, idx):
-            return self.wte(idx)
 
-        def pipeline_head(self, x):
-            return 3.0 * torch.tanh(self.lm_head(x) / 3.0)
+HF_CONFIGS = {  # tiny Hugging Face models whose blocks sit in a submodule and take masks and rotary tables
+    "llama": ("LlamaConfig", dict(num_key_value_heads=2)),
+    "gemma2": ("Gemma2Config", dict(num_key_value_heads=2, head_dim=8)),  # soft-caps the logits after the head
+    "mixtral": ("MixtralConfig", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
+    "gpt2": ("GPT2Config", dict(n_embd=HIDDEN, n_layer=4, n_head=HEADS, n_positions=64, resid_pdrop=0.0,
+                                embd_pdrop=0.0, attn_pdrop=0.0)),  # tied head, wte + wpe
+}
 
-    hooked = WithHooks()
-    outputs = check_split(hooked, split_model(hooked, stages), tokens)
-    assert torch.equal(outputs[0], hooked.blocks[0](hooked.wte(tokens)))  # stage 0: no soft-cap on the hidden state
-    assert torch.allclose(outputs[-1], hooked(tokens))
+
+def hf_model(name: str) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config_class, extra = HF_CONFIGS[name]
+    sizes = dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                 max_position_embeddings=64)
+    config = getattr(transformers, config_class)(vocab_size=VOCAB, **({} if name == "gpt2" else sizes), **extra)
+    torch.manual_seed(SEED)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("name", list(HF_CONFIGS))
+def test_hugging_face_stages_reproduce_the_forward_and_its_gradients(name):
+    """Stages cut from the tracer's units (model.embed_tokens | model.layers.i | model.norm, lm_head) give the
+    model's logits and, backward through them, its gradients."""
+    from zplan.planner.model_file import next_token_loss as model_file_loss  # the runtime's default loss
+    from zplan.planner.trace import trace_module
+    from zplan.runtime.pipeline import check_split, run_stages, split_model, stage_module_paths
+
+    model = hf_model(name)
+    with torch.device("meta"):
+        meta = hf_model(name)
+    _, summary = trace_module(meta, torch.zeros(1, SEQ_LEN, dtype=torch.long, device="meta"), SEQ_LEN, "fp32")
+    units = [layer.name for layer in summary.layers]
+    stages = stage_module_paths([units[:2], units[2:4], units[4:]], summary.layers)  # emb + 1 | 2 | 1 + head
+    chunks = split_model(model, stages)
+    tokens = global_batch(1, 0)[:4]
+    check_split(model, chunks, tokens)
+    model_file_loss(model(tokens), tokens).backward()
+    expected = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    model_file_loss(chunks[-1].outputs_for_loss(run_stages(chunks, tokens)[-1]), tokens).backward()
+    assert max((p.grad - expected[k]).abs().max().item() for k, p in model.named_parameters()) <= 1e-6
 
 
 def test_stage_lists_that_do_not_fit_the_model_are_refused():

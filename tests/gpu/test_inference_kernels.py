@@ -2,6 +2,11 @@
 weight_only_matmul.cu (the fused GEMV for few rows and the dequantize-to-buffer path, every mode, fp32 / fp16 / bf16
 activations, aligned and unaligned rows) and fused_norm_rope.cu (RMSNorm, RoPE with every broadcast form of cos/sin).
 The first test of each module builds its extension just in time (nvcc, about a minute each).
+
+The kernels are called through the *_cuda functions, which load the built module with strict=True: a failed build
+fails these tests rather than letting a dispatcher's fallback compare the reference with itself. Where the kernel's
+arithmetic is exact or elementwise in a fixed order (the dequantized buffer, the dispatchers' choice of kernel) the
+check is torch.equal; float accumulations in another order than torch's get the tolerances stated beside them.
 """
 
 from __future__ import annotations
@@ -34,9 +39,30 @@ def _gpu(qw: wq.QuantizedWeight) -> wq.QuantizedWeight:
                               qw.bits, qw.group_size, qw.shape)
 
 
-def test_extensions_build():
-    assert wom.load_cuda(strict=True) is not None
-    assert fnr.load_cuda(strict=True) is not None
+def test_extensions_build_and_compute_the_references():
+    """One small fp32 case through each kernel (built here; strict loads raise with the build error) against the
+    pure-torch references and, for the GEMV, a float64 sum on the CPU of the weight dequantized there."""
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(8, 64, generator=gen)
+    qw_cpu = wq.quantize_groupwise(w, 8, 32)
+    qw = _gpu(qw_cpu)
+    x = torch.randn(2, 64, generator=gen)
+    got = wom.weight_only_linear_cuda(x.cuda(), qw, None, path="gemv")
+    assert got.is_cuda and got.dtype == torch.float32 and got.shape == (2, 8)
+    assert_near(got, wom.weight_only_linear_reference(x.cuda(), qw, None), torch.float32)
+    # fp32 sums of 64 products ~1 against float64: ~sqrt(64) * 6e-8 * 8 = 4e-6, inside TOL[float32]
+    assert_near(got.cpu(), (x.double() @ wq.dequantize_groupwise(qw_cpu).double().T).float(), torch.float32)
+    buf = wom.weight_only_linear_cuda(x.cuda(), qw, None, path="buffer")  # dequantize_to, then the same F.linear
+    assert torch.equal(buf, wom.weight_only_linear_reference(x.cuda(), qw, None))
+    h = torch.randn(3, 64, generator=gen).cuda()
+    # fp32 RMSNorm: a block tree sum of 64 squares vs torch's mean, and rsqrtf: a few ulps, inside 1e-5
+    torch.testing.assert_close(fnr.rms_norm_cuda(h, None, 1e-5), fnr.rms_norm_reference(h, None, 1e-5),
+                               rtol=1e-5, atol=1e-5)
+    q = torch.randn(1, 2, 3, 8, generator=gen).cuda()
+    angles = torch.rand(3, 4, generator=gen).repeat(1, 2).cuda()
+    # fp32 RoPE: two products and a sum per element; the kernel may fuse them (one rounding less): ~1 ulp
+    torch.testing.assert_close(fnr.apply_rotary_cuda(q, angles.cos(), angles.sin()),
+                               fnr.apply_rotary_reference(q, angles.cos(), angles.sin()), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("bits,symmetric", MODES)
@@ -57,8 +83,11 @@ def test_gemv_matches_reference(bits, symmetric, dtype, out_f, in_f, group_size)
         got = wom.weight_only_linear_cuda(x, qw, bias, path="gemv")
         assert got.dtype == dtype and got.shape == (rows, out_f)
         assert_near(got, expected, dtype)
-        # the dispatcher picks the gemv for these rows
-        assert_near(wom.weight_only_linear(x, qw, None), wom.weight_only_linear_reference(x, qw, None), dtype)
+        # the dispatcher picks the gemv for these rows: the very same kernel call (one warp an output, a fixed
+        # shuffle order, no atomics), so the same bits
+        no_bias = wom.weight_only_linear_cuda(x, qw, None, path="gemv")
+        assert_near(no_bias, wom.weight_only_linear_reference(x, qw, None), dtype)
+        assert torch.equal(wom.weight_only_linear(x, qw, None), no_bias)
 
 
 @pytest.mark.parametrize("bits,symmetric", MODES)
@@ -73,7 +102,9 @@ def test_buffer_path_equals_reference_exactly(bits, symmetric, dtype):
     assert torch.equal(buf.view(torch.uint8).cpu(), wq.dequantize_groupwise(qw).to(dtype).view(torch.uint8).cpu())
     x = torch.randn(37, 192, generator=gen).to(dtype).cuda()
     bias = torch.randn(48, generator=gen).to(dtype).cuda()
-    assert torch.equal(wom.weight_only_linear(x, qw, bias), wom.weight_only_linear_reference(x, qw, bias))
+    got = wom.weight_only_linear_cuda(x, qw, bias, path="buffer")  # the kernel's buffer, then F.linear
+    assert torch.equal(got, wom.weight_only_linear_reference(x, qw, bias))
+    assert torch.equal(wom.weight_only_linear(x, qw, bias), got)  # 37 rows: the dispatcher takes this path
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -85,8 +116,12 @@ def test_rms_norm_kernel_matches_reference(dtype, shape):
     for wt in (weight, None):
         got = fnr.rms_norm_cuda(x, wt, 1e-5)
         assert got.dtype == dtype and got.shape == x.shape
+        # Both compute in fp32 (the kernel's sum of squares in another order, rsqrtf) and round to dtype once: fp32
+        # differs by a few ulps (1e-5), 16 bits by at most one ulp of the output where the fp32 values straddle a
+        # rounding boundary: fp16 2^-10 ~ 1e-3, bf16 2^-7 ~ 8e-3 relative (|y| ~ 1-4 here).
         rtol, atol = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 1e-3), torch.bfloat16: (1e-2, 1e-2)}[dtype]
         torch.testing.assert_close(got, fnr.rms_norm_reference(x, wt, 1e-5), rtol=rtol, atol=atol)
+        assert torch.equal(fnr.rms_norm(x, wt, 1e-5), got)  # the dispatcher runs this kernel (fixed reduction order)
     norm = torch.nn.RMSNorm(shape[-1], eps=1e-5).to(dtype).cuda()
     torch.testing.assert_close(fnr.rms_norm(x, norm.weight, 1e-5).float(), norm(x).float(), rtol=2e-2, atol=2e-2)
 
@@ -101,12 +136,14 @@ def test_rotary_kernel_matches_reference(dtype):
     cos_b, sin_b = angles.cos().to(dtype).cuda(), angles.sin().to(dtype).cuda()  # (B, 1, T, d)
     forms = [(cos_b, sin_b), (cos_b[0, 0], sin_b[0, 0]), (cos_b[:1], sin_b[:1]),
              (cos_b.expand(B, H, T, d).contiguous(), sin_b.expand(B, H, T, d).contiguous())]
+    # The kernel rounds x * cos + partner * sin once (fp32 inside); the reference rounds each product and the sum in
+    # dtype: fp32 ~1 ulp (1e-6), 16 bits up to ~2 ulps of |out| <= ~4: fp16 2 * 2^-11 relative, bf16 2 * 2^-8.
     rtol, atol = {torch.float32: (1e-6, 1e-6), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}[dtype]
     for cos, sin in forms:
         got = fnr.apply_rotary_cuda(x, cos, sin)
         assert got.dtype == dtype and got.shape == x.shape
         torch.testing.assert_close(got, fnr.apply_rotary_reference(x, cos, sin), rtol=rtol, atol=atol)
-        torch.testing.assert_close(fnr.apply_rotary(x, cos, sin), got)  # the dispatcher takes the kernel
+        assert torch.equal(fnr.apply_rotary(x, cos, sin), got)  # the dispatcher takes the kernel (elementwise)
     # a non-contiguous x (the engine's q after a transpose) goes through .contiguous() first
     xt = x.transpose(1, 2).contiguous().transpose(1, 2)
     torch.testing.assert_close(fnr.apply_rotary(xt, cos_b, sin_b), fnr.apply_rotary_reference(x, cos_b, sin_b),

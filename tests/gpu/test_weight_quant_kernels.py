@@ -48,8 +48,23 @@ def weights(rows: int, cols: int, group_size: int, seed: int) -> dict[str, torch
             "bf16": w.to(torch.bfloat16)}
 
 
-def test_load_cuda_builds():
-    assert wq.load_cuda(strict=True) is not None
+@pytest.mark.parametrize("bits,symmetric", MODES)
+def test_the_kernels_build_and_compute_the_reference(bits, symmetric):
+    """The built module itself (load_cuda(strict=True) raises with the build error), on one small weight with a zero
+    group and x.5 ties, against the reference: quantize and dequantize bit for bit, and the stored levels checked
+    against round-half-to-even by hand."""
+    module = wq.load_cuda(strict=True)
+    w = torch.tensor([[0.0] * 8 + [7.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, -7.0]])  # (1, 16), two groups of 8
+    ref = wq.quantize_groupwise(w, bits, 8, symmetric)
+    qweight, scales, zeros = module.quantize(w.cuda(), bits, 8, symmetric)
+    got = wq.QuantizedWeight(qweight, scales, None if symmetric else zeros, bits, 8, (1, 16))
+    assert qweight.is_cuda
+    assert_same(got, ref, "small weight")
+    if bits == 4 and symmetric:  # scale 7 / 7 = 1: levels are the values rounded half to even, stored as q + 8
+        levels = wq.unpack_int4(qweight.cpu()).to(torch.int32) - 8
+        assert levels.tolist() == [[0] * 8 + [7, 0, 2, 2, 0, -2, -2, -7]]
+    back = module.dequantize(qweight, scales, zeros.contiguous(), bits, 8, symmetric, 16)
+    assert torch.equal(bits_of(back.cpu()), bits_of(wq.dequantize_groupwise(ref)))
 
 
 @pytest.mark.parametrize("bits,symmetric", MODES)

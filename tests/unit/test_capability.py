@@ -14,7 +14,7 @@ from zplan.schemas.capability import RULES, capability_problems
 
 FUSED = ModelTrait(kind="fused_projection", module="blocks.0.attn.qkv", detail="one Linear sliced in three")
 ROUTER = ModelTrait(kind="parameters_outside_split_linears", module="blocks.0.router", detail="a Router")
-EXTRA = ModelTrait(kind="block_extra_inputs", module="blocks.0", detail="called with mask")
+SPLIT = ModelTrait(kind="forward_not_split_by_stages", module="blocks.0", detail="called with mask")
 
 
 def with_traits(*traits, block_tokens=None):
@@ -35,7 +35,7 @@ def test_the_enumerator_proposes_only_what_the_traits_allow():
     assert degrees(with_traits()) == ({1, 2, 4}, {1, 2, 4, 8}, {0, 1})
     assert degrees(with_traits(FUSED)) == ({1}, {1, 2, 4, 8}, {0})  # no tensor (nor sequence) parallel
     assert degrees(with_traits(ROUTER)) == ({1, 2, 4}, {1, 2, 4, 8}, {0})  # tensor parallel, not sequence
-    assert degrees(with_traits(EXTRA)) == ({1, 2, 4}, {1}, {0, 1})  # no pipeline
+    assert degrees(with_traits(SPLIT)) == ({1, 2, 4}, {1}, {0, 1})  # no pipeline
     assert degrees(with_traits(block_tokens=17)) == ({1, 2, 4}, {1, 2, 4, 8}, {0})  # 17 tokens: no tp divides
 
 
@@ -50,14 +50,14 @@ def test_a_pin_the_traits_rule_out_fails_at_compile_naming_module_and_pin():
                                         r"blocks\.0\.attn\.qkv \(one Linear sliced in three\).*use --tp 1"):
         check_pins_against_model(Pins(tp=2), with_traits(FUSED))
     with pytest.raises(SpecError, match=r"--pp: .*blocks\.0 \(called with mask\).*use --pp 1"):
-        check_pins_against_model(Pins(pp=2), with_traits(EXTRA))
+        check_pins_against_model(Pins(pp=2), with_traits(SPLIT))
     with pytest.raises(SpecError, match="17 tokens per sample, which tp=2 does not divide"):
         check_pins_against_model(Pins(tp=2, sequence_parallel=True), with_traits(block_tokens=17))
     check_pins_against_model(Pins(tp=2, pp=2), with_traits(ROUTER))  # allowed: no error
 
 
 def test_messages_name_every_capability_asked_for():
-    problems = capability_problems([FUSED, EXTRA], tp=2, pp=2, sequence_parallel=True)
+    problems = capability_problems([FUSED, SPLIT], tp=2, pp=2, sequence_parallel=True)
     assert [p.split(":")[0] for p in problems] == ["parallel.tp", "parallel.sequence_parallel", "parallel.pp"]
 
 
@@ -65,7 +65,7 @@ def test_a_hand_edited_plan_that_contradicts_the_traits_is_refused_by_check_plan
     plan = plan_for(model_file)
     check_plan(plan, model_file, world_size=2)
     edited = plan.model_copy(update={
-        "model": plan.model.model_copy(update={"traits": [EXTRA]}),
+        "model": plan.model.model_copy(update={"traits": [SPLIT]}),
         "parallel": plan.parallel.model_copy(update={"pp": 2, "dp": 1})})
     with pytest.raises(PlanMismatchError, match=r"parallel\.pp: the runtime cannot run pipeline on this model: "
                                                 r"blocks\.0 \(called with mask\)"):

@@ -104,3 +104,93 @@ def test_first_stage_of_1f1b_holds_p_microbatches_and_interleaving_more():
         sp=[0, 0, 0], interleave=[1, 2, 1], offload=[0, 0, 0]).items()})
     got = inflight_microbatches(cand, np.array([16.0, 16.0, 2.0]))
     assert got.tolist() == pytest.approx([4.0, 4.0 * (1 + 3 / 8), 2.0])
+
+
+# ---- embedding, head, logits and loss: replicated over tp, as runtime/tensor_parallel.py runs them ----------------
+
+E, HD = V * H + S * H, 2 * H + V * H  # a token + position table; a final norm and an untied head
+
+
+def edged_numbers() -> ModelNumbers:
+    block = 12 * H * H
+    return ModelNumbers(num_blocks=L, hidden=H, heads=A, ffn_hidden=4 * H, vocab=V, seq_len=S,
+                        params=E + L * block + HD, embed_params=E, embed_fwd_flops=0.0, head_params=HD,
+                        head_fwd_flops=2.0 * S * H * V, block_params=block, block_fwd_flops=24 * S * H * H,
+                        block_act_bytes=34 * S * H, embed_act_bytes=0.0, head_act_bytes=4.0 * S * H)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_tp_halves_the_blocks_but_not_the_embedding_or_head(precision):
+    """tp=2, ZeRO 0 (16 bytes per parameter on every GPU): the runtime replicates the embedding, the final norm
+    and the head over the tp ranks, so each rank holds them whole; only the blocks' parameters are halved."""
+    model, block = edged_numbers(), 12 * H * H
+    single = memory_per_gpu(model, one(tp=2), A100, precision, np.array([1.0]))
+    assert single.stage_params[0] == pytest.approx(E + HD + L * block / 2)  # not (E + HD + L * block) / 2
+    assert (single.parameters + single.gradients + single.optimizer)[0] == pytest.approx(16 * (E + HD + L * block / 2))
+    staged = memory_per_gpu(model, one(tp=2, pp=2), A100, precision, np.array([4.0]))
+    # the head's stage: its 16 blocks halved, the head whole (HD > E here, and the logits live on it)
+    assert staged.stage_params[0] == pytest.approx(max(E, HD) + (L / 2) * block / 2)
+
+
+def test_logits_and_the_loss_peak_are_not_divided_by_tp():
+    """One stage, tp=2 with sequence parallel and full recompute, b=1, fp32, by hand: the blocks keep their inputs
+    (s*h*4 / 2 each) plus one recomputed block (34 s h / 2); the larger of the embedding's output (s*h*elem) and
+    the head's saved inputs (head_act_bytes, 4 s h here, whole: the final norm and head are replicated); the
+    whole logits and the loss's fp32 temporaries, elem + 3 * 4 bytes per logit (benchmarks/loss_memory.py)."""
+    model = edged_numbers()
+    mem = memory_per_gpu(model, one(tp=2, sp=1, recompute=2), A100, "fp32", np.array([1.0]))
+    blocks = L * S * H * 4 / 2 + 34 * S * H / 2
+    assert mem.activations[0] == pytest.approx(blocks + S * H * 4 + S * V * 16.0)
+    bf16 = memory_per_gpu(model, one(tp=4, sp=1, recompute=2), A100, "bf16", np.array([1.0]))
+    assert bf16.activations[0] == pytest.approx(L * S * H * 2 / 4 + 34 * S * H / 4 + 4 * S * H + S * V * 14.0)
+
+
+def test_unit_costs_keep_the_embedding_and_head_whole_under_tp():
+    """planner.partition's per-unit bytes: a block's states are halved at tp=2, the embedding's and head's are not,
+    and the head's unit carries the whole logits and loss peak (14 bytes per logit at bf16)."""
+    from zplan.planner.cost.units import unit_costs
+    from zplan.planner.family import family_summary
+
+    summary = family_summary("gpt:layers=4,hidden=256,heads=4,seq=128,vocab=1000")
+    cand = one(tp=2, dp=1, micro_batch=2)
+    units = unit_costs(summary, cand, A100, "bf16")
+    kinds = [u.kind for u in summary.layers]
+    for unit, static in zip(summary.layers, units.static_bytes, strict=True):
+        assert static == pytest.approx(16.0 * unit.params / (2 if unit.kind == "block" else 1))
+    head = kinds.index("head")
+    assert units.act_bytes[head] == pytest.approx(2 * 128 * 256 * 2 + 2 * 128 * 1000 * 14.0)
+
+
+def test_edge_compute_is_not_divided_by_tp():
+    """The head's forward + backward on one GPU: 3 * b * 2 s h V FLOPs whatever tp, at the efficiency of the whole
+    logits GEMM (A100 has no host overhead per op)."""
+    from zplan.planner.cost.compute import edge_time_s, gemm_efficiency
+
+    model = edged_numbers()
+    flops = 2.0 * S * H * V
+    times = [edge_time_s(model.head_fwd_flops, model, one(tp=t), A100, "bf16")[0] for t in (1, 2, 8)]
+    expected = 3 * flops / (A100.peak_flops("bf16") * gemm_efficiency(np.array([flops]), A100)[0])
+    assert times == pytest.approx([expected] * 3)
+
+
+def _loss_memory_benchmark():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "loss_memory.py"
+    spec = importlib.util.spec_from_file_location("loss_memory_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_loss_budget_is_what_the_runtimes_loss_holds(precision):
+    """A small run of benchmarks/loss_memory.py on real CPU tensors (B=2, T=64, V=512: the (B, T-1, V) copy of
+    flatten happens) and on fake ones: the planner's bytes per logit are within 5 % of the measured peak."""
+    from zplan.planner.cost.memory import LOSS_BYTES_PER_LOGIT
+
+    bench = _loss_memory_benchmark()
+    real = bench.bytes_per_logit(2, 64, 512, precision, fake=False)
+    assert bench.bytes_per_logit(2, 64, 512, precision, fake=True) == pytest.approx(real)
+    assert LOSS_BYTES_PER_LOGIT[precision] == pytest.approx(real, rel=0.05)

@@ -5,6 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
+from zplan.planner import partition
 from zplan.planner.partition import (
     evaluate_partition,
     partition_layers,
@@ -76,7 +77,31 @@ def test_custom_inflight_and_more_stages_match_brute_force(seed):
         assert max(result.stage_bytes) <= capacity
 
 
-def test_binding_memory_changes_the_answer_and_uses_cp_sat():
+# The ten splits of six units into three non-empty contiguous stages, written out as stage sizes.
+SIX_UNITS_THREE_STAGES = [(1, 1, 4), (1, 2, 3), (1, 3, 2), (1, 4, 1), (2, 1, 3), (2, 2, 2), (2, 3, 1), (3, 1, 2),
+                          (3, 2, 1), (4, 1, 1)]
+
+
+@pytest.fixture
+def cp_sat_calls(monkeypatch):
+    """Every call of the CP-SAT solver (partition._solve_cp_sat) and the stage starts it returned."""
+    calls = []
+    real = partition._solve_cp_sat
+
+    def spy(problem, *args, **kwargs):
+        starts, proven = real(problem, *args, **kwargs)
+        calls.append((starts, proven))
+        return starts, proven
+
+    monkeypatch.setattr(partition, "_solve_cp_sat", spy)
+    return calls
+
+
+def starts_of(boundaries):
+    return [first for first, _ in boundaries]
+
+
+def test_binding_memory_changes_the_answer_and_the_label_names_the_dp(cp_sat_calls):
     # Six equal blocks on three stages: the balanced split (2, 2, 2) puts 3 in-flight micro-batches of
     # two blocks' activations on stage 0. With room for only one block there, stage 0 takes one block.
     cost = np.ones(6)
@@ -85,12 +110,79 @@ def test_binding_memory_changes_the_answer_and_uses_cp_sat():
     free = partition_layers(cost, static, act, 3, 100.0)
     assert [last - first + 1 for first, last in free.boundaries] == [2, 2, 2]
     assert free.solver == "dp" and free.max_cost_s == 2.0
-    # Stage 0 holding k units needs 4k bytes, stage 1 3k, stage 2 2k; a capacity of 6 allows 1, 2, 3.
+    assert cp_sat_calls == []  # memory does not bind: CP-SAT never runs
+    # By hand: stage s holding k units needs (1 + (3 - s)) k bytes (4k, 3k, 2k); a capacity of 6 admits stage sizes
+    # <= 1, <= 2, <= 3, so of the ten splits only (1, 2, 3) fits, at a bottleneck of 3 units.
+    fitting = [sizes for sizes in SIX_UNITS_THREE_STAGES
+               if all((4 - s) * k <= 6.0 for s, k in enumerate(sizes))]
+    assert fitting == [(1, 2, 3)]
     tight = partition_layers(cost, static, act, 3, 6.0)
-    assert tight.feasible and tight.optimal and tight.solver == "cp-sat"
+    assert tight.feasible and tight.optimal
     assert [last - first + 1 for first, last in tight.boundaries] == [1, 2, 3]
     assert tight.max_cost_s == 3.0
     assert tight.stage_bytes == [4.0, 6.0, 6.0]
+    # Memory binds, so CP-SAT ran as a check and proved the same split; the split returned is the DP's (CP-SAT can
+    # only tie the exact DP), and the label says so.
+    assert cp_sat_calls == [([0, 1, 3], True)]
+    assert tight.solver == "dp+cp-sat"
+    dp_only = partition_layers(cost, static, act, 3, 6.0, method="dp")
+    assert dp_only.boundaries == tight.boundaries and dp_only.solver == "dp"
+
+
+def test_a_split_labelled_cp_sat_is_the_one_cp_sat_returned(cp_sat_calls, monkeypatch):
+    """method="cp-sat": the split comes from the CP-SAT solver (the DP is made unusable), and its bottleneck
+    equals a brute force over every contiguous split, written out here."""
+    def no_dp(*args, **kwargs):
+        raise AssertionError("the DP must not run for method='cp-sat' on a feasible request")
+
+    monkeypatch.setattr(partition, "_bottleneck_dp", no_dp)
+    cost, static, act = random_units(0, 8)
+    n, num_stages = 8, 3
+    candidates = []  # (bottleneck, peak stage bytes, stage starts) of every split
+    for first_cut in range(1, n - 1):
+        for second_cut in range(first_cut + 1, n):
+            stages = [(0, first_cut), (first_cut, second_cut), (second_cut, n)]
+            bottleneck = max(float(cost[a:b].sum()) for a, b in stages)
+            peak = max(float(static[a:b].sum() + (num_stages - s) * act[a:b].sum()) for s, (a, b) in enumerate(stages))
+            candidates.append((bottleneck, peak, [0, first_cut, second_cut]))
+    assert len(candidates) == 21  # C(7, 2) splits of 8 units into 3 stages
+    unconstrained = min(bottleneck for bottleneck, _, _ in candidates)
+    capacity = 1.3 * min(peak for _, peak, _ in candidates)
+    expected = min(bottleneck for bottleneck, peak, _ in candidates if peak <= capacity)
+    assert expected > unconstrained  # memory decides here
+    result = partition_layers(cost, static, act, num_stages, capacity, method="cp-sat")
+    assert result.solver == "cp-sat" and result.optimal and result.feasible
+    assert len(cp_sat_calls) == 1 and cp_sat_calls[0][1]  # one CP-SAT solve, proven optimal
+    assert starts_of(result.boundaries) == cp_sat_calls[0][0]
+    # Costs are integers at 1e-8 of the total inside CP-SAT: its optimum is the float optimum to that resolution.
+    assert result.max_cost_s == pytest.approx(expected, rel=1e-7)
+    assert max(result.stage_bytes) <= capacity
+
+
+def test_auto_labels_cp_sat_only_when_it_returns_cp_sat_s_split(cp_sat_calls, monkeypatch):
+    """The DP is exact, so CP-SAT cannot beat it; a DP made to return a worse (feasible) split shows that the branch
+    returning CP-SAT's own, cheaper split labels it "cp-sat" and the split is CP-SAT's."""
+    cost, static, act = random_units(0, 8)
+    free_cost, _, min_capacity = brute_force(cost, static, act, 3, np.inf)
+    capacity = 1.3 * min_capacity
+    expected, _, _ = brute_force(cost, static, act, 3, capacity)
+    fitting = [evaluate_partition([(a, b - 1) for a, b in itertools.pairwise((0, *cuts, 8))], cost, static, act,
+                                  capacity) for cuts in itertools.combinations(range(1, 8), 2)]
+    worse_eval = max((r for r in fitting if r.feasible), key=lambda r: r.max_cost_s)  # the worst split that fits
+    worse = starts_of(worse_eval.boundaries)
+    assert worse_eval.max_cost_s > expected * 1.1
+    real_dp = partition._bottleneck_dp
+
+    def worse_constrained_dp(stage_values, n, p):
+        if isinstance(stage_values, list):  # the memory-constrained cost DP of partition_layers
+            return worse_eval.max_cost_s, list(worse)
+        return real_dp(stage_values, n, p)
+
+    monkeypatch.setattr(partition, "_bottleneck_dp", worse_constrained_dp)
+    result = partition_layers(cost, static, act, 3, capacity)
+    assert len(cp_sat_calls) == 1 and cp_sat_calls[0][0] != worse
+    assert result.solver == "cp-sat" and starts_of(result.boundaries) == cp_sat_calls[0][0]
+    assert result.max_cost_s == pytest.approx(expected, rel=1e-7) and result.max_cost_s > free_cost
 
 
 def test_infeasible_reports_the_smallest_capacity_that_fits():
@@ -157,7 +249,7 @@ def test_130_units_on_64_stages_with_binding_memory():
     capacity = 60e9  # the unconstrained split does not fit here; stage 0 holds 64 micro-batches
     assert max(free.stage_bytes) > capacity
     result = partition_layers(cost, static, act, 64, capacity)
-    assert result.feasible and result.solver in ("cp-sat", "cp-sat-unproven")
+    assert result.feasible and result.solver in ("dp+cp-sat", "dp+cp-sat-unproven")  # the DP's split, checked
     check_partition_shape(result, 130, 64)
     assert max(result.stage_bytes) <= capacity
     assert result.max_cost_s > free.max_cost_s
@@ -171,3 +263,4 @@ def test_cp_sat_time_limit_still_returns_the_exact_split():
     rushed = partition_layers(cost, static, act, 64, 60e9, time_limit_s=0.001)
     assert rushed.feasible and rushed.optimal
     assert rushed.boundaries == exact.boundaries
+    assert rushed.solver.startswith("dp+cp-sat")  # the DP's split, whatever CP-SAT managed in 1 ms
