@@ -151,32 +151,14 @@ class StepClock:
         return [b - a for a, b in zip(starts, starts[1:], strict=False)][skip:]
 
 
-def apply_plan(plan, model_file, mesh, ctx, *, seed: int, lr: float, weight_decay: float):
-    """The emitted train.py's calls for a one-stage plan, in its order: (model, optimizer, data iterator)."""
-    from zplan.runtime import (
-        apply_data_parallel,
-        apply_pipeline,
-        apply_recompute,
-        apply_tensor_parallel,
-        build_meta_model,
-        build_optimizer,
-        make_data_iter,
-        materialize_weights,
-    )
+def apply_plan(plan, model_file, mesh, ctx, *, seed: int, lr: float, weight_decay: float, steps: int = 1):
+    """The emitted train.py's calls for `plan`, in its order: (model, optimizer, data iterator)."""
+    from zplan.runtime import build_meta_model, make_data_iter, parallelize, plan_optimizer
 
-    p, prefix, precision = plan.parallel, plan.model.block_prefix, plan.train.precision
+    p = plan.parallel
     model, weights = build_meta_model(model_file.build_model, seed=seed, device=ctx.device)
-    model = apply_tensor_parallel(model, mesh["tp"], {r.module: r.style for r in plan.model.tp_rules}, prefix,
-                                  p.sequence_parallel)
-    model = apply_recompute(model, p.recompute, prefix)
-    model = apply_pipeline(model, mesh["pp"], [s.layer_names for s in plan.stages], p.schedule)
-    if p.zero_stage < 2:  # replicated over dp: weights before DDP; sharded: after FSDP2, only the shards
-        materialize_weights(model, weights, ctx.device)
-    model = apply_data_parallel(model, mesh["dp"], p.zero_stage, precision, p.offload, prefix)
-    if p.zero_stage >= 2:
-        materialize_weights(model, weights, ctx.device)
-    optimizer = build_optimizer(model, mesh["dp"], p.zero_stage, lr=lr, weight_decay=weight_decay,
-                                offload=p.offload, precision=precision)
+    model, _ = parallelize(model, weights, mesh, plan, model_file, ctx.device)
+    optimizer = plan_optimizer(model, mesh, plan, lr=lr, weight_decay=weight_decay, steps=steps)
     data = make_data_iter(model_file, vocab=plan.model.vocab, seq_len=plan.train.seq_len,
                           micro_batch=p.micro_batch, num_micro_batches=p.num_micro_batches,
                           dp_rank=mesh["dp"].get_local_rank(), dp_size=p.dp, seed=seed)

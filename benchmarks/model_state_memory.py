@@ -8,10 +8,10 @@ Model: benchmarks/_small_gpt.py (5.3M parameters). Every case is a plan compiled
 prepare / compile_plan / write_outputs, as the CLI does), for N processes
     zplan compile benchmarks/_small_gpt.py --gpus N --cluster cpu-local --precision P --zero Z
                   --tp T --pp PP --dp N/(T*PP) --global-batch N --micro-batch 1
-and the workers make the emitted train.py's calls (build_mesh, build_meta_model, apply_tensor_parallel,
-apply_recompute, apply_pipeline, materialize_weights, apply_data_parallel, build_optimizer, make_data_iter) and
-one training step as runtime.train_loop.train runs it (micro-batches with DDP's no_sync, or PipelineRun.step;
-clipping; the optimizer step) on the planned micro-batches. The cases, named LAYOUT_zeroZ_P (--json keys):
+and the workers make the emitted train.py's calls (_launch.apply_plan: build_meta_model, parallelize,
+plan_optimizer, make_data_iter) and one training step as runtime.train_loop.train runs it (micro-batches
+with DDP's no_sync, or PipelineRun.step; clipping; the optimizer step) on the planned micro-batches.
+The cases, named LAYOUT_zeroZ_P (--json keys):
     N = 2: dp2_zero{0,1,2,3}_{fp32,bf16}, tp2_zero0_fp32 (dp 1 x tp 2), pp2_zero0_fp32 (pp 2 x dp 1);
     N = 4: dp4_zero{0,1,2,3}_{fp32,bf16}, dp2_tp2_zero{0,3}_fp32 (dp 2 x tp 2).
 The first table (fp32, tp 1, pp 1) is the ZeRO study below ('rows' in --json); the second has every case:
@@ -67,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import (  # noqa: E402
     CLUSTER,
     SMALL_GPT,
+    apply_plan,
     predicted_model_state_bytes,
     run_workers,
     write_result,
@@ -189,41 +190,6 @@ def _ddp_bucket_bytes(model) -> int:
     return total
 
 
-def build_as_train_py(plan, model_file, mesh, ctx):
-    """The emitted train.py's calls, in its order (codegen/templates/train.py.j2): (model, optimizer, data)."""
-    from zplan.runtime import (
-        apply_data_parallel,
-        apply_pipeline,
-        apply_recompute,
-        apply_tensor_parallel,
-        build_meta_model,
-        build_optimizer,
-        make_data_iter,
-        materialize_weights,
-    )
-
-    p, prefix, precision = plan.parallel, plan.model.block_prefix, plan.train.precision
-    model, weights = build_meta_model(model_file.build_model, seed=SEED, device=ctx.device)
-    model = apply_tensor_parallel(model, mesh["tp"], {r.module: r.style for r in plan.model.tp_rules}, prefix,
-                                  p.sequence_parallel)
-    model = apply_recompute(model, p.recompute, prefix)
-    model = apply_pipeline(model, mesh["pp"], [s.layer_names for s in plan.stages], p.schedule,
-                           units=plan.model.layers, num_micro_batches=p.num_micro_batches,
-                           loss_fn=model_file.loss_fn,
-                           example_micro_batch=model_file.example_inputs(p.micro_batch, plan.train.seq_len))
-    if p.zero_stage < 2:  # replicated over dp: weights before DDP; sharded: after FSDP2, only the shards
-        materialize_weights(model, weights, ctx.device)
-    model = apply_data_parallel(model, mesh["dp"], p.zero_stage, precision, p.offload, prefix)
-    if p.zero_stage >= 2:
-        materialize_weights(model, weights, ctx.device)
-    optimizer = build_optimizer(model, mesh["dp"], p.zero_stage, lr=3e-4, weight_decay=0.1, offload=p.offload,
-                                precision=precision)
-    data = make_data_iter(model_file, vocab=plan.model.vocab, seq_len=plan.train.seq_len,
-                          micro_batch=p.micro_batch, num_micro_batches=p.num_micro_batches,
-                          dp_rank=mesh["dp"].get_local_rank(), dp_size=p.dp, seed=SEED)
-    return model, optimizer, data
-
-
 def measure(plan, model_file, mesh, ctx) -> dict:
     """One training step of `plan` with the runtime; the bytes this rank holds."""
     import torch
@@ -233,7 +199,7 @@ def measure(plan, model_file, mesh, ctx) -> dict:
     from zplan.runtime.train_loop import model_state_bytes
 
     p = plan.parallel
-    model, optimizer, data = build_as_train_py(plan, model_file, mesh, ctx)
+    model, optimizer, data = apply_plan(plan, model_file, mesh, ctx, seed=SEED, lr=3e-4, weight_decay=0.1)
     pipelined = isinstance(model, PipelineRun)
     persistent = list(model.parameters())  # DDP: the parameters; FSDP2: the shards, which stay allocated
     params_in_step = None

@@ -71,24 +71,16 @@ BASELINES = {0: "DDP", 1: "DDP + ZeroRedundancyOptimizer", 2: "FSDP2 (reshard_af
 
 def run_zplan(plan, model_file, model_path, mesh, ctx, steps: int) -> tuple[list[float], list[float], float]:
     """The emitted train.py's calls for `plan`; returns (wall and CPU seconds of the kept steps, first loss)."""
-    from zplan.runtime import CheckpointConfig, WarmupCosine, check_plan, train
+    from zplan.runtime import WarmupCosine, check_plan, train, train_config
 
-    p, precision = plan.parallel, plan.train.precision
     check_plan(plan, model_path, ctx.world_size)
-    model, optimizer, data = apply_plan(plan, model_file, mesh, ctx, seed=SEED, lr=LR, weight_decay=WEIGHT_DECAY)
-    clock = StepClock(data, p.num_micro_batches)
-    pred = plan.prediction
+    model, optimizer, data = apply_plan(plan, model_file, mesh, ctx, seed=SEED, lr=LR, weight_decay=WEIGHT_DECAY,
+                                        steps=steps)
+    clock = StepClock(data, plan.parallel.num_micro_batches)
     # rank 0's progress bar and summary go to this worker's stdout, as train.py's do (the parent drops them)
-    losses = train(
-        model, optimizer, clock, model_file.loss_fn,
-        steps=steps, num_micro_batches=p.num_micro_batches, micro_batch=p.micro_batch,
-        seq_len=plan.train.seq_len, data_parallel_size=p.dp, grad_clip=GRAD_CLIP, precision=precision,
-        lr_schedule=WarmupCosine(max_lr=LR, warmup_steps=max(1, steps // 10), total_steps=steps),
-        log_json=None, ctx=ctx, predicted_step_time_s=pred.step_time_s, predicted_mfu=pred.mfu,
-        model_flops_per_step=pred.model_flops_per_step, peak_flops=plan.cluster.peak_flops(precision),
-        predicted_model_state_bytes=pred.memory.parameters + pred.memory.gradients + pred.memory.optimizer,
-        checkpoint=CheckpointConfig(directory=None, every=0, keep=3, resume=None),
-    )
+    schedule = WarmupCosine(max_lr=LR, warmup_steps=max(1, steps // 10), total_steps=steps)
+    losses = train(model, optimizer, clock, model_file.loss_fn,
+                   train_config(plan, steps=steps, lr_schedule=schedule, grad_clip=GRAD_CLIP), ctx)
     return clock.step_times_s(WARMUP_STEPS_SKIPPED), clock.step_cpu_s(WARMUP_STEPS_SKIPPED), losses[0]
 
 

@@ -1,8 +1,8 @@
 """Emit the training script and its launchers: out/train.py, out/launch/torchrun.sh, out/launch/slurm.sbatch.
 
-train.py states the plan's choices as constants (mesh, tensor-parallel plan, stages, ZeRO stage, ...)
-and then calls the runtime's steps in their fixed order (DESIGN.md decision 5), so a reviewer reads
-the plan in the code. Output is deterministic: the same plan and model path give the same bytes.
+train.py shows the plan for review as a comment table and runs plan.json, the one source of its settings
+(runtime/plan_apply.py applies it in DESIGN.md decision 5's fixed order), so an edit to the plan is either
+checked by check_plan and run, or refused. Output is deterministic: the same plan and model path give the same bytes.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from typing import Any
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
-from zplan.planner.compression import ONE_BIT_WARMUP_STEPS
 from zplan.schemas.plan import Plan
 from zplan.schemas.spec import ADAMW_DEFAULTS, GRAD_CLIP
 
@@ -50,27 +49,44 @@ def _wrapped_items(items: list[str], indent: str) -> list[str]:
     return lines
 
 
-def stages_code(stages: list[list[str]]) -> str:
-    """STAGES as a list of lists, one stage per line where it fits."""
-    lines = ["["]
-    for names in stages:
-        one_line = "    [" + ", ".join(py_literal(n) for n in names) + "],"
-        if len(one_line) <= LINE_WIDTH:
-            lines.append(one_line)
-        else:
-            lines.append("    [")
-            lines += _wrapped_items([py_literal(n) for n in names], indent="        ")
-            lines.append("    ],")
-    lines.append("]")
+def plan_review(plan: Plan) -> str:
+    """The plan as comment lines of train.py, for a reviewer: what plan.json makes the run do (codegen only shows
+    it; the script reads plan.json)."""
+    p, prediction = plan.parallel, plan.prediction
+    memory = prediction.memory
+    tp_rules = ", ".join(f"{rule.module} {rule.style}" for rule in plan.model.tp_rules) if p.tp > 1 else "none"
+    stages = " | ".join(", ".join(stage.layer_names) for stage in plan.stages)
+    states_mib = (memory.parameters + memory.gradients + memory.optimizer) / 2**20
+    rows = [
+        ("processes", f"{plan.fingerprint.world_size} = pp {p.pp} x dp {p.dp} x tp {p.tp} (tp innermost)"),
+        ("blocks", f"{plan.model.block_prefix} ({plan.model.num_blocks})"),
+        ("tensor parallel", tp_rules + (", sequence parallel" if p.sequence_parallel else "")),
+        ("pipeline", f"{len(plan.stages)} stage(s), schedule {p.schedule}, interleave {p.interleave}: {stages}"),
+        ("ZeRO stage", f"{p.zero_stage} (0 replicated, 1 + optimizer states sharded, 2 + gradients, 3 + parameters)"),
+        ("placement", f"parameters {plan.placement.parameters}, gradients {plan.placement.gradients}, optimizer "
+                      f"{plan.placement.optimizer} (offload {p.offload}, delayed update "
+                      f"{'on' if p.delayed_update else 'off'})"),
+        ("recompute", p.recompute),
+        ("compression", f"gradients {p.compression.grad}, weight all-gathers {p.compression.weights}, activations "
+                        f"{p.compression.activations}"),
+        ("precision", f"{plan.train.precision} compute, fp32 master weights"),
+        ("batch", f"{plan.train.global_batch} sequences of {plan.train.seq_len} tokens per step = micro-batch "
+                  f"{p.micro_batch} x {p.num_micro_batches} micro-batches x dp {p.dp}"),
+        ("predicted", f"step {prediction.step_time_s * 1e3:.1f} ms, MFU {prediction.mfu:.1%}, model states "
+                      f"{states_mib:.1f} MiB per rank"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    lines = []
+    for name, value in rows:
+        text = f"#   {name:<{width}}  {value}"
+        while len(text) > LINE_WIDTH:  # wrap at a space, continuation lines indented under the value
+            cut = text.rfind(" ", 0, LINE_WIDTH)
+            if cut <= width + 6:
+                break
+            lines.append(text[:cut])
+            text = "#   " + " " * (width + 2) + text[cut + 1:]
+        lines.append(text)
     return "\n".join(lines)
-
-
-def tp_plan_code(tp_plan: dict[str, str]) -> str:
-    """TP_PLAN as a dict literal, one Linear per line."""
-    if not tp_plan:
-        return "{}"
-    body = [f"    {py_literal(module)}: {py_literal(style)}," for module, style in tp_plan.items()]
-    return "\n".join(["{", *body, "}"])
 
 
 def launch_shape(plan: Plan) -> tuple[int, int]:
@@ -82,10 +98,7 @@ def launch_shape(plan: Plan) -> tuple[int, int]:
 
 def script_context(plan: Plan, model_path_for_script: str | None) -> dict[str, Any]:
     """The values the three templates read; literals already formatted as Python or shell text."""
-    parallel, prediction = plan.parallel, plan.prediction
-    memory = prediction.memory
     per_node, nodes = launch_shape(plan)
-    model_state_bytes = memory.parameters + memory.gradients + memory.optimizer
     return {
         "zplan_version": plan.zplan_version,
         "model_name": plan.model.name,
@@ -98,46 +111,12 @@ def script_context(plan: Plan, model_path_for_script: str | None) -> dict[str, A
         "per_node": per_node,
         "nodes": nodes,
         "model_file": py_literal(model_path_for_script),
-        "pp": parallel.pp,
-        "dp": parallel.dp,
-        "tp": parallel.tp,
-        "block_prefix": py_literal(plan.model.block_prefix),
-        "tp_plan": tp_plan_code({rule.module: rule.style for rule in plan.model.tp_rules}),
-        "sequence_parallel": py_literal(parallel.sequence_parallel),
-        "stages": stages_code([stage.layer_names for stage in plan.stages]),
-        "schedule": py_literal(parallel.schedule),
-        "interleave": parallel.interleave,
-        "zero_stage": parallel.zero_stage,
-        "offload": py_literal(parallel.offload),
-        "delayed_update": py_literal(parallel.delayed_update),  # ZeRO-Offload's one-step delayed update
-        "nvme_offload": parallel.offload == "nvme",  # train.py then takes --nvme-path
-        "grad_compression": py_literal(parallel.compression.grad),
-        "weight_compression": py_literal(parallel.compression.weights),
-        "activation_compression": py_literal(parallel.compression.activations),
-        "onebit_adam": parallel.compression.grad == "1bit",  # train.py then takes --onebit-warmup-steps
-        "onebit_warmup_steps": ONE_BIT_WARMUP_STEPS,
+        "plan_review": plan_review(plan),
         "lr": py_literal(ADAMW_DEFAULTS["lr"]),
         "weight_decay": py_literal(ADAMW_DEFAULTS["weight_decay"]),
         "betas": repr(ADAMW_DEFAULTS["betas"]),
         "eps": repr(ADAMW_DEFAULTS["eps"]),
         "grad_clip": py_literal(GRAD_CLIP),
-        "parameters_on_nvme": plan.placement.parameters == "nvme",
-        "recompute": py_literal(parallel.recompute),
-        "precision": py_literal(plan.train.precision),
-        "micro_batch": parallel.micro_batch,
-        "num_micro_batches": parallel.num_micro_batches,
-        "global_batch": plan.train.global_batch,
-        "seq_len": plan.train.seq_len,
-        "vocab": plan.model.vocab,
-        "predicted_step_time_s": py_literal(float(prediction.step_time_s)),
-        "predicted_mfu": py_literal(float(prediction.mfu)),
-        "predicted_model_state_bytes": py_literal(int(model_state_bytes)),
-        "predicted_state_bytes_by_tier": repr({  # per GPU: the placement's bytes on each tier
-            "gpu": int(model_state_bytes),
-            "cpu": int(memory.cpu_bytes_per_node / plan.cluster.gpus_per_node),
-            "nvme": int(memory.nvme_bytes_per_node / plan.cluster.gpus_per_node)}),
-        "model_flops_per_step": py_literal(float(prediction.model_flops_per_step)),
-        "peak_flops": py_literal(float(plan.cluster.peak_flops(plan.train.precision))),
     }
 
 

@@ -1,20 +1,26 @@
 """All legal configurations as numpy arrays (DESIGN.md decision 3: enumerate, then prune).
 
-Legality: dp * tp * pp = gpus; heads and kv_heads divisible by tp; at least one block per pipeline
-chunk (pp * v <= blocks) and, when interleaved, blocks divisible by pp * v and micro-batches by pp
-(Megatron's interleaved schedule); a pipeline runs at least pp micro-batches (1F1B's warm-up fills every stage);
-tp > 1, sequence parallel and pp > 1 only where the runtime runs them on this model (schemas.capability, from
-the traits the tracer found); the global batch divisible by dp * micro_batch; sequence parallel
-only with tp > 1; offload only with ZeRO >= 1 (each rank steps its own shard), NVMe only with ZeRO-3
-(ZeRO-Infinity) and only where the cluster has it; user pins fix a value; a --compress pin keeps the
-configurations that support it (planner.compression.supported_mask) and sets every candidate's compression.
-What the runtime cannot run yet (runtime.plan_check.runtime_gaps: NVMe offload; CPU offload with ZeRO 0,
-which the legality above already excludes) is chosen only when the user's pins ask for it (--offload nvme),
-so that an unpinned compile emits a plan its train.py runs; `zplan compile` warns when a pin does. CPU
-offload runs with ZeRO 1 (runtime.offload.cpu_adam_optimizer) and ZeRO 2/3 (FSDP2's CPUOffloadPolicy).
+Legality (the rules of ``_grid``, each named with the pins it constrains): dp * tp * pp = gpus; heads and kv_heads
+divisible by tp (a pinned tp too); at least one block per pipeline chunk (pp * v <= blocks) and, when
+interleaved, blocks divisible by pp * v and micro-batches by pp (Megatron's interleaved schedule); a pipeline
+runs at least pp micro-batches (1F1B's warm-up fills every stage); tp > 1, sequence parallel and pp > 1 only
+where the runtime runs them on this model (schemas.capability, from the traits the tracer found); the global
+batch divisible by dp * micro_batch; sequence parallel only with tp > 1; offload (CPU or NVMe) only with
+ZeRO >= 1 (each rank steps its own optimizer shard: runtime.offload.cpu_adam_optimizer for ZeRO 1 on the CPU,
+runtime.offload.nvme_optimizer for ZeRO 1 and ZeRO 2/3 on NVMe, FSDP2's CPUOffloadPolicy for ZeRO 2/3), NVMe
+only where the cluster has it; user pins fix a value; a --compress pin keeps the configurations that support it
+(planner.compression.supported_mask) and sets every candidate's compression. Every tier the runtime runs is
+searched unpinned too: the cost model prices an NVMe candidate (planner.cost.offload), so it is chosen only when
+it is the best plan. Parameters on NVMe (ZeRO-3 only) are the placement's choice, not the enumeration's
+(planner.placement).
+
+When the pins leave nothing, ``explain_no_candidates`` says why: the rule that alone rules out every remaining
+configuration, naming the pins it constrains, or else which single pin to drop.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -37,19 +43,41 @@ def _pinned(values: list[int], pin: int | None) -> list[int]:
     return values if pin is None else [pin]
 
 
-def enumerate_candidates(
-    model: ModelSummary, cluster: ClusterSpec, gpus: int, global_batch: int, pins: Pins
-) -> Candidates:
-    """Every legal configuration that respects the pins (may be empty)."""
+@dataclass(frozen=True)
+class Rule:
+    """One legality rule over the candidate grid: what it says, the Pins fields it constrains, where it holds."""
+
+    text: str
+    fields: tuple[str, ...]
+    mask: np.ndarray
+
+
+@dataclass(frozen=True)
+class _Grid:
+    tp: np.ndarray
+    pp: np.ndarray
+    dp: np.ndarray
+    micro_batch: np.ndarray
+    zero: np.ndarray
+    recompute: np.ndarray
+    sp: np.ndarray
+    interleave: np.ndarray
+    offload: np.ndarray
+    rules: list[Rule]
+
+
+def _grid(model: ModelSummary, cluster: ClusterSpec, gpus: int, global_batch: int, pins: Pins) -> _Grid | None:
+    """Every combination of the axes' values and the rules over it; None when an axis has no value.
+
+    Unpinned axes hold only the values their own rules allow (fewer combinations); a pinned value is kept
+    as given, and the rules over the grid say whether it is legal (so that a conflict can be explained)."""
     # what the runtime can run on this model (schemas.capability; a pin it rules out failed in zplan.api)
     can_split = allows(model.traits, "tensor_parallel")
-    tps = [t for t in divisors(gpus) if model.heads % t == 0 and model.kv_heads % t == 0 and (t == 1 or can_split)]
-    tps = _pinned(tps, pins.tp)
+    tps = _pinned([t for t in divisors(gpus) if model.heads % t == 0 and model.kv_heads % t == 0
+                   and (t == 1 or can_split)], pins.tp)
     can_pipeline = allows(model.traits, "pipeline")
     pps = _pinned([p for p in divisors(gpus) if p <= model.num_blocks and (p == 1 or can_pipeline)], pins.pp)
     layouts = [(t, p, gpus // (t * p)) for t in tps for p in pps if gpus % (t * p) == 0]
-    if pins.dp is not None:
-        layouts = [lay for lay in layouts if lay[2] == pins.dp]
     micro = _pinned([b for b in divisors(global_batch) if b <= MAX_MICRO_BATCH], pins.micro_batch)
     zeros = _pinned([0, 1, 2, 3], pins.zero)
     recompute = _pinned([0, 1, 2], None if pins.recompute is None else RECOMPUTE_MODES.index(pins.recompute))
@@ -57,33 +85,105 @@ def enumerate_candidates(
         else [int(pins.sequence_parallel)]
     inter = _pinned(list(INTERLEAVE_CHOICES), pins.interleave)
     tiers = [0, 1, 2] if pins.offload is None else [OFFLOAD_TIERS.index(pins.offload)]
-    if cluster.nvme_bytes == 0:
+    if cluster.nvme_bytes == 0 and pins.offload is None:
         tiers = [x for x in tiers if x != 2]
-
-    if not layouts or not micro or not tiers:
-        return Candidates.single(tp=1, pp=1, dp=1, micro_batch=1, zero=0, recompute=0, sp=0,
-                                 interleave=1, offload=0).take(np.array([], dtype=np.int64))
+    if not layouts:
+        return None
     layout = np.array(layouts, dtype=np.int64)  # (n_layouts, 3)
     axes = [np.arange(len(layouts)), micro, zeros, recompute, sps, inter, tiers]
     grid = [g.ravel() for g in np.meshgrid(*[np.asarray(a, dtype=np.int64) for a in axes], indexing="ij")]
     t, p, d = (layout[grid[0], i] for i in range(3))
     b, z, r, sp, v, off = grid[1:]
     per_replica = global_batch // d
-    legal = (
-        (global_batch % (d * b) == 0)
-        & ((sp == 0) | ((t > 1) & sequence_parallel_fits(model.block_tokens, t)))
-        & ((off == 0) | (z >= 1))
-        & ((off < 2) | (z == 3))  # NVMe optimizer swapping is ZeRO-3's (ZeRO-Infinity)
-        & ((v == 1) | (p > 1))
-        & ((p == 1) | (per_replica // np.maximum(b, 1) >= p))  # 1F1B runs at least one micro-batch per stage
-        & (p * v <= model.num_blocks)
-        & ((v == 1) | ((model.num_blocks % (p * v) == 0) & ((per_replica // np.maximum(b, 1)) % p == 0)))
-    )
-    pinned_gap = pins.offload == "nvme"
-    legal &= (off < 2) | pinned_gap  # what the runtime runs (see above): CPU offload with ZeRO >= 1
+    micro_batches = per_replica // np.maximum(b, 1)
+    blocks = model.num_blocks
     compression = pins.compress or CompressionConfig()
-    legal &= supported_mask(compression, t, p, z, off)
+    rules = [
+        Rule(f"tp divides the {model.heads} attention heads and {model.kv_heads} KV heads", ("tp",),
+             (model.heads % t == 0) & (model.kv_heads % t == 0)),
+        Rule(f"dp * tp * pp = {gpus} GPUs, with tp from {tps} and pp from {pps} (what divides the heads, at most "
+             f"the {blocks} blocks and runs on this model)", ("dp", "tp", "pp"),
+             d == pins.dp if pins.dp is not None else d > 0),
+        Rule(f"the global batch {global_batch} divides by dp * micro-batch", ("micro_batch", "dp", "tp", "pp"),
+             global_batch % (d * b) == 0),
+        Rule(f"sequence parallel needs tp > 1 that divides the {model.block_tokens} tokens a block sees",
+             ("sequence_parallel", "tp"), (sp == 0) | ((t > 1) & sequence_parallel_fits(model.block_tokens, t))),
+        Rule("CPU or NVMe offload needs ZeRO >= 1 (each rank steps its own optimizer shard)", ("offload", "zero"),
+             (off == 0) | (z >= 1)),
+        Rule(f"NVMe offload needs a cluster with NVMe, and {cluster.name} has none", ("offload",),
+             (off < 2) | (cluster.nvme_bytes > 0)),
+        Rule("interleave > 1 needs a pipeline (pp > 1)", ("interleave", "pp"), (v == 1) | (p > 1)),
+        Rule(f"pp * interleave <= the {blocks} blocks, and divides them when interleaved (Megatron's "
+             "interleaved schedule)", ("pp", "interleave"),
+             (p * v <= blocks) & ((v == 1) | (blocks % (p * v) == 0))),
+        Rule(f"a pipeline gets at least pp micro-batches: the global batch {global_batch} >= dp * micro-batch * "
+             "pp (1F1B fills every stage)", ("pp", "micro_batch", "dp", "tp"),
+             (p == 1) | (micro_batches >= p)),
+        Rule("an interleaved schedule needs the micro-batches per step to divide by pp",
+             ("interleave", "pp", "micro_batch", "dp", "tp"), (v == 1) | (micro_batches % p == 0)),
+        Rule(f"--compress {compression.as_option()} runs only with some ZeRO stages, tp, pp and offload "
+             "(grad=int8: ZeRO 0/1 and tp 1; grad=1bit: ZeRO 0, tp = pp = 1, no offload; weights=int8: ZeRO 3; "
+             "act=int8: pp > 1)", ("compress", "zero", "tp", "pp", "offload"),
+             supported_mask(compression, t, p, z, off)),
+    ]
+    return _Grid(tp=t, pp=p, dp=d, micro_batch=b, zero=z, recompute=r, sp=sp, interleave=v, offload=off,
+                 rules=rules)
+
+
+def enumerate_candidates(
+    model: ModelSummary, cluster: ClusterSpec, gpus: int, global_batch: int, pins: Pins
+) -> Candidates:
+    """Every legal configuration that respects the pins (may be empty: explain_no_candidates says why)."""
+    compression = pins.compress or CompressionConfig()
+    g = _grid(model, cluster, gpus, global_batch, pins)
+    if g is None:
+        return Candidates.single(tp=1, pp=1, dp=1, micro_batch=1, zero=0, recompute=0, sp=0,
+                                 interleave=1, offload=0).take(np.array([], dtype=np.int64))
+    legal = np.logical_and.reduce([rule.mask for rule in g.rules])
     idx = np.nonzero(legal)[0]
-    return Candidates(tp=t[idx], pp=p[idx], dp=d[idx], micro_batch=b[idx], zero=z[idx], recompute=r[idx],
-                      sp=sp[idx], interleave=v[idx], offload=off[idx]).with_compression(
+    return Candidates(tp=g.tp[idx], pp=g.pp[idx], dp=g.dp[idx], micro_batch=g.micro_batch[idx], zero=g.zero[idx],
+                      recompute=g.recompute[idx], sp=g.sp[idx], interleave=g.interleave[idx],
+                      offload=g.offload[idx]).with_compression(
                           compression.grad, compression.weights, compression.activations)
+
+
+def pin_words(pins: Pins, field: str) -> str:
+    """A pin as its command-line option, e.g. '--offload nvme', '--sequence-parallel'."""
+    value = getattr(pins, field)
+    if field == "sequence_parallel":
+        return "--sequence-parallel" if value else "--no-sequence-parallel"
+    if field == "compress":
+        return f"--compress {value.as_option()}"
+    return f"--{field.replace('_', '-')} {value}"
+
+
+def explain_no_candidates(model: ModelSummary, cluster: ClusterSpec, gpus: int, global_batch: int,
+                          pins: Pins) -> str:
+    """Why no configuration is legal, for an error message: the rules that each alone rule out every
+    configuration the others leave, naming the pins each constrains; else the single pins whose removal leaves
+    some; else every rule."""
+    pinned = pins.model_dump(exclude_none=True)
+    head = f"no legal configuration for {gpus} GPUs with pins {pinned}"
+    g = _grid(model, cluster, gpus, global_batch, pins)
+    if g is not None:
+        masks = [rule.mask for rule in g.rules]
+        alone = [rule for i, rule in enumerate(g.rules)
+                 if np.logical_and.reduce(masks[:i] + masks[i + 1:] + [np.ones_like(masks[0])]).any()]
+        reasons = []
+        for rule in alone:
+            named = [pin_words(pins, f) for f in rule.fields if getattr(pins, f) is not None]
+            if named:
+                pin = f"the pin {named[0]}" if len(named) == 1 else f"the pins {' and '.join(named)}"
+                reasons.append(f"{pin} break{'s' if len(named) == 1 else ''} the rule: {rule.text} "
+                               f"(change or drop {'it' if len(named) == 1 else 'one of them'})")
+            else:
+                reasons.append(f"no configuration meets the rule: {rule.text} (change --global-batch or --gpus)")
+        if reasons:
+            return f"{head}: {'; or '.join(reasons)}."
+    drop = [pin_words(pins, f) for f in pinned
+            if len(enumerate_candidates(model, cluster, gpus, global_batch, pins.model_copy(update={f: None})))]
+    if drop:
+        return f"{head}: the pins conflict with each other; dropping any one of {', '.join(drop)} leaves legal ones."
+    return (f"{head}: check that tp divides the {model.heads} heads, pp * interleave <= {model.num_blocks} blocks, "
+            f"dp*tp*pp = {gpus}, the global batch {global_batch} divides by dp*micro_batch, and a pipeline gets at "
+            "least pp micro-batches (global batch >= dp * micro_batch * pp).")

@@ -6,12 +6,17 @@ Variables: 9 booleans x[state, tier], state in {params, grads, optimizer}, tier 
 Constraints
 * each state on exactly one tier; the sum of bytes on each tier <= that tier's free bytes per GPU
   (stated exactly, in floating point, as clauses: no set of states that overflows a tier shares it);
-* the user's pin: offload "none" allows {gpu}, "cpu" {gpu, cpu}, "nvme" {gpu, cpu, nvme};
-* ZeRO semantics (as DeepSpeed implements them): parameters leave the GPU only under ZeRO-3
-  (``offload_param``); gradients leave the GPU only under ZeRO >= 2, and only to CPU memory, where the
-  CPU optimizer reads them; the optimizer may go to CPU under ZeRO >= 1 and to NVMe only under ZeRO-3
-  (ZeRO-Infinity's swapper); gradients on the CPU imply the optimizer is off the GPU (they move only to
-  feed the CPU Adam step).
+* the offload tier: "none" allows {gpu}, "cpu" {gpu, cpu}, "nvme" {gpu, cpu, nvme}. A search candidate's
+  tier is an allowance (the solver keeps on the GPU what fits there); the user's --offload pin
+  (``offload_pinned``) is a requirement for the optimizer states: "none" keeps them on the GPU, "cpu" puts
+  them on the CPU, "nvme" on NVMe, while parameters and gradients still use any tier the pin and ZeRO allow;
+* ZeRO semantics, as zplan's runtime runs them: under ZeRO-1 only the optimizer leaves the GPU (to CPU or
+  NVMe: runtime.offload.cpu_adam_optimizer, runtime.offload.nvme_optimizer); under ZeRO 2/3 the runtime offloads
+  with FSDP2's CPUOffloadPolicy, which keeps the parameter shards and the gradient shards in host memory
+  together with the optimizer step, so there the three states leave the GPU together or not at all: parameters
+  on the CPU (only ZeRO-3 swaps them on to NVMe: runtime.offload.param_swap), gradients on the CPU, the
+  optimizer on the CPU or NVMe. (Optimizer-only offload under ZeRO 2/3, DeepSpeed's ZeRO-Offload with the
+  parameters on the device, is not built.)
 
 Objective: minimise the per-step transfer time, serial sum of three parts
 (``m`` = micro-batches per step, P/G/O = parameter/gradient/optimizer bytes per GPU):
@@ -19,8 +24,9 @@ Objective: minimise the per-step transfer time, serial sum of three parts
     - optimizer off GPU: gradients go down to the CPU, G each micro-batch when they live on the CPU, G once
       when they accumulate on the GPU (ZeRO-Offload, Ren et al. 2021, Sec. 4.1: fp16 gradients down,
       fp16 parameters up); updated parameters P go back up when the parameters live on the GPU;
-    - parameters off GPU (ZeRO-3): fetched up for every forward and backward, 2 m P (ZeRO-Infinity,
-      Rajbhandari et al. 2021, Sec. 5); with the optimizer on the GPU, updated parameters P go down;
+    - parameters off GPU: fetched up for every all-gather, ``param_fetches_per_step`` times P (ZeRO-3: every
+      forward and backward, 2 m; ZeRO-2: once, the runtime keeps them gathered through the step; ZeRO-Infinity,
+      Rajbhandari et al. 2021, Sec. 5);
 * NVMe bytes / nvme_bytes_per_s: optimizer on NVMe reads and writes its O bytes every step (2 O);
   parameters on NVMe are read for every fetch (2 m P) and written once updated (P) (ZeRO-Infinity);
 * CPU Adam when the optimizer is off the GPU: the parameters it updates over cpu_adam_params_per_s (this
@@ -44,6 +50,7 @@ TIERS: tuple[Tier, ...] = ("gpu", "cpu", "nvme")
 STATES = ("params", "grads", "optimizer")
 ALLOWED_TIERS_BY_OFFLOAD: dict[str, tuple[Tier, ...]] = {
     "none": ("gpu",), "cpu": ("gpu", "cpu"), "nvme": ("gpu", "cpu", "nvme")}
+PINNED_OPTIMIZER_TIER: dict[str, Tier] = {"none": "gpu", "cpu": "cpu", "nvme": "nvme"}  # --offload pins this
 TIME_RESOLUTION = 10**9  # integer time units in the largest possible transfer time
 OVERFLOW_RESOLUTION = 10**6  # integer memory units in all state bytes, for the overflow diagnostic
 
@@ -87,16 +94,19 @@ class PlacementResult:
         return self.transfer.total_s
 
 
-def legal_tiers(state: str, zero_stage: int, offload: str) -> tuple[Tier, ...]:
-    """Tiers a state may use under the ZeRO stage and the user's offload pin (module docstring)."""
-    pinned = ALLOWED_TIERS_BY_OFFLOAD[offload]
+def legal_tiers(state: str, zero_stage: int, offload: str, pinned: bool = False) -> tuple[Tier, ...]:
+    """Tiers a state may use under the ZeRO stage and the offload tier (module docstring); `pinned`: the tier is
+    the user's --offload pin, which fixes the optimizer's tier (empty when the ZeRO stage rules that tier out)."""
+    allowed = ALLOWED_TIERS_BY_OFFLOAD[offload]
     if state == "params":
-        by_zero: tuple[Tier, ...] = TIERS if zero_stage == 3 else ("gpu",)
+        by_zero: tuple[Tier, ...] = TIERS if zero_stage == 3 else ("gpu", "cpu") if zero_stage == 2 else ("gpu",)
     elif state == "grads":
         by_zero = ("gpu", "cpu") if zero_stage >= 2 else ("gpu",)
     else:
-        by_zero = TIERS if zero_stage == 3 else ("gpu", "cpu") if zero_stage >= 1 else ("gpu",)
-    return tuple(t for t in by_zero if t in pinned)
+        by_zero = TIERS if zero_stage >= 1 else ("gpu",)
+        if pinned:
+            allowed = (PINNED_OPTIMIZER_TIER[offload],)
+    return tuple(t for t in by_zero if t in allowed)
 
 
 def cpu_adam_step_s(optimizer_bytes: float, grad_update_bytes: float, param_update_bytes: float,
@@ -115,6 +125,7 @@ def transfer_times(
     cpu_memory_bytes_per_s: float, micro_batches_per_step: int = 1, param_update_bytes: float | None = None,
     grad_update_bytes: float | None = None, device_to_host_bytes_per_s: float | None = None,
     optimizer_params: float = 0.0, cpu_adam_params_per_s: float | None = None,
+    param_fetches_per_step: int | None = None,
 ) -> TransferTimes:
     """Per-step transfer time of one placement (the objective of ``place_model_states``, in floats).
 
@@ -123,12 +134,13 @@ def transfer_times(
     ``device_to_host_bytes_per_s``: the downward bandwidth (default: ``host_device_bytes_per_s``).
     ``optimizer_params``, ``cpu_adam_params_per_s``: the parameters this rank's optimizer updates and this
     GPU's share of the measured CPU Adam throughput; when the latter is given, the CPU step takes their ratio.
+    ``param_fetches_per_step``: all-gathers of parameters held off the GPU per step (default 2 m, ZeRO-3's).
     """
     param_update = param_bytes if param_update_bytes is None else param_update_bytes
     grad_update = grad_bytes if grad_update_bytes is None else grad_update_bytes
     down_per_s = device_to_host_bytes_per_s or host_device_bytes_per_s
     params_off, optimizer_off = param_tier != "gpu", optimizer_tier != "gpu"
-    fetches = 2 * micro_batches_per_step  # one forward and one backward per micro-batch
+    fetches = 2 * micro_batches_per_step if param_fetches_per_step is None else param_fetches_per_step
     down = up = 0.0  # host-device bytes: device to host, host to device
     nvme = 0.0
     cpu_optimizer_s = 0.0
@@ -173,15 +185,19 @@ def place_model_states(
     device_to_host_bytes_per_s: float | None = None,
     optimizer_params: float = 0.0,
     cpu_adam_params_per_s: float | None = None,
+    offload_pinned: bool = False,
+    param_fetches_per_step: int | None = None,
 ) -> PlacementResult:
     """Choose the tier of each model state: minimise per-step transfer time subject to tier capacities,
-    the offload pin and ZeRO semantics (objective and constraints in the module docstring).
+    the offload tier and ZeRO semantics (objective and constraints in the module docstring).
+    ``offload_pinned``: ``offload`` is the user's pin, so the optimizer states go to that tier (a requirement;
+    otherwise an allowance). Raises ValueError when the ZeRO stage rules the pinned tier out (ZeRO 0).
 
     Byte arguments are per GPU (already divided by the ZeRO sharding); ``*_free_bytes`` are what is left
     for model states on that tier (GPU: after activations and buffers). Bandwidths and throughputs are per
     GPU; ``device_to_host_bytes_per_s`` defaults to ``host_device_bytes_per_s``; ``optimizer_params`` and
-    ``cpu_adam_params_per_s`` as in ``transfer_times``. Never raises for lack of memory: returns
-    ``feasible=False`` with the least-overflowing legal placement.
+    ``cpu_adam_params_per_s``, ``param_fetches_per_step`` as in ``transfer_times``. Never raises for lack of
+    memory: returns ``feasible=False`` with the least-overflowing legal placement.
     """
     state_bytes = {"params": float(param_bytes), "grads": float(grad_bytes),
                    "optimizer": float(optimizer_bytes)}
@@ -196,17 +212,22 @@ def place_model_states(
     rates = dict(host_device_bytes_per_s=host_device_bytes_per_s, nvme_bytes_per_s=nvme_bytes_per_s,
                       cpu_memory_bytes_per_s=cpu_memory_bytes_per_s,
                       device_to_host_bytes_per_s=device_to_host_bytes_per_s or host_device_bytes_per_s,
-                      optimizer_params=float(optimizer_params), cpu_adam_params_per_s=cpu_adam_params_per_s)
+                      optimizer_params=float(optimizer_params), cpu_adam_params_per_s=cpu_adam_params_per_s,
+                      param_fetches_per_step=param_fetches_per_step)
     updates = dict(param_update_bytes=float(param_bytes if param_update_bytes is None else param_update_bytes),
                    grad_update_bytes=float(grad_bytes if grad_update_bytes is None else grad_update_bytes))
-    legal = {state: legal_tiers(state, zero_stage, offload) for state in STATES}
+    legal = {state: legal_tiers(state, zero_stage, offload, offload_pinned) for state in STATES}
+    if not legal["optimizer"]:
+        raise ValueError(f"the offload pin {offload!r} puts the optimizer states off the GPU, which needs ZeRO >= 1 "
+                         f"(each rank steps its own shard), got ZeRO {zero_stage}")
 
+    together = zero_stage >= 2  # FSDP2's CPUOffloadPolicy: all three states leave the GPU, or none (docstring)
     tiers, proven, _ = _solve(state_bytes, updates, capacity, legal, rates, micro_batches_per_step, time_limit_s,
-                           allow_overflow=False)
+                           allow_overflow=False, together=together)
     feasible = tiers is not None
     if tiers is None:  # nothing fits: the legal placement that overflows least, then the fastest
         tiers, proven, _ = _solve(state_bytes, updates, capacity, legal, rates, micro_batches_per_step,
-                               time_limit_s, allow_overflow=True)
+                               time_limit_s, allow_overflow=True, together=together)
         assert tiers is not None, "a placement with unbounded overflow always exists"
     used = {tier: sum(state_bytes[s] for s in STATES if tiers[s] == tier) for tier in TIERS}
     return PlacementResult(
@@ -226,9 +247,10 @@ def place_model_states(
 
 
 def _solve(state_bytes, updates, capacity, legal, rates, micro_batches_per_step, time_limit_s, *,
-           allow_overflow: bool) -> tuple[dict[str, Tier] | None, bool, float]:
-    """Build and solve the CP-SAT model. Returns ({state: tier} or None if infeasible, proven optimal,
-    the model's own transfer seconds for that placement: a cross-check of ``transfer_times``)."""
+           allow_overflow: bool, together: bool) -> tuple[dict[str, Tier] | None, bool, float]:
+    """Build and solve the CP-SAT model (`together`: the three states leave the GPU together or not at all, ZeRO
+    2/3). Returns ({state: tier} or None if infeasible, proven optimal, the model's own transfer seconds for that
+    placement: a cross-check of ``transfer_times``)."""
     model = cp_model.CpModel()
     on = {(s, t): model.new_bool_var(f"{s}_on_{t}") for s in STATES for t in TIERS}
     for s in STATES:
@@ -238,6 +260,9 @@ def _solve(state_bytes, updates, capacity, legal, rates, micro_batches_per_step,
                 model.add(on[s, t] == 0)
     optimizer_off, params_off = ~on["optimizer", "gpu"], ~on["params", "gpu"]
     model.add_implication(on["grads", "cpu"], optimizer_off)  # gradients go down only to feed CPU Adam
+    if together:
+        model.add(on["params", "gpu"] == on["optimizer", "gpu"])
+        model.add(on["grads", "gpu"] == on["optimizer", "gpu"])
 
     def both(a, b, name):
         """A boolean equal to a AND b."""
@@ -249,7 +274,8 @@ def _solve(state_bytes, updates, capacity, legal, rates, micro_batches_per_step,
     # Transfer time of each term in seconds, by the boolean that switches it on (module docstring).
     param_b, grad_b, optim_b = state_bytes["params"], state_bytes["grads"], state_bytes["optimizer"]
     param_u, grad_u = updates["param_update_bytes"], updates["grad_update_bytes"]
-    m, fetches = micro_batches_per_step, 2 * micro_batches_per_step
+    m = micro_batches_per_step
+    fetches = rates.get("param_fetches_per_step") or 2 * micro_batches_per_step
     # `rates`: transfer_times' keyword arguments; the measured ones (downward link, CPU Adam) may be absent.
     up, nvme = rates["host_device_bytes_per_s"], rates["nvme_bytes_per_s"]
     down = rates.get("device_to_host_bytes_per_s") or up
@@ -316,13 +342,16 @@ def _solver(time_limit_s: float) -> cp_model.CpSolver:
     return solver
 
 
-def enumerate_legal_placements(zero_stage: int, offload: str) -> list[dict[str, Tier]]:
-    """Every placement the pin and ZeRO stage allow (at most 18); for explanations and tests."""
-    legal = {state: legal_tiers(state, zero_stage, offload) for state in STATES}
+def enumerate_legal_placements(zero_stage: int, offload: str, pinned: bool = False) -> list[dict[str, Tier]]:
+    """Every placement the offload tier (`pinned`: the user's pin) and ZeRO stage allow (at most 18); for
+    explanations and tests."""
+    legal = {state: legal_tiers(state, zero_stage, offload, pinned) for state in STATES}
     placements = []
     for combo in itertools.product(*(legal[s] for s in STATES)):
         tiers = dict(zip(STATES, combo, strict=True))
         if tiers["grads"] == "cpu" and tiers["optimizer"] == "gpu":
+            continue
+        if zero_stage >= 2 and len({tiers[s] == "gpu" for s in STATES}) > 1:  # FSDP2 offloads all three or none
             continue
         placements.append(tiers)
     return placements

@@ -2,7 +2,9 @@
 decision on ZeRO-Offload's one-step delayed parameter update (DPU).
 
 The search scores an offloading candidate as if every offloadable state left the GPU (the
-conservative end); the solver then keeps on the GPU whatever fits there, which only removes transfers.
+conservative end); the solver then keeps on the GPU whatever fits there, which only removes transfers. An
+--offload pin is a requirement, not an allowance: the optimizer states go to the pinned tier (``none``: the
+GPU), and only the parameters and gradients stay on the GPU where they fit (planner.placement).
 
 Delayed parameter update (Ren et al., ZeRO-Offload, USENIX ATC'21, Sec. 5.2): the CPU optimizer step of
 iteration i runs beside the forward and backward of iteration i+1, which use the weights from before that
@@ -54,7 +56,10 @@ class PlacedStates:
     feasible: bool
 
 
-def place(cand: Candidates, est: StepEstimate, cluster: ClusterSpec, train: TrainSpec) -> PlacedStates:
+def place(cand: Candidates, est: StepEstimate, cluster: ClusterSpec, train: TrainSpec,
+          pinned: bool = False) -> PlacedStates:
+    """Place candidate 0's model states; `pinned`: its offload tier is the user's --offload pin (the optimizer
+    states go there) rather than the search's allowance (module docstring)."""
     mem, z, dp = est.memory, int(cand.zero[0]), int(cand.dp[0])
     params_gpu = float(mem.stage_params[0])
     elem = element_bytes(train.precision)
@@ -73,8 +78,11 @@ def place(cand: Candidates, est: StepEstimate, cluster: ClusterSpec, train: Trai
         device_to_host_bytes_per_s=cluster.device_to_host_Bps() * eff.host_link,
         optimizer_params=optim_params, cpu_adam_params_per_s=None if cluster.cpu_adam_params_per_s is None
         else cluster.cpu_adam_params_per_s / cluster.gpus_per_node,  # this GPU's share of the node's CPU
-        zero_stage=z, offload=OFFLOAD_TIERS[int(cand.offload[0])],
+        zero_stage=z, offload=OFFLOAD_TIERS[int(cand.offload[0])], offload_pinned=pinned,
         micro_batches_per_step=max(1, int(round(est.num_micro_batches[0]))),
+        # parameter all-gathers per step from the host: ZeRO-3 every forward and backward, ZeRO-2 once (the
+        # runtime keeps them gathered through the step: runtime.apply.keeps_parameters_gathered)
+        param_fetches_per_step=1 if z == 2 else None,
         param_update_bytes=elem * optim_params, grad_update_bytes=elem * optim_params,  # this rank's shard
     )
     on_gpu = {"params": result.param_tier == "gpu", "grads": result.grad_tier == "gpu",

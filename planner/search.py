@@ -1,5 +1,6 @@
 """Pick the plan: score every legal candidate with the cost model, keep those that fit, refine the
-best few with the exact pipeline-stage partition (CP-SAT where memory binds), and take the fastest.
+best few with the exact pipeline-stage partition (a dynamic program; CP-SAT checks it where memory binds), and
+take the fastest.
 
 Ranking: fastest predicted step first; ties go to less memory, then to the smaller (tp, pp, zero,
 recompute, offload), so the output is deterministic.
@@ -15,7 +16,7 @@ from zplan.errors import SpecError
 from zplan.planner.cost.inputs import Candidates, ModelNumbers
 from zplan.planner.cost.step import StepEstimate, estimate_step
 from zplan.planner.cost.units import UnitCosts, unit_costs
-from zplan.planner.enumerate import enumerate_candidates
+from zplan.planner.enumerate import enumerate_candidates, explain_no_candidates
 from zplan.planner.infeasible import raise_infeasible
 from zplan.planner.partition import PartitionResult, partition_layers, uniform_partition
 from zplan.schemas.cluster import ClusterSpec
@@ -98,12 +99,7 @@ def choose(summary: ModelSummary, cluster: ClusterSpec, gpus: int, train: TrainS
     """The fastest of the top candidates after refinement, and every refinement made (candidate index ->
     Choice, or None where no stage partition fits memory); raises InfeasibleError when none fits."""
     if len(scored.candidates) == 0:
-        raise SpecError(
-            f"no legal configuration for {gpus} GPUs with pins {pins.model_dump(exclude_none=True)}: "
-            f"check that tp divides the {summary.heads} heads, pp * interleave <= {summary.num_blocks} blocks, "
-            f"dp*tp*pp = {gpus}, the global batch {train.global_batch} divides by dp*micro_batch, and a pipeline "
-            "gets at least pp micro-batches (global batch >= dp * micro_batch * pp)."
-        )
+        raise SpecError(explain_no_candidates(summary, cluster, gpus, train.global_batch, pins))
     refined: dict[int, Choice | None] = {}
     for index in scored.order[: REFINE_TOP_K * 4]:
         refined[int(index)] = refine(summary, scored.candidates.take(np.array([index])), cluster, train)

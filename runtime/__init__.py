@@ -2,11 +2,12 @@
 
     run_distributed(run): ctx = init_distributed(); run(ctx); close_distributed(), where run does:
     plan = load_plan(...); check_plan(plan, model_path, ctx.world_size)
-    mesh = build_mesh(pp, dp, tp, device_type); model, weights = build_meta_model(build_fn, seed)
-    apply_tensor_parallel -> apply_recompute -> apply_pipeline -> apply_data_parallel -> build_optimizer,
-    with materialize_weights(model, weights, device) before apply_data_parallel (ZeRO 0/1: DDP needs real
-    tensors) or after it (ZeRO 2/3: only FSDP2's shards are made)
-    train(model, optimizer, make_data_iter(...), loss_fn, ..., checkpoint=CheckpointConfig(...))
+    mesh = plan_mesh(plan, device_type); model, weights = build_meta_model(build_fn, seed)
+    model, _ = parallelize(model, weights, mesh, plan, model_file, device)   # runtime/plan_apply.py: the fixed
+        # order apply_tensor_parallel -> apply_recompute -> apply_pipeline -> apply_data_parallel, weights made
+        # before data parallelism (ZeRO 0/1) or after it (ZeRO 2/3)
+    optimizer = plan_optimizer(model, mesh, plan, ...)
+    train(model, optimizer, make_data_iter(...), loss_fn, train_config(plan, ...), ctx)
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ _EXPORTS = {
     **dict.fromkeys(["MaterializeReport", "build_meta_model", "build_model", "materialize_weights"],
                     "zplan.runtime.materialize"),
     "build_mesh": "zplan.runtime.mesh",
+    **dict.fromkeys(["parallelize", "plan_figures", "plan_mesh", "plan_optimizer", "train_config"],
+                    "zplan.runtime.plan_apply"),
     **dict.fromkeys(["check_plan", "load_plan", "model_file_sha256"], "zplan.runtime.plan_check"),
-    **dict.fromkeys(["WarmupCosine", "train"], "zplan.runtime.train_loop"),
+    **dict.fromkeys(["PlanFigures", "TrainConfig", "WarmupCosine", "train"], "zplan.runtime.train_loop"),
     "save_full_weights": "zplan.runtime.weights_file",
 }
 __all__ = sorted(_EXPORTS)

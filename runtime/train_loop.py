@@ -181,41 +181,52 @@ def _open_log(log_json: str | Path | None, ctx: RunContext, steps_done: int):
     return open(path, "a")
 
 
-def train(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    data_iter: Iterator,
-    loss_fn: Callable,
-    *,
-    steps: int,
-    num_micro_batches: int,
-    micro_batch: int,
-    seq_len: int,
-    data_parallel_size: int,
-    grad_clip: float,
-    lr_schedule: Callable[[int], float],
-    log_json: str | Path | None,
-    ctx: RunContext,
-    predicted_step_time_s: float,
-    predicted_mfu: float,
-    model_flops_per_step: float,
-    peak_flops: float,
-    precision: str = "fp32",
-    predicted_model_state_bytes: float | None = None, predicted_state_bytes_by_tier: dict | None = None,
-    checkpoint: CheckpointConfig | None = None,
-) -> list[float]:
-    """Run optimizer steps up to `steps` in all; return the loss of each step run (mean over the global
-    batch, every rank). With `checkpoint.resume`, start after the checkpoint's step; with
-    `checkpoint.directory`, save there after every `checkpoint.every` steps and after the last.
+@dataclass(frozen=True)
+class PlanFigures:
+    """What the plan predicts per rank (printed beside what the run measures) and the FLOP numbers of MFU."""
 
-    Rank 0 shows a progress bar, writes one JSON line per step to `log_json` (step, loss, lr,
+    step_time_s: float = 0.0
+    mfu: float = 0.0
+    model_flops_per_step: float = 0.0  # FLOP of one optimizer step of the whole model (6 * params * tokens + attention)
+    peak_flops: float = 0.0  # per device at the run's precision, FLOP/s (0: no MFU)
+    model_state_bytes: float | None = None  # parameters + gradients + optimizer states per rank
+    state_bytes_by_tier: dict | None = None  # {"gpu": .., "cpu": .., "nvme": ..} bytes per rank
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Settings of train(): the batch shape and precision (runtime.plan_apply.train_config reads them from the
+    plan), the run's length, clipping, schedule, log and checkpoints."""
+
+    steps: int  # optimizer steps in all (a resumed run goes on to this)
+    micro_batch: int  # sequences per micro-batch per data-parallel rank
+    num_micro_batches: int  # micro-batches per optimizer step (gradient accumulation)
+    seq_len: int
+    data_parallel_size: int
+    grad_clip: float  # max gradient norm; <= 0: no clipping
+    lr_schedule: Callable[[int], float]  # optimizer step (0-based) -> learning rate
+    precision: str = "fp32"
+    log_json: str | Path | None = None  # one JSON line per step (rank 0)
+    checkpoint: CheckpointConfig | None = None
+    figures: PlanFigures = PlanFigures()
+
+
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, data_iter: Iterator, loss_fn: Callable,
+          config: TrainConfig, ctx: RunContext) -> list[float]:
+    """Run optimizer steps up to `config.steps` in all; return the loss of each step run (mean over the global
+    batch, every rank). With `config.checkpoint.resume`, start after the checkpoint's step; with
+    `config.checkpoint.directory`, save there after every `checkpoint.every` steps and after the last.
+
+    Rank 0 shows a progress bar, writes one JSON line per step to `config.log_json` (step, loss, lr,
     grad_norm, tokens_per_s, step_time_s, mfu, predicted_mfu, predicted_step_time_s, model_state_bytes,
     predicted_model_state_bytes) and prints measured against predicted at the end.
     MFU = model_flops_per_step / (step_time_s * world_size * peak_flops)  (PaLM, Appendix B).
     """
-    tokens_per_step = micro_batch * num_micro_batches * data_parallel_size * seq_len
+    steps, num_micro_batches, micro_batch = config.steps, config.num_micro_batches, config.micro_batch
+    data_parallel_size, checkpoint, figures = config.data_parallel_size, config.checkpoint, config.figures
+    tokens_per_step = micro_batch * num_micro_batches * data_parallel_size * config.seq_len
     pipelined = isinstance(model, PipelineRun)
-    scaler = _loss_scaler(model, precision, ctx.device)
+    scaler = _loss_scaler(model, config.precision, ctx.device)
     # What a rank file's data-iterator and RNG state depend on: restored only under the same layout.
     layout = {"data_parallel_size": data_parallel_size, "num_micro_batches": num_micro_batches,
               "micro_batch": micro_batch}
@@ -233,7 +244,7 @@ def train(
         restore_rng_state(loaded.rank_state, ctx.device)  # after the fast-forward, which may draw
         if ctx.is_main:
             print(f"zplan: resumed from {loaded.path} (step {start_step} of {steps})", flush=True)
-    log_file = _open_log(log_json, ctx, start_step)
+    log_file = _open_log(config.log_json, ctx, start_step)
     losses: list[float] = []
     step_times_s: list[float] = []
     state_bytes: dict[str, int] = {}
@@ -244,7 +255,7 @@ def train(
             task = progress.add_task("train", total=steps, completed=start_step, status="")
             for step in range(start_step, steps):
                 start = time.perf_counter()
-                lr = lr_schedule(step)
+                lr = config.lr_schedule(step)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
                 loss_sum = torch.zeros((), device=ctx.device)  # sum of micro-batch losses / num_micro_batches
@@ -259,7 +270,7 @@ def train(
                     loss_sum += loss.detach().float()
                 if scaler:
                     scaler.unscale_(optimizer)
-                max_norm = grad_clip if grad_clip > 0 else math.inf
+                max_norm = config.grad_clip if config.grad_clip > 0 else math.inf
                 grad_norm = (model.clip_grad_norm_(max_norm) if pipelined  # the norm over all stages
                              else torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
                 if isinstance(grad_norm, DTensor):
@@ -278,7 +289,7 @@ def train(
                 step_time_s = time.perf_counter() - start
                 losses.append(loss_value)
                 step_times_s.append(step_time_s)
-                mfu = _mfu(model_flops_per_step, step_time_s, ctx.world_size, peak_flops)
+                mfu = _mfu(figures.model_flops_per_step, step_time_s, ctx.world_size, figures.peak_flops)
                 record = {
                     "step": step + 1,
                     "loss": loss_value,
@@ -287,12 +298,12 @@ def train(
                     "tokens_per_s": tokens_per_step / step_time_s,
                     "step_time_s": step_time_s,
                     "mfu": mfu,
-                    "predicted_mfu": predicted_mfu,
-                    "predicted_step_time_s": predicted_step_time_s,
+                    "predicted_mfu": figures.mfu,
+                    "predicted_step_time_s": figures.step_time_s,
                     "model_state_bytes": sum(state_bytes.values()),
-                    "predicted_model_state_bytes": predicted_model_state_bytes,
+                    "predicted_model_state_bytes": figures.model_state_bytes,
                     "state_bytes_by_tier": tiers,
-                    "predicted_state_bytes_by_tier": predicted_state_bytes_by_tier,
+                    "predicted_state_bytes_by_tier": figures.state_bytes_by_tier,
                 }
                 if log_file:
                     log_file.write(json.dumps(record) + "\n")
@@ -318,28 +329,26 @@ def train(
         if log_file:
             log_file.close()
     if ctx.is_main:
-        _print_summary(losses, step_times_s, state_bytes, model_flops_per_step, peak_flops, ctx,
-                       predicted_step_time_s, predicted_mfu, predicted_model_state_bytes)
-        if losses and (tiers["host"] or tiers["nvme"] or predicted_state_bytes_by_tier):
-            print(describe_tiers(tiers, predicted_state_bytes_by_tier, ctx.device), flush=True)
+        _print_summary(losses, step_times_s, state_bytes, figures, ctx)
+        if losses and (tiers["host"] or tiers["nvme"] or figures.state_bytes_by_tier):
+            print(describe_tiers(tiers, figures.state_bytes_by_tier, ctx.device), flush=True)
     return losses
 
 
-def _print_summary(losses, step_times_s, state_bytes, model_flops_per_step, peak_flops, ctx,
-                   predicted_step_time_s, predicted_mfu, predicted_model_state_bytes) -> None:
+def _print_summary(losses, step_times_s, state_bytes, figures: PlanFigures, ctx) -> None:
     if not losses:
         return
     # The first step includes one-off work (allocations, FSDP lazy init): leave it out when we can.
     step_time_s = statistics.median(step_times_s[1:] or step_times_s)
-    mfu = _mfu(model_flops_per_step, step_time_s, ctx.world_size, peak_flops)
+    mfu = _mfu(figures.model_flops_per_step, step_time_s, ctx.world_size, figures.peak_flops)
     mib = 2**20
     predicted_states = (
-        f" (predicted {predicted_model_state_bytes / mib:.1f} MiB)" if predicted_model_state_bytes else ""
+        f" (predicted {figures.model_state_bytes / mib:.1f} MiB)" if figures.model_state_bytes else ""
     )
     print(
         f"trained {len(losses)} steps: loss {losses[0]:.4f} -> {losses[-1]:.4f}\n"
-        f"measured vs predicted: step time {step_time_s:.4f} s vs {predicted_step_time_s:.4f} s, "
-        f"MFU {mfu:.2%} vs {predicted_mfu:.2%}, "
+        f"measured vs predicted: step time {step_time_s:.4f} s vs {figures.step_time_s:.4f} s, "
+        f"MFU {mfu:.2%} vs {figures.mfu:.2%}, "
         f"model states {sum(state_bytes.values()) / mib:.1f} MiB per rank{predicted_states}",
         flush=True,
     )

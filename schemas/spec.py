@@ -58,8 +58,8 @@ class Pins(BaseModel):
     pp: Optional[int] = Field(default=None, gt=0, description="Pipeline-parallel degree.")
     dp: Optional[int] = Field(default=None, gt=0, description="Data-parallel degree.")
     zero: Optional[Literal[0, 1, 2, 3]] = Field(default=None, description="ZeRO stage.")
-    offload: Optional[Tier] = Field(default=None, description="Where optimizer states (and with ZeRO-3 "
-                                    "parameters) live: none = GPU, cpu, nvme.")
+    offload: Optional[Tier] = Field(default=None, description="Where the optimizer states live: none = GPU, cpu, "
+                                    "nvme (ZeRO >= 1); parameters and gradients follow where they do not fit.")
     micro_batch: Optional[int] = Field(default=None, gt=0, description="Sequences per micro-batch.")
     recompute: Optional[Recompute] = Field(default=None, description="Activation recompute mode.")
     sequence_parallel: Optional[bool] = Field(default=None, description="Megatron sequence parallelism.")

@@ -18,6 +18,7 @@ from zplan.planner.clusters import load_cluster
 from zplan.planner.compression import check_compression, check_model_for_compression, compression_decision
 from zplan.planner.cost.inputs import ModelNumbers
 from zplan.planner.cost.step import StepEstimate, estimate_step
+from zplan.planner.enumerate import explain_no_candidates
 from zplan.planner.explain import alternatives, parallel_config, rejected_families
 from zplan.planner.model_input import summarize_model
 from zplan.planner.placement_choice import PlacedStates, decide_delayed_update, place
@@ -178,7 +179,7 @@ def compile_plan(req: Request) -> Plan:
     scored = score(req.summary, req.cluster, req.gpus, req.train, req.pins)
     choice, refined = choose(req.summary, req.cluster, req.gpus, req.train, req.pins, scored)
     cand, est = choice.candidate, choice.estimate
-    placed = place(cand, est, req.cluster, req.train)
+    placed = place(cand, est, req.cluster, req.train, pinned=req.pins.offload is not None)
     layers = req.summary.layers
     stages = [
         Stage(index=s, first_layer=a, last_layer=b, layer_names=[u.name for u in layers[a:b + 1]],
@@ -186,12 +187,14 @@ def compile_plan(req: Request) -> Plan:
               params=int(sum(u.params for u in layers[a:b + 1])))
         for s, (a, b) in enumerate(choice.partition.boundaries)
     ]
-    # The run offloads what the placement put off the GPU (an --offload pin allows a tier, and the
-    # placement solver uses it only when the states do not fit, or it costs no time: planner.placement).
+    # An --offload pin is what the run offloads (the placement put the optimizer states on that tier); unpinned,
+    # the run offloads what the placement put off the GPU (the search's tier is an allowance: the solver uses it
+    # only when the states do not fit on the GPU, planner.placement).
     delayed, decision = decide_delayed_update(req.delayed_update, int(cand.zero[0]), placed, est, req.cluster)
     compression = req.pins.compress or CompressionConfig()
     parallel = parallel_config(cand, 0, est.num_micro_batches[0]).model_copy(
-        update=dict(offload=deepest_tier(placed.placement), delayed_update=delayed, compression=compression))
+        update=dict(offload=req.pins.offload or deepest_tier(placed.placement), delayed_update=delayed,
+                    compression=compression))
     predicted = prediction(est, req.cluster, placed, decision.saved_s if delayed else 0.0)
     # Every candidate of the search carries the pinned compression (planner.enumerate); so do their configs.
     others = [alt.model_copy(update={"parallel": alt.parallel.model_copy(update={"compression": compression})})
@@ -212,8 +215,7 @@ def estimate_config(req: Request) -> dict:
     scored = score(req.summary, req.cluster, req.gpus, req.train, req.pins)
     cand, est = scored.candidates, scored.estimate
     if len(cand) == 0:
-        raise SpecError("no legal configuration matches the pins: check tp divides heads, pp * interleave <= blocks, "
-                        "and the global batch divides by dp * micro-batch.")
+        raise SpecError(explain_no_candidates(req.summary, req.cluster, req.gpus, req.train.global_batch, req.pins))
     if len(scored.order):
         best = int(scored.order[0])
     else:  # report the closest (least memory) configuration, marked infeasible

@@ -102,7 +102,8 @@ TP = typer.Option(None, "--tp", help="Pin the tensor-parallel degree.")
 PP = typer.Option(None, "--pp", help="Pin the pipeline-parallel degree.")
 DP = typer.Option(None, "--dp", help="Pin the data-parallel degree.")
 ZERO = typer.Option(None, "--zero", help="Pin the ZeRO stage (0-3).")
-OFFLOAD = typer.Option(None, "--offload", help="Pin where optimizer states live.")
+OFFLOAD = typer.Option(None, "--offload", help="Pin where optimizer states live: none (the GPU), cpu or nvme (these "
+                                                "need ZeRO >= 1; default: the search's choice).")
 MICRO = typer.Option(None, "--micro-batch", help="Pin the micro-batch size.")
 RECOMPUTE = typer.Option(None, "--recompute", help="Pin activation recompute.")
 SP = typer.Option(None, "--sequence-parallel/--no-sequence-parallel", help="Pin sequence parallelism.")
@@ -147,7 +148,10 @@ def compile(
     tp: Optional[int] = TP, pp: Optional[int] = PP, dp: Optional[int] = DP,
     zero: Optional[int] = ZERO,
     offload: Optional[Offload] = typer.Option(
-        None, "--offload", help="Training: pin where optimizer states live. Inference: pin where the weights live "
+        None, "--offload", help="Training: pin where optimizer states live: none (the GPU), cpu or nvme (needs ZeRO "
+                                ">= 1), even where they would fit on the GPU; parameters (ZeRO 3) and gradients (ZeRO "
+                                ">= 2) follow only where they do not fit there. Default: the search's choice. "
+                                "Inference: pin where the weights live "
                                 "(none = on the GPU; cpu/nvme: streamed layer by layer; default: the GPU, streaming "
                                 "only when nothing fits there)."),
     micro_batch: Optional[int] = MICRO,

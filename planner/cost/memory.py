@@ -81,13 +81,12 @@ def optimizer_bytes_per_param(precision: str) -> int:
 
 def state_bytes_per_param(zero, dp, offloaded) -> tuple:
     """(weights, gradients, optimizer) bytes per parameter on the GPU, arrays or scalars alike: the
-    runtime's 4 + 4 + 8 sharded by ZeRO stage; offloaded states leave the GPU (ZeRO-Offload /
-    ZeRO-Infinity: the optimizer; with stage >= 2 the gradients stream out; with stage 3 the weight
-    shards live off the GPU too. FSDP2's CPU offload moves ZeRO-2's weight shards too; they are kept
-    here, as planner.placement's legal tiers keep them on the GPU: an over-estimate of 1/dp of them)."""
+    runtime's 4 + 4 + 8 sharded by ZeRO stage; offloaded states leave the GPU: ZeRO-1 the optimizer
+    (runtime.offload), ZeRO 2/3 the optimizer, the gradient shards and the weight shards together (FSDP2's
+    CPUOffloadPolicy; planner.placement places them so)."""
     zero, dp, offloaded = np.asarray(zero), np.asarray(dp, dtype=float), np.asarray(offloaded, dtype=bool)
     sharded = np.where(zero >= 2, dp, 1.0)
-    weights = np.where(offloaded & (zero == 3), 0.0, PARAM_BYTES / sharded)
+    weights = np.where(offloaded & (zero >= 2), 0.0, PARAM_BYTES / sharded)
     grads = np.where(offloaded & (zero >= 2), 0.0, GRAD_BYTES / sharded)
     optim = np.where(offloaded, 0.0, ADAM_BYTES / np.where(zero >= 1, dp, 1.0))
     return weights, grads, optim
@@ -216,13 +215,15 @@ def memory_per_gpu(
     comm = comm + np.where(cand.grad_compress == 2, one_bit_errors + one_bit_step, 0.0)
     total = weights + grads + optim + acts + comm + reserve
 
-    # Host / NVMe: the offloaded states of every GPU of the node.
-    off_bytes = (k_opt * params_gpu / np.where(z >= 1, dp, 1.0)
-                 + np.where(z == 3, elem * params_gpu / dp, 0.0)
-                 + np.where(z >= 2, elem * params_gpu / dp, 0.0))
-    per_node = off_bytes * cluster.gpus_per_node
-    cpu = np.where(cand.offload == 1, per_node, 0.0)
-    nvme = np.where(cand.offload == 2, per_node, 0.0)
+    # Host / NVMe: the offloaded states of every GPU of the node. The optimizer's (optimizer_bytes_per_param) on
+    # the offload tier; under ZeRO 2/3 FSDP2's CPUOffloadPolicy keeps the fp32 gradient shards and the parameter
+    # shards in host memory too (in fp32 the shard is the master itself, in 16-bit the optimizer's master is).
+    optimizer_off = k_opt * params_gpu / np.where(z >= 1, dp, 1.0)
+    shard_bytes = GRAD_BYTES + (PARAM_BYTES if precision == "fp32" else 0.0)
+    host_shards = np.where(z >= 2, shard_bytes * params_gpu / dp, 0.0)
+    gpus = cluster.gpus_per_node
+    cpu = np.select([cand.offload == 1, cand.offload == 2], [optimizer_off + host_shards, host_shards], 0.0) * gpus
+    nvme = np.where(cand.offload == 2, optimizer_off, 0.0) * gpus
     fits = (
         (total <= cluster.gpu.hbm_bytes)
         & (cpu <= HOST_USABLE_FRACTION * cluster.cpu_memory_bytes)

@@ -2,11 +2,13 @@
 
 The same traffic rules as planner.placement (whose docstring cites ZeRO-Offload, Ren et al. ATC'21,
 and ZeRO-Infinity, Rajbhandari et al. SC'21), applied to the placement the search assumes for an
-offloading candidate: the optimizer on the offload tier, ZeRO >= 2 gradients streamed to the host,
-ZeRO-3 parameters on the offload tier. Per GPU, with shard = parameters this rank updates:
+offloading candidate: the optimizer on the offload tier, under ZeRO 2/3 the gradient and parameter shards in
+host memory too (FSDP2's CPUOffloadPolicy), ZeRO-3 parameters possibly on NVMe. Per GPU, with shard =
+parameters this rank updates:
   gradients down: every micro-batch's shard (ZeRO >= 2) or the reduced shard once (ZeRO-1),
                   at the device-to-host bandwidth
-  weights up:     the updated shard (ZeRO < 3), or 2 fetches per micro-batch (ZeRO-3), at host-to-device
+  weights up:     the updated shard (ZeRO 1), one fetch per step (ZeRO-2, kept gathered through the step), or
+                  2 fetches per micro-batch (ZeRO-3), at host-to-device
   CPU Adam:       shard / (cpu_adam_params_per_s / gpus_per_node) where the profile has a measured
                   throughput (zplan probe), else reads and writes the fp32 states, reads gradients, writes
                   weights, at this GPU's share of the host memory bandwidth

@@ -37,10 +37,9 @@ PINNED_RUNS = {  # name: (processes, pins, what the plan must then say)
     "zero0": (2, {"zero": 0}, {"dp": 2, "zero_stage": 0}),
     "zero1": (2, {"zero": 1, "micro-batch": 1}, {"dp": 2, "zero_stage": 1, "micro_batch": 1}),
     "zero2-selective": (2, {"zero": 2, "recompute": "selective"}, {"zero_stage": 2, "recompute": "selective"}),
-    # tiny.py fits: the placement keeps its states on the device, so the run offloads nothing
-    # (tests/distributed/test_data_parallel.py runs CPU offload)
-    "zero3-offload-allowed": (2, {"zero": 3, "offload": "cpu", "recompute": "full"},
-                              {"zero_stage": 3, "offload": "none", "recompute": "full"}),
+    # a pin is honoured: the optimizer on the host although tiny.py fits on the device
+    "zero3-offload-cpu": (2, {"zero": 3, "offload": "cpu", "recompute": "full"},
+                          {"zero_stage": 3, "offload": "cpu", "recompute": "full"}),
     "tp2-sp": (2, {"tp": 2, "sequence-parallel": True}, {"tp": 2, "sequence_parallel": True}),
     "pp2-1f1b": (2, {"pp": 2, "interleave": 1}, {"pp": 2, "schedule": "1f1b"}),
 }
@@ -79,3 +78,43 @@ def test_compile_is_deterministic(tmp_path):
     assert len(files) == 7
     for rel in files:
         assert (tmp_path / "a" / rel).read_bytes() == (tmp_path / "b" / rel).read_bytes(), rel
+
+
+OFFLOAD_PIN_RUNS = {  # name: the pins; each plan must offload to the pinned tier and put the optimizer there
+    "zero1-nvme": {"zero": 1, "offload": "nvme"},
+    "zero2-nvme": {"zero": 2, "offload": "nvme"},
+    "zero3-nvme": {"zero": 3, "offload": "nvme"},
+    "zero2-cpu": {"zero": 2, "offload": "cpu"},
+    "cpu-unpinned-zero": {"offload": "cpu"},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(OFFLOAD_PIN_RUNS))
+def test_offload_pin_is_honoured_and_runs(tmp_path, name):
+    """Issue 12: an --offload pin is a requirement (the optimizer states go to the pinned tier, even when tiny.py
+    fits on the device), NVMe runs with ZeRO 1, 2 and 3, and the emitted train.py runs the plan for 3 steps."""
+    from zplan.api import compile_plan, prepare, write_outputs
+    from zplan.runtime.plan_check import runtime_gaps
+    from zplan.schemas.spec import Pins
+
+    pins = Pins(**OFFLOAD_PIN_RUNS[name])
+    model, out = str(ROOT / "examples" / "tiny.py"), tmp_path / "plan"
+    plan = compile_plan(prepare(model, 2, "cpu-local", 8, None, "fp32", pins))
+    write_outputs(plan, out, model)
+    assert plan.parallel.offload == pins.offload
+    assert plan.placement.optimizer == pins.offload
+    if pins.zero is not None:
+        assert plan.parallel.zero_stage == pins.zero
+    assert runtime_gaps(plan) == []
+    saved = json.loads((out / "plan.json").read_text())
+    assert (saved["parallel"]["offload"], saved["placement"]["optimizer"]) == (pins.offload, pins.offload)
+    nvme = tmp_path / "nvme"
+    args = ["--nvme-path", str(nvme)] if pins.offload == "nvme" else []
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
+    result = subprocess.run(["bash", str(out / "launch" / "torchrun.sh"), "--steps", "3", *args],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "trained 3 steps" in result.stdout + result.stderr
+    if pins.offload == "nvme":  # the swap files were written there, and removed at exit
+        assert nvme.is_dir() and not [p for p in nvme.rglob("*") if p.is_file()]

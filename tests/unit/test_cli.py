@@ -122,7 +122,7 @@ def test_a_zero1_cpu_offload_plan_runs(tmp_path):
     """An 8.9B GPT in fp32 with ZeRO-1 fills an A100 with weights and gradients (8 bytes each per
     parameter): the optimizer must go to the host, which the runtime runs with ZeRO-1
     (runtime.offload.cpu_adam_optimizer) as with ZeRO-2: no runtime gap, no warning. (What the runtime
-    cannot run yet, NVMe offload, is flagged: tests/unit/test_plan_check.py.)"""
+    cannot run yet is flagged: tests/unit/test_plan_check.py.)"""
     model = "gpt:layers=44,hidden=4096,heads=32,seq=2048,vocab=51200"
     pins = ["--gpus", 8, "--global-batch", 8, "--tp", 1, "--pp", 1, "--micro-batch", 1, "--recompute", "full",
             "--precision", "fp32", "--offload", "cpu"]
@@ -137,10 +137,11 @@ def test_a_zero1_cpu_offload_plan_runs(tmp_path):
 
 
 def test_offload_follows_the_placement_and_the_report_shows_its_traffic(tmp_path):
-    """A 26B GPT on 8 A100s with ZeRO-2 and --offload cpu: the optimizer and gradients go to the host.
-    By hand (planner.placement's traffic rules): per step and GPU, the fp32 gradient shard (4 P / 8 bytes)
-    goes down once per micro-batch (1 here) and the updated bf16 weight shard (2 P / 8) comes up: 0.75 P.
-    The same pin on a small model that fits leaves everything on the GPU: the run then offloads nothing."""
+    """A 26B GPT on 8 A100s with ZeRO-2 and --offload cpu: the optimizer, gradient and weight shards go to the host
+    (FSDP2's CPUOffloadPolicy). By hand (planner.placement's traffic rules): per step and GPU, the fp32 gradient
+    shard (4 P / 8 bytes) goes down once per micro-batch (1 here) and the fp32 weight shard (4 P / 8) is fetched
+    once for the step's all-gather (ZeRO-2 keeps it gathered): 1.0 P.
+    The same pin on a small model that fits puts its optimizer on the host all the same: a pin is honoured."""
     big = "gpt:layers=32,hidden=8192,heads=64,seq=2048,vocab=51200"
     pins = ["--gpus", 8, "--global-batch", 8, "--tp", 1, "--pp", 1, "--zero", 2, "--offload", "cpu",
             "--micro-batch", 1, "--recompute", "full"]
@@ -148,19 +149,20 @@ def test_offload_follows_the_placement_and_the_report_shows_its_traffic(tmp_path
     assert result.exit_code == 0, result.output
     plan = json.loads((tmp_path / "big" / "plan.json").read_text())
     placement, params = plan["placement"], plan["model"]["params"]
-    assert (placement["optimizer"], placement["gradients"], plan["parallel"]["offload"]) == ("cpu", "cpu", "cpu")
-    assert placement["host_device_bytes_per_step"] == pytest.approx(0.75 * params)
+    assert (placement["optimizer"], placement["gradients"], placement["parameters"], plan["parallel"]["offload"]) \
+        == ("cpu", "cpu", "cpu", "cpu")
+    assert placement["host_device_bytes_per_step"] == pytest.approx(1.0 * params)
     assert placement["host_device_s"] > 0 and placement["cpu_optimizer_s"] > 0
     from zplan.codegen.context import format_bytes
 
     report = (tmp_path / "big" / "report.md").read_text()
-    assert f"| Offload traffic | host-GPU {format_bytes(0.75 * params)} in " in report
+    assert f"| Offload traffic | host-GPU {format_bytes(1.0 * params)} in " in report
 
     small = run("compile", GPT_SMALL, *pins, "-o", tmp_path / "small", "--json")
     data = json.loads(small.stdout)
-    assert data["parallel"]["offload"] == "none"
-    assert [data["placement"][state] for state in ("parameters", "gradients", "optimizer")] == ["gpu"] * 3
-    assert "| Offload traffic | none (nothing offloaded) |" in (tmp_path / "small" / "report.md").read_text()
+    assert data["parallel"]["offload"] == "cpu"
+    assert [data["placement"][state] for state in ("parameters", "gradients", "optimizer")] == ["cpu", "cpu", "cpu"]
+    assert "| Offload traffic | host-GPU " in (tmp_path / "small" / "report.md").read_text()
 
 
 def test_estimate_json_has_the_documented_keys():

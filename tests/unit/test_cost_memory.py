@@ -71,9 +71,17 @@ def test_fp32_states_are_four_plus_four_plus_eight():
 def test_offload_moves_optimizer_off_the_gpu_and_onto_the_host():
     model = gpt_numbers()
     mem = memory_per_gpu(model, one(zero=2, offload=1), A100, "bf16", np.array([1.0]))
-    assert mem.optimizer[0] == 0.0 and mem.gradients[0] == 0.0
-    # each of the node's 8 GPUs keeps its 12/8 + 2/8 bytes per parameter on the host
-    assert mem.cpu_bytes_per_node[0] == pytest.approx(8 * (12 + 2) / 8 * model.params)
+    # ZeRO-2 under FSDP2's CPUOffloadPolicy: weight and gradient shards leave the GPU with the optimizer
+    assert mem.optimizer[0] == 0.0 and mem.gradients[0] == 0.0 and mem.parameters[0] == 0.0
+    # each of the node's 8 GPUs keeps on the host, per parameter: 12/8 (fp32 master, m, v) + 4/8 (fp32 gradient)
+    assert mem.cpu_bytes_per_node[0] == pytest.approx(8 * (12 + 4) / 8 * model.params)
+    # fp32: the weight shard is the master (4), beside m and v (8) and the gradient (4)
+    fp32 = memory_per_gpu(model, one(zero=3, offload=1), A100, "fp32", np.array([1.0]))
+    assert fp32.cpu_bytes_per_node[0] == pytest.approx(8 * (8 + 4 + 4) / 8 * model.params)
+    # NVMe: the optimizer's bytes on NVMe, the FSDP2 shards still in host memory
+    nvme = memory_per_gpu(model, one(zero=3, offload=2), A100, "fp32", np.array([1.0]))
+    assert nvme.nvme_bytes_per_node[0] == pytest.approx(8 * 8 / 8 * model.params)
+    assert nvme.cpu_bytes_per_node[0] == pytest.approx(8 * 8 / 8 * model.params)
 
 
 @pytest.mark.parametrize("tp,sp,recompute,expected", [

@@ -6,7 +6,12 @@ import pytest
 
 from zplan.planner.clusters import BUILTIN_CLUSTERS
 from zplan.planner.cost.inputs import OFFLOAD_TIERS
-from zplan.planner.enumerate import INTERLEAVE_CHOICES, MAX_MICRO_BATCH, enumerate_candidates
+from zplan.planner.enumerate import (
+    INTERLEAVE_CHOICES,
+    MAX_MICRO_BATCH,
+    enumerate_candidates,
+    explain_no_candidates,
+)
 from zplan.schemas import LayerCost, ModelSummary, Pins
 
 A100 = BUILTIN_CLUSTERS["dgx-a100-80g"]
@@ -21,7 +26,7 @@ def summary(blocks=12, heads=12, kv_heads=4) -> ModelSummary:
                         params=blocks + 1, layers=units, block_prefix="blocks", tp_rules=[])
 
 
-def brute_force(model, gpus, batch, runtime_gaps_pinned=False):
+def brute_force(model, gpus, batch):
     out = set()
     for tp, pp, mb, z, r, sp, v, off in itertools.product(
         range(1, gpus + 1), range(1, gpus + 1), range(1, MAX_MICRO_BATCH + 1), range(4), range(3), range(2),
@@ -32,13 +37,11 @@ def brute_force(model, gpus, batch, runtime_gaps_pinned=False):
         dp = gpus // (tp * pp)
         legal = (
             model.heads % tp == 0 and model.kv_heads % tp == 0 and pp <= model.num_blocks
-            and batch % (dp * mb) == 0 and (sp == 0 or tp > 1) and (off == 0 or z >= 1) and (off < 2 or z == 3)
+            and batch % (dp * mb) == 0 and (sp == 0 or tp > 1) and (off == 0 or z >= 1)
             and (v == 1 or pp > 1) and pp * v <= model.num_blocks
             and (pp == 1 or batch // dp // mb >= pp)  # 1F1B: at least one micro-batch per stage
             and (v == 1 or (model.num_blocks % (pp * v) == 0 and (batch // dp // mb) % pp == 0))
-            # the runtime runs CPU offload with ZeRO 1/2/3, NVMe not yet: NVMe only when pinned
-            and (off == 0 or (off == 1 and z >= 1) or runtime_gaps_pinned)
-        )
+        )  # the runtime runs CPU and NVMe offload with ZeRO 1/2/3 (the A100 profile has NVMe)
         if legal:
             out.add((tp, pp, dp, mb, z, r, sp, v, off))
     return out
@@ -55,13 +58,23 @@ def test_enumeration_equals_brute_force(gpus, batch):
     assert as_set(enumerate_candidates(model, A100, gpus, batch, Pins())) == brute_force(model, gpus, batch)
 
 
-@pytest.mark.parametrize("pins", [Pins(offload="nvme")])
-def test_what_the_runtime_cannot_run_yet_is_there_only_when_pinned(pins):
+@pytest.mark.parametrize("pins", [Pins(offload="nvme"), Pins(offload="nvme", zero=1), Pins(offload="cpu", zero=2)])
+def test_an_offload_pin_keeps_exactly_its_tier(pins):
     model = summary()
-    expected = {c for c in brute_force(model, 8, 16, runtime_gaps_pinned=True)
+    expected = {c for c in brute_force(model, 8, 16)
                 if c[8] == OFFLOAD_TIERS.index(pins.offload) and (pins.zero is None or c[4] == pins.zero)}
-    assert as_set(enumerate_candidates(model, A100, 8, 16, pins)) == expected
-    assert not [c for c in brute_force(model, 8, 16) if c[8] == 2 or (c[8] == 1 and c[4] < 1)]
+    assert expected and as_set(enumerate_candidates(model, A100, 8, 16, pins)) == expected
+
+
+def test_nvme_offload_is_legal_with_zero_1_2_3_unpinned_too():
+    """runtime.offload.nvme_optimizer runs NVMe with ZeRO 1 (NvmeZeroOneAdamW) and ZeRO 2/3 (NvmeShardedAdamW):
+    the search prices it like any other candidate; ZeRO 0 never offloads."""
+    unpinned = as_set(enumerate_candidates(summary(), A100, 8, 16, Pins()))
+    assert {c[4] for c in unpinned if c[8] == 2} == {1, 2, 3}
+    for zero in (1, 2, 3):
+        pinned = enumerate_candidates(summary(), A100, 8, 16, Pins(offload="nvme", zero=zero))
+        assert len(pinned) > 0 and set(pinned.zero.tolist()) == {zero} and set(pinned.offload.tolist()) == {2}
+    assert len(enumerate_candidates(summary(), A100, 8, 16, Pins(offload="nvme", zero=0))) == 0
 
 
 def test_cpu_offload_with_zero1_is_chosen_unpinned():
@@ -86,3 +99,46 @@ def test_no_nvme_tier_on_a_cluster_without_nvme():
     no_nvme = A100.model_copy(update={"nvme_bytes": 0})
     cand = enumerate_candidates(summary(), no_nvme, 8, 16, Pins())
     assert 2 not in set(cand.offload.tolist())
+
+
+def test_a_pinned_tp_must_divide_the_heads():
+    assert len(enumerate_candidates(summary(heads=12, kv_heads=4), A100, 8, 16, Pins(tp=8))) == 0
+    assert len(enumerate_candidates(summary(heads=12, kv_heads=4), A100, 8, 16, Pins(tp=4))) > 0
+
+
+@pytest.mark.parametrize("pins, cluster, gpus, batch, named, rule", [
+    (Pins(offload="nvme", zero=1), A100.model_copy(update={"nvme_bytes": 0}), 8, 16, ["--offload nvme"],
+     "NVMe offload needs a cluster with NVMe"),
+    (Pins(tp=8), A100, 8, 16, ["--tp 8"], "tp divides the 12 attention heads and 4 KV heads"),
+    (Pins(pp=4, interleave=4), A100, 8, 16, ["--pp 4", "--interleave 4"], "pp * interleave <= the 12 blocks"),
+    (Pins(micro_batch=3), A100, 8, 16, ["--micro-batch 3"], "the global batch 16 divides by dp * micro-batch"),
+    (Pins(sequence_parallel=True), A100, 1, 16, ["--sequence-parallel"], "sequence parallel needs tp > 1"),
+    (Pins(pp=4, micro_batch=4), A100, 4, 8, ["--pp 4", "--micro-batch 4"], "a pipeline gets at least pp micro-batches"),
+])
+def test_the_conflict_message_names_the_pins_and_the_rule(pins, cluster, gpus, batch, named, rule):
+    model = summary()
+    assert len(enumerate_candidates(model, cluster, gpus, batch, pins)) == 0
+    message = explain_no_candidates(model, cluster, gpus, batch, pins)
+    assert rule in message, message
+    assert "; or " not in message  # one rule alone explains it
+    pin_part = message.split("break")[0]
+    assert all(pin in pin_part for pin in named), message
+
+
+def test_two_rules_that_each_explain_a_conflict_are_both_named():
+    # dp=2 and pp=4 leave tp=1 and 2 micro-batches for 4 stages: relaxing either rule would leave candidates
+    message = explain_no_candidates(summary(), A100, 8, 16, Pins(pp=4, micro_batch=4, dp=2))
+    assert "the pins --dp 2 and --pp 4 break the rule: dp * tp * pp = 8 GPUs" in message
+    assert "; or the pins --pp 4 and --micro-batch 4 and --dp 2 break the rule: a pipeline gets" in message
+
+
+def test_search_raises_the_conflict_message():
+    from zplan.errors import SpecError
+    from zplan.planner.search import choose, score
+    from zplan.schemas.spec import TrainSpec
+
+    model, no_nvme = summary(), A100.model_copy(update={"nvme_bytes": 0})
+    train = TrainSpec(global_batch=16, seq_len=128, precision="bf16")
+    pins = Pins(offload="nvme", zero=2)
+    with pytest.raises(SpecError, match="the pin --offload nvme breaks the rule: NVMe offload needs a cluster"):
+        choose(model, no_nvme, 8, train, pins, score(model, no_nvme, 8, train, pins))

@@ -17,25 +17,30 @@ BANDWIDTHS = dict(host_device_bytes_per_s=25 * GB, nvme_bytes_per_s=3 * GB, cpu_
 TIERS = ("gpu", "cpu", "nvme")
 
 
-def legal_by_hand(params, grads, optimizer, zero_stage, offload):
-    """The rules, written out independently of the module (DeepSpeed's ZeRO-Offload / ZeRO-Infinity)."""
-    pinned = {"none": {"gpu"}, "cpu": {"gpu", "cpu"}, "nvme": {"gpu", "cpu", "nvme"}}[offload]
-    if not {params, grads, optimizer} <= pinned:
+def legal_by_hand(params, grads, optimizer, zero_stage, offload, pinned=False):
+    """The rules, written out independently of the module (DeepSpeed's ZeRO-Offload / ZeRO-Infinity, as zplan's
+    runtime runs them: NVMe optimizer states with ZeRO 1, 2 and 3, parameters on NVMe with ZeRO 3 only; under
+    ZeRO 2/3 parameters, gradients and optimizer leave the GPU together).
+    `pinned`: the offload tier is the user's --offload pin, where the optimizer states must then live."""
+    allowed = {"none": {"gpu"}, "cpu": {"gpu", "cpu"}, "nvme": {"gpu", "cpu", "nvme"}}[offload]
+    if not {params, grads, optimizer} <= allowed:
         return False
-    if params != "gpu" and zero_stage < 3:
+    if pinned and optimizer != {"none": "gpu", "cpu": "cpu", "nvme": "nvme"}[offload]:
+        return False
+    if params != "gpu" and (zero_stage < 2 or (params == "nvme" and zero_stage < 3)):
         return False
     if grads != "gpu" and (zero_stage < 2 or grads == "nvme" or optimizer == "gpu"):
         return False
-    if optimizer == "cpu" and zero_stage < 1:
-        return False
-    return not (optimizer == "nvme" and zero_stage < 3)
+    if zero_stage >= 2 and len({params == "gpu", grads == "gpu", optimizer == "gpu"}) > 1:
+        return False  # FSDP2's CPUOffloadPolicy takes the three off the GPU together
+    return not (optimizer != "gpu" and zero_stage < 1)
 
 
-def brute_force(sizes, capacity, zero_stage, offload, micro_batches, bandwidths=BANDWIDTHS):
+def brute_force(sizes, capacity, zero_stage, offload, micro_batches, bandwidths=BANDWIDTHS, pinned=False):
     """(least time, its tiers) over legal placements that fit, or (None, least total overflow)."""
     best_time, best_tiers, least_overflow = np.inf, None, np.inf
     for tiers in itertools.product(TIERS, repeat=3):
-        if not legal_by_hand(*tiers, zero_stage, offload):
+        if not legal_by_hand(*tiers, zero_stage, offload, pinned):
             continue
         used = {t: sum(b for b, tier in zip(sizes, tiers, strict=True) if tier == t) for t in TIERS}
         overflow = sum(max(0.0, used[t] - capacity[t]) for t in TIERS)
@@ -49,15 +54,17 @@ def brute_force(sizes, capacity, zero_stage, offload, micro_batches, bandwidths=
     return (best_time, best_tiers) if best_tiers else (None, least_overflow)
 
 
-def place(sizes, capacity, zero_stage, offload, micro_batches=1, bandwidths=BANDWIDTHS):
+def place(sizes, capacity, zero_stage, offload, micro_batches=1, bandwidths=BANDWIDTHS, pinned=False, fetches=None):
     return place_model_states(
         param_bytes=sizes[0], grad_bytes=sizes[1], optimizer_bytes=sizes[2],
         gpu_free_bytes=capacity["gpu"], cpu_free_bytes=capacity["cpu"], nvme_free_bytes=capacity["nvme"],
-        zero_stage=zero_stage, offload=offload, micro_batches_per_step=micro_batches, **bandwidths)
+        zero_stage=zero_stage, offload=offload, micro_batches_per_step=micro_batches, **bandwidths,
+        offload_pinned=pinned, param_fetches_per_step=fetches)
 
 
 def test_cp_sat_agrees_with_brute_force_on_random_instances():
     rng = np.random.default_rng(0)
+    pin_rng = np.random.default_rng(10)  # apart, so that the instances stay those of rng
     checked = infeasible = 0
     distinct_choices = set()
     for _ in range(150):
@@ -68,10 +75,11 @@ def test_cp_sat_agrees_with_brute_force_on_random_instances():
         micro_batches = int(rng.integers(1, 5))
         # Bandwidths over two orders of magnitude, so that every term of the objective can decide.
         bandwidths = {name: 10 ** rng.uniform(9, 11) for name in BANDWIDTHS}
-        expected_time, detail = brute_force(sizes, capacity, zero_stage, offload, micro_batches, bandwidths)
-        result = place(sizes, capacity, zero_stage, offload, micro_batches, bandwidths)
+        pinned = bool(pin_rng.integers(0, 2)) and (zero_stage >= 1 or offload == "none")
+        expected_time, detail = brute_force(sizes, capacity, zero_stage, offload, micro_batches, bandwidths, pinned)
+        result = place(sizes, capacity, zero_stage, offload, micro_batches, bandwidths, pinned)
         tiers = (result.param_tier, result.grad_tier, result.optimizer_tier)
-        assert legal_by_hand(*tiers, zero_stage, offload)
+        assert legal_by_hand(*tiers, zero_stage, offload, pinned)
         assert result.optimal
         if expected_time is None:
             infeasible += 1
@@ -85,7 +93,8 @@ def test_cp_sat_agrees_with_brute_force_on_random_instances():
             assert result.total_transfer_s == pytest.approx(expected_time, rel=1e-6, abs=1e-12)
             assert result.gpu_bytes <= capacity["gpu"] and result.cpu_bytes <= capacity["cpu"]
             assert result.nvme_bytes <= capacity["nvme"]
-    assert checked > 30 and infeasible > 10 and len(distinct_choices) >= 6  # all branches exercised
+    # all branches exercised: on the GPU, ZeRO-1's optimizer off, ZeRO 2/3's three states off (CPU or NVMe optimizer)
+    assert checked > 30 and infeasible > 10 and len(distinct_choices) >= 5
 
 
 def test_cp_sat_agrees_with_brute_force_where_the_objective_decides():
@@ -107,7 +116,7 @@ def test_cp_sat_agrees_with_brute_force_where_the_objective_decides():
         result = place(sizes, capacity, zero_stage, "nvme", micro_batches, bandwidths)
         assert result.total_transfer_s == pytest.approx(expected_time, rel=1e-6)
         choices.add(expected_tiers)
-    assert len(choices) >= 8
+    assert len(choices) >= 6  # every legal kind of placement but the all-GPU one
 
 
 @pytest.mark.parametrize("micro_batches", [1, 3])
@@ -120,10 +129,11 @@ def test_cp_sat_objective_prices_every_placement_like_transfer_times(micro_batch
     plenty = {t: 1e15 for t in TIERS}
     # the rank's update share of replicated states (e.g. 1/dp of them) differs from their size
     updates = {"param_update_bytes": 1.5 * GB, "grad_update_bytes": 2 * GB}
-    for tiers in enumerate_legal_placements(3, "nvme"):
+    legal = [(zero, tiers) for zero in (1, 3) for tiers in enumerate_legal_placements(zero, "nvme")]
+    for zero, tiers in legal:
         forced = {state: (tier,) for state, tier in tiers.items()}
         found, proven, model_time_s = _solve(sizes, updates, plenty, forced, bandwidths, micro_batches, 5.0,
-                                             allow_overflow=False)
+                                             allow_overflow=False, together=zero >= 2)
         assert found == tiers and proven
         expected = transfer_times(tiers["params"], tiers["grads"], tiers["optimizer"],
                                   param_bytes=3 * GB, grad_bytes=5 * GB, optimizer_bytes=17 * GB,
@@ -131,14 +141,19 @@ def test_cp_sat_objective_prices_every_placement_like_transfer_times(micro_batch
         assert model_time_s == pytest.approx(expected.total_s, rel=1e-6, abs=1e-9)
 
 
-def test_large_gradients_stay_on_the_gpu_and_parameters_go_instead():
-    # ZeRO-3, 4 micro-batches, GPU room for the 4 GB of gradients or the 1 GB of parameters, not both.
-    # Gradients on the CPU: 4 x 4 GB down + 1 GB up = 17 GB; parameters on the CPU: 8 fetches of 1 GB
-    # + 4 GB of gradients down once = 12 GB. The optimizer (12 GB) cannot stay on the GPU.
+def test_zero3_offload_moves_the_three_states_together():
+    # ZeRO-3, 4 micro-batches, the optimizer (12 GB) cannot stay on the GPU: under FSDP2's CPUOffloadPolicy the
+    # parameter and gradient shards go to the host with it, although the GPU would hold either. Traffic: 8
+    # fetches of 1 GB of parameters (forward and backward of each micro-batch) + 4 x 4 GB of gradients = 24 GB.
     result = place((1 * GB, 4 * GB, 12 * GB), {"gpu": 4.5 * GB, "cpu": 100 * GB, "nvme": 0.0}, 3, "cpu",
                    micro_batches=4)
-    assert (result.param_tier, result.grad_tier, result.optimizer_tier) == ("cpu", "gpu", "cpu")
-    assert result.transfer.host_device_bytes == 12 * GB
+    assert (result.param_tier, result.grad_tier, result.optimizer_tier) == ("cpu", "cpu", "cpu")
+    assert result.transfer.host_device_bytes == 24 * GB
+    # ZeRO-2 keeps the parameters gathered through the step: one fetch (planner.placement_choice passes it)
+    zero2 = place((1 * GB, 4 * GB, 12 * GB), {"gpu": 4.5 * GB, "cpu": 100 * GB, "nvme": 0.0}, 2, "cpu",
+                  micro_batches=4, fetches=1)
+    assert (zero2.param_tier, zero2.grad_tier, zero2.optimizer_tier) == ("cpu", "cpu", "cpu")
+    assert zero2.transfer.host_device_bytes == 17 * GB
 
 
 def test_everything_fits_on_the_gpu_means_no_transfers():
@@ -148,17 +163,16 @@ def test_everything_fits_on_the_gpu_means_no_transfers():
 
 
 def test_zero_offload_traffic_by_hand():
-    # ZeRO-Offload (Ren et al. 2021): 1B parameters on one GPU, optimizer and gradients on the CPU.
+    # ZeRO-Offload (Ren et al. 2021) with ZeRO-1: 1B parameters on one GPU, the optimizer on the CPU.
     # Per step: 2 GB of fp16 gradients down, 2 GB of fp16 parameters up over PCIe; CPU Adam reads and
     # writes 12 GB of fp32 states, reads 2 GB of gradients and writes 2 GB of parameters.
-    # A 3 GB GPU holds the parameters only, so the gradients go to the CPU as well.
-    result = place((2 * GB, 2 * GB, 12 * GB), {"gpu": 3 * GB, "cpu": 100 * GB, "nvme": 0.0}, 2, "cpu")
-    assert (result.param_tier, result.grad_tier, result.optimizer_tier) == ("gpu", "cpu", "cpu")
+    result = place((2 * GB, 2 * GB, 12 * GB), {"gpu": 4 * GB, "cpu": 100 * GB, "nvme": 0.0}, 1, "cpu")
+    assert (result.param_tier, result.grad_tier, result.optimizer_tier) == ("gpu", "gpu", "cpu")
     assert result.transfer.host_device_bytes == 4 * GB
     assert result.transfer.host_device_s == pytest.approx(4 / 25)
     assert result.transfer.cpu_optimizer_s == pytest.approx(28 / 40)
     assert result.transfer.nvme_s == 0.0
-    assert (result.gpu_bytes, result.cpu_bytes) == (2 * GB, 14 * GB)
+    assert (result.gpu_bytes, result.cpu_bytes) == (4 * GB, 12 * GB)
 
 
 def test_zero_infinity_nvme_traffic_by_hand():
@@ -173,13 +187,17 @@ def test_zero_infinity_nvme_traffic_by_hand():
 
 def test_capacity_forces_offload_of_the_optimizer_first():
     sizes = (2 * GB, 2 * GB, 12 * GB)
-    result = place(sizes, {"gpu": 10 * GB, "cpu": 100 * GB, "nvme": 0.0}, 2, "cpu")
+    result = place(sizes, {"gpu": 10 * GB, "cpu": 100 * GB, "nvme": 0.0}, 1, "cpu")
     assert result.feasible and result.optimizer_tier == "cpu" and result.param_tier == "gpu"
     assert result.gpu_bytes <= 10 * GB
-    # Without CPU room the optimizer would have to go to NVMe, which needs ZeRO-3.
-    assert not place(sizes, {"gpu": 10 * GB, "cpu": 1 * GB, "nvme": 1e13}, 2, "nvme").feasible
-    nvme = place(sizes, {"gpu": 10 * GB, "cpu": 3 * GB, "nvme": 1e13}, 3, "nvme")
-    assert nvme.feasible and nvme.optimizer_tier == "nvme"
+    # Without CPU room the optimizer goes to NVMe: ZeRO-Infinity's swapper, which zplan's runtime runs with
+    # ZeRO 1 (NvmeZeroOneAdamW) and ZeRO 2/3 (NvmeShardedAdamW, beside FSDP2's host shards); ZeRO 0 has no shard.
+    nvme = place(sizes, {"gpu": 10 * GB, "cpu": 1 * GB, "nvme": 1e13}, 1, "nvme")
+    assert nvme.feasible and (nvme.param_tier, nvme.grad_tier, nvme.optimizer_tier) == ("gpu", "gpu", "nvme")
+    for zero_stage in (2, 3):
+        nvme = place(sizes, {"gpu": 10 * GB, "cpu": 4 * GB, "nvme": 1e13}, zero_stage, "nvme")
+        assert nvme.feasible and nvme.optimizer_tier == "nvme" and (nvme.param_tier, nvme.grad_tier) != ("gpu",) * 2
+    assert not place(sizes, {"gpu": 10 * GB, "cpu": 1 * GB, "nvme": 1e13}, 0, "nvme").feasible
 
 
 def test_offload_none_never_leaves_the_gpu():
@@ -191,25 +209,60 @@ def test_offload_none_never_leaves_the_gpu():
         assert result.overflow_bytes["gpu"] == pytest.approx(15 * GB)
 
 
-def test_below_zero_3_parameters_stay_on_the_gpu():
+def test_below_zero_2_parameters_stay_on_the_gpu():
     sizes = (2 * GB, 2 * GB, 12 * GB)
     for zero_stage in range(3):
         for gpu_free in (0.0, 3 * GB, 5 * GB, 16 * GB):
             result = place(sizes, {"gpu": gpu_free, "cpu": 1e12, "nvme": 1e13}, zero_stage, "nvme")
-            assert result.param_tier == "gpu"
-            # What must stay on the GPU: everything (ZeRO-0), params + grads (ZeRO-1), params (ZeRO-2).
-            assert result.feasible == (gpu_free >= {0: 16, 1: 4, 2: 2}[zero_stage] * GB)
+            # What must stay on the GPU: everything (ZeRO-0), params + grads (ZeRO-1), nothing (ZeRO-2: FSDP2
+            # offloads the parameter shards, never to NVMe).
+            assert result.feasible == (gpu_free >= {0: 16, 1: 4, 2: 0}[zero_stage] * GB)
+            assert result.param_tier == ("gpu" if zero_stage < 2 or gpu_free >= 16 * GB else "cpu")
             if zero_stage < 2:
                 assert result.grad_tier == "gpu"
-            assert result.optimizer_tier != "nvme"
+            if zero_stage == 0:
+                assert result.optimizer_tier == "gpu"
 
 
 def test_enumerated_legal_placements_match_the_rules():
-    for zero_stage, offload in itertools.product(range(4), ("none", "cpu", "nvme")):
-        by_hand = {t for t in itertools.product(TIERS, repeat=3) if legal_by_hand(*t, zero_stage, offload)}
+    for zero_stage, offload, pinned in itertools.product(range(4), ("none", "cpu", "nvme"), (False, True)):
+        by_hand = {t for t in itertools.product(TIERS, repeat=3)
+                   if legal_by_hand(*t, zero_stage, offload, pinned)}
         listed = {(p["params"], p["grads"], p["optimizer"])
-                  for p in enumerate_legal_placements(zero_stage, offload)}
+                  for p in enumerate_legal_placements(zero_stage, offload, pinned)}
         assert listed == by_hand
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_an_offload_pin_puts_the_optimizer_on_its_tier_even_when_it_fits_on_the_gpu(zero_stage, offload):
+    """Issue 12: --offload is a requirement. Under ZeRO-1 parameters and gradients stay on the GPU; under ZeRO 2/3
+    they leave with the optimizer (FSDP2's CPUOffloadPolicy keeps their shards on the host)."""
+    sizes, plenty = (2 * GB, 2 * GB, 12 * GB), {"gpu": 80 * GB, "cpu": 1e12, "nvme": 1e13}
+    allowed = place(sizes, plenty, zero_stage, offload)
+    assert (allowed.param_tier, allowed.grad_tier, allowed.optimizer_tier) == ("gpu", "gpu", "gpu")
+    pinned = place(sizes, plenty, zero_stage, offload, pinned=True)
+    states = ("gpu", "gpu") if zero_stage == 1 else ("cpu", "cpu")
+    assert (pinned.param_tier, pinned.grad_tier, pinned.optimizer_tier) == (*states, offload)
+    assert pinned.feasible and pinned.total_transfer_s > 0
+    tight = place(sizes, {"gpu": 3 * GB, "cpu": 1e12, "nvme": 1e13}, zero_stage, offload, pinned=True)
+    assert tight.optimizer_tier == offload and tight.feasible == (zero_stage >= 2)
+
+
+def test_an_offload_pin_none_keeps_everything_on_the_gpu_and_a_pin_needs_zero_1():
+    sizes = (2 * GB, 2 * GB, 12 * GB)
+    result = place(sizes, {"gpu": 1 * GB, "cpu": 1e12, "nvme": 1e13}, 3, "none", pinned=True)
+    assert (result.param_tier, result.grad_tier, result.optimizer_tier) == ("gpu", "gpu", "gpu")
+    assert not result.feasible
+    with pytest.raises(ValueError, match="needs ZeRO >= 1"):
+        place(sizes, {"gpu": 80 * GB, "cpu": 1e12, "nvme": 1e13}, 0, "nvme", pinned=True)
+
+
+def test_an_nvme_pin_fails_over_capacity_rather_than_moving_the_optimizer():
+    # no NVMe room: the pinned tier overflows (feasible False) instead of the optimizer going to the CPU
+    result = place((2 * GB, 2 * GB, 12 * GB), {"gpu": 80 * GB, "cpu": 1e12, "nvme": 1 * GB}, 1, "nvme", pinned=True)
+    assert result.optimizer_tier == "nvme" and not result.feasible
+    assert result.overflow_bytes["nvme"] == pytest.approx(11 * GB)
 
 
 def test_bad_inputs_raise():

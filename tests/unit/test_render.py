@@ -9,6 +9,7 @@ import sys
 from collections import Counter
 from html.parser import HTMLParser
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -143,18 +144,33 @@ def test_charts_are_drawn_in_headless_chromium(tmp_path):
     assert all(marks[chart_id]["title"] > 0 for chart_id in CHART_IDS)
 
 
-@pytest.mark.parametrize(("zero", "weights_first"), [(0, True), (1, True), (2, False), (3, False)])
-def test_script_materialises_weights_where_the_zero_stage_says(zero, weights_first, tmp_path):
-    """ZeRO 0/1 replicate parameters (DDP needs real tensors): weights before apply_data_parallel; ZeRO
-    2/3 shard them (FSDP2 on the meta model): after, so each rank makes only its shards."""
+def test_the_script_runs_plan_json_and_shows_it_for_review(tmp_path):
+    """train.py holds no plan constants that could drift from plan.json: it applies the plan it loads
+    (runtime/plan_apply.py), and shows the plan as comments."""
     from zplan.codegen.script import render_script_files
 
-    plan = sample_plan("tiny-dp", parallel={"zero_stage": zero})
+    plan = sample_plan("tiny-dp", parallel={"zero_stage": 2})
     render_script_files(plan, tmp_path, "tiny.py")
     code = (tmp_path / "train.py").read_text()
-    assert "build_meta_model(model_file.build_model" in code and "build_model(model_file" not in code
-    assert code.count("materialize_weights(model, weights, ctx.device)") == 1
-    materialise, data_parallel = code.index("materialize_weights(model,"), code.index("apply_data_parallel(model,")
-    assert (materialise < data_parallel) == weights_first
-    assert f"# ZeRO {zero}:" in code
+    assert "parallelize(model, weights, mesh, plan, model_file, ctx.device)" in code
+    assert "ZERO_STAGE" not in code and "TP_PLAN" not in code and "MICRO_BATCH" not in code
+    assert "#   ZeRO stage       2 (" in code
     compile(code, "train.py", "exec")
+
+
+@pytest.mark.parametrize(("zero", "weights_first"), [(0, True), (1, True), (2, False), (3, False)])
+def test_parallelize_makes_the_weights_where_the_zero_stage_says(zero, weights_first, monkeypatch):
+    """ZeRO 0/1 replicate parameters (DDP needs real tensors): weights before apply_data_parallel; ZeRO 2/3
+    shard them (FSDP2 on the meta model): after, so each rank makes only its shards."""
+    import zplan.runtime.plan_apply as plan_apply
+
+    calls = []
+    for step in ("apply_tensor_parallel", "apply_recompute", "apply_pipeline", "apply_data_parallel",
+                 "materialize_weights"):
+        monkeypatch.setattr(plan_apply, step, lambda model, *args, _step=step, **kwargs: calls.append(_step) or model)
+    plan = sample_plan("tiny-dp", parallel={"zero_stage": zero})
+    model_file = SimpleNamespace(loss_fn=None, example_inputs=lambda micro_batch, seq_len: None)
+    plan_apply.parallelize("model", None, {"tp": None, "pp": None, "dp": None}, plan, model_file, "cpu")
+    replicated = ["materialize_weights", "apply_data_parallel"]
+    assert calls == ["apply_tensor_parallel", "apply_recompute", "apply_pipeline",
+                     *(replicated if weights_first else replicated[::-1])]

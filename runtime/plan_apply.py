@@ -1,0 +1,105 @@
+"""plan.json applied to a model: the one place where a run learns what to do from its plan (DESIGN.md decision 5).
+
+    plan = load_plan(HERE / "plan.json"); check_plan(plan, model_path, ctx.world_size)   # before any collective
+    mesh = plan_mesh(plan, ctx.device.type)
+    model, weights = build_meta_model(model_file.build_model, seed=seed, device=ctx.device)
+    model, materialized = parallelize(model, weights, mesh, plan, model_file, ctx.device)
+    optimizer = plan_optimizer(model, mesh, plan, lr=lr, weight_decay=weight_decay, steps=steps)
+    train(model, optimizer, data, model_file.loss_fn, train_config(plan, steps=steps, ...), ctx)
+
+parallelize is the fixed order (torchtitan's parallelize_llama is the model: a short ordered function, the
+sharding plans as data): tensor parallel -> activation recompute -> pipeline split -> data parallel (ZeRO
+stage, mixed precision, offload, compression), with the weights made before data parallelism under ZeRO 0/1
+(DDP needs real tensors) and after it under ZeRO 2/3 (only FSDP2's shards are made). Every setting comes
+from the plan that check_plan validated, so an edit to plan.json is either checked and run, or refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from zplan.errors import PlanMismatchError
+from zplan.runtime.apply import (
+    apply_data_parallel,
+    apply_pipeline,
+    apply_recompute,
+    apply_tensor_parallel,
+    build_optimizer,
+)
+from zplan.runtime.checkpoint import CheckpointConfig
+from zplan.runtime.materialize import MaterializeReport, materialize_weights
+from zplan.runtime.mesh import build_mesh
+from zplan.runtime.train_loop import PlanFigures, TrainConfig
+from zplan.schemas.plan import Plan
+
+
+def plan_mesh(plan: Plan, device_type: str) -> DeviceMesh:
+    """The (pp, dp, tp) device mesh of the plan, tp innermost."""
+    p = plan.parallel
+    return build_mesh(pp=p.pp, dp=p.dp, tp=p.tp, device_type=device_type)
+
+
+def parallelize(model: nn.Module, weights, mesh: DeviceMesh, plan: Plan, model_file, device: torch.device
+                ) -> tuple[nn.Module, MaterializeReport]:
+    """Apply `plan` to `model` (built on meta by build_meta_model, `weights` its recorded initialisation) in the
+    fixed order (module docstring); returns the model to train and what making its weights took on this rank."""
+    p, prefix, precision = plan.parallel, plan.model.block_prefix, plan.train.precision
+    model = apply_tensor_parallel(model, mesh["tp"], {rule.module: rule.style for rule in plan.model.tp_rules},
+                                  prefix, p.sequence_parallel)
+    model = apply_recompute(model, p.recompute, prefix)
+    model = apply_pipeline(model, mesh["pp"], [stage.layer_names for stage in plan.stages], p.schedule,
+                           units=plan.model.layers, num_micro_batches=p.num_micro_batches, loss_fn=model_file.loss_fn,
+                           example_micro_batch=model_file.example_inputs(p.micro_batch, plan.train.seq_len),
+                           activation_compression=p.compression.activations)
+    replicated = p.zero_stage in (0, 1)
+    if replicated:
+        materialized = materialize_weights(model, weights, device)
+    model = apply_data_parallel(model, mesh["dp"], p.zero_stage, precision, p.offload, prefix,
+                                grad_compression=p.compression.grad, weight_compression=p.compression.weights)
+    if not replicated:
+        materialized = materialize_weights(model, weights, device)
+    return model, materialized
+
+
+def plan_optimizer(model: nn.Module, mesh: DeviceMesh, plan: Plan, *, lr: float, weight_decay: float, steps: int,
+                   nvme_path: str | None = None, onebit_warmup_steps: int | None = None) -> torch.optim.Optimizer:
+    """The optimizer the plan places (runtime.apply.build_optimizer): ZeRO stage, offload tier, delayed update,
+    1-bit Adam. `nvme_path`: the swap folder, required when the plan offloads to NVMe. `onebit_warmup_steps`:
+    exact AdamW steps before 1-bit Adam compresses (default: the planner's, or 30 % of `steps` when fewer)."""
+    from zplan.planner.compression import ONE_BIT_WARMUP_STEPS
+
+    p = plan.parallel
+    if p.offload == "nvme" and not nvme_path:
+        raise PlanMismatchError("the plan offloads the optimizer states to NVMe (parallel.offload = nvme): pass "
+                                "--nvme-path DIR, a folder on a local NVMe drive")
+    return build_optimizer(
+        model, mesh["dp"], p.zero_stage, lr=lr, weight_decay=weight_decay, offload=p.offload,
+        precision=plan.train.precision, nvme_path=nvme_path, swap_parameters=plan.placement.parameters == "nvme",
+        delayed_update=p.delayed_update, grad_compression=p.compression.grad,
+        onebit_warmup_steps=onebit_warmup_steps or min(ONE_BIT_WARMUP_STEPS, max(1, int(0.3 * steps))))
+
+
+def plan_figures(plan: Plan) -> PlanFigures:
+    """What the plan predicts per rank, printed beside what the run measures, and the FLOP numbers of its MFU."""
+    prediction, memory, cluster = plan.prediction, plan.prediction.memory, plan.cluster
+    model_states = memory.parameters + memory.gradients + memory.optimizer
+    return PlanFigures(
+        step_time_s=prediction.step_time_s, mfu=prediction.mfu, model_flops_per_step=prediction.model_flops_per_step,
+        peak_flops=cluster.peak_flops(plan.train.precision), model_state_bytes=model_states,
+        state_bytes_by_tier={"gpu": int(model_states),  # per GPU: the placement's bytes on each tier
+                             "cpu": int(memory.cpu_bytes_per_node / cluster.gpus_per_node),
+                             "nvme": int(memory.nvme_bytes_per_node / cluster.gpus_per_node)})
+
+
+def train_config(plan: Plan, *, steps: int, lr_schedule, grad_clip: float, log_json: Any = None,
+                 checkpoint: CheckpointConfig | None = None) -> TrainConfig:
+    """runtime.train_loop.train's settings: the batch shape and precision from the plan, the rest as given."""
+    p = plan.parallel
+    return TrainConfig(steps=steps, micro_batch=p.micro_batch, num_micro_batches=p.num_micro_batches,
+                       seq_len=plan.train.seq_len, data_parallel_size=p.dp, precision=plan.train.precision,
+                       grad_clip=grad_clip, lr_schedule=lr_schedule, log_json=log_json, checkpoint=checkpoint,
+                       figures=plan_figures(plan))
