@@ -146,9 +146,11 @@ def compile_case(case: Case, out_dir: Path):
 
 def stage_params_on_rank(plan, pp_rank: int) -> float:
     """Parameters a rank of pipeline rank `pp_rank` holds by the plan: its stages' units, the blocks / tp and the
-    embedding and head whole (planner/cost/memory.py memory_per_gpu's count, on the plan's own stage split)."""
+    embedding and head whole, a tied head's copy of the table on a later stage (planner/cost/memory.py
+    memory_per_gpu's count, on the plan's own stage split)."""
     p, layers = plan.parallel, plan.model.layers
-    return sum(layers[i].params / (p.tp if layers[i].kind == "block" else 1)
+    return sum((layers[i].params + (layers[i].shared_params if stage.first_layer > 0 else 0))
+               / (p.tp if layers[i].kind == "block" else 1)
                for stage in plan.stages if stage.index % p.pp == pp_rank
                for i in range(stage.first_layer, stage.last_layer + 1))
 

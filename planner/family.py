@@ -163,7 +163,8 @@ def family_summary(spec: str, seq_len: int | None = None, precision: str = "bf16
                       fwd_flops=block_fwd_flops(parsed, s), act_bytes=block_act_bytes_16bit(parsed, s) * scale)
     layers = [LayerCost(name="embedding", kind="embedding", params=embed_params, fwd_flops=0.0, act_bytes=embed_act)]
     layers += [block.model_copy(update={"name": f"{prefix}.{i}"}) for i in range(L)]
-    layers.append(LayerCost(name="head", kind="head", params=head_params, fwd_flops=2.0 * s * h * V,
+    tied = V * h if parsed.family == "gpt" else 0  # a pipeline's last stage holds its own copy of the token table
+    layers.append(LayerCost(name="head", kind="head", params=head_params, shared_params=tied, fwd_flops=2.0 * s * h * V,
                             act_bytes=head_act))
     return ModelSummary(
         name=spec, source="family", tracer="closed-form", num_blocks=L, hidden=h, heads=parsed.heads,

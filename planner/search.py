@@ -90,7 +90,13 @@ def refine(summary: ModelSummary, cand: Candidates, cluster: ClusterSpec, train:
         return None
     v = int(cand.interleave[0])
     stage_blocks = np.array([part.max_cost_s * v / units.block_time_s])
-    exact = estimate_step(model, cand, cluster, train.precision, train.global_batch, stage_blocks=stage_blocks)
+    end_blocks = None
+    if v == 1 and len(part.boundaries) > 1:  # the first and last stages' blocks, for their memory
+        kinds = [unit.kind for unit in summary.layers]
+        end_blocks = tuple(np.array([float(kinds[a:b + 1].count("block"))])
+                           for a, b in (part.boundaries[0], part.boundaries[-1]))
+    exact = estimate_step(model, cand, cluster, train.precision, train.global_batch, stage_blocks=stage_blocks,
+                          end_stage_blocks=end_blocks)
     return Choice(candidate=cand, estimate=exact, partition=part)
 
 

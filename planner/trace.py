@@ -329,6 +329,12 @@ def _summarize(graph: ModelGraph, raw: RawTrace, model: nn.Module, name: str,
         params_of[data["unit"]] += data["params"]
         flops_of[data["unit"]] += data["fwd_flops"]
         act_of[data["unit"]] += data["act_bytes"]
+    owner: dict[str, str] = {}  # parameter -> the unit that reads it first, which owns it
+    shared_of: dict[str, dict[str, int]] = {unit: {} for unit in units}  # unit -> parameters it reads, owned elsewhere
+    for node, data in graph.iter_nodes():
+        for arg in by_name[node].args:
+            if arg.param is not None and owner.setdefault(arg.param, data["unit"]) != data["unit"]:
+                shared_of[data["unit"]][arg.param] = math.prod(arg.shape or ())
     all_params = dict(model.named_parameters())
     unread = sum(p.numel() for p in all_params.values()) - sum(params_of.values())
     params_of["embedding"] += max(unread, 0)  # parameters no traced operation reads (unused modules)
@@ -338,7 +344,8 @@ def _summarize(graph: ModelGraph, raw: RawTrace, model: nn.Module, name: str,
             modules_of["embedding"][parent_path(param_name)] = None
     layers = [
         LayerCost(name=unit, kind="embedding" if unit == "embedding" else "head" if unit == "head" else "block",
-                  params=int(params_of[unit]), fwd_flops=flops_of[unit], act_bytes=act_of[unit],
+                  params=int(params_of[unit]), shared_params=sum(shared_of[unit].values()),
+                  fwd_flops=flops_of[unit], act_bytes=act_of[unit],
                   modules=_unit_modules(model, list(modules_of[unit]), prefix) or [unit])
         for unit in units
     ]

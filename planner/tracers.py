@@ -270,6 +270,41 @@ def _trace_fx(model: nn.Module, args: tuple, kwargs: dict, cache: MetaOpCache) -
     return ops
 
 
+# Grouped GEMMs (mixture-of-experts layers): torch 2.13's meta kernel accepts bf16 only, the CPU and CUDA kernels
+# fp32 too; on meta tensors the shape is all that matters, so CachedMetaOps runs them in bf16 and casts back.
+GROUPED_GEMMS = tuple(f for f in (getattr(torch, "_grouped_mm", None),
+                                  getattr(torch.nn.functional, "grouped_mm", None)) if f is not None)
+
+
+def _grouped_gemm_in_bf16(func: Any, args: tuple, kwargs: dict) -> Any:
+    dtype = next(t.dtype for t in _tensors_in(args))
+
+    def cast(value: Any) -> Any:
+        return value.to(torch.bfloat16) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+    return func(*[cast(a) for a in args], **{k: cast(v) for k, v in kwargs.items()}).to(dtype)
+
+
+class CachedMetaOps(torch.overrides.TorchFunctionMode):
+    """Runs the torch functions called inside it through `cache` (each distinct operation on meta tensors once):
+    a forward of a deep model on the meta device in the time of a few blocks. Grouped GEMMs on meta tensors of
+    another dtype than bf16 run in bf16 (GROUPED_GEMMS)."""
+
+    def __init__(self, cache: MetaOpCache) -> None:
+        super().__init__()
+        self.cache = cache
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if _is_inplace(_function_name(func)):
+            return func(*args, **kwargs)
+        tensors = _tensors_in(args)
+        if func in GROUPED_GEMMS and tensors and tensors[0].is_meta and tensors[0].dtype != torch.bfloat16:
+            return self.cache.call(("function", func), lambda *a, **k: _grouped_gemm_in_bf16(func, a, k), args,
+                                   kwargs)
+        return self.cache.call(("function", func), func, args, kwargs)
+
+
 class _FunctionRecorder(torch.overrides.TorchFunctionMode):
     """Records every torch function / Tensor method call that returns tensors (the 'hooks' tracer)."""
 

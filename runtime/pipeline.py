@@ -47,6 +47,7 @@ model file's loss_fn(outputs, batch), a mean per micro-batch) are averaged, and 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from collections.abc import Callable, Sequence
@@ -85,10 +86,13 @@ class _Received:
 
 def _meta_replica(module: nn.Module) -> nn.Module:
     """A copy of `module` whose parameters and buffers are meta tensors of the same shapes and dtypes (no memory)."""
+    def meta(t: torch.Tensor) -> torch.Tensor:  # the global shape of a DTensor too
+        return torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
+
     clone = copy.copy(module)
-    clone._parameters = {n: None if p is None else nn.Parameter(p.detach().to("meta"), p.requires_grad)
+    clone._parameters = {n: None if p is None else nn.Parameter(meta(p), p.requires_grad)
                          for n, p in module._parameters.items()}
-    clone._buffers = {n: None if b is None else b.to("meta") for n, b in module._buffers.items()}
+    clone._buffers = {n: None if b is None else meta(b) for n, b in module._buffers.items()}
     clone._modules = {n: None if m is None else _meta_replica(m) for n, m in module._modules.items()}
     return clone
 
@@ -417,13 +421,18 @@ def check_split(model: nn.Module, chunks: Sequence[PipelineChunk], example_batch
     model's own forward; return each stage's output. Raises PipelineSplitError on a mismatch.
 
     A model on the meta device (built by runtime.materialize before its weights exist) has no values to
-    compare: there the check is of the output's shape only, the forward still run through every stage."""
+    compare: there the check is of the output's shape only, the forward still run through every stage, each
+    distinct operation once (planner.tracers.CachedMetaOps: the blocks repeat)."""
+    from zplan.planner.tracers import CachedMetaOps, MetaOpCache
+
+    on_meta = any(_local(p).is_meta for p in model.parameters())
     was_training = model.training
     model.eval()
     for chunk in chunks:  # the modules outside the units follow the chunk's mode (PipelineChunk.forward)
         chunk.eval()
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), \
+                CachedMetaOps(MetaOpCache()) if on_meta else contextlib.nullcontext():
             expected = _call_with_batch(lambda module, *a, **k: module(*a, **k), model, example_batch)
             outputs = run_stages(chunks, example_batch)
     except PipelineSplitError:
@@ -443,7 +452,6 @@ def check_split(model: nn.Module, chunks: Sequence[PipelineChunk], example_batch
             expected = logits_of(expected)
         except TypeError:
             pass
-    on_meta = any(_local(p).is_meta for p in model.parameters())
     if isinstance(expected, DTensor) and not on_meta:
         expected = expected.full_tensor()
     if isinstance(got, DTensor) and not on_meta:

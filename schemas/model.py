@@ -26,6 +26,9 @@ class LayerCost(BaseModel):
                                "(e.g. ['wte', 'wpe']); empty for closed-form family models.")
     kind: LayerKind = Field(description="embedding, block (a repeated unit), head, or other.")
     params: int = Field(ge=0, description="Parameters owned by the unit.")
+    shared_params: int = Field(default=0, ge=0, description="Parameters the unit reads that an earlier unit owns "
+                               "(a tied output head reads the embedding's): a pipeline stage that runs this unit "
+                               "without that one holds its own copy.")
     fwd_flops: float = Field(ge=0, description="Forward FLOPs for one sample (one sequence of seq_len).")
     act_bytes: float = Field(
         ge=0, description="Bytes saved for backward for one sample, no parallelism, at compute precision."

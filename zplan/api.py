@@ -184,7 +184,8 @@ def compile_plan(req: Request) -> Plan:
     stages = [
         Stage(index=s, first_layer=a, last_layer=b, layer_names=[u.name for u in layers[a:b + 1]],
               fwd_flops_per_sample=float(sum(u.fwd_flops for u in layers[a:b + 1])),
-              params=int(sum(u.params for u in layers[a:b + 1])))
+              # a tied head's table is the embedding's on stage 0, a copy on a later stage (LayerCost.shared_params)
+              params=int(sum(u.params + (u.shared_params if a > 0 else 0) for u in layers[a:b + 1])))
         for s, (a, b) in enumerate(choice.partition.boundaries)
     ]
     # An --offload pin is what the run offloads (the placement put the optimizer states on that tier); unpinned,

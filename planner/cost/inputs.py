@@ -82,6 +82,7 @@ class ModelNumbers:
     block_act_bytes: float  # per sample, no parallelism, at the compute precision
     embed_act_bytes: float
     head_act_bytes: float
+    head_shared_params: float = 0.0  # parameters the head reads that the embedding owns (tied): the last stage's copy
 
     @staticmethod
     def from_summary(summary: ModelSummary) -> ModelNumbers:
@@ -99,6 +100,7 @@ class ModelNumbers:
             embed_params=float(sum(u.params for u in pre)),
             embed_fwd_flops=float(sum(u.fwd_flops for u in pre)),
             head_params=float(sum(u.params for u in post)),
+            head_shared_params=float(sum(u.shared_params for u in post)),
             head_fwd_flops=float(sum(u.fwd_flops for u in post)),
             block_params=float(np.mean([u.params for u in blocks])),
             block_fwd_flops=float(np.mean([u.fwd_flops for u in blocks])),

@@ -159,7 +159,10 @@ def memory_per_gpu(
     cluster: ClusterSpec,
     precision: str,
     num_micro_batches: np.ndarray,
+    end_stage_blocks: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> MemoryEstimate:
+    """Bytes per GPU of every candidate (module docstring). `end_stage_blocks`: the blocks the first and the last
+    pipeline stage hold, from a partition (default: the uniform split's most, blocks_per_stage)."""
     elem = element_bytes(precision)
     k_opt = optimizer_bytes_per_param(precision)
     t, p, dp, z = (cand.tp.astype(float), cand.pp, cand.dp.astype(float), cand.zero)
@@ -167,13 +170,16 @@ def memory_per_gpu(
     s, h = model.seq_len, model.hidden
     offloaded = cand.offload > 0
 
-    n_blocks = blocks_per_stage(model, cand)
+    first_blocks, last_blocks = end_stage_blocks or (blocks_per_stage(model, cand),) * 2
     single = p == 1
-    # Per GPU: the blocks split by tp, the embedding and head whole (replicated over tp; module docstring).
+    # Per GPU: the blocks split by tp, the embedding and head whole (replicated over tp; module docstring). A tied
+    # head's table (head_shared_params) is the embedding's in one stage, a copy of it on the last stage of a pipeline
+    # (runtime/pipeline.py sums their gradients), with its gradient and optimizer states.
     edges = model.embed_params + model.head_params  # embedding, final norm, head
     whole_model = edges + (model.params - edges) / t
-    first_params = np.where(single, whole_model, model.embed_params + n_blocks * model.block_params / t)
-    last_params = np.where(single, whole_model, model.head_params + n_blocks * model.block_params / t)
+    first_params = np.where(single, whole_model, model.embed_params + first_blocks * model.block_params / t)
+    last_params = np.where(single, whole_model,
+                           model.head_params + model.head_shared_params + last_blocks * model.block_params / t)
 
     per_param = state_bytes_per_param(z, dp, offloaded)
 
@@ -183,9 +189,9 @@ def memory_per_gpu(
     inflight = inflight_microbatches(cand, num_micro_batches)
     act_block = block_activation_bytes(model, cand, precision)
     live_block = np.where(cand.recompute == 2, b * model.block_act_bytes / t, 0.0)  # recomputed block
-    first_act = inflight * (n_blocks * act_block + b * s * h * elem) + live_block
+    first_act = inflight * (first_blocks * act_block + b * s * h * elem) + live_block
     logits = logits_loss_bytes(model, b, precision)  # (b, s, V) on every tp rank, and the loss's fp32 temporaries
-    last_act = n_blocks * act_block + live_block + logits + b * model.head_act_bytes  # replicated head: not / tp
+    last_act = last_blocks * act_block + live_block + logits + b * model.head_act_bytes  # replicated head: not / tp
     first_act = np.where(single, first_act + logits, first_act)
 
     block_params_gpu = model.block_params / t

@@ -160,8 +160,10 @@ def estimate_step(
     precision: str,
     global_batch: int,
     stage_blocks: np.ndarray | None = None,
+    end_stage_blocks: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> StepEstimate:
-    """Predict every candidate. `stage_blocks` overrides the slowest stage's load (block-times)."""
+    """Predict every candidate. `stage_blocks` overrides the slowest stage's load (block-times), `end_stage_blocks`
+    the blocks the first and last pipeline stage hold (memory_per_gpu), both from a partition."""
     elem = element_bytes(precision)
     t, p, dp, z, v = cand.tp, cand.pp, cand.dp, cand.zero, cand.interleave.astype(float)
     b = cand.micro_batch.astype(float)
@@ -190,7 +192,7 @@ def estimate_step(
     p2p = np.where((p > 1) & (cand.act_compress > 0),
                    v * m * (2.0 * act_crossing + codec_forward + codec_backward), p2p)
 
-    memory = memory_per_gpu(model, cand, cluster, precision, m)
+    memory = memory_per_gpu(model, cand, cluster, precision, m, end_stage_blocks)
     params_gpu = memory.stage_params
     dp_s = data_parallel_s(model, cand, cluster, params_gpu, elem, compute_mb, m)
 

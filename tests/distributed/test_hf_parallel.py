@@ -50,9 +50,6 @@ DECODERS = tuple(deterministic_decoder_sources())
 REFUSED = {
     ("phi3", "tp2"): "fused_projection",  # qkv_proj and gate_up_proj: one Linear sliced into several projections
     ("gpt2", "tp2"): "no_tensor_parallel_rules",  # Conv1D projections, no nn.Linear to split
-    # its experts' grouped GEMM (aten._grouped_mm) has no fp32 meta kernel in torch 2.13, and the split is checked
-    # on the meta device
-    ("mixtral", "pp2"): "forward_not_split_by_stages",
 }
 # (model, parallelism) -> why it compiles and runs but does not match one process (xfail, strict)
 XFAIL: dict[tuple[str, str], str] = {}

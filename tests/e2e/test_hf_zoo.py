@@ -23,7 +23,6 @@ PINS = {"unpinned": Pins(), "tp2": Pins(tp=2), "pp2": Pins(pp=2), "zero3": Pins(
 DECODERS = ("llama", "qwen2", "mistral", "gemma2", "phi3", "mixtral", "gpt2")
 # (model, pin) -> the trait kind behind the refusal (the runtime does not run it on such a model yet)
 REFUSED = {
-    ("mixtral", "pp2"): "forward_not_split_by_stages",  # no fp32 meta kernel for its experts' aten._grouped_mm
     ("t5", "pp2"): "several_block_stacks",
     ("phi3", "tp2"): "fused_projection",
     ("gpt2", "tp2"): "no_tensor_parallel_rules",

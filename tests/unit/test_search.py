@@ -69,4 +69,6 @@ def test_stage_partition_covers_every_unit_once_in_order():
     names = [n for stage in plan.stages for n in stage.layer_names]
     assert names == [u.name for u in plan.model.layers]
     assert len(plan.stages) == 4 * plan.parallel.interleave
-    assert sum(s.params for s in plan.stages) == sum(u.params for u in plan.model.layers)
+    copies = sum(u.shared_params for u in plan.model.layers[plan.stages[0].last_layer + 1:])  # the tied head's table
+    assert copies == plan.model.vocab * plan.model.hidden  # the GPT family's head is tied
+    assert sum(s.params for s in plan.stages) == sum(u.params for u in plan.model.layers) + copies

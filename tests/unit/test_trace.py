@@ -59,6 +59,7 @@ def test_gpt_structure_dimensions_and_units(gpt):
         [("embedding", "embedding")] + [(f"blocks.{i}", "block") for i in range(L)] + [("head", "head")]
     embedding, block, head = summary.layers[0], summary.layers[1], summary.layers[-1]
     assert embedding.params == V * H + S * H and head.params == 2 * H  # wte + wpe; ln_f (lm_head is tied)
+    assert head.shared_params == V * H and embedding.shared_params == block.shared_params == 0  # the tied table
     assert block.fwd_flops == 24 * S * H**2 + 2 * S**2 * H  # dense + causal attention core
     assert head.fwd_flops == 2 * S * H * V
     assert graph.units() == [u.name for u in summary.layers]
