@@ -13,19 +13,20 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from zplan.codegen.script import py_literal, render_executables
+from zplan.codegen.script import Code, comment_text, py_literal, render_executables
 from zplan.schemas.inference import InferencePlan
 
 BASE_PORT = 8000  # serve.sh's default PORT (replica r: BASE_PORT + r)
 COMMENT_WIDTH = 100  # wrap the plan's reason at this width
 
 
-def plan_constants_code(plan: InferencePlan, model_path_for_script: str | None) -> str:
+def plan_constants_code(plan: InferencePlan, model_path_for_script: str | None) -> Code:
     """The constants block both scripts share: MODEL_FILE, the engine's choices, the prediction, SETTINGS."""
     p, prediction = plan.parallel, plan.prediction
     family_note = ""
     if plan.model.source == "family":
-        family_note = (f"# Made for the family spec {plan.fingerprint.model_ref}: families are for planning only, "
+        family_note = (f"# Made for the family spec {comment_text(plan.fingerprint.model_ref)}: families are for "
+                       "planning only, "
                        "there is no model\n# code to run. Compile a model file to get a script that generates.\n")
     constants = [
         ("MODEL_FILE", py_literal(model_path_for_script), "relative to this file; --model PATH overrides"),
@@ -44,7 +45,7 @@ def plan_constants_code(plan: InferencePlan, model_path_for_script: str | None) 
                                             f"{plan.spec.prompt_len})"),
     ]
     lines = [f"{name} = {value}  # {comment}" for name, value, comment in constants]
-    reason = textwrap.wrap(" ".join(plan.reason.split()), COMMENT_WIDTH - 2)
+    reason = textwrap.wrap(" ".join(comment_text(plan.reason).split()), COMMENT_WIDTH - 2)
     if reason:
         lines += [f"# {line}" for line in reason]
     lines += [
@@ -60,7 +61,7 @@ def plan_constants_code(plan: InferencePlan, model_path_for_script: str | None) 
         "    weight_tier=WEIGHT_TIER, prefetch_layers=PREFETCH_LAYERS, max_batch=MAX_BATCH, max_seq_len=MAX_SEQ_LEN,",
         ")",
     ]
-    return family_note + "\n".join(lines)
+    return Code(family_note + "\n".join(lines))
 
 
 def inference_script_context(plan: InferencePlan, model_path_for_script: str | None) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from math import ceil
 from pathlib import Path
 from typing import Any
@@ -22,17 +23,44 @@ TEMPLATES_DIR = Path(__file__).parent / "templates"
 LINE_WIDTH = 100  # wrap long literals in train.py at this width
 
 
-def py_literal(value: Any) -> str:
+class Code(str):
+    """Text a template writes as it is: Python or shell that codegen made, every value in it a literal (py_literal)
+    or a comment made safe (comment_text). Any other string a template writes is data, escaped for the file's
+    language by the environment (script_environment): no value from a plan, a cluster profile or a file name can
+    become code."""
+
+
+def py_literal(value: Any) -> Code:
     """A Python literal for a scalar: double-quoted strings, None, True/False, ints, short floats."""
     if value is None or isinstance(value, bool):
-        return repr(value)
+        return Code(repr(value))
     if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a valid Python string literal
+        return Code(json.dumps(value))  # a JSON string is a valid Python string literal (ASCII, escaped)
     if isinstance(value, int):
-        return str(value)
+        return Code(str(value))
     if isinstance(value, float):
-        return f"{value:.6g}"
+        return Code(f"{value:.6g}")
     raise TypeError(f"no literal for {type(value).__name__}")
+
+
+def comment_text(value: Any) -> str:
+    """`value` as text that stays on its line (a comment, a docstring line): control characters as spaces."""
+    return re.sub(r"[\x00-\x1f\x7f\u2028\u2029\x85]", " ", str(value))
+
+
+def python_text(value: Any) -> str:
+    """Data written into a Python docstring or comment: on one line, quotes and backslashes escaped."""
+    if isinstance(value, Code) or not isinstance(value, str):
+        return str(value)
+    return json.dumps(comment_text(value))[1:-1]
+
+
+def shell_text(value: Any) -> str:
+    """Data written into a shell script, in a comment or as a word: on one line, quoted unless a plain word."""
+    if isinstance(value, Code) or not isinstance(value, str):
+        return str(value)
+    text = comment_text(value)
+    return text if re.fullmatch(r"[A-Za-z0-9_.,:/+=@%-]+", text) else shlex.quote(text)
 
 
 def _wrapped_items(items: list[str], indent: str) -> list[str]:
@@ -49,7 +77,7 @@ def _wrapped_items(items: list[str], indent: str) -> list[str]:
     return lines
 
 
-def plan_review(plan: Plan) -> str:
+def plan_review(plan: Plan) -> Code:
     """The plan as comment lines of train.py, for a reviewer: what plan.json makes the run do (codegen only shows
     it; the script reads plan.json)."""
     p, prediction = plan.parallel, plan.prediction
@@ -78,7 +106,7 @@ def plan_review(plan: Plan) -> str:
     width = max(len(name) for name, _ in rows)
     lines = []
     for name, value in rows:
-        text = f"#   {name:<{width}}  {value}"
+        text = f"#   {name:<{width}}  {comment_text(value)}"
         while len(text) > LINE_WIDTH:  # wrap at a space, continuation lines indented under the value
             cut = text.rfind(" ", 0, LINE_WIDTH)
             if cut <= width + 6:
@@ -86,7 +114,7 @@ def plan_review(plan: Plan) -> str:
             lines.append(text[:cut])
             text = "#   " + " " * (width + 2) + text[cut + 1:]
         lines.append(text)
-    return "\n".join(lines)
+    return Code("\n".join(lines))
 
 
 def launch_shape(plan: Plan) -> tuple[int, int]:
@@ -120,13 +148,18 @@ def script_context(plan: Plan, model_path_for_script: str | None) -> dict[str, A
     }
 
 
-def script_environment() -> Environment:
+# the escaping of data by the language of the file written (Code passes as it is)
+ESCAPE_BY_SUFFIX = {".py": python_text, ".sh": shell_text, ".sbatch": shell_text}
+
+
+def script_environment(escape=python_text) -> Environment:
     return Environment(
         loader=FileSystemLoader(TEMPLATES_DIR),
         undefined=StrictUndefined,
         keep_trailing_newline=True,
         trim_blocks=True,
         lstrip_blocks=True,
+        finalize=escape,
     )
 
 
@@ -144,11 +177,11 @@ def render_script_files(plan: Plan, out_dir: Path, model_path_for_script: str | 
 
 def render_executables(templates: dict[str, str], context: dict[str, Any], out_dir: Path) -> list[Path]:
     """Render each template (output path relative to out_dir -> template name) into an executable file."""
-    environment = script_environment()
     written = []
     for relative, template in templates.items():
         path = out_dir / relative
         path.parent.mkdir(parents=True, exist_ok=True)
+        environment = script_environment(ESCAPE_BY_SUFFIX[path.suffix])
         path.write_text(environment.get_template(template).render(**context), encoding="utf-8", newline="\n")
         path.chmod(0o755)
         written.append(path)
