@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 import time
@@ -43,7 +44,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from zplan.errors import CheckpointError
@@ -301,6 +306,61 @@ def _tied_key(key: str, tied_names: dict[str, str]) -> str:
     return key
 
 
+# ---- reading a checkpoint as data: nothing in it runs ---------------------------------------------------
+
+# What DCP's .metadata pickle is made of (torch 2.13): its own metadata classes, torch.Size, dtypes and layouts,
+# the checkpoint's path. A pickle naming anything else was not written by DCP and is refused unread.
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_METADATA_NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                   ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _METADATA_MODULES or (module, name) in _METADATA_NAMES:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's file reader, with its .metadata unpickled from DCP's own classes only (_METADATA_MODULES)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as stream:
+            try:
+                metadata = _MetadataUnpickler(stream).load()
+            except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as error:
+                raise CheckpointError(f"{path} is not checkpoint metadata written by torch.distributed.checkpoint "
+                                      f"({type(error).__name__}: {error}): not loaded") from error
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, reading the entries that are not tensors as plain values (weights_only)."""
+
+    def load_bytes(self, read_item, value) -> None:
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def load_rank_state(rank_file: Path) -> dict[str, Any]:
+    """A rank's RNG, loss-scaler and data-iterator state: tensors and plain values only (weights_only)."""
+    try:
+        return torch.load(rank_file, weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(f"{rank_file} holds more than tensors and plain values, which zplan's checkpoints "
+                              f"never do: not loaded ({str(error).splitlines()[0]})") from error
+
+
 def load_checkpoint(
     path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: RunContext,
     *, layout: dict[str, Any] | None = None,
@@ -319,7 +379,10 @@ def load_checkpoint(
     reads_from = {key: _tied_key(key, getattr(model, "tied_names", {})) for key in wanted_optimizer}
     wanted_optimizer = {reads_from[key]: value for key, value in wanted_optimizer.items()}
     try:
-        dcp.load({"model": model_state, "optimizer": wanted_optimizer}, checkpoint_id=path)
+        dcp.load({"model": model_state, "optimizer": wanted_optimizer}, storage_reader=SafeFileSystemReader(path),
+                 planner=SafeLoadPlanner())
+    except CheckpointError:
+        raise
     except (Exception, CheckpointException) as error:  # CheckpointException: every rank's errors
         raise CheckpointError(
             f"cannot load checkpoint {path} into this model and optimizer: {describe_dcp_error(error)}"
@@ -330,7 +393,7 @@ def load_checkpoint(
 
     same_world = train_state["world_size"] == ctx.world_size and train_state.get("layout", {}) == (layout or {})
     rank_file = path / f"rank-{(ctx.rank if same_world else 0):05d}.pt"
-    rank_state = torch.load(rank_file, weights_only=False)
+    rank_state = load_rank_state(rank_file)
     if not same_world:
         rank_state = {k: v for k, v in rank_state.items() if k not in ("rng", "data")}
         if ctx.is_main:

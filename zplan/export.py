@@ -43,11 +43,14 @@ SAFETENSORS_DTYPES = {
 
 def _model_tensors(checkpoint: Path) -> dict[str, tuple[torch.dtype, torch.Size]]:
     """{checkpoint key: (dtype, full shape)} of the model's tensors, from DCP's metadata alone."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from zplan.runtime.checkpoint import SafeFileSystemReader
+
     try:
-        metadata = FileSystemReader(checkpoint).read_metadata()
+        metadata = SafeFileSystemReader(checkpoint).read_metadata()
+    except CheckpointError:
+        raise
     except Exception as error:
         raise CheckpointError(f"cannot read the checkpoint metadata in {checkpoint}: {error}") from error
     tensors = {
@@ -83,13 +86,14 @@ def _chunks(keys: list[str], sizes: dict[str, int], max_chunk_bytes: int) -> Ite
 def _load_chunk(checkpoint: Path, tensors: dict[str, tuple[torch.dtype, torch.Size]], keys: list[str]):
     """The full tensors `keys`, assembled by DCP from whatever shards wrote them, in this process only."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
+
+    from zplan.runtime.checkpoint import SafeFileSystemReader, SafeLoadPlanner
 
     chunk = {key: torch.empty(tensors[key][1], dtype=tensors[key][0]) for key in keys}
     with warnings.catch_warnings():  # no_dist=True is what we mean; DCP warns about it on every call
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
-            dcp.load(chunk, storage_reader=FileSystemReader(checkpoint), no_dist=True)
+            dcp.load(chunk, storage_reader=SafeFileSystemReader(checkpoint), planner=SafeLoadPlanner(), no_dist=True)
         except (Exception, CheckpointException) as error:  # a shard file missing or cut short
             names = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
             raise CheckpointError(

@@ -177,3 +177,35 @@ def test_a_checkpoint_of_another_model_does_not_load(ctx, tmp_path):
     other.extra = nn.Linear(2, 2)
     with pytest.raises(ZplanError, match="extra.weight"):
         load_checkpoint(checkpoint, other, torch.optim.AdamW(other.parameters()), ctx)
+
+
+class _RunsCode:
+    """Unpickled, creates the file `path` (what a crafted checkpoint would do instead)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+@pytest.mark.parametrize("target", [".metadata", "rank-00000.pt"])
+def test_a_crafted_checkpoint_runs_nothing_on_resume_or_export(ctx, tmp_path, target):
+    """Issue 13: DCP's metadata and the rank files are pickles; a checkpoint carrying an object that runs code when
+    unpickled is refused, naming the file, and the code does not run (neither on --resume nor on zplan export)."""
+    import pickle
+
+    model, optimizer = _model_and_optimizer()
+    checkpoint = save_checkpoint(tmp_path / "ckpt", 1, model, optimizer, ctx, keep=3)
+    payload = tmp_path / "PWNED"
+    crafted = checkpoint / target
+    if target == ".metadata":
+        crafted.write_bytes(pickle.dumps(_RunsCode(payload)))
+    else:
+        torch.save({"rng": _RunsCode(payload)}, crafted)
+    with pytest.raises(ZplanError, match=target.replace(".", r"\.")):
+        load_checkpoint(checkpoint, model, optimizer, ctx)
+    if target == ".metadata":
+        with pytest.raises(ZplanError, match=r"\.metadata"):
+            export_checkpoint(checkpoint, tmp_path / "model.safetensors")
+    assert not payload.exists()
