@@ -15,21 +15,18 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from zplan.runtime.distributed import RunContext
+from zplan.runtime.outputs import write_atomically
 
 
 def save_full_weights(model: nn.Module, path: str | Path, ctx: RunContext) -> None:
-    """torch.save {parameter name: full CPU tensor} on rank 0; names as the model file defines them
-    (no DDP 'module.' prefix). Every rank must call it: gathering the shards is a collective."""
+    """torch.save {parameter name: full CPU tensor} on rank 0, atomically (runtime.outputs); names as the model
+    file defines them (no DDP 'module.' prefix). Every rank must call it: gathering the shards is a collective."""
     from zplan.runtime.pipeline import PipelineRun, gather_full_state_dict
 
     if isinstance(model, PipelineRun):  # each pipeline rank holds its stages: gather them to rank 0
         state = gather_full_state_dict(model)
-        if ctx.is_main:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            torch.save(state, path)
-        return
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(model, options=options)
-    if ctx.is_main:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        torch.save(state, path)
+    else:
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if ctx.is_main:  # written beside, then renamed: a full disk or a kill leaves the previous file whole
+        size = sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor))
+        write_atomically(path, lambda tmp: torch.save(state, tmp), size_hint_bytes=size)

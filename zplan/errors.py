@@ -43,3 +43,7 @@ class ExportError(ZplanError):
 
 class SwapError(ZplanError):
     """The NVMe swap folder is full or unusable, or a swapped tensor's file is missing, truncated or corrupted."""
+
+
+class OutputError(ZplanError):
+    """An output path that cannot be written (checked before a run starts), or a write that failed."""

@@ -1,0 +1,61 @@
+"""Outputs are checked before a run trains and written atomically (runtime/outputs.py; issue 13)."""
+
+from __future__ import annotations
+
+import errno
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import zplan.examples
+from zplan.errors import OutputError
+from zplan.runtime.distributed import RunContext
+from zplan.runtime.outputs import check_output_paths, write_atomically
+
+ONE = RunContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo")
+
+
+def test_an_unwritable_path_is_refused_naming_the_option(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(OutputError, match=r"--save-weights .*a-file/w\.pt: .*nothing was trained"):
+        check_output_paths(ONE, save_weights=blocker / "w.pt", log_json=tmp_path / "log.jsonl")
+    with pytest.raises(OutputError, match=r"--checkpoint-dir .*a-file/ckpt"):
+        check_output_paths(ONE, checkpoint_dir=blocker / "ckpt")
+    with pytest.raises(OutputError, match="is a folder"):
+        check_output_paths(ONE, save_weights=tmp_path)
+    check_output_paths(ONE, save_weights=tmp_path / "new" / "w.pt", checkpoint_dir=tmp_path / "ckpt", log_json=None)
+    assert (tmp_path / "new").is_dir() and not list((tmp_path / "new").iterdir())  # the probe file is gone
+
+
+def test_a_failed_write_keeps_the_previous_file_and_says_what_was_needed(tmp_path):
+    path = tmp_path / "weights.pt"
+    path.write_bytes(b"previous")
+
+    def full_disk(tmp: Path) -> None:
+        tmp.write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OutputError, match=r"disk is full .*2\.0 MiB needed.*unchanged"):
+        write_atomically(path, full_disk, size_hint_bytes=2 * 2**20)
+    assert path.read_bytes() == b"previous" and [p.name for p in tmp_path.iterdir()] == ["weights.pt"]
+    write_atomically(path, lambda tmp: tmp.write_bytes(b"new"))
+    assert path.read_bytes() == b"new" and [p.name for p in tmp_path.iterdir()] == ["weights.pt"]
+
+
+def test_train_py_stops_before_training_when_it_cannot_save_the_weights(tmp_path):
+    from zplan.api import compile_plan, prepare, write_outputs
+    from zplan.schemas import Pins
+
+    tiny = Path(zplan.examples.__file__).parent / "tiny.py"
+    out = tmp_path / "out"
+    write_outputs(compile_plan(prepare(str(tiny), 1, "cpu-local", 8, 32, "fp32", Pins())), out, str(tiny))
+    (tmp_path / "a-file").write_text("x")
+    run = subprocess.run([sys.executable, str(out / "train.py"), "--steps", "2", "--save-weights",
+                          str(tmp_path / "a-file" / "w.pt")], capture_output=True, text=True, timeout=300,
+                         env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"})
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "--save-weights" in run.stderr and "trained" not in run.stdout
