@@ -178,8 +178,13 @@ class _SwappedAdamW:
         return list(self.moments._slots)
 
     def close(self) -> None:
-        """Remove the swap files (also done at exit and on SIGTERM)."""
+        """Remove the swap files (also done at exit and on SIGTERM), and this rank's folder when nothing else is
+        in it."""
         self.swap.close()
+        try:
+            self.swap.folder.rmdir()
+        except OSError:  # not empty (another run's files, a parameter swap still open) or already gone
+            pass
 
 
 class NvmeZeroOneAdamW(_SwappedAdamW, ZeroOneAdamW):

@@ -193,8 +193,7 @@ def test_nvme_offload_matches_single_process(zero_stage, parameters, model_path,
     swapped_params = 4 * num_params / WORLD if parameters == "nvme" else 0
     print(f"ZeRO {zero_stage}, parameters on {parameters}: bytes per tier {tiers}")
     assert tiers["nvme"] == pytest.approx(moments + swapped_params, rel=0.02)  # uneven shards: rank 0 >= mean
-    assert sorted(p.name for p in swap.iterdir()) == ["rank0", "rank1"]
-    assert not [f for f in swap.rglob("*") if f.is_file()]  # every swap file removed at exit
+    assert swap.is_dir() and not list(swap.iterdir())  # every swap file and rank folder removed at exit
 
 
 @pytest.mark.parametrize("zero_stage, pp, compress", [

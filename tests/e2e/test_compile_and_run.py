@@ -116,5 +116,5 @@ def test_offload_pin_is_honoured_and_runs(tmp_path, name):
                             capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "trained 3 steps" in result.stdout + result.stderr
-    if pins.offload == "nvme":  # the swap files were written there, and removed at exit
-        assert nvme.is_dir() and not [p for p in nvme.rglob("*") if p.is_file()]
+    if pins.offload == "nvme":  # the swap files were written there, and removed at exit with the rank folders
+        assert nvme.is_dir() and not list(nvme.iterdir())
