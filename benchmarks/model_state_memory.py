@@ -160,7 +160,8 @@ def predicted_rank_bytes(plan, pp_rank: int) -> dict[str, float]:
     from zplan.planner.cost.memory import state_bytes_per_param
 
     p = plan.parallel
-    per_param = state_bytes_per_param(p.zero_stage, p.dp, p.offload != "none")
+    per_param = state_bytes_per_param(p.zero_stage, p.dp, p.offload != "none",
+                                      parameters_offloaded=plan.placement.parameters != "gpu")
     n = stage_params_on_rank(plan, pp_rank)
     return {k: float(b) * n for k, b in zip(("parameters", "gradients", "optimizer"), per_param, strict=True)}
 

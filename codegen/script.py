@@ -16,6 +16,7 @@ from typing import Any
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
+from zplan.runtime.plan_origin import plan_digest
 from zplan.schemas.plan import Plan
 from zplan.schemas.spec import ADAMW_DEFAULTS, GRAD_CLIP
 
@@ -139,6 +140,9 @@ def script_context(plan: Plan, model_path_for_script: str | None) -> dict[str, A
         "per_node": per_node,
         "nodes": nodes,
         "model_file": py_literal(model_path_for_script),
+        "planned_for": Code("{\n" + "".join(f"    {py_literal(key)}: {py_literal(value)},\n" for key, value
+                                             in plan.fingerprint.model_dump().items()) + "}"),
+        "plan_digest": py_literal(plan_digest(plan)),
         "plan_review": plan_review(plan),
         "lr": py_literal(ADAMW_DEFAULTS["lr"]),
         "weight_decay": py_literal(ADAMW_DEFAULTS["weight_decay"]),

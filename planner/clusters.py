@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from zplan.errors import ClusterError
+from zplan.errors import ClusterError, validation_message
 from zplan.planner.cpu_local import CPU_LOCAL
 from zplan.schemas.cluster import ClusterSpec, EfficiencySpec, GpuSpec
 
@@ -122,6 +122,8 @@ DGX2_V100 = ClusterSpec(
     efficiency=_NVIDIA_EFFICIENCY,
 )
 
+MAX_CLUSTER_FILE_BYTES = 1 << 20  # a profile is a few kB; more is not one
+
 BUILTIN_CLUSTERS: dict[str, ClusterSpec] = {
     c.name: c for c in (DGX_A100_80G, DGX_H100, DGX_H200, DGX2_V100, CPU_LOCAL)
 }
@@ -139,8 +141,23 @@ def load_cluster(name_or_path: str) -> ClusterSpec:
             "Pass one of those names or a YAML/JSON file with a ClusterSpec (see `zplan clusters --json`)."
         )
     try:
+        if path.stat().st_size > MAX_CLUSTER_FILE_BYTES:
+            raise ClusterError(f"cluster file {path} is over {MAX_CLUSTER_FILE_BYTES >> 20} MiB: not a cluster profile "
+                               "(see `zplan clusters --json` for one)")
         text = path.read_text()
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (OSError, ValueError, RecursionError, yaml.YAMLError) as exc:
+        raise ClusterError(f"cluster file {path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: "
+                           f"{_first_line(exc)}") from None
+    if not isinstance(data, dict):
+        raise ClusterError(f"cluster file {path} is not a valid ClusterSpec: it holds a {type(data).__name__}, not a "
+                           "mapping of fields (see `zplan clusters --json`)")
+    try:
         return ClusterSpec.model_validate(data)
-    except (OSError, ValueError, yaml.YAMLError, ValidationError) as exc:
-        raise ClusterError(f"cluster file {path} is not a valid ClusterSpec: {exc}") from exc
+    except ValidationError as exc:
+        raise ClusterError(f"cluster file {path} is not a valid ClusterSpec: {validation_message(exc)}") from None
+
+
+def _first_line(error: Exception) -> str:
+    """The parser's message on one line, at most 200 characters."""
+    return " ".join(str(error).split())[:200] or type(error).__name__

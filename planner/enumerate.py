@@ -7,7 +7,8 @@ runs at least pp micro-batches (1F1B's warm-up fills every stage); tp > 1, seque
 where the runtime runs them on this model (schemas.capability, from the traits the tracer found); the global
 batch divisible by dp * micro_batch; sequence parallel only with tp > 1; offload (CPU or NVMe) only with
 ZeRO >= 1 (each rank steps its own optimizer shard: runtime.offload.cpu_adam_optimizer for ZeRO 1 on the CPU,
-runtime.offload.nvme_optimizer for ZeRO 1 and ZeRO 2/3 on NVMe, FSDP2's CPUOffloadPolicy for ZeRO 2/3), NVMe
+runtime.offload.nvme_optimizer for ZeRO 1 and ZeRO 2/3 on NVMe, runtime.offload.sharded_cpu_adam for ZeRO 2/3 on
+the CPU, with FSDP2's CPUOffloadPolicy only where the placement puts the parameters on the host too), NVMe
 only where the cluster has it; user pins fix a value; a --compress pin keeps the configurations that support it
 (planner.compression.supported_mask) and sets every candidate's compression. Every tier the runtime runs is
 searched unpinned too: the cost model prices an NVMe candidate (planner.cost.offload), so it is chosen only when
@@ -20,6 +21,7 @@ configuration, naming the pins it constrains, or else which single pin to drop.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,7 +38,9 @@ MAX_MICRO_BATCH = 64
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n >= 1, ascending: each pair (d, n // d) found by trying d up to sqrt(n)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def _pinned(values: list[int], pin: int | None) -> list[int]:
@@ -73,8 +77,10 @@ def _grid(model: ModelSummary, cluster: ClusterSpec, gpus: int, global_batch: in
     as given, and the rules over the grid say whether it is legal (so that a conflict can be explained)."""
     # what the runtime can run on this model (schemas.capability; a pin it rules out failed in zplan.api)
     can_split = allows(model.traits, "tensor_parallel")
+    # the FFN's features, and the groups of each fused projection (a rank holds whole groups: runtime/fused_layout)
+    features = math.gcd(model.ffn_hidden, *(rule.groups for rule in model.tp_rules if rule.parts))
     tps = _pinned([t for t in divisors(gpus) if model.heads % t == 0 and model.kv_heads % t == 0
-                   and (t == 1 or can_split)], pins.tp)
+                   and features % t == 0 and (t == 1 or can_split)], pins.tp)
     can_pipeline = allows(model.traits, "pipeline")
     pps = _pinned([p for p in divisors(gpus) if p <= model.num_blocks and (p == 1 or can_pipeline)], pins.pp)
     layouts = [(t, p, gpus // (t * p)) for t in tps for p in pps if gpus % (t * p) == 0]
@@ -101,6 +107,8 @@ def _grid(model: ModelSummary, cluster: ClusterSpec, gpus: int, global_batch: in
     rules = [
         Rule(f"tp divides the {model.heads} attention heads and {model.kv_heads} KV heads", ("tp",),
              (model.heads % t == 0) & (model.kv_heads % t == 0)),
+        Rule(f"tp divides {features} (the FFN's features and every fused projection's groups)", ("tp",),
+             features % t == 0),
         Rule(f"dp * tp * pp = {gpus} GPUs, with tp from {tps} and pp from {pps} (what divides the heads, at most "
              f"the {blocks} blocks and runs on this model)", ("dp", "tp", "pp"),
              d == pins.dp if pins.dp is not None else d > 0),

@@ -42,6 +42,10 @@ TP_RULES = {
               ("mlp.gate", "colwise"), ("mlp.up", "colwise"), ("mlp.down", "rowwise")],
 }
 FLOAT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# Largest value of each key: far beyond any model built (Llama 3 405B: 126 layers, hidden 16384, vocab 128256), and
+# small enough that a summary (one LayerCost per layer) is built in moments.
+MAX_VALUE = {"layers": 10_000, "hidden": 1 << 20, "heads": 1 << 16, "kv_heads": 1 << 16, "ffn": 1 << 22,
+             "seq": 1 << 24, "vocab": 1 << 24}
 
 
 @dataclass(frozen=True)
@@ -82,8 +86,9 @@ def parse_family_spec(spec: str) -> FamilySpec:
             values[key] = int(text)
         except ValueError:
             raise FamilySpecError(f"{key}={text!r} in {spec!r} is not a whole number: e.g. {example!r}.") from None
-        if values[key] <= 0:
-            raise FamilySpecError(f"{key}={values[key]} in {spec!r} must be positive: e.g. {example!r}.")
+        if not 1 <= values[key] <= MAX_VALUE[key]:
+            raise FamilySpecError(f"{key}={values[key]} in {spec!r} must be positive and at most {MAX_VALUE[key]:,}: "
+                                  f"e.g. {example!r}.")
     missing = [key for key in REQUIRED_KEYS if key not in values]
     if missing:
         raise FamilySpecError(f"{spec!r} lacks {', '.join(missing)}: a {family} spec needs "

@@ -8,22 +8,28 @@ Constraints
   (stated exactly, in floating point, as clauses: no set of states that overflows a tier shares it);
 * the offload tier: "none" allows {gpu}, "cpu" {gpu, cpu}, "nvme" {gpu, cpu, nvme}. A search candidate's
   tier is an allowance (the solver keeps on the GPU what fits there); the user's --offload pin
-  (``offload_pinned``) is a requirement for the optimizer states: "none" keeps them on the GPU, "cpu" puts
-  them on the CPU, "nvme" on NVMe, while parameters and gradients still use any tier the pin and ZeRO allow;
+  (``offload_pinned``) is a requirement for the optimizer states (PINNED_OPTIMIZER_TIER): "none" keeps them on
+  the GPU, "cpu" puts them on the CPU, "nvme" on NVMe, while parameters and gradients still use any tier the pin
+  and ZeRO allow, i.e. stay on the GPU where they fit. So `--zero 2|3 --offload cpu` means the optimizer on the
+  CPU, and the parameter and gradient shards on the host too only when the GPU cannot hold them;
 * ZeRO semantics, as zplan's runtime runs them: under ZeRO-1 only the optimizer leaves the GPU (to CPU or
-  NVMe: runtime.offload.cpu_adam_optimizer, runtime.offload.nvme_optimizer); under ZeRO 2/3 the runtime offloads
-  with FSDP2's CPUOffloadPolicy, which keeps the parameter shards and the gradient shards in host memory
-  together with the optimizer step, so there the three states leave the GPU together or not at all: parameters
-  on the CPU (only ZeRO-3 swaps them on to NVMe: runtime.offload.param_swap), gradients on the CPU, the
-  optimizer on the CPU or NVMe. (Optimizer-only offload under ZeRO 2/3, DeepSpeed's ZeRO-Offload with the
-  parameters on the device, is not built.)
+  NVMe: runtime.offload.cpu_adam_optimizer, runtime.offload.nvme_optimizer). Under ZeRO 2/3 the optimizer may
+  leave alone (the parameter and gradient shards stay on the device; ZeRO-Offload's optimizer offload,
+  runtime.offload.sharded_cpu_adam, or the moments on NVMe, runtime.offload.nvme_optimizer); parameters on the
+  host are FSDP2's CPUOffloadPolicy, which keeps the gradient shards and the optimizer step there with them, so
+  parameters off the GPU take the gradients (to the CPU) and the optimizer (CPU or NVMe) with them, and the
+  gradients leave only with the parameters. Only ZeRO-3 swaps the parameters on to NVMe
+  (runtime.offload.param_swap);
+* host memory: the optimizer on the CPU beside parameters on the GPU holds ``optimizer_host_extra_bytes`` there
+  besides its states (zplan's CPU Adam: an fp32 master of the shard and the buffer the gradients come down to);
 
 Objective: minimise the per-step transfer time, serial sum of three parts
 (``m`` = micro-batches per step, P/G/O = parameter/gradient/optimizer bytes per GPU):
 * host-device (PCIe) bytes, down at device_to_host_bytes_per_s and up at host_device_bytes_per_s:
     - optimizer off GPU: gradients go down to the CPU, G each micro-batch when they live on the CPU, G once
       when they accumulate on the GPU (ZeRO-Offload, Ren et al. 2021, Sec. 4.1: fp16 gradients down,
-      fp16 parameters up); updated parameters P go back up when the parameters live on the GPU;
+      fp16 parameters up); updated parameters P go back up when the parameters live on the GPU (once a step:
+      ZeRO-1's owned rows, ZeRO 2/3's shards under optimizer-only offload);
     - parameters off GPU: fetched up for every all-gather, ``param_fetches_per_step`` times P (ZeRO-3: every
       forward and backward, 2 m; ZeRO-2: once, the runtime keeps them gathered through the step; ZeRO-Infinity,
       Rajbhandari et al. 2021, Sec. 5);
@@ -187,6 +193,7 @@ def place_model_states(
     cpu_adam_params_per_s: float | None = None,
     offload_pinned: bool = False,
     param_fetches_per_step: int | None = None,
+    optimizer_host_extra_bytes: float = 0.0,
 ) -> PlacementResult:
     """Choose the tier of each model state: minimise per-step transfer time subject to tier capacities,
     the offload tier and ZeRO semantics (objective and constraints in the module docstring).
@@ -196,7 +203,9 @@ def place_model_states(
     Byte arguments are per GPU (already divided by the ZeRO sharding); ``*_free_bytes`` are what is left
     for model states on that tier (GPU: after activations and buffers). Bandwidths and throughputs are per
     GPU; ``device_to_host_bytes_per_s`` defaults to ``host_device_bytes_per_s``; ``optimizer_params`` and
-    ``cpu_adam_params_per_s``, ``param_fetches_per_step`` as in ``transfer_times``. Never raises for lack of
+    ``cpu_adam_params_per_s``, ``param_fetches_per_step`` as in ``transfer_times``.
+    ``optimizer_host_extra_bytes``: host bytes the optimizer needs besides ``optimizer_bytes`` when it is on the
+    CPU and the parameters on the GPU (module docstring; counted in ``cpu_bytes``). Never raises for lack of
     memory: returns ``feasible=False`` with the least-overflowing legal placement.
     """
     state_bytes = {"params": float(param_bytes), "grads": float(grad_bytes),
@@ -204,7 +213,7 @@ def place_model_states(
     capacity = {"gpu": float(gpu_free_bytes), "cpu": float(cpu_free_bytes), "nvme": float(nvme_free_bytes)}
     if zero_stage not in (0, 1, 2, 3) or offload not in ALLOWED_TIERS_BY_OFFLOAD:
         raise ValueError(f"zero_stage must be 0..3 and offload none|cpu|nvme, got {zero_stage}, {offload!r}")
-    if micro_batches_per_step < 1 or any(v < 0 for v in (*state_bytes.values(), *capacity.values())):
+    if micro_batches_per_step < 1 or min(*state_bytes.values(), *capacity.values(), optimizer_host_extra_bytes) < 0:
         raise ValueError("bytes and capacities must be >= 0 and micro_batches_per_step >= 1")
     measured = [v for v in (device_to_host_bytes_per_s, cpu_adam_params_per_s) if v is not None]
     if min(host_device_bytes_per_s, nvme_bytes_per_s, cpu_memory_bytes_per_s, *measured) <= 0 or optimizer_params < 0:
@@ -221,15 +230,17 @@ def place_model_states(
         raise ValueError(f"the offload pin {offload!r} puts the optimizer states off the GPU, which needs ZeRO >= 1 "
                          f"(each rank steps its own shard), got ZeRO {zero_stage}")
 
-    together = zero_stage >= 2  # FSDP2's CPUOffloadPolicy: all three states leave the GPU, or none (docstring)
+    rules = dict(zero_sharded=zero_stage >= 2, host_extra_bytes=float(optimizer_host_extra_bytes))
     tiers, proven, _ = _solve(state_bytes, updates, capacity, legal, rates, micro_batches_per_step, time_limit_s,
-                           allow_overflow=False, together=together)
+                              allow_overflow=False, **rules)
     feasible = tiers is not None
     if tiers is None:  # nothing fits: the legal placement that overflows least, then the fastest
         tiers, proven, _ = _solve(state_bytes, updates, capacity, legal, rates, micro_batches_per_step,
-                               time_limit_s, allow_overflow=True, together=together)
+                                  time_limit_s, allow_overflow=True, **rules)
         assert tiers is not None, "a placement with unbounded overflow always exists"
     used = {tier: sum(state_bytes[s] for s in STATES if tiers[s] == tier) for tier in TIERS}
+    if tiers["optimizer"] == "cpu" and tiers["params"] == "gpu":
+        used["cpu"] += float(optimizer_host_extra_bytes)
     return PlacementResult(
         param_tier=tiers["params"],
         grad_tier=tiers["grads"],
@@ -247,10 +258,12 @@ def place_model_states(
 
 
 def _solve(state_bytes, updates, capacity, legal, rates, micro_batches_per_step, time_limit_s, *,
-           allow_overflow: bool, together: bool) -> tuple[dict[str, Tier] | None, bool, float]:
-    """Build and solve the CP-SAT model (`together`: the three states leave the GPU together or not at all, ZeRO
-    2/3). Returns ({state: tier} or None if infeasible, proven optimal, the model's own transfer seconds for that
-    placement: a cross-check of ``transfer_times``)."""
+           allow_overflow: bool, zero_sharded: bool, host_extra_bytes: float = 0.0
+           ) -> tuple[dict[str, Tier] | None, bool, float]:
+    """Build and solve the CP-SAT model (`zero_sharded`: ZeRO 2/3's rules, parameters and gradients leave the GPU
+    together and take the optimizer with them; `host_extra_bytes`: the optimizer's host bytes beside parameters
+    on the GPU; module docstring). Returns ({state: tier} or None if infeasible, proven optimal, the model's own
+    transfer seconds for that placement: a cross-check of ``transfer_times``)."""
     model = cp_model.CpModel()
     on = {(s, t): model.new_bool_var(f"{s}_on_{t}") for s in STATES for t in TIERS}
     for s in STATES:
@@ -260,9 +273,9 @@ def _solve(state_bytes, updates, capacity, legal, rates, micro_batches_per_step,
                 model.add(on[s, t] == 0)
     optimizer_off, params_off = ~on["optimizer", "gpu"], ~on["params", "gpu"]
     model.add_implication(on["grads", "cpu"], optimizer_off)  # gradients go down only to feed CPU Adam
-    if together:
-        model.add(on["params", "gpu"] == on["optimizer", "gpu"])
-        model.add(on["grads", "gpu"] == on["optimizer", "gpu"])
+    if zero_sharded:  # FSDP2's CPUOffloadPolicy moves the parameter and gradient shards, and the step with them
+        model.add(on["params", "gpu"] == on["grads", "gpu"])
+        model.add_implication(params_off, optimizer_off)
 
     def both(a, b, name):
         """A boolean equal to a AND b."""
@@ -270,6 +283,12 @@ def _solve(state_bytes, updates, capacity, legal, rates, micro_batches_per_step,
         model.add_bool_and([a, b]).only_enforce_if(var)
         model.add_bool_or([~a, ~b, var])
         return var
+
+    # What each tier holds: (boolean, bytes) items, the states, and on the CPU the optimizer's extra host bytes
+    # beside parameters on the GPU.
+    loads = {t: [(on[s, t], state_bytes[s]) for s in STATES] for t in TIERS}
+    if host_extra_bytes > 0:
+        loads["cpu"].append((both(on["optimizer", "cpu"], on["params", "gpu"], "host_master"), host_extra_bytes))
 
     # Transfer time of each term in seconds, by the boolean that switches it on (module docstring).
     param_b, grad_b, optim_b = state_bytes["params"], state_bytes["grads"], state_bytes["optimizer"]
@@ -298,23 +317,23 @@ def _solve(state_bytes, updates, capacity, legal, rates, micro_batches_per_step,
     objective += [(on[s, t], rank) for s in STATES for rank, t in enumerate(TIERS)]
 
     if not allow_overflow:
-        # Capacity, exactly in floating point: no set of states whose bytes exceed a tier may share it.
+        # Capacity, exactly in floating point: no set of items whose bytes exceed a tier may share it.
         for t in TIERS:
-            for size in (1, 2, 3):
-                for together in itertools.combinations(STATES, size):
-                    if sum(state_bytes[s] for s in together) > capacity[t]:
-                        model.add_bool_or([~on[s, t] for s in together])
+            for size in range(1, len(loads[t]) + 1):
+                for items in itertools.combinations(loads[t], size):
+                    if sum(nbytes for _, nbytes in items) > capacity[t]:
+                        model.add_bool_or([~var for var, _ in items])
     else:
         # Least overflow, in integer units of 1e-6 of all state bytes (a diagnostic: nearest rounding).
         # Small integers on purpose: CP-SAT 9.15's presolve returned a wrong OPTIMAL on this model with
         # byte-sized coefficients (~1e10) next to the AND auxiliaries.
-        memory_unit_bytes = max(sum(state_bytes.values()), 1.0) / OVERFLOW_RESOLUTION
-        state_units = [round(state_bytes[s] / memory_unit_bytes) for s in STATES]
+        memory_unit_bytes = max(sum(state_bytes.values()) + host_extra_bytes, 1.0) / OVERFLOW_RESOLUTION
         overflow_vars = []
         for t in TIERS:
             capacity_units = round(min(capacity[t] / memory_unit_bytes, OVERFLOW_RESOLUTION))
-            overflow = model.new_int_var(0, OVERFLOW_RESOLUTION + len(STATES), f"{t}_overflow")
-            load = cp_model.LinearExpr.weighted_sum([on[s, t] for s in STATES], state_units)
+            overflow = model.new_int_var(0, OVERFLOW_RESOLUTION + len(loads[t]), f"{t}_overflow")
+            load = cp_model.LinearExpr.weighted_sum([var for var, _ in loads[t]],
+                                                    [round(nbytes / memory_unit_bytes) for _, nbytes in loads[t]])
             model.add(load <= capacity_units + overflow)
             overflow_vars.append(overflow)
     time_expr = cp_model.LinearExpr.weighted_sum([v for v, _ in objective], [w for _, w in objective])
@@ -351,7 +370,8 @@ def enumerate_legal_placements(zero_stage: int, offload: str, pinned: bool = Fal
         tiers = dict(zip(STATES, combo, strict=True))
         if tiers["grads"] == "cpu" and tiers["optimizer"] == "gpu":
             continue
-        if zero_stage >= 2 and len({tiers[s] == "gpu" for s in STATES}) > 1:  # FSDP2 offloads all three or none
+        params_off = tiers["params"] != "gpu"  # ZeRO 2/3: FSDP2's CPUOffloadPolicy, gradients and step with them
+        if zero_stage >= 2 and (params_off != (tiers["grads"] != "gpu") or params_off and tiers["optimizer"] == "gpu"):
             continue
         placements.append(tiers)
     return placements

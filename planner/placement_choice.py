@@ -1,10 +1,13 @@
 """The chosen plan's model states placed by planner.placement (CP-SAT), its prediction updated, and the
 decision on ZeRO-Offload's one-step delayed parameter update (DPU).
 
-The search scores an offloading candidate as if every offloadable state left the GPU (the
-conservative end); the solver then keeps on the GPU whatever fits there, which only removes transfers. An
---offload pin is a requirement, not an allowance: the optimizer states go to the pinned tier (``none``: the
-GPU), and only the parameters and gradients stay on the GPU where they fit (planner.placement).
+The search scores an offloading candidate with its optimizer off the GPU and, under ZeRO 2/3, its parameter
+and gradient shards off it too unless they fit there (planner.cost.memory); the solver then keeps on the GPU
+whatever fits there, which only removes transfers. An --offload pin is a requirement, not an allowance: the
+optimizer states go to the pinned tier (``none``: the GPU), and the parameters and gradients stay on the GPU
+where they fit (planner.placement): under ZeRO 2/3 the optimizer alone is then offloaded (the runtime's
+runtime.offload.sharded_cpu_adam), and FSDP2's CPUOffloadPolicy takes the parameter and gradient shards to the
+host only when the GPU cannot hold them.
 
 Delayed parameter update (Ren et al., ZeRO-Offload, USENIX ATC'21, Sec. 5.2): the CPU optimizer step of
 iteration i runs beside the forward and backward of iteration i+1, which use the weights from before that
@@ -26,6 +29,9 @@ from dataclasses import dataclass
 from zplan.errors import SpecError
 from zplan.planner.cost.inputs import OFFLOAD_TIERS, Candidates
 from zplan.planner.cost.memory import (
+    ADAM_BYTES,
+    HOST_GRAD_BUFFER_BYTES,
+    HOST_OPTIMIZER_BYTES,
     HOST_USABLE_FRACTION,
     element_bytes,
     state_bytes_per_param,
@@ -83,7 +89,12 @@ def place(cand: Candidates, est: StepEstimate, cluster: ClusterSpec, train: Trai
         # parameter all-gathers per step from the host: ZeRO-3 every forward and backward, ZeRO-2 once (the
         # runtime keeps them gathered through the step: runtime.apply.keeps_parameters_gathered)
         param_fetches_per_step=1 if z == 2 else None,
-        param_update_bytes=elem * optim_params, grad_update_bytes=elem * optim_params,  # this rank's shard
+        # this rank's shard, once a step with the optimizer alone off the GPU: ZeRO-1 its owned rows (priced as
+        # ZeRO-Offload's 16-bit copies), ZeRO 2/3 FSDP2's fp32 gradient shard down and fp32 parameter shard up
+        # (runtime.offload.sharded_cpu_adam), i.e. the `grads` and `weights` bytes themselves
+        **({} if z >= 2 else dict(param_update_bytes=elem * optim_params, grad_update_bytes=elem * optim_params)),
+        # zplan's CPU Adam beside parameters on the GPU: the fp32 master of the shard and the gradient buffer
+        optimizer_host_extra_bytes=(HOST_OPTIMIZER_BYTES - ADAM_BYTES + HOST_GRAD_BUFFER_BYTES) * optim_params,
     )
     on_gpu = {"params": result.param_tier == "gpu", "grads": result.grad_tier == "gpu",
               "optimizer": result.optimizer_tier == "gpu"}

@@ -30,7 +30,7 @@ from zplan.errors import SpecError, TraceError
 from zplan.planner.graph import ModelGraph
 from zplan.planner.model_file import load_model_file
 from zplan.planner.tracers import DROPOUT_OPS, SDPA, TRACER_FUNCTIONS, MetaOpCache, RawTrace, TracedOp, as_call
-from zplan.planner.traits import find_traits, parent_path
+from zplan.planner.traits import find_traits, fused_parts, is_conv1d, parent_path
 from zplan.schemas.model import LayerCost, ModelSummary, TensorParallelRule
 
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}  # bytes per floating-point element
@@ -266,19 +266,23 @@ def _build_graph(raw: RawTrace, model: nn.Module, prefix: str, num_blocks: int, 
     return graph
 
 
-def _mark_tensor_parallel(graph: ModelGraph, model: nn.Module, blocks: range) -> None:
-    """Megatron pairs (Shoeybi 2019): a Linear whose output reaches another Linear of the same block
-    through elementwise / attention operations, before rejoining the residual stream or a norm, is
-    colwise, and the Linear it reaches is rowwise (q/k/v -> attention -> out; up/gate -> act -> down)."""
-    def is_linear(name: str) -> bool:
-        data = graph[name]
-        if data["op"] != "linear":
-            return False
-        try:
-            return isinstance(model.get_submodule(data["module"]), nn.Linear)
-        except AttributeError:
-            return False
+PROJECTION_OPS = {"linear", "addmm"}  # the matmul of an nn.Linear; of transformers' Conv1D (addmm(bias, x, weight))
 
+
+def _projection(model: nn.Module, module: str | None) -> bool:
+    """An nn.Linear or a transformers Conv1D (GPT-2): the modules tensor parallel splits."""
+    try:
+        found = model.get_submodule(module) if module else None
+    except AttributeError:
+        return False
+    return isinstance(found, nn.Linear) or is_conv1d(found)
+
+
+def _mark_tensor_parallel(graph: ModelGraph, model: nn.Module, blocks: range) -> None:
+    """Megatron pairs (Shoeybi 2019): a projection (nn.Linear or Conv1D) whose output reaches another projection
+    of the same block through elementwise / attention operations, before rejoining the residual stream or a norm,
+    is colwise, and the projection it reaches is rowwise (q/k/v -> attention -> out; up/gate -> act -> down). The
+    style is set on the projection's matmul node."""
     for block in blocks:
         members = graph.nodes_of_block(block)
         if not members:
@@ -291,24 +295,32 @@ def _mark_tensor_parallel(graph: ModelGraph, model: nn.Module, blocks: range) ->
             stream.update(p for p in outside_inputs if graph[p]["shape"] == width)
             if graph[name]["op"] in ADD_OPS and any(p in stream for p in graph.graph.predecessors(name)):
                 stream.add(name)
+        nodes_of: dict[str, list[str]] = {}  # projection module -> its nodes, in trace order
         for name in members:
-            if not is_linear(name) or graph[name]["tp_style"] == "rowwise":
+            if _projection(model, graph[name]["module"]):
+                nodes_of.setdefault(graph[name]["module"], []).append(name)
+        matmul = {module: next((n for n in nodes if graph[n]["op"] in PROJECTION_OPS), None)
+                  for module, nodes in nodes_of.items()}
+        for module, nodes in nodes_of.items():
+            if matmul[module] is None or graph[matmul[module]]["tp_style"] == "rowwise":
                 continue
-            partners, queue, visited = [], deque(graph.graph.successors(name)), set()
+            partners: dict[str, None] = {}
+            queue = deque(s for n in nodes for s in graph.graph.successors(n) if graph[s]["module"] != module)
+            visited: set[str] = set()
             while queue:
                 node = queue.popleft()
                 if node in visited or node not in inside or node in stream:
                     continue
                 visited.add(node)
-                if is_linear(node):
-                    partners.append(node)
+                if graph[node]["module"] in matmul and matmul[graph[node]["module"]] is not None:
+                    partners[graph[node]["module"]] = None
                 elif graph[node]["op"] not in NORM_EXTRA_BYTES_PER_ROW:
                     queue.extend(graph.graph.successors(node))
             if partners:
-                graph[name]["tp_style"] = "colwise"
+                graph[matmul[module]]["tp_style"] = "colwise"
                 for partner in partners:
-                    if graph[partner]["tp_style"] is None:
-                        graph[partner]["tp_style"] = "rowwise"
+                    if graph[matmul[partner]]["tp_style"] is None:
+                        graph[matmul[partner]]["tp_style"] = "rowwise"
 
 
 # --- summary --------------------------------------------------------------------------------------------
@@ -357,9 +369,12 @@ def _summarize(graph: ModelGraph, raw: RawTrace, model: nn.Module, name: str,
                       if graph[n]["tp_style"] == "rowwise" and by_name[n].args[0].shape]
     linear_outputs = [graph[n]["shape"][-1] for n in block0 if graph[n]["op"] == "linear" and graph[n]["shape"]]
     ffn_hidden = max(rowwise_inputs or linear_outputs or [4 * hidden])
-    rules = [TensorParallelRule(module=module[len(f"{prefix}.0."):], style=style)
-             for module, style in styles.items()]
-    traits = find_traits(model, graph, {r.module: r.style for r in rules}, layers, example_call)
+    rules = []
+    for module, style in styles.items():
+        parts, groups = (fused_parts(graph, model, module) if style == "colwise" else None) or ([], 1)
+        rules.append(TensorParallelRule(module=module[len(f"{prefix}.0."):], style=style, parts=parts,
+                                        groups=max(groups, 1)))
+    traits = find_traits(model, graph, rules, layers, example_call)
     return ModelSummary(
         name=name, source="file", tracer=graph.tracer, num_blocks=num_blocks, hidden=hidden, heads=heads,
         kv_heads=kv_heads, ffn_hidden=ffn_hidden, vocab=vocab, seq_len=graph.seq_len,

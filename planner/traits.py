@@ -3,9 +3,11 @@
 
 Each finder mirrors one thing the runtime does (the module docstrings of runtime/tensor_parallel.py and
 runtime/pipeline.py state those contracts):
-  tensor parallel  splits the nn.Linear pairs the trace marked colwise / rowwise, whole heads per rank; a
-                   module with parameters inside a module that holds split Linears (a q/k norm, a post-LN
-                   LayerNorm, a relative position bias) would see one rank's features only;
+  tensor parallel  splits the nn.Linear (or Conv1D) pairs the trace marked colwise / rowwise, whole heads per
+                   rank, a fused projection by its parts (which the trace must tell); a module with parameters
+                   inside a module that holds split Linears (a q/k norm, a post-LN LayerNorm, a relative
+                   position bias) would see one rank's features only; block 0 is run on the meta device as one
+                   of two ranks runs it and must give the block's output shape;
   sequence parallel runs the blocks' norms on this rank's tokens; any other module with parameters, or a norm
                    applied to a row-split Linear's output before the residual add (sandwich norms), breaks it;
   pipeline         runs the model's own forward on every stage with the other stages' units stood in for, one
@@ -15,13 +17,16 @@ runtime/pipeline.py state those contracts):
 
 from __future__ import annotations
 
+import copy
+import math
 from collections import deque
 from typing import TYPE_CHECKING, Literal
 
+import torch
 from torch import nn
 
 from zplan.schemas.capability import ModelTrait
-from zplan.schemas.model import LayerCost
+from zplan.schemas.model import LayerCost, TensorParallelRule
 
 if TYPE_CHECKING:  # runtime/tensor_parallel.py imports this module: no networkx at run time
     from zplan.planner.graph import ModelGraph
@@ -33,6 +38,11 @@ PASS_THROUGH_OPS = {"dropout", "to", "contiguous", "view", "reshape", "type_as"}
 def is_norm(module: nn.Module) -> bool:
     """LayerNorm, RMSNorm and model files' own *Norm classes (e.g. LlamaRMSNorm)."""
     return type(module).__name__.endswith("Norm")
+
+
+def is_conv1d(module: nn.Module | None) -> bool:
+    """transformers.pytorch_utils.Conv1D (GPT-2): a Linear with its weight transposed, (in, out), out = nf."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and getattr(module, "weight", None) is not None
 
 
 def parent_path(path: str) -> str:
@@ -59,28 +69,30 @@ def unsplit_parameter_owners(block: nn.Module, split: set[str]
     return owners
 
 
-def find_traits(model: nn.Module, graph: ModelGraph, tp_rules: dict[str, str], layers: list[LayerCost],
+def find_traits(model: nn.Module, graph: ModelGraph, tp_rules: list[TensorParallelRule], layers: list[LayerCost],
                 example_call: tuple[tuple, dict]) -> list[ModelTrait]:
-    """Every trait of `model` (on the meta device; `graph` its trace, `tp_rules` block-relative Linear path ->
-    style, `layers` its units in order, `example_call` the (args, kwargs) of one sample)."""
+    """Every trait of `model` (on the meta device; `graph` its trace, `tp_rules` the split of each projection of a
+    block, `layers` its units in order, `example_call` the (args, kwargs) of one sample)."""
     prefix = graph.block_prefix
     block = model.get_submodule(f"{prefix}.0")
-    return [*_tensor_parallel_traits(block, f"{prefix}.0", graph, tp_rules),
-            *_pipeline_traits(model, prefix, layers, example_call)]
+    traits = _tensor_parallel_traits(model, block, f"{prefix}.0", graph, tp_rules)
+    if tp_rules and not traits:
+        problem = _rank_block_problem(model, block, tp_rules, example_call)
+        if problem:
+            traits.append(ModelTrait(kind="forward_not_split_by_heads", module=f"{prefix}.0", detail=problem))
+    return [*traits, *_pipeline_traits(model, prefix, layers, example_call)]
 
 
 # ---- tensor and sequence parallel -----------------------------------------------------------------------------
 
 
-def _tensor_parallel_traits(block: nn.Module, block_name: str, graph: ModelGraph,
-                            tp_rules: dict[str, str]) -> list[ModelTrait]:
+def _tensor_parallel_traits(model: nn.Module, block: nn.Module, block_name: str, graph: ModelGraph,
+                            tp_rules: list[TensorParallelRule]) -> list[ModelTrait]:
     if not tp_rules:
-        kinds = sorted({type(m).__name__ for m in block.modules() if type(m).__name__ in ("Conv1D", "Conv1d")})
-        detail = (f"its projections are {', '.join(kinds)} modules, not nn.Linear" if kinds
-                  else "no nn.Linear feeds another through attention or an activation")
-        return [ModelTrait(kind="no_tensor_parallel_rules", module=block_name, detail=detail)]
+        return [ModelTrait(kind="no_tensor_parallel_rules", module=block_name,
+                           detail="no nn.Linear or Conv1D feeds another through attention or an activation")]
     traits = []
-    for name, module, role in unsplit_parameter_owners(block, set(tp_rules)):
+    for name, module, role in unsplit_parameter_owners(block, {rule.module for rule in tp_rules}):
         where = f"{block_name}.{name}" if name else block_name
         holder = f"{block_name}.{parent_path(name) or name}"
         if role == "beside":
@@ -89,23 +101,118 @@ def _tensor_parallel_traits(block: nn.Module, block_name: str, graph: ModelGraph
         elif role == "other":
             traits.append(ModelTrait(kind="parameters_outside_split_linears", module=where,
                                      detail=f"a {type(module).__name__} with parameters, not a norm"))
-    first = graph.nodes_of_block(0)
-    for node in first:
+    styles = {f"{block_name}.{rule.module}": rule for rule in tp_rules}
+    for node in graph.nodes_of_block(0):
         data = graph[node]
-        if data["tp_style"] == "colwise" and _is_fused(graph, node):
+        rule = styles.get(data["module"]) if data["tp_style"] else None
+        if rule and rule.style == "colwise" and fused_parts(graph, model, data["module"]) == ([], 0):
             traits.append(ModelTrait(kind="fused_projection", module=data["module"],
-                                     detail="one Linear whose output is sliced into several projections"))
-        if data["tp_style"] == "rowwise" and _norm_before_residual(graph, node, block):
+                                     detail="one projection whose output is cut into parts of unknown widths"))
+        if rule and rule.style == "rowwise" and _norm_before_residual(graph, node, block):
             traits.append(ModelTrait(kind="parameters_outside_split_linears", module=data["module"],
                                      detail="its output goes through a norm before the residual add"))
     return traits
 
 
-def _is_fused(graph: ModelGraph, node: str) -> bool:
-    """The Linear's output is cut into parts: sliced twice or more, or split / chunked / unbound once."""
-    consumers = [graph[n]["op"] for n in graph.graph.successors(node)]
-    slices = [op for op in consumers if op in SLICING_OPS]
-    return len(slices) >= 2 or any(op in SLICING_OPS - {"getitem"} for op in slices)
+def fused_parts(graph: ModelGraph, model: nn.Module, module: str) -> tuple[list[int], int] | None:
+    """(parts, groups) of a colwise projection whose output the forward cuts into several projections, or None
+    when it is one projection. parts: the widths of the slices of its output, in trace order (split / chunk:
+    their results in order; slices qkv[..., a:b]: one after another), which must add up to its output features;
+    groups: each part cut into whole heads (head_dim of the module holding it) or features, the most groups that
+    divide every part. ([], 0) when it is cut in a way this cannot describe, or reshaped so that its features
+    become three dimensions or more (view(B, T, 3, heads, head_dim) cut later: a rank's features would mix q, k
+    and v whatever the order, so tensor parallel is refused)."""
+    nodes = [n for n, data in graph.iter_nodes() if data["module"] == module]
+    output = nodes[-1]
+    out_features = graph[output]["shape"][-1] if graph[output]["shape"] else None
+    consumers = [n for n in graph.graph.successors(output) if graph[n]["module"] != module]
+    sliced = [n for n in consumers if graph[n]["op"] in SLICING_OPS]
+    out_shape = graph[output]["shape"]
+    for n in consumers:  # (B, T, F) viewed as (B, T, 3, heads, head_dim)
+        shape = graph[n]["shape"]
+        if (graph[n]["op"] in ("view", "reshape") and out_shape and shape and len(shape) >= len(out_shape) + 2
+                and tuple(shape[:len(out_shape) - 1]) == tuple(out_shape[:-1])):
+            return [], 0
+    if not sliced or (len(sliced) == 1 and graph[sliced[0]]["op"] == "getitem"):
+        return None
+    if out_features is None or len(sliced) != len(consumers):
+        return [], 0
+    if len(sliced) == 1:  # split / chunk / unbind: the getitems of its results, in order
+        sliced = list(graph.graph.successors(sliced[0]))
+    shapes = [graph[n]["shape"] for n in sliced]
+    if any(not shape or len(shape) != len(graph[output]["shape"]) for shape in shapes):
+        return [], 0
+    parts = [s[-1] for s in shapes]
+    if sum(parts) != out_features:
+        return [], 0
+    holder = model.get_submodule(parent_path(module)) if parent_path(module) else None
+    head_dim = getattr(holder, "head_dim", None)
+    unit = head_dim if isinstance(head_dim, int) and all(p % head_dim == 0 for p in parts) else 1
+    return parts, math.gcd(*(p // unit for p in parts))
+
+
+class _BlockInputs(BaseException):  # raised by the pre-hook: the rest of the model does not run
+    pass
+
+
+def _rank_block_problem(model: nn.Module, block: nn.Module, tp_rules: list[TensorParallelRule],
+                        example_call: tuple[tuple, dict], tp: int = 2) -> str:
+    """Why block 0, run as one of `tp` tensor-parallel ranks runs it (on meta, shapes only: each split projection
+    with this rank's slice of its weight, the head counts of modules slicing a fused projection made this rank's,
+    as runtime/tensor_parallel.py does), does not give the block's output shape ('' when it does)."""
+    from zplan.runtime.fused_layout import FusedLayout
+    from zplan.runtime.tensor_parallel import localize_head_counts, projection_features
+
+    def capture(module, args, kwargs):
+        raise _BlockInputs(args, kwargs)
+
+    handle = block.register_forward_pre_hook(capture, with_kwargs=True)
+    try:
+        args, kwargs = example_call
+        with torch.no_grad():
+            model(*args, **kwargs)
+        return ""  # block 0 did not run
+    except _BlockInputs as inputs:
+        block_args, block_kwargs = inputs.args
+    finally:
+        handle.remove()
+    rank = copy.deepcopy(block)
+    for rule in tp_rules:
+        projection = rank.get_submodule(rule.module)
+        features = projection_features(projection)
+        if features is None or features[rule.style == "colwise"] % tp:
+            return ""  # the enumerator's divisibility rules decide
+        _shrink(projection, rule.style, tp)
+        if rule.parts and rule.groups % tp == 0:
+            holder = rank.get_submodule(parent_path(rule.module)) if parent_path(rule.module) else rank
+            localize_head_counts(holder, FusedLayout(parts=rule.parts, groups=rule.groups), tp)
+    def run(module: nn.Module):  # on a copy of the inputs: a key/value cache among them is updated by each call
+        args, kwargs = copy.deepcopy((block_args, block_kwargs))
+        return module(*args, **kwargs)
+
+    try:
+        with torch.no_grad():
+            expected, got = run(block), run(rank)
+    except Exception as error:
+        return f"one rank's part of the block fails ({type(error).__name__}: {str(error)[:200]})"
+    expected, got = (out if isinstance(out, torch.Tensor) else out[0] for out in (expected, got))
+    if tuple(got.shape) != tuple(expected.shape):
+        return f"one rank's part of the block gives {tuple(got.shape)}, the block {tuple(expected.shape)}"
+    return ""
+
+
+def _shrink(projection: nn.Module, style: str, tp: int) -> None:
+    """`projection` (an nn.Linear or Conv1D on meta) with one rank's slice of its weight: colwise, out/tp output
+    features (Conv1D's nf too, which its forward reads); rowwise, in/tp input features."""
+    conv1d = is_conv1d(projection)
+    dim = (1 if conv1d else 0) if style == "colwise" else (0 if conv1d else 1)
+    shape = list(projection.weight.shape)
+    shape[dim] //= tp
+    projection.weight = nn.Parameter(torch.empty(shape, device="meta"))
+    if style == "colwise" and getattr(projection, "bias", None) is not None:
+        projection.bias = nn.Parameter(torch.empty(projection.bias.shape[0] // tp, device="meta"))
+    if conv1d and style == "colwise":
+        projection.nf //= tp
 
 
 def _norm_before_residual(graph: ModelGraph, node: str, block: nn.Module) -> bool:

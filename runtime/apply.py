@@ -32,13 +32,15 @@ def transformer_blocks(model: nn.Module, block_prefix: str) -> list[nn.Module]:
 
 
 def apply_tensor_parallel(
-    model: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[str, str], block_prefix: str, sequence_parallel: bool
+    model: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[str, str], block_prefix: str, sequence_parallel: bool,
+    fused: dict | None = None,
 ) -> nn.Module:
     """Split each block's Linears column/row-wise over `tp_mesh` (tp_plan: path in block -> style),
-    with sequence parallel when planned; everything else replicated over `tp_mesh` (runtime.tensor_parallel)."""
+    with sequence parallel when planned; everything else replicated over `tp_mesh`; fused projections (`fused`:
+    path in block -> runtime.fused_layout.FusedLayout) stored grouped at every tp (runtime.tensor_parallel)."""
     from zplan.runtime import tensor_parallel
 
-    return tensor_parallel.apply_tensor_parallel(model, tp_mesh, tp_plan, block_prefix, sequence_parallel)
+    return tensor_parallel.apply_tensor_parallel(model, tp_mesh, tp_plan, block_prefix, sequence_parallel, fused)
 
 
 # ---- 2. activation recompute ---------------------------------------------------------------------
@@ -123,7 +125,7 @@ def _forward_under_autocast(model: nn.Module, device_type: str, dtype: torch.dty
 
 def apply_data_parallel(
     model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, precision: str, offload: str, block_prefix: str,
-    grad_compression: str = "none", weight_compression: str = "none",
+    grad_compression: str = "none", weight_compression: str = "none", parameters_on_host: bool | None = None,
 ) -> nn.Module:
     """Replicate or shard the model over `dp_mesh` by ZeRO stage.
 
@@ -136,17 +138,20 @@ def apply_data_parallel(
     Mixed precision keeps fp32 master weights: FSDP2's MixedPrecisionPolicy (compute in bf16/fp16,
     gradients reduced in fp32) for ZeRO 2/3 and for ZeRO 0/1 under tensor parallel, torch.autocast
     around the forward for ZeRO 0/1 otherwise.
-    offload='cpu' or 'nvme' (ZeRO 2/3): FSDP2's CPUOffloadPolicy keeps sharded parameters, gradients and
-    the optimizer step on the host (pin_memory only when there is a GPU: pinning needs one); with 'nvme'
-    build_optimizer's optimizer keeps its moments in files. ZeRO 1: the model is replicated as without
-    offload; build_optimizer steps the owned rows on the host.
+    offload='cpu' or 'nvme' (ZeRO 2/3), as the plan's placement puts the parameters (`parameters_on_host`; None:
+    on the host whenever offload is not 'none'): parameters on the host (and so their gradients: placement cpu or
+    nvme), FSDP2's CPUOffloadPolicy keeps the sharded parameters, gradients and the optimizer step there
+    (pin_memory only when there is a GPU: pinning needs one); parameters on the device, FSDP2 shards them there
+    as without offload, and build_optimizer's optimizer alone is offloaded (ZeRO-Offload's optimizer offload,
+    runtime.offload.sharded_cpu_adam; with 'nvme' the moments in files). ZeRO 1: the model is replicated as
+    without offload; build_optimizer steps the owned rows on the host.
     """
     from zplan.runtime.pipeline import PipelineRun
 
     if isinstance(model, PipelineRun):  # each pipeline stage of this rank is data-parallel like a model
         for index, chunk in enumerate(model.chunks):
             model.chunks[index] = apply_data_parallel(chunk, dp_mesh, zero_stage, precision, offload, block_prefix,
-                                                      grad_compression, weight_compression)
+                                                      grad_compression, weight_compression, parameters_on_host)
         return model
     if grad_compression not in ("none", "int8", "1bit"):
         raise ValueError(f"gradient compression must be none, int8 or 1bit, got {grad_compression!r}")
@@ -192,9 +197,11 @@ def apply_data_parallel(
         if compute_dtype is not None
         else MixedPrecisionPolicy()
     )
-    offload_policy = (
-        CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload in ("cpu", "nvme") else OffloadPolicy()
-    )
+    if parameters_on_host is None:
+        parameters_on_host = offload != "none"
+    if parameters_on_host and offload == "none":
+        raise ValueError("parameters on the host need offload 'cpu' or 'nvme' (FSDP2's CPUOffloadPolicy steps there)")
+    offload_policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if parameters_on_host else OffloadPolicy()
     options = dict(mesh=dp_mesh, reshard_after_forward=zero_stage == 3, mp_policy=mp_policy,
                    offload_policy=offload_policy)
     for block in transformer_blocks(model, block_prefix):
@@ -238,6 +245,7 @@ def build_optimizer(
     model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, lr: float, weight_decay: float, offload: str,
     precision: str = "fp32", nvme_path: str | None = None, swap_parameters: bool = False,
     delayed_update: bool = False, grad_compression: str = "none", onebit_warmup_steps: int = 100,
+    parameters_on_host: bool | None = None,
 ) -> torch.optim.Optimizer:
     """AdamW (fused kernel: ~7x foreach on CPU, DESIGN.md facts); ZeRO-1 shards its states over dp
     (runtime.zero1.ZeroOneAdamW: dim-0 slices of every parameter, of its tp-local tensor under tensor
@@ -246,6 +254,10 @@ def build_optimizer(
     with delayed_update its one-step delayed parameter update (the CPU step overlaps the next forward/backward).
 
     ZeRO 2/3 need nothing more: FSDP2's parameters are already shards, so the optimizer states are.
+    offload='cpu' with ZeRO 2/3: parameters on the host (`parameters_on_host`, as apply_data_parallel was given:
+    FSDP2's CPUOffloadPolicy), the fused AdamW steps the host shards; parameters on the device, the optimizer
+    alone goes to the host (runtime.offload.sharded_cpu_adam.CpuOffloadShardedAdamW: fp32 master and moments of
+    the shards there, CPU Adam, gradients down and parameters up once a step).
     offload='nvme' (ZeRO-Infinity): the moments in files under `nvme_path`, swapped per sub-group during
     the step (runtime.offload.nvme_optimizer: NvmeZeroOneAdamW for ZeRO 1, NvmeShardedAdamW for 2/3);
     swap_parameters (ZeRO 3): the parameter shards in files too (runtime.offload.param_swap).
@@ -290,4 +302,8 @@ def build_optimizer(
 
         # each rank keeps AdamW states for an even dim-0 slice of every parameter (runtime/zero1.py)
         return ZeroOneAdamW(groups, dp_mesh, lr=lr, fused=fused)
+    if offload == "cpu" and zero_stage in (2, 3) and parameters_on_host is False:  # the optimizer alone on the host
+        from zplan.runtime.offload.sharded_cpu_adam import CpuOffloadShardedAdamW
+
+        return CpuOffloadShardedAdamW(groups, lr=lr)
     return torch.optim.AdamW(groups, lr=lr, fused=fused)

@@ -5,12 +5,17 @@ A checkpoint folder (--checkpoint-dir) holds:
     step-000120/                a complete checkpoint; the newest `keep` of them are kept
         .metadata, *.distcp     DCP: the model's and the optimizer's state, keyed by parameter name
         rank-00000.pt, ...      each rank's own state: RNG, data-iterator state, loss scaler
-        train_state.json        optimizer steps done, world size, wrappers of the run that wrote it
+        train_state.json        optimizer steps done, world size, wrappers of the run that wrote it, the stored
+                                order of fused projections (runtime.fused_layout; `zplan export` undoes it)
+        MANIFEST.json           size and XXH3-64 hash of every file above (runtime/checkpoint_manifest.py), checked
+                                before a resume or an export reads them
         COMPLETE                written last: a step-* folder without it is not a checkpoint
     .step-000140.tmp/           being written, or left by a crash: never read, removed by the next save
 
 Writing: every rank writes its shards into `.step-N.tmp` (DCP writes `.metadata` once all shards are
-on disk), then its rank file; a barrier; rank 0 writes train_state.json and COMPLETE, fsyncs, and
+on disk), then its rank file, rank 0 train_state.json; every rank hashes its share of the files (when one
+could not write, e.g. on a full disk, the partial folder is removed and every rank raises the same error);
+rank 0 writes MANIFEST.json and COMPLETE, fsyncs, and
 renames the folder to `step-N` (atomic on a POSIX file system, which every rank must share); a
 barrier. A kill at any moment leaves either the previous checkpoints untouched plus a `.tmp` folder,
 or the new checkpoint complete.
@@ -52,9 +57,20 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from zplan.errors import CheckpointError
+from zplan.runtime.checkpoint_manifest import (
+    MANIFEST_FILE,
+    file_entry,
+    file_problems,
+    files_to_hash,
+    read_manifest,
+    share,
+    verify,
+    write_manifest,
+)
 from zplan.runtime.distributed import RunContext
 
 COMPLETE_MARKER = "COMPLETE"
+LATEST_VALID = "latest-valid"
 TRAIN_STATE_FILE = "train_state.json"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -74,15 +90,18 @@ class CheckpointConfig:
     directory: Path | None = None  # where step-N folders go; None: save nothing
     every: int = 0  # save after every `every` optimizer steps (0: only after the last step)
     keep: int = 3  # complete checkpoints kept in `directory`, newest first
-    resume: str | Path | None = None  # None: start fresh; "latest": newest in `directory`; or a path
+    # None: start fresh; "latest": newest in `directory`; "latest-valid": newest whose files match its manifest;
+    # or a path
+    resume: str | Path | None = None
 
     def __post_init__(self):
         if self.every < 0:
             raise CheckpointError(f"--checkpoint-every must be >= 0, got {self.every}")
         if self.keep < 1:
             raise CheckpointError(f"--keep must be >= 1 (checkpoints kept), got {self.keep}")
-        if self.resume == "latest" and self.directory is None:
-            raise CheckpointError("--resume without a path needs --checkpoint-dir: give either")
+        if self.resume in ("latest", LATEST_VALID) and self.directory is None:
+            raise CheckpointError(f"--resume {'' if self.resume == 'latest' else LATEST_VALID + ' '}without a path "
+                                  "needs --checkpoint-dir: give either")
 
     def should_save(self, steps_done: int, total_steps: int) -> bool:
         if self.directory is None:
@@ -122,6 +141,18 @@ def complete_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
         if match and child.is_dir() and is_complete(child):
             found.append((int(match.group(1)), child))
     return sorted(found)
+
+
+def latest_valid_checkpoint(directory: str | Path) -> tuple[Path | None, list[str]]:
+    """The newest complete checkpoint in `directory` whose files match its manifest (one without a manifest
+    counts as valid: it cannot be checked), and why each newer one was passed over. In this process."""
+    skipped = []
+    for _, path in reversed(complete_checkpoints(directory)):
+        problems = verify(path) if read_manifest(path) is not None else []
+        if not problems:
+            return path, skipped
+        skipped.append(f"{path.name}: {problems[0]}")
+    return None, skipped
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:
@@ -251,24 +282,33 @@ def save_checkpoint(
     dist.barrier()
 
     model_state, optimizer_state = _state_dicts(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp)
-    rank_file = tmp / f"rank-{ctx.rank:05d}.pt"
-    torch.save({"rng": _rng_state(ctx.device), "data": data_state, **(rank_state or {})}, rank_file)
-    _fsync_file(rank_file)
-    dist.barrier()  # every rank's shards, the .metadata and every rank file are on disk
+    fused_layouts = model_fused_layouts(model)  # collective: a pipeline rank knows its own stages' only
+    failure = None
+    try:
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp)
+        rank_file = tmp / f"rank-{ctx.rank:05d}.pt"
+        torch.save({"rng": _rng_state(ctx.device), "data": data_state, **(rank_state or {})}, rank_file)
+        _fsync_file(rank_file)
+        if ctx.is_main:
+            train_state = {
+                "format": FORMAT_VERSION,
+                "step": step,
+                "world_size": ctx.world_size,
+                "layout": layout or {},
+                "model_wrapper": type(model).__name__,
+                "optimizer": type(optimizer).__name__,
+                "torch": torch.__version__,
+                "fused_layouts": fused_layouts,
+            }
+            (tmp / TRAIN_STATE_FILE).write_text(json.dumps(train_state, indent=2) + "\n")
+            _fsync_file(tmp / TRAIN_STATE_FILE)
+    except (OSError, CheckpointException) as error:  # CheckpointException: DCP's, raised on every rank
+        failure = describe_dcp_error(error) if isinstance(error, CheckpointException) else str(error)
+    _stop_if_any_rank_failed(failure, directory, tmp, step, model_state, optimizer_state, ctx)  # also the barrier
+    entries = _hash_files(tmp, ctx)  # every rank hashes its share of the files
 
     if ctx.is_main:
-        train_state = {
-            "format": FORMAT_VERSION,
-            "step": step,
-            "world_size": ctx.world_size,
-            "layout": layout or {},
-            "model_wrapper": type(model).__name__,
-            "optimizer": type(optimizer).__name__,
-            "torch": torch.__version__,
-        }
-        (tmp / TRAIN_STATE_FILE).write_text(json.dumps(train_state, indent=2) + "\n")
-        _fsync_file(tmp / TRAIN_STATE_FILE)
+        _fsync_file(write_manifest(tmp, entries))
         (tmp / COMPLETE_MARKER).write_text(f"step {step}\n")
         _fsync_file(tmp / COMPLETE_MARKER)
         _fsync_dir(tmp)
@@ -285,6 +325,90 @@ def save_checkpoint(
         _prune(directory, keep, just_written=final)
     dist.barrier()
     return final
+
+
+def _stop_if_any_rank_failed(failure: str | None, directory: Path, tmp: Path, step: int, model_state: dict,
+                             optimizer_state: dict, ctx: RunContext) -> None:
+    """Collective: when a rank could not write its part, remove the partial folder and raise the same
+    CheckpointError on every rank (on a full disk: how much the checkpoint needs and how much is free). The
+    previous checkpoints are untouched."""
+    local_bytes = sum(_local_tensor(t).nbytes for state in (model_state, optimizer_state) for t in state.values()
+                      if isinstance(t, torch.Tensor))
+    reports: list[tuple[str | None, int]] = [(None, 0)] * ctx.world_size
+    dist.all_gather_object(reports, (failure, local_bytes))
+    failures = [(rank, message) for rank, (message, _) in enumerate(reports) if message]
+    if not failures:
+        return
+    if ctx.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    rank, message = failures[0]
+    text = f"cannot write checkpoint {step_dir_name(step)} into {directory} (rank {rank}: {message})"
+    if any("No space left" in m for _, m in failures):
+        previous = complete_checkpoints(directory)
+        needed = (sum(e.get("bytes", 0) for e in (read_manifest(previous[-1][1]) or {}).values()) if previous
+                  else sum(b for _, b in reports))
+        text += (f": the disk is full. The checkpoint needs about {needed / 2**30:.2f} GiB, "
+                 f"{shutil.disk_usage(directory).free / 2**30:.2f} GiB are free; the previous checkpoints are kept "
+                 "and the partial one removed. Free space, or give --checkpoint-dir on a larger disk")
+    raise CheckpointError(text)
+
+
+def _local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _hash_files(folder: Path, ctx: RunContext) -> dict[str, dict]:
+    """{file name: size and hash} of every file of the checkpoint being written, each rank hashing its share;
+    complete on rank 0 (collective)."""
+    names: list[list[str] | None] = [files_to_hash(folder) if ctx.is_main else None]
+    dist.broadcast_object_list(names, src=0)
+    mine = {name: file_entry(folder / name) for name in share(names[0], ctx.rank, ctx.world_size)}
+    gathered: list[dict] = [{} for _ in range(ctx.world_size)]
+    dist.all_gather_object(gathered, mine)
+    return {name: entry for part in gathered for name, entry in part.items()}
+
+
+def verify_checkpoint(path: Path, ctx: RunContext) -> None:
+    """Collective: each rank checks its share of the files against the manifest; every rank raises the same
+    CheckpointError, naming the first damaged file, when one is. A checkpoint without a manifest: a warning."""
+    files = read_manifest(path)
+    if files is None:
+        if ctx.is_main:
+            print(f"zplan: warning: {path} has no {MANIFEST_FILE} (written before checkpoints carried checksums): "
+                  "loaded without verifying it", flush=True)
+        return
+    mine = file_problems(path, files, share(sorted(files), ctx.rank, ctx.world_size))
+    gathered: list[list[str]] = [[] for _ in range(ctx.world_size)]
+    dist.all_gather_object(gathered, mine)
+    problems = [problem for part in gathered for problem in part]
+    if problems:
+        more = f" ({len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise CheckpointError(f"checkpoint {path} is damaged: {problems[0]}{more}. Resume from an older complete "
+                              "checkpoint with --resume latest-valid, or give its step-N folder")
+
+
+def model_fused_layouts(model: nn.Module) -> dict[str, dict]:
+    """{parameter name: its fused layout as JSON} of the whole model, on every rank (collective)."""
+    from zplan.runtime.fused_layout import layouts_as_json, stored_layouts
+    from zplan.runtime.materialize import weight_roots
+
+    local = {name: layout for root in weight_roots(model) for name, layout in stored_layouts(root).items()}
+    gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, layouts_as_json(local))
+    return {name: entry for part in gathered for name, entry in part.items()}
+
+
+def _check_fused_layouts(path: Path, saved: dict[str, dict], ours: dict[str, dict]) -> None:
+    """A checkpoint's fused projections must be stored in the order this run stores them: the same tensors with
+    other meanings of their rows would load without an error and train on permuted weights."""
+    differ = sorted(name for name in set(saved) | set(ours) if saved.get(name) != ours.get(name))
+    if differ:
+        name = differ[0]
+        raise CheckpointError(
+            f"{path} stores {name} as {saved.get(name) or 'one projection in the model file order'}, this run as "
+            f"{ours.get(name) or 'one projection in the model file order'} (runtime/fused_layout.py): the checkpoint "
+            f"is of another model or of a zplan that stored fused projections differently"
+            + (f" ({len(differ) - 1} more tensors)" if len(differ) > 1 else ""))
 
 
 def _prune(directory: Path, keep: int, just_written: Path) -> None:
@@ -359,18 +483,40 @@ def load_rank_state(rank_file: Path) -> dict[str, Any]:
     except pickle.UnpicklingError as error:
         raise CheckpointError(f"{rank_file} holds more than tensors and plain values, which zplan's checkpoints "
                               f"never do: not loaded ({str(error).splitlines()[0]})") from error
+    except (OSError, RuntimeError, EOFError) as error:  # missing, cut short, not a torch.save file
+        raise CheckpointError(f"cannot read {rank_file} ({type(error).__name__}: {str(error)[:200]}): the "
+                              "checkpoint is damaged; resume from an older one (--resume latest-valid)") from error
+
+
+def read_train_state(path: Path) -> dict[str, Any]:
+    """A checkpoint's train_state.json, checked for what a resume reads."""
+    file = path / TRAIN_STATE_FILE
+    try:
+        state = json.loads(file.read_text())
+        if not isinstance(state, dict) or not isinstance(state.get("step"), int) \
+                or not isinstance(state.get("world_size"), int):
+            raise ValueError("no integer 'step' and 'world_size'")
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"cannot read {file} ({error}): the checkpoint is damaged; resume from an older one "
+                              "(--resume latest-valid)") from error
+    return state
 
 
 def load_checkpoint(
     path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: RunContext,
-    *, layout: dict[str, Any] | None = None,
+    *, layout: dict[str, Any] | None = None, verify: bool = True,
 ) -> LoadedCheckpoint:
     """Load checkpoint `path` (a step-N folder, or a folder of them: the newest complete one) into the
     model and optimizer as this run lays them out. All ranks call it (DCP's load is collective).
     The RNG state comes back in `rank_state["rng"]` (same world size and layout only): restore it with
-    restore_rng_state once the data iterator has been fast-forwarded, which may draw random numbers."""
+    restore_rng_state once the data iterator has been fast-forwarded, which may draw random numbers.
+    verify: check every file against the checkpoint's manifest first (verify_checkpoint); False when the caller
+    just did (--resume latest-valid)."""
     path = resolve_checkpoint(path)
-    train_state = json.loads((path / TRAIN_STATE_FILE).read_text())
+    if verify:
+        verify_checkpoint(path, ctx)
+    train_state = read_train_state(path)
+    _check_fused_layouts(path, train_state.get("fused_layouts", {}), model_fused_layouts(model))
     model_state, optimizer_state = _state_dicts(model, optimizer)
     # Ask DCP for every tensor in this run's layout; param_groups stay this script's hyper-parameters.
     wanted_optimizer = {k: v for k, v in optimizer_state.items() if not k.startswith(_PARAM_GROUPS_PREFIX)}

@@ -5,6 +5,9 @@ LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). A plain `python train.py` wit
 of one process; it still gets a process group (from an in-memory store, no port) so that DeviceMesh,
 DDP and FSDP2 work unchanged.
 
+A process torchrun started dies with it (die_with_launcher): torchrun starts its workers in sessions of their own, so a
+SIGKILL of the launcher's process group would leave them training, and checkpointing beside the next run.
+
 Every program and benchmark runs its work as `run_distributed(work)`: the process group is started, `work(ctx)`
 runs, and once it has returned (so that the model, optimizer and engine it built are garbage) the process group
 is closed in the one order that lets the interpreter exit cleanly (close_distributed).
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import sys
 import weakref
 from collections.abc import Callable
@@ -22,6 +26,8 @@ from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+
+from zplan.runtime.launch import LAUNCHER_ENV
 
 T = TypeVar("T")
 
@@ -46,8 +52,31 @@ def _launched_by_torchrun() -> bool:
     return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent dies
+
+
+def die_with_launcher(signum: int = signal.SIGKILL) -> bool:
+    """Ask Linux to send this process `signum` when its parent, the launcher, dies (prctl PR_SET_PDEATHSIG); and
+    when the launcher died already (this process has another parent than the launcher that set ZPLAN_LAUNCHER),
+    take it now. SIGKILL: a worker blocked in a collective with peers gone would not act on a gentler one, and the
+    locks it holds (runtime/run_lock.py) go with it. True when set; False off Linux."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0) != 0:
+        return False
+    launcher = os.environ.get(LAUNCHER_ENV, "")  # zplan's launcher's pid (runtime/launch.py): our parent
+    if launcher.isdigit() and os.getppid() != int(launcher):
+        os.kill(os.getpid(), signum)
+    return True
+
+
 def init_distributed() -> RunContext:
-    """Join the process group (NCCL with CUDA, else gloo) and pick this process's device."""
+    """Join the process group (NCCL with CUDA, else gloo) and pick this process's device. A process torchrun
+    started dies with it from here on (die_with_launcher)."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun for its workers
+        die_with_launcher()
     if _launched_by_torchrun():
         rank = int(os.environ["RANK"])
         world_size = int(os.environ["WORLD_SIZE"])

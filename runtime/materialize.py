@@ -40,6 +40,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from zplan.errors import ModelLoadError
+from zplan.runtime.fused_layout import stored_layouts, to_stored
 from zplan.runtime.init_replay import InitProgram, UnsupportedInit, named_tensors, record_init, replay_init
 
 MIB = 2**20
@@ -185,8 +186,10 @@ def materialize_weights(model: nn.Module, weights: DeferredWeights,
     build_fn()`. Leaves the global RNG where that build leaves it. A model built in full: nothing to do."""
     roots = weight_roots(model)
     named: dict[str, torch.Tensor] = {}
+    stored: dict[str, tuple] = {}  # fused projections' tensors: filled in their grouped order (runtime.fused_layout)
     for root in roots:
         named.update(named_tensors(root))
+        stored.update(stored_layouts(root))
     if weights.program is None:
         local_bytes = sum((t._local_tensor if isinstance(t, DTensor) else t).nbytes
                           for t in {id(t): t for t in named.values()}.values())
@@ -205,7 +208,7 @@ def materialize_weights(model: nn.Module, weights: DeferredWeights,
         target = targets[name]
         if id(target) not in filled:  # a tied tensor is filled once
             filled.add(id(target))
-            _fill(target, name, full)
+            _fill(target, name, to_stored(full, *stored[name]) if name in stored else full)
 
     try:
         stats = replay_init(weights.program, weights.seed, list(targets), emit)

@@ -794,12 +794,16 @@ def stage_module_paths(stage_layer_names: Sequence[Sequence[str]], layers: Seque
 
 
 def gather_full_state_dict(run: PipelineRun) -> dict[str, torch.Tensor] | None:
-    """The whole model's state dict (full CPU tensors, original names) on pipeline rank 0, None on the
+    """The whole model's state dict (full CPU tensors, original names and order) on pipeline rank 0, None on the
     others. Collective over the pipeline group, and over data/tensor parallel meshes for DTensors."""
+    from zplan.runtime.fused_layout import stored_layouts, to_original_state
+
     local = {}
     for name, tensor in run.state_dict().items():
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         local[name] = full.detach().cpu()
+    layouts = {name: layout for root in run.weight_roots() for name, layout in stored_layouts(root).items()}
+    local = to_original_state(local, layouts)  # fused projections in the model file's order
     gathered: list[dict | None] = [None] * run._pp if run._pp_rank == 0 else None
     dist.gather_object(local, gathered, group=run._group, group_dst=0)
     if run._pp_rank != 0:

@@ -11,7 +11,9 @@ parallelize is the fixed order (torchtitan's parallelize_llama is the model: a s
 sharding plans as data): tensor parallel -> activation recompute -> pipeline split -> data parallel (ZeRO
 stage, mixed precision, offload, compression), with the weights made before data parallelism under ZeRO 0/1
 (DDP needs real tensors) and after it under ZeRO 2/3 (only FSDP2's shards are made). Every setting comes
-from the plan that check_plan validated, so an edit to plan.json is either checked and run, or refused.
+from the plan that check_plan validated, so an edit to plan.json is either checked and run, or refused. Offload
+follows the placement: under ZeRO 2/3 the parameter (and gradient) shards go to the host only where
+plan.placement.parameters says so; otherwise they stay on the device and only the optimizer is offloaded.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from zplan.runtime.apply import (
     build_optimizer,
 )
 from zplan.runtime.checkpoint import CheckpointConfig
+from zplan.runtime.fused_layout import FusedLayout
 from zplan.runtime.materialize import MaterializeReport, materialize_weights
 from zplan.runtime.mesh import build_mesh
 from zplan.runtime.train_loop import PlanFigures, TrainConfig
@@ -48,8 +51,10 @@ def parallelize(model: nn.Module, weights, mesh: DeviceMesh, plan: Plan, model_f
     """Apply `plan` to `model` (built on meta by build_meta_model, `weights` its recorded initialisation) in the
     fixed order (module docstring); returns the model to train and what making its weights took on this rank."""
     p, prefix, precision = plan.parallel, plan.model.block_prefix, plan.train.precision
-    model = apply_tensor_parallel(model, mesh["tp"], {rule.module: rule.style for rule in plan.model.tp_rules},
-                                  prefix, p.sequence_parallel)
+    rules = plan.model.tp_rules
+    fused = {rule.module: FusedLayout(parts=rule.parts, groups=rule.groups) for rule in rules if rule.parts}
+    model = apply_tensor_parallel(model, mesh["tp"], {rule.module: rule.style for rule in rules}, prefix,
+                                  p.sequence_parallel, fused)
     model = apply_recompute(model, p.recompute, prefix)
     model = apply_pipeline(model, mesh["pp"], [stage.layer_names for stage in plan.stages], p.schedule,
                            units=plan.model.layers, num_micro_batches=p.num_micro_batches, loss_fn=model_file.loss_fn,
@@ -59,7 +64,8 @@ def parallelize(model: nn.Module, weights, mesh: DeviceMesh, plan: Plan, model_f
     if replicated:
         materialized = materialize_weights(model, weights, device)
     model = apply_data_parallel(model, mesh["dp"], p.zero_stage, precision, p.offload, prefix,
-                                grad_compression=p.compression.grad, weight_compression=p.compression.weights)
+                                grad_compression=p.compression.grad, weight_compression=p.compression.weights,
+                                parameters_on_host=plan.placement.parameters != "gpu")
     if not replicated:
         materialized = materialize_weights(model, weights, device)
     return model, materialized
@@ -67,7 +73,8 @@ def parallelize(model: nn.Module, weights, mesh: DeviceMesh, plan: Plan, model_f
 
 def plan_optimizer(model: nn.Module, mesh: DeviceMesh, plan: Plan, *, lr: float, weight_decay: float, steps: int,
                    nvme_path: str | None = None, onebit_warmup_steps: int | None = None) -> torch.optim.Optimizer:
-    """The optimizer the plan places (runtime.apply.build_optimizer): ZeRO stage, offload tier, delayed update,
+    """The optimizer the plan places (runtime.apply.build_optimizer): ZeRO stage, offload tier (under ZeRO 2/3 on
+    the host with the parameters, or alone where the placement keeps the parameters on the GPU), delayed update,
     1-bit Adam. `nvme_path`: the swap folder, required when the plan offloads to NVMe. `onebit_warmup_steps`:
     exact AdamW steps before 1-bit Adam compresses (default: the planner's, or 30 % of `steps` when fewer)."""
     from zplan.planner.compression import ONE_BIT_WARMUP_STEPS
@@ -80,7 +87,8 @@ def plan_optimizer(model: nn.Module, mesh: DeviceMesh, plan: Plan, *, lr: float,
         model, mesh["dp"], p.zero_stage, lr=lr, weight_decay=weight_decay, offload=p.offload,
         precision=plan.train.precision, nvme_path=nvme_path, swap_parameters=plan.placement.parameters == "nvme",
         delayed_update=p.delayed_update, grad_compression=p.compression.grad,
-        onebit_warmup_steps=onebit_warmup_steps or min(ONE_BIT_WARMUP_STEPS, max(1, int(0.3 * steps))))
+        onebit_warmup_steps=onebit_warmup_steps or min(ONE_BIT_WARMUP_STEPS, max(1, int(0.3 * steps))),
+        parameters_on_host=plan.placement.parameters != "gpu")
 
 
 def plan_figures(plan: Plan) -> PlanFigures:

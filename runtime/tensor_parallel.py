@@ -36,18 +36,27 @@ Sequence parallel: between blocks each rank keeps its own T/tp tokens of the res
 Initialisation: the model is split while still on the meta device; runtime.materialize then fills
 each rank's local slice from the replayed single-process initialisation, one tensor at a time.
 
+Fused projections (one module computing q, k and v, or gate and up, its output sliced by the forward): the
+output features are stored group by group (runtime/fused_layout.py), so that the column split gives each rank
+whole groups of every part; a forward hook puts the rank's output back in the model file's order, and the
+module slicing it has its head counts made this rank's (localize_head_counts: Phi-3 reads
+config.num_attention_heads, GPT-2 split_size). transformers' Conv1D (GPT-2: weight (in, out)) is split by
+Conv1DColwise / Conv1DRowwise, its forward running on DTensors.
+
 Not done yet: vocabulary-parallel embedding and head (with loss_parallel); parameterised modules inside
 a module that holds split Linears other than those Linears (e.g. a per-head q/k norm) are refused.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -57,8 +66,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from zplan.errors import PlanMismatchError
-from zplan.planner.traits import parent_path, unsplit_parameter_owners
+from zplan.planner.traits import is_conv1d, parent_path, unsplit_parameter_owners
 from zplan.runtime.apply import transformer_blocks
+from zplan.runtime.fused_layout import FusedLayout, check_layout, give_output_in_file_order, mark_fused
 
 STYLES = ("colwise", "rowwise")
 SEQUENCE_DIM = 1  # activations are (B, T, h)
@@ -67,8 +77,42 @@ SEQUENCE_DIM = 1  # activations are (B, T, h)
 # ---- the plan as ParallelStyles ---------------------------------------------------------------------
 
 
-def block_styles(tp_plan: dict[str, str], sequence_parallel: bool, norm_paths: list[str]) -> dict[str, ParallelStyle]:
-    """The ParallelStyle of each planned Linear (and, with sequence parallel, of each norm) of one block.
+def _distribute_parameters(placements: dict[str, Placement], src_data_rank: int | None):
+    def partition(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for param_name, param in list(module.named_parameters(recurse=False)):
+            dist = distribute_tensor(param, mesh, [placements[param_name]], src_data_rank=src_data_rank)
+            module.register_parameter(param_name, nn.Parameter(dist, requires_grad=param.requires_grad))
+
+    return partition
+
+
+class Conv1DColwise(ColwiseParallel):
+    """ColwiseParallel for transformers' Conv1D (weight (in, out)): weight Shard(1), bias Shard(0). Its forward
+    (addmm and views with the global out features, nf) runs on DTensors, so nothing else changes."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module, device_mesh, _distribute_parameters({"weight": Shard(1), "bias": Shard(0)}, self.src_data_rank),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+
+class Conv1DRowwise(RowwiseParallel):
+    """RowwiseParallel for Conv1D: weight Shard(0) (its input features), bias Replicate (DTensor adds it once to
+    the partial sums, as for nn.Linear)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.desired_input_layouts = (Shard(-1),)
+        return distribute_module(
+            module, device_mesh, _distribute_parameters({"weight": Shard(0), "bias": Replicate()}, self.src_data_rank),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+
+def block_styles(tp_plan: dict[str, str], sequence_parallel: bool, norm_paths: list[str],
+                 conv1d_paths: frozenset[str] = frozenset()) -> dict[str, ParallelStyle]:
+    """The ParallelStyle of each planned Linear (Conv1D: `conv1d_paths`) and, with sequence parallel, of each norm
+    of one block.
 
     Without sequence parallel both styles take and give plain tensors (use_local_output=True).
     With it, rowwise output is reduce-scattered over the sequence; a colwise Linear directly in the block
@@ -78,12 +122,13 @@ def block_styles(tp_plan: dict[str, str], sequence_parallel: bool, norm_paths: l
     for path, style in tp_plan.items():
         if style not in STYLES:
             raise PlanMismatchError(f"tensor-parallel style of {path!r} is {style!r}; expected one of {STYLES}")
+        conv1d = path in conv1d_paths
+        colwise, rowwise = (Conv1DColwise, Conv1DRowwise) if conv1d else (ColwiseParallel, RowwiseParallel)
         if style == "colwise":
             gathers_itself = sequence_parallel and not parent_path(path)
-            styles[path] = ColwiseParallel(input_layouts=Shard(SEQUENCE_DIM)) if gathers_itself else ColwiseParallel()
+            styles[path] = colwise(input_layouts=Shard(SEQUENCE_DIM)) if gathers_itself else colwise()
         else:
-            scatters = sequence_parallel
-            styles[path] = RowwiseParallel(output_layouts=Shard(SEQUENCE_DIM)) if scatters else RowwiseParallel()
+            styles[path] = rowwise(output_layouts=Shard(SEQUENCE_DIM)) if sequence_parallel else rowwise()
     if sequence_parallel:
         for path in norm_paths:
             styles[path] = SequenceParallel(sequence_dim=SEQUENCE_DIM)
@@ -93,10 +138,20 @@ def block_styles(tp_plan: dict[str, str], sequence_parallel: bool, norm_paths: l
 # ---- checks before anything is sharded ---------------------------------------------------------------
 
 
+def projection_features(module: nn.Module) -> tuple[int, int] | None:
+    """(in, out) features of an nn.Linear or a transformers Conv1D; None for anything else."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    if is_conv1d(module):
+        return tuple(module.weight.shape)
+    return None
+
+
 def check_block_split(block: nn.Module, block_name: str, tp_plan: dict[str, str], tp: int,
-                      sequence_parallel: bool) -> list[str]:
-    """Raise PlanMismatchError when the plan cannot split this block over `tp` ranks; return the paths of
-    the block's norms (the modules sequence parallel runs token-wise)."""
+                      sequence_parallel: bool, fused: dict[str, FusedLayout] | None = None) -> list[str]:
+    """Raise PlanMismatchError when the plan cannot split this block over `tp` ranks (`fused`: the layouts of its
+    fused projections); return the paths of the block's norms (the modules sequence parallel runs token-wise)."""
+    fused = fused or {}
     problems = []
     for path, style in tp_plan.items():
         try:
@@ -104,13 +159,17 @@ def check_block_split(block: nn.Module, block_name: str, tp_plan: dict[str, str]
         except AttributeError:
             problems.append(f"{block_name}.{path} does not exist")
             continue
-        if not isinstance(linear, nn.Linear):
-            problems.append(f"{block_name}.{path} is a {type(linear).__name__}, not an nn.Linear")
+        features = projection_features(linear)
+        if features is None:
+            problems.append(f"{block_name}.{path} is a {type(linear).__name__}, not an nn.Linear or a Conv1D")
             continue
-        split_features = linear.out_features if style == "colwise" else linear.in_features
+        split_features = features[1] if style == "colwise" else features[0]
         if split_features % tp:
             side = "output" if style == "colwise" else "input"
             problems.append(f"{block_name}.{path} has {split_features} {side} features, not a multiple of tp={tp}")
+            continue
+        if path in fused:
+            problems += fused_problems(block, block_name, {path: fused[path]}, tp, style)
             continue
         head_dim = getattr(block.get_submodule(parent_path(path)), "head_dim", None) if parent_path(path) else None
         if style == "colwise" and isinstance(head_dim, int) and (split_features // tp) % head_dim:
@@ -132,6 +191,50 @@ def check_block_split(block: nn.Module, block_name: str, tp_plan: dict[str, str]
             + ". Recompile the plan for this model, or pin tp=1."
         )
     return norms
+
+
+def fused_problems(block: nn.Module, block_name: str, fused: dict[str, FusedLayout], tp: int,
+                   style: str = "colwise") -> list[str]:
+    """What does not fit in the plan's fused layouts for this block: the parts must add up to the module's output
+    features, and a column split over tp must keep whole groups."""
+    problems = []
+    for path, layout in fused.items():
+        features = projection_features(block.get_submodule(path))
+        if features is None or sum(layout.parts) != features[1] or check_layout(layout.parts, layout.groups):
+            problems.append(f"{block_name}.{path} has {features[1] if features else 'no'} output features; the plan "
+                            f"fuses {list(layout.parts)} in {layout.groups} groups")
+        elif tp > 1 and (style != "colwise" or layout.groups % tp):
+            problems.append(f"{block_name}.{path} fuses {len(layout.parts)} projections in {layout.groups} groups, "
+                            f"which a {style} split over tp={tp} cannot keep whole")
+    return problems
+
+
+# ---- head counts of a module that slices a fused projection ---------------------------------------------------
+
+# Attributes a forward reads to slice a fused output or count heads (Phi-3: config.num_attention_heads and
+# num_key_value_heads; GPT-2: split_size). Unfused projections need none: attention reshapes with
+# view(B, T, -1, head_dim) (DESIGN.md facts).
+HEAD_COUNT_NAMES = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_head", "n_heads",
+                    "n_kv_heads", "split_size")
+
+
+def localize_head_counts(holder: nn.Module, layout: FusedLayout, tp: int) -> list[str]:
+    """Divide by tp the head counts and part widths `holder` (the module slicing a fused projection's output)
+    reads: each attribute in HEAD_COUNT_NAMES, on the module or on its `config` (copied first: the model's other
+    modules share it), whose value is a part's width or its number of heads. Returns the attributes changed."""
+    head_dim = getattr(holder, "head_dim", None)
+    global_values = set(layout.parts) | ({p // head_dim for p in layout.parts} if isinstance(head_dim, int) else set())
+    changed = []
+    config = getattr(holder, "config", None)
+    if config is not None and any(getattr(config, n, None) in global_values for n in HEAD_COUNT_NAMES):
+        holder.config = config = copy.copy(config)
+    for owner, prefix in ((holder, ""), (config, "config.")):
+        for name in HEAD_COUNT_NAMES:
+            value = getattr(owner, name, None) if owner is not None else None
+            if isinstance(value, int) and not isinstance(value, bool) and value in global_values and value % tp == 0:
+                setattr(owner, name, value // tp)
+                changed.append(prefix + name)
+    return changed
 
 
 # ---- hooks -------------------------------------------------------------------------------------------
@@ -260,22 +363,37 @@ def replicate_remaining_parameters(model: nn.Module, tp_mesh: DeviceMesh) -> int
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[str, str], block_prefix: str,
-                          sequence_parallel: bool) -> nn.Module:
+                          sequence_parallel: bool, fused: dict[str, FusedLayout] | None = None) -> nn.Module:
     """Split each block's planned Linears over `tp_mesh` (tp_plan: path inside the block -> 'colwise' or
-    'rowwise'), with sequence parallel when planned; replicate every other parameter over `tp_mesh`.
+    'rowwise'), with sequence parallel when planned; replicate every other parameter over `tp_mesh`. `fused`
+    (path inside the block -> layout): the fused projections, stored grouped at every tp (runtime/fused_layout.py)
+    and the head counts their holders read made this rank's.
 
-    Returns `model`, changed in place. tp = 1 leaves it as it is.
+    Returns `model`, changed in place. tp = 1 only stores the fused projections grouped.
     """
-    tp = tp_mesh.size()
+    tp, fused = tp_mesh.size(), fused or {}
+    blocks = transformer_blocks(model, block_prefix)
     if tp == 1:
+        for index, block in enumerate(blocks):
+            problems = fused_problems(block, f"{block_prefix}.{index}", fused, 1)
+            if problems:
+                raise PlanMismatchError(f"the plan's fused projections do not fit the model: {'; '.join(problems)}. "
+                                        "Recompile the plan for this model.")
+            for path, layout in fused.items():
+                mark_fused(block.get_submodule(path), layout)
+                give_output_in_file_order(block.get_submodule(path), 1)
         return model
     if not tp_plan:
         raise PlanMismatchError(f"the plan has tp={tp} but no tensor-parallel rules: recompile the plan")
-    blocks = transformer_blocks(model, block_prefix)
     for index, block in enumerate(blocks):
-        name = f"{block_prefix}.{index}"
-        norms = check_block_split(block, name, tp_plan, tp, sequence_parallel)
-        parallelize_module(block, tp_mesh, block_styles(tp_plan, sequence_parallel, norms))
+        norms = check_block_split(block, f"{block_prefix}.{index}", tp_plan, tp, sequence_parallel, fused)
+        for path, layout in fused.items():  # grouped before the split, so that each rank's slice is whole groups
+            mark_fused(block.get_submodule(path), layout)
+        conv1d = frozenset(path for path in tp_plan if is_conv1d(block.get_submodule(path)))
+        parallelize_module(block, tp_mesh, block_styles(tp_plan, sequence_parallel, norms, conv1d))
+        for path, layout in fused.items():
+            give_output_in_file_order(block.get_submodule(path), tp)
+            localize_head_counts(block.get_submodule(parent_path(path)) if parent_path(path) else block, layout, tp)
         if sequence_parallel:
             for holder in sorted({parent_path(path) for path in tp_plan} - {""}):
                 block.get_submodule(holder).register_forward_pre_hook(_gather_sequence_inputs, with_kwargs=True)

@@ -29,9 +29,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from zplan.runtime.apply import keeps_parameters_gathered
 from zplan.runtime.checkpoint import (
+    LATEST_VALID,
     CheckpointConfig,
     CheckpointError,
     latest_checkpoint,
+    latest_valid_checkpoint,
     load_checkpoint,
     pause_if_requested,
     restore_rng_state,
@@ -41,6 +43,7 @@ from zplan.runtime.distributed import RunContext
 from zplan.runtime.memory_tiers import describe as describe_tiers
 from zplan.runtime.memory_tiers import resident_bytes, state_bytes_by_tier
 from zplan.runtime.pipeline import PipelineRun
+from zplan.runtime.run_lock import lock_checkpoint_dir
 
 
 @dataclass(frozen=True)
@@ -148,11 +151,16 @@ def _checkpoint_to_resume(checkpoint: CheckpointConfig | None, ctx: RunContext) 
         return None
     choice: list[str | None] = [None]
     if ctx.is_main:
-        if checkpoint.resume == "latest":
-            newest = latest_checkpoint(checkpoint.directory)
+        if checkpoint.resume in ("latest", LATEST_VALID):
+            if checkpoint.resume == "latest":
+                newest, skipped = latest_checkpoint(checkpoint.directory), []
+            else:  # every file of each candidate checked against its manifest, newest first
+                newest, skipped = latest_valid_checkpoint(checkpoint.directory)
+            for reason in skipped:
+                print(f"zplan: --resume {LATEST_VALID}: passing over damaged {reason}", flush=True)
             if newest is None:
-                print(f"zplan: no complete checkpoint in {checkpoint.directory} yet: starting from step 0",
-                      flush=True)
+                print(f"zplan: no {'valid' if skipped else 'complete'} checkpoint in {checkpoint.directory} yet: "
+                      "starting from step 0", flush=True)
             choice = [str(newest) if newest else None]
         else:
             choice = [str(checkpoint.resume)]
@@ -230,10 +238,13 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, data_iter: Iterato
     # What a rank file's data-iterator and RNG state depend on: restored only under the same layout.
     layout = {"data_parallel_size": data_parallel_size, "num_micro_batches": num_micro_batches,
               "micro_batch": micro_batch}
+    # one run at a time in a checkpoint folder, held from before a resume reads it to the end (runtime/run_lock.py)
+    run_lock = lock_checkpoint_dir(checkpoint.directory if checkpoint is not None else None, ctx)
     start_step = 0
     resume_from = _checkpoint_to_resume(checkpoint, ctx)
     if resume_from is not None:
-        loaded = load_checkpoint(resume_from, model, optimizer, ctx, layout=layout)
+        loaded = load_checkpoint(resume_from, model, optimizer, ctx, layout=layout,
+                                 verify=checkpoint.resume != LATEST_VALID)  # latest-valid: verified when chosen
         start_step = loaded.step
         if start_step > steps:
             raise CheckpointError(f"{loaded.path} is at step {start_step}, beyond --steps {steps}: "
@@ -328,6 +339,7 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, data_iter: Iterato
     finally:
         if log_file:
             log_file.close()
+        run_lock.release()
     if ctx.is_main:
         _print_summary(losses, step_times_s, state_bytes, figures, ctx)
         if losses and (tiers["host"] or tiers["nvme"] or figures.state_bytes_by_tier):

@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from zplan.runtime.distributed import RunContext
+from zplan.runtime.fused_layout import stored_layouts, to_original_state
 from zplan.runtime.outputs import write_atomically
 
 
@@ -27,6 +28,7 @@ def save_full_weights(model: nn.Module, path: str | Path, ctx: RunContext) -> No
         state = gather_full_state_dict(model)
     else:
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = to_original_state(state, stored_layouts(model))  # fused projections in the model file's order
     if ctx.is_main:  # written beside, then renamed: a full disk or a kill leaves the previous file whole
         size = sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor))
         write_atomically(path, lambda tmp: torch.save(state, tmp), size_hint_bytes=size)

@@ -22,6 +22,7 @@ TraitKind = Literal[
     "fused_projection",
     "parameters_beside_split_linears",
     "parameters_outside_split_linears",
+    "forward_not_split_by_heads",
     "forward_not_split_by_stages",
     "several_block_stacks",
 ]
@@ -61,6 +62,10 @@ RULES: dict[str, Rule] = {
         blocks=("sequence_parallel",),
         why="a module with parameters that is not a norm would see only this rank's tokens under sequence "
             "parallel"),
+    "forward_not_split_by_heads": Rule(
+        blocks=("tensor_parallel", "sequence_parallel"),
+        why="each tensor-parallel rank runs the block on its slice of the split projections' weights, and on this "
+            "model that does not give the block's output (run on the meta device at tp=2)"),
     "forward_not_split_by_stages": Rule(
         blocks=("pipeline",),
         why="each pipeline stage runs the model's forward with the other stages' modules stood in for, and on this "

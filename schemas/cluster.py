@@ -5,11 +5,49 @@ All bandwidths are per GPU and per direction unless the field says otherwise (by
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+import math
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+# Plausible range of a number by its unit (the end of its field name), zero aside where a field allows it: a
+# value outside is a typo or a unit error, and a tiny or huge one overflows the cost model (an infinite step time,
+# a plan.json that fails its own schema). Infinity and NaN are refused by every field (allow_inf_nan=False).
+RANGE_BY_UNIT = {
+    "_Bps": (1e3, 1e15, "1 kB/s to 1 PB/s"),
+    "_per_s": (1.0, 1e15, "1 to 1e15 per second"),
+    "_flops": (1.0, 1e19, "1 to 1e19 FLOP/s"),
+    "_bytes": (2**20, 2**60, "1 MiB to 1 EiB"),
+    "_s": (0.0, 3600.0, "0 to 3600 s"),
+}
+RANGE_BY_NAME = {"gemm_half_flops": (0.0, 1e19, "0 to 1e19 FLOPs")}  # tiny: every GEMM at gemm_max
+GPUS_PER_NODE_MAX = 4096
+FRACTION_MIN = 1e-3  # an efficiency below 0.1 % is a typo
+
+
+def _range_problem(name: str, value: float) -> str | None:
+    """Why `value` of the field `name` is implausible, or None."""
+    if name == "gpus_per_node" and value > GPUS_PER_NODE_MAX:
+        return f"more than {GPUS_PER_NODE_MAX} accelerators per node"
+    if isinstance(value, float) and 0 < value < FRACTION_MIN and not any(name.endswith(u) for u in RANGE_BY_UNIT):
+        return f"an efficiency below {FRACTION_MIN:g}"
+    units = sorted((unit for unit in RANGE_BY_UNIT if name.endswith(unit)), key=len)  # _per_s before _s
+    bounds = RANGE_BY_NAME.get(name) or (RANGE_BY_UNIT[units[-1]] if units else None)
+    if bounds and value != 0 and not bounds[0] <= value <= bounds[1]:
+        return f"outside {bounds[2]}"
+    return None
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*")
+    @classmethod
+    def _plausible(cls, value, info: ValidationInfo):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            problem = "not finite" if not math.isfinite(value) else _range_problem(info.field_name, value)
+            if problem:
+                raise ValueError(f"implausible: {problem}")
+        return value
 
 
 class GpuSpec(_Frozen):

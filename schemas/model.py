@@ -42,6 +42,12 @@ class TensorParallelRule(BaseModel):
 
     module: str = Field(description="Module path relative to its block, e.g. 'attn.qkv' or 'mlp.down'.")
     style: TPStyle = Field(description="colwise: output features split; rowwise: input features split.")
+    parts: list[int] = Field(default_factory=list, description=(
+        "A fused projection: the output features of each projection it computes, in the order its forward slices "
+        "them (q, k, v or gate, up); empty for one projection."))
+    groups: int = Field(1, ge=1, description=(
+        "A fused projection: each part is cut into this many equal groups (kv-head groups, heads or features), "
+        "stored group by group (runtime/fused_layout.py) so that a tp rank holds whole groups; tp must divide it."))
 
 
 class ModelSummary(BaseModel):

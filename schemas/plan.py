@@ -39,7 +39,8 @@ class ParallelConfig(_Frozen):
     sequence_parallel: bool = Field(description="Megatron sequence parallelism (needs tp > 1).")
     interleave: int = Field(gt=0, description="Model chunks per pipeline stage (1: plain 1F1B).")
     schedule: Schedule = Field(description="Pipeline schedule.")
-    offload: Tier = Field(description="Where optimizer states live (ZeRO-3: parameters too): none=GPU.")
+    offload: Tier = Field(description=(
+        "Where optimizer states live: none=GPU (the placement says where parameters and gradients live)."))
     delayed_update: bool = Field(
         default=False, description="One-step delayed parameter update of ZeRO-Offload (Ren et al., USENIX ATC'21, "
                                    "Sec. 5.2): the CPU optimizer step of iteration i overlaps the forward and "

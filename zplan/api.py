@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +11,7 @@ import numpy as np
 
 from zplan import __version__
 from zplan.errors import ClusterError, SpecError
+from zplan.out_dir import write_out_dir
 from zplan.planner.assumptions import assumptions
 from zplan.planner.clusters import load_cluster
 from zplan.planner.compression import check_compression, check_model_for_compression, compression_decision
@@ -54,6 +53,7 @@ def prepare(model_ref: str, gpus: int, cluster: str, global_batch: int | None, s
             precision: str | None, pins: Pins, delayed_update: str = "auto") -> Request:
     """Load the cluster and the model and check the request; raises ZplanError subclasses. precision None: the
     device's fastest (default_compute_dtype)."""
+    check_train_sizes(global_batch, seq_len)
     spec = load_cluster(cluster)
     check_gpus(gpus, spec)
     precision = precision or default_compute_dtype(spec)
@@ -79,9 +79,23 @@ def default_global_batch(gpus: int) -> int:
     return max(8, gpus)
 
 
+# Bounds of the request's sizes: far beyond any run (GPT-3 trained on 1536 sequences of 2048 tokens per step), and
+# small enough that every search over them ends in seconds.
+MAX_GPUS = 1 << 20
+MAX_GLOBAL_BATCH = 1 << 24
+MAX_SEQ_LEN = 1 << 24
+
+
+def check_train_sizes(global_batch: int | None, seq_len: int | None) -> None:
+    """--global-batch and --seq, where given, within 1 .. their bound."""
+    for option, value, bound in (("--global-batch", global_batch, MAX_GLOBAL_BATCH), ("--seq", seq_len, MAX_SEQ_LEN)):
+        if value is not None and not 1 <= value <= bound:
+            raise SpecError(f"{option} must be 1 to {bound:,} (got {value:,}).")
+
+
 def check_gpus(gpus: int, cluster: ClusterSpec) -> None:
-    if gpus < 1:
-        raise ClusterError(f"--gpus must be at least 1 (got {gpus}).")
+    if not 1 <= gpus <= MAX_GPUS:
+        raise ClusterError(f"--gpus must be 1 to {MAX_GPUS:,} (got {gpus:,}).")
     if gpus > cluster.gpus_per_node and gpus % cluster.gpus_per_node:
         lower = gpus // cluster.gpus_per_node * cluster.gpus_per_node
         raise ClusterError(
@@ -241,30 +255,17 @@ def estimate_config(req: Request) -> dict:
     }
 
 
-def write_outputs(plan: Plan | InferencePlan, out_dir: Path, model_ref: str) -> list[Path]:
-    """Render everything (a training Plan or an InferencePlan) into a temporary sibling folder first, so a
-    failure leaves nothing half-written; then rename it into place (a new folder) or move each file over its
-    old version (an existing folder: files zplan did not write there, such as logs or checkpoints, are kept)."""
+def write_outputs(plan: Plan | InferencePlan, out_dir: Path, model_ref: str, force: bool = False) -> list[Path]:
+    """Render everything (a training Plan or an InferencePlan) beside `out_dir` and swap it in all or nothing
+    (zplan.out_dir: a new folder is renamed into place; in an existing one, files zplan did not write are kept,
+    and a path in the way or a file changed since zplan wrote it is refused unless `force`)."""
     from zplan.codegen.render import render_inference_outputs, render_outputs
 
     render = render_inference_outputs if isinstance(plan, InferencePlan) else render_outputs
-
-    out_dir = out_dir.resolve()
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
-        model_path = Path(model_ref)
-        script_model = os.path.relpath(model_path.resolve(), out_dir) if model_path.is_file() else None
-        written = [p.relative_to(tmp) for p in render(plan, tmp, script_model)]
-        if not out_dir.exists():
-            tmp.rename(out_dir)
-        else:
-            for rel in written:
-                (out_dir / rel).parent.mkdir(parents=True, exist_ok=True)
-                os.replace(tmp / rel, out_dir / rel)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return sorted(out_dir / rel for rel in written)
+    model_path = Path(model_ref)
+    script_model = (os.path.relpath(model_path.resolve(), Path(out_dir).resolve()) if model_path.is_file()
+                    else None)
+    return write_out_dir(out_dir, lambda folder: render(plan, folder, script_model), force=force)
 
 
 __all__ = ["Request", "compile_plan", "estimate_config", "prepare", "write_outputs"]

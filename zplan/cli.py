@@ -14,7 +14,7 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console
 
-from zplan.errors import ClusterError, SpecError, ZplanError
+from zplan.errors import ClusterError, SpecError, ZplanError, validation_message
 from zplan.reduce_cli import reduce_command
 from zplan.schemas.spec import Pins
 
@@ -68,6 +68,8 @@ class DelayedUpdate(str, Enum):
     off = "off"
 
 
+MAX_PROBE_SECONDS = 3600.0
+
 MODEL_HELP = ("A Python file defining build_model() (zplan executes it), or a family spec such as "
               "gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200")
 
@@ -83,7 +85,7 @@ def _pins(tp, pp, dp, zero, offload, micro_batch, recompute, sequence_parallel, 
                     micro_batch=micro_batch, recompute=recompute.value if recompute else None,
                     sequence_parallel=sequence_parallel, interleave=interleave, compress=compression)
     except ValidationError as exc:
-        raise ZplanError(f"invalid pin: {exc.errors()[0]['loc'][0]} {exc.errors()[0]['msg']}") from exc
+        raise ZplanError(f"invalid pin: {validation_message(exc)}") from None
 
 
 def _fail(exc: ZplanError) -> None:
@@ -109,6 +111,8 @@ RECOMPUTE = typer.Option(None, "--recompute", help="Pin activation recompute.")
 SP = typer.Option(None, "--sequence-parallel/--no-sequence-parallel", help="Pin sequence parallelism.")
 INTERLEAVE = typer.Option(None, "--interleave", help="Pin model chunks per pipeline stage.")
 JSON = typer.Option(False, "--json", help="Print JSON on stdout instead of tables.")
+FORCE = typer.Option(False, "--force", help="Overwrite files in the -o folder that were changed since zplan wrote "
+                                            "them (default: refuse, naming them, and change nothing).")
 COMPRESS = typer.Option(
     None, "--compress",
     help="Compressed communication, key=value pairs separated by commas: grad=int8 (ZeRO 0/1, tp 1) or grad=1bit "
@@ -175,6 +179,7 @@ def compile(
         None, "--gen-len", help="Inference: generated tokens per sequence (default 128, at most a quarter of the "
                                 "model's sequence length)."),
     out_dir: Optional[Path] = typer.Option(None, "-o", "--out", help="Output folder (default: out/<model>)."),
+    force: bool = FORCE,
     as_json: bool = JSON,
 ) -> None:
     """Trace MODEL, search the plan, write plan.json, train.py, launch/, report.md/html, ds_config.json
@@ -187,17 +192,22 @@ def compile(
              "--prompt-len": prompt_len is not None, "--gen-len": gen_len is not None,
              "--precision int8": precision is WeightPrecision.int8,
              "--precision int4": precision is WeightPrecision.int4}
+    from zplan.cli_render import default_out_dir
+    from zplan.out_dir import check_out_dir
+
+    folder = out_dir or default_out_dir(model)
     try:
         _check_mode_options(mode, given)
+        check_out_dir(folder)  # before tracing and searching
     except ZplanError as exc:
         _fail(exc)
     if mode is Mode.inference:
         _compile_inference(model, gpus, cluster, target or Target.latency, batch, prompt_len, gen_len,
                            precision.value if precision else None, tp, offload.value if offload else None,
-                           out_dir, as_json)
+                           folder, force, as_json)
         return
     from zplan.api import compile_plan, prepare, write_outputs
-    from zplan.cli_render import default_out_dir, print_plan_summary
+    from zplan.cli_render import print_plan_summary
 
     delayed_update = delayed_update or DelayedUpdate.auto
     try:
@@ -208,8 +218,7 @@ def compile(
             status.update(f"scoring configurations for {gpus} GPUs")
             plan = compile_plan(req)
             status.update("writing outputs")
-            folder = out_dir or default_out_dir(model)
-            files = write_outputs(plan, folder, model)
+            files = write_outputs(plan, folder, model, force=force)
     except ZplanError as exc:
         _fail(exc)
     from zplan.runtime.plan_check import runtime_gaps
@@ -229,10 +238,10 @@ def compile(
 
 def _compile_inference(model: str, gpus: int, cluster: str, target: Target, batch: Optional[int],
                        prompt_len: Optional[int], gen_len: Optional[int], precision: Optional[str],
-                       tp: Optional[int], offload: Optional[str], out_dir: Optional[Path], as_json: bool) -> None:
+                       tp: Optional[int], offload: Optional[str], folder: Path, force: bool, as_json: bool) -> None:
     """compile --mode inference: search the serving configuration and write its outputs."""
     from zplan.api import write_outputs
-    from zplan.cli_render import default_out_dir, print_inference_summary
+    from zplan.cli_render import print_inference_summary
     from zplan.inference_api import compile_inference_plan, prepare
 
     try:
@@ -241,8 +250,7 @@ def _compile_inference(model: str, gpus: int, cluster: str, target: Target, batc
             status.update(f"scoring serving configurations for {gpus} GPUs")
             plan = compile_inference_plan(req)
             status.update("writing outputs")
-            folder = out_dir or default_out_dir(model)
-            files = write_outputs(plan, folder, model)
+            files = write_outputs(plan, folder, model, force=force)
     except ZplanError as exc:
         _fail(exc)
     if as_json:
@@ -334,13 +342,24 @@ def probe(
     bandwidth where a GPU exists) into a cluster profile file."""
     import yaml
 
+    from zplan.out_dir import check_out_file, write_text_atomically
     from zplan.planner.probe import probe_this_machine
 
+    # the inputs and the output file are checked before anything is measured
+    if not 0 < seconds <= MAX_PROBE_SECONDS:
+        _fail(ClusterError(f"--seconds must be more than 0 and at most {MAX_PROBE_SECONDS:g} (got {seconds:g})"))
     if nvme_path is not None and not nvme_path.is_dir():
         _fail(ClusterError(f"--nvme-path {nvme_path} is not a folder: create it on the disk to measure"))
+    try:
+        check_out_file(output, "-o")
+    except ZplanError as exc:
+        _fail(exc)
     with err.status("measuring this machine", spinner="dots"):
         spec = probe_this_machine(seconds, None if nvme_path is None else str(nvme_path))
-    output.write_text(yaml.safe_dump(spec.model_dump(), sort_keys=False))
+    try:
+        write_text_atomically(output, yaml.safe_dump(spec.model_dump(), sort_keys=False))
+    except ZplanError as exc:
+        _fail(exc)
     err.print(f"wrote {output}; use it with --cluster {output}")
 
 

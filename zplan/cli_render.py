@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from zplan.errors import ZplanError
+from zplan.errors import ZplanError, validation_message
 from zplan.schemas.cluster import ClusterSpec
 from zplan.schemas.inference import InferencePlan
 from zplan.schemas.plan import Plan
@@ -22,21 +22,30 @@ def default_out_dir(model_ref: str) -> Path:
     return Path("out") / stem
 
 
+MAX_PLAN_FILE_BYTES = 64 << 20  # a plan of a 175B model with its alternatives is under 1 MiB
+
+
 def load_plan_file(path: Path) -> Plan | InferencePlan:
     """A training or an inference plan.json (told apart by its "mode")."""
+    hint = "pass the plan.json written by `zplan compile`"
     try:
+        if path.stat().st_size > MAX_PLAN_FILE_BYTES:
+            raise ZplanError(f"{path} is over {MAX_PLAN_FILE_BYTES >> 20} MiB: not a plan; {hint}.")
         text = path.read_text()
         data = json.loads(text)
     except OSError as exc:
         raise ZplanError(f"cannot read {path}: {exc.strerror}. Pass the plan.json written by `zplan compile`.") from exc
+    except RecursionError:
+        raise ZplanError(f"{path} is not a plan (its JSON is nested too deeply to read): {hint}.") from None
     except ValueError as exc:
-        raise ZplanError(f"{path} is not JSON ({exc}): pass the plan.json written by `zplan compile`.") from exc
+        raise ZplanError(f"{path} is not JSON ({exc}): {hint}.") from exc
     inference = isinstance(data, dict) and data.get("mode") == "inference"
     schema, kind = (InferencePlan, "inference plan") if inference else (Plan, "plan")
     try:
         return schema.model_validate_json(text)
     except ValidationError as exc:
-        raise ZplanError(f"{path} is not a zplan {kind} ({exc.error_count()} schema errors): recompile it.") from exc
+        raise ZplanError(f"{path} is not a zplan {kind} ({exc.error_count()} schema errors: "
+                         f"{validation_message(exc)}): recompile it.") from None
 
 
 def _count(n: float) -> str:

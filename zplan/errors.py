@@ -47,3 +47,30 @@ class SwapError(ZplanError):
 
 class OutputError(ZplanError):
     """An output path that cannot be written (checked before a run starts), or a write that failed."""
+
+
+class RunLockError(ZplanError):
+    """Another run holds the lock of the checkpoint folder (runtime/run_lock.py)."""
+
+
+def short_repr(value: object, limit: int = 80) -> str:
+    """A bounded repr of `value`: nested and repeated data (a YAML alias bomb) is cut, never expanded."""
+    import reprlib
+
+    shortener = reprlib.Repr()
+    shortener.maxlevel, shortener.maxlist, shortener.maxdict, shortener.maxstring = 2, 4, 4, limit
+    shortener.maxother = shortener.maxlong = limit
+    text = shortener.repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def validation_message(error, limit: int = 3) -> str:
+    """A pydantic ValidationError as one line naming each field, its value and what is wrong (the first `limit`
+    errors). Never str(error): pydantic's text reprs the whole input, which an alias bomb makes endless."""
+    problems = []
+    for item in error.errors(include_url=False)[:limit]:
+        field = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        value = f" = {short_repr(item['input'])}" if item["type"] != "missing" else ""
+        problems.append(f"{field}{value}: {item['msg'].removeprefix('Value error, ')}")
+    more = error.error_count() - len(problems)
+    return "; ".join(problems) + (f" (and {more} more)" if more > 0 else "")

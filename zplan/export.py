@@ -29,7 +29,9 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from zplan.errors import ExportError
-from zplan.runtime.checkpoint import CheckpointError, describe_dcp_error, resolve_checkpoint
+from zplan.runtime.checkpoint import TRAIN_STATE_FILE, CheckpointError, describe_dcp_error, resolve_checkpoint
+from zplan.runtime.checkpoint_manifest import read_manifest, verify
+from zplan.runtime.fused_layout import layouts_from_json, to_original
 
 MODEL_PREFIX = "model."
 DEFAULT_MAX_CHUNK_BYTES = 1 << 30  # 1 GiB of tensors in memory at a time
@@ -64,6 +66,14 @@ def _model_tensors(checkpoint: Path) -> dict[str, tuple[torch.dtype, torch.Size]
     if unsupported:
         raise ExportError(f"safetensors has no dtype for {', '.join(unsupported)} in {checkpoint}")
     return tensors
+
+
+def _fused_layouts(checkpoint: Path) -> dict:
+    """The stored order of the checkpoint's fused projections (runtime.fused_layout), from its train_state.json."""
+    try:
+        return layouts_from_json(json.loads((checkpoint / TRAIN_STATE_FILE).read_text()).get("fused_layouts", {}))
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(f"cannot read {checkpoint / TRAIN_STATE_FILE}: {error}") from error
 
 
 def _nbytes(dtype: torch.dtype, shape: torch.Size) -> int:
@@ -131,10 +141,15 @@ def export_checkpoint(
     out_file = Path(out_file)
     if out_file.is_dir():
         raise ExportError(f"--to {out_file} is a folder; give a file name such as {out_file / 'model.safetensors'}")
+    problems = verify(checkpoint)
+    if problems and read_manifest(checkpoint) is not None:  # one without a manifest cannot be checked
+        raise CheckpointError(f"checkpoint {checkpoint} is damaged: {problems[0]}"
+                              + (f" ({len(problems) - 1} more)" if len(problems) > 1 else ""))
     tensors = _model_tensors(checkpoint)
     keys = sorted(tensors)
     sizes = {key: _nbytes(*tensors[key]) for key in keys}
     step = checkpoint.name.removeprefix("step-").lstrip("0") or "0"
+    fused = _fused_layouts(checkpoint)
 
     tmp = out_file.with_name(f".{out_file.name}.tmp")
     try:
@@ -144,8 +159,11 @@ def export_checkpoint(
             for chunk_keys in _chunks(keys, sizes, max_chunk_bytes):
                 chunk = _load_chunk(checkpoint, tensors, chunk_keys)
                 for key in chunk_keys:
+                    tensor = chunk.pop(key)
+                    if key[len(MODEL_PREFIX):] in fused:  # stored grouped: back to the model file's order
+                        tensor = to_original(tensor, *fused[key[len(MODEL_PREFIX):]])
                     # Raw bytes in the host's order (little-endian on x86 and ARM), as safetensors stores them.
-                    f.write(chunk.pop(key).contiguous().reshape(-1).view(torch.uint8).numpy().data)
+                    f.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
             f.flush()
             os.fsync(f.fileno())
         tmp.replace(out_file)

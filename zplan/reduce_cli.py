@@ -41,9 +41,11 @@ def reduce_command(
         None, "--blocks", help="Module path of the block container (default: the one the planner finds)."),
 ) -> None:
     """Keep teacher layers and prune attention heads: write a smaller model file for `zplan compile`."""
+    from zplan.out_dir import check_out_file
     from zplan.runtime.compression.model_reduction import write_reduced_model_file
 
     try:
+        check_out_file(out, "-o")  # before the teacher is loaded and scored
         keep = parse_layers(keep_layers) if keep_layers is not None else None
         prune = {"heads_per_layer": prune_heads} if prune_heads is not None else None
         with err.status("reducing the model", spinner="dots"):

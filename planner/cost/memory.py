@@ -23,6 +23,11 @@ computes the whole logits (B, T, V) and the loss on them. The loss's peak (logit
 LOSS_BYTES_PER_LOGIT bytes per logit, measured, not divided by tp.
 Pipeline in-flight micro-batches on the first stage: 1F1B min(p, m); interleaved with v chunks
 multiplies by (1 + (p-1)/(p*v)) (Korthikanti et al., Sec. 4.2.3).
+Offload (planner.cost.offload for its traffic): the optimizer states leave the GPU; under ZeRO 2/3 the weight
+and gradient shards stay on the GPU where they fit (the optimizer alone on the host, runtime.offload.sharded_cpu_adam),
+else go to the host with it (FSDP2's CPUOffloadPolicy: parameters_offloaded). Host bytes per parameter of this
+rank's shard: beside device parameters zplan's CPU Adam keeps an fp32 master, m and v and a gradient buffer
+(HOST_OPTIMIZER_BYTES + HOST_GRAD_BUFFER_BYTES); under CPUOffloadPolicy the shards and the optimizer's states.
 Compression (planner.cost.compression) adds to the communication buffers: the int8 gradient hook's copies of
 one DDP bucket; 1-bit Adam's error feedback, and its step's transient copies beyond the activations they
 outlive (the step runs after the backward has freed them).
@@ -49,6 +54,11 @@ HOST_USABLE_FRACTION = 0.9  # leave 10% of host memory / NVMe to the OS and the 
 PARAM_BYTES = 4.0  # fp32 parameters: the master weights, in every precision
 GRAD_BYTES = 4.0  # fp32 gradients (autocast; FSDP2 reduce_dtype=fp32)
 ADAM_BYTES = 8.0  # fp32 m and v
+# zplan's CPU Adam beside parameters kept on the device (ZeRO-1's runtime.offload.cpu_adam_optimizer, ZeRO 2/3's
+# runtime.offload.sharded_cpu_adam), per parameter of this rank's shard, in host memory: an fp32 master copy, m and
+# v (12), and the buffer the fp32 gradient shard is copied down into before the step (4, with a GPU).
+HOST_OPTIMIZER_BYTES = 12.0
+HOST_GRAD_BUFFER_BYTES = 4.0
 
 # Peak live bytes per logit while the runtime's default loss (planner.model_file.next_token_loss: cross-entropy
 # on logits[:, :-1].flatten(0, 1).float()) runs its forward and backward, counting the (B, T, V) logits the
@@ -79,15 +89,18 @@ def optimizer_bytes_per_param(precision: str) -> int:
     return 8 if precision == "fp32" else 12
 
 
-def state_bytes_per_param(zero, dp, offloaded) -> tuple:
+def state_bytes_per_param(zero, dp, offloaded, parameters_offloaded=None) -> tuple:
     """(weights, gradients, optimizer) bytes per parameter on the GPU, arrays or scalars alike: the
-    runtime's 4 + 4 + 8 sharded by ZeRO stage; offloaded states leave the GPU: ZeRO-1 the optimizer
-    (runtime.offload), ZeRO 2/3 the optimizer, the gradient shards and the weight shards together (FSDP2's
-    CPUOffloadPolicy; planner.placement places them so)."""
+    runtime's 4 + 4 + 8 sharded by ZeRO stage; offloaded states leave the GPU: the optimizer always (ZeRO-1:
+    runtime.offload.cpu_adam_optimizer; ZeRO 2/3 with the parameters on the GPU: runtime.offload.sharded_cpu_adam),
+    and under ZeRO 2/3 where `parameters_offloaded` the weight and gradient shards with it (FSDP2's
+    CPUOffloadPolicy; planner.placement places them so). Default: every offloaded ZeRO 2/3 candidate offloads
+    its parameters too (the conservative end, the least GPU memory)."""
     zero, dp, offloaded = np.asarray(zero), np.asarray(dp, dtype=float), np.asarray(offloaded, dtype=bool)
+    params_off = offloaded & (zero >= 2) if parameters_offloaded is None else np.asarray(parameters_offloaded, bool)
     sharded = np.where(zero >= 2, dp, 1.0)
-    weights = np.where(offloaded & (zero >= 2), 0.0, PARAM_BYTES / sharded)
-    grads = np.where(offloaded & (zero >= 2), 0.0, GRAD_BYTES / sharded)
+    weights = np.where(params_off, 0.0, PARAM_BYTES / sharded)
+    grads = np.where(params_off, 0.0, GRAD_BYTES / sharded)
     optim = np.where(offloaded, 0.0, ADAM_BYTES / np.where(zero >= 1, dp, 1.0))
     return weights, grads, optim
 
@@ -107,6 +120,7 @@ class MemoryEstimate:
     nvme_bytes_per_node: np.ndarray
     fits: np.ndarray  # bool: device, host and NVMe capacity all respected
     stage_params: np.ndarray  # parameters per GPU on the most loaded stage (blocks / tp, embedding and head whole)
+    parameters_offloaded: np.ndarray  # bool: ZeRO 2/3 offload with the weight and gradient shards on the host too
 
 
 def blocks_per_stage(model: ModelNumbers, cand: Candidates) -> np.ndarray:
@@ -181,11 +195,6 @@ def memory_per_gpu(
     last_params = np.where(single, whole_model,
                            model.head_params + model.head_shared_params + last_blocks * model.block_params / t)
 
-    per_param = state_bytes_per_param(z, dp, offloaded)
-
-    def states(params_gpu: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return tuple(bytes_per_param * params_gpu for bytes_per_param in per_param)
-
     inflight = inflight_microbatches(cand, num_micro_batches)
     act_block = block_activation_bytes(model, cand, precision)
     live_block = np.where(cand.recompute == 2, b * model.block_act_bytes / t, 0.0)  # recomputed block
@@ -205,30 +214,44 @@ def memory_per_gpu(
     comm = comm + compute_copy_bytes(params_gpu, z, precision)
     comm = comm + np.where(t > 1, 2.0 * b * s * h * elem, 0.0)  # sequence-parallel gather buffers
 
-    w1, g1, o1 = states(first_params)
-    w2, g2, o2 = states(last_params)
-    total1, total2 = w1 + g1 + o1 + first_act, w2 + g2 + o2 + last_act
-    use_first = total1 >= total2
-    pick = lambda a, c: np.where(use_first, a, c)  # noqa: E731
     reserve = np.full(len(cand), float(cluster.framework_reserve_bytes))
-    weights, grads, optim, acts = pick(w1, w2), pick(g1, g2), pick(o1, o2), pick(first_act, last_act)
     # Compression's buffers (module docstring).
     bucket = np.minimum(DDP_BUCKET_BYTES, GRAD_BYTES * first_params)
     comm = comm + np.where(cand.grad_compress == 1, INT8_HOOK_BUCKET_COPIES * bucket, 0.0)
     one_bit_errors = ONE_BIT_ERROR_BYTES_PER_PARAM * (1.0 + 1.0 / dp) * params_gpu
     one_bit_errors = one_bit_errors + np.where(z == 1, ADAM_BYTES / 2 * params_gpu, 0.0)  # ZeRO-1: whole momentum
-    one_bit_step = np.maximum(0.0, ONE_BIT_STEP_BYTES_PER_PARAM * params_gpu - acts)
-    comm = comm + np.where(cand.grad_compress == 2, one_bit_errors + one_bit_step, 0.0)
-    total = weights + grads + optim + acts + comm + reserve
 
-    # Host / NVMe: the offloaded states of every GPU of the node. The optimizer's (optimizer_bytes_per_param) on
-    # the offload tier; under ZeRO 2/3 FSDP2's CPUOffloadPolicy keeps the fp32 gradient shards and the parameter
-    # shards in host memory too (in fp32 the shard is the master itself, in 16-bit the optimizer's master is).
-    optimizer_off = k_opt * params_gpu / np.where(z >= 1, dp, 1.0)
+    def on_gpu(params_off: np.ndarray) -> tuple[np.ndarray, ...]:
+        """(weights, gradients, optimizer, activations, comm buffers, total) of the more loaded end stage."""
+        per_param = state_bytes_per_param(z, dp, offloaded, params_off)
+        w1, g1, o1 = (bytes_per_param * first_params for bytes_per_param in per_param)
+        w2, g2, o2 = (bytes_per_param * last_params for bytes_per_param in per_param)
+        use_first = w1 + g1 + o1 + first_act >= w2 + g2 + o2 + last_act
+        weights, grads, optim, acts = (np.where(use_first, a, c) for a, c in
+                                       ((w1, w2), (g1, g2), (o1, o2), (first_act, last_act)))
+        one_bit_step = np.maximum(0.0, ONE_BIT_STEP_BYTES_PER_PARAM * params_gpu - acts)
+        buffers = comm + np.where(cand.grad_compress == 2, one_bit_errors + one_bit_step, 0.0)
+        return weights, grads, optim, acts, buffers, weights + grads + optim + acts + buffers + reserve
+
+    # An offloaded ZeRO 2/3 candidate keeps its weight and gradient shards on the GPU when they fit there (the
+    # optimizer alone offloaded: no per-micro-batch traffic), else FSDP2's CPUOffloadPolicy takes them to the host.
+    kept_total = on_gpu(np.zeros(len(cand), dtype=bool))[-1]
+    params_off = offloaded & (z >= 2) & (kept_total > cluster.gpu.hbm_bytes)
+    weights, grads, optim, acts, comm, total = on_gpu(params_off)
+
+    # Host / NVMe: the offloaded states of every GPU of the node. Parameters on the GPU: the optimizer on the CPU
+    # holds HOST_OPTIMIZER_BYTES + HOST_GRAD_BUFFER_BYTES per parameter of the shard on the host; on NVMe, its
+    # moments (optimizer_bytes_per_param) in files. Under FSDP2's CPUOffloadPolicy (params_off) the optimizer's
+    # optimizer_bytes_per_param on the offload tier, and the fp32 gradient shards and the parameter shards in host
+    # memory too (in fp32 the shard is the master itself, in 16-bit the optimizer's master is).
+    shard = params_gpu / np.where(z >= 1, dp, 1.0)
+    optimizer_off = k_opt * shard
+    beside_device = (HOST_OPTIMIZER_BYTES + HOST_GRAD_BUFFER_BYTES) * shard
     shard_bytes = GRAD_BYTES + (PARAM_BYTES if precision == "fp32" else 0.0)
-    host_shards = np.where(z >= 2, shard_bytes * params_gpu / dp, 0.0)
+    host_shards = np.where(params_off, shard_bytes * shard, 0.0)
     gpus = cluster.gpus_per_node
-    cpu = np.select([cand.offload == 1, cand.offload == 2], [optimizer_off + host_shards, host_shards], 0.0) * gpus
+    cpu = np.select([cand.offload == 1, cand.offload == 2],
+                    [np.where(params_off, optimizer_off, beside_device) + host_shards, host_shards], 0.0) * gpus
     nvme = np.where(cand.offload == 2, optimizer_off, 0.0) * gpus
     fits = (
         (total <= cluster.gpu.hbm_bytes)
@@ -238,5 +261,5 @@ def memory_per_gpu(
     return MemoryEstimate(
         parameters=weights, gradients=grads, optimizer=optim, activations=acts, comm_buffers=comm,
         reserve=reserve, total=total, cpu_bytes_per_node=cpu, nvme_bytes_per_node=nvme, fits=fits,
-        stage_params=params_gpu,
+        stage_params=params_gpu, parameters_offloaded=params_off,
     )

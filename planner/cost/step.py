@@ -197,7 +197,7 @@ def estimate_step(
     dp_s = data_parallel_s(model, cand, cluster, params_gpu, elem, compute_mb, m)
 
     shard = params_gpu / np.where(z >= 1, dp, 1)
-    offload_s = offload_time_s(cand, params_gpu, m, cluster, precision)
+    offload_s = offload_time_s(cand, params_gpu, m, cluster, precision, memory.parameters_offloaded)
     optimizer_s = np.where(cand.offload == 0, gpu_adam_step_s(shard, cluster), 0.0)
     optimizer_s = optimizer_s + OPTIMIZER_STEP_OPS * cluster.host_overheads.op_s
 

@@ -22,6 +22,7 @@ from zplan.runtime.inference.build import (
     engine_from_plan,
     load_inference_plan,
 )
+from zplan.runtime.launch import ArgumentParser, report_error
 
 
 def _common_arguments(parser: argparse.ArgumentParser, default_max_new_tokens: int) -> None:
@@ -43,8 +44,8 @@ def _model_file(args: argparse.Namespace, default: Path | None) -> Path | None:
 
 
 def _error(message: str) -> int:
-    print(f"zplan: error: {message}", file=sys.stderr, flush=True)
-    return 2
+    """`zplan: error: message` once (through zplan's launcher under tensor parallel: runtime/launch.py); status 2."""
+    return report_error(message)
 
 
 # ---- generate.py ---------------------------------------------------------------------------------------------
@@ -85,7 +86,7 @@ def escape_line(text: str) -> str:
 
 
 def _generate_parser(default_max_new_tokens: int) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Generate a completion for each prompt (one per line), in batches.")
+    parser = ArgumentParser(description="Generate a completion for each prompt (one per line), in batches.")
     parser.add_argument("--prompts", metavar="FILE", help="prompts, one per line (default: standard input)")
     _common_arguments(parser, default_max_new_tokens)
     parser.add_argument("--temperature", type=float, default=0.0, help="softmax temperature; 0 is greedy (default)")
@@ -169,14 +170,36 @@ def generate_main(plan_path: Path, model_path: Path | None, settings: EngineSett
 
 
 def _serve_parser(default_max_new_tokens: int) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Serve POST /v1/generate and GET /health over HTTP.")
+    parser = ArgumentParser(description="Serve POST /v1/generate and GET /health over HTTP.")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: all)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     _common_arguments(parser, default_max_new_tokens)
     parser.add_argument("--queue-size", type=int, help="requests waiting beyond which the server answers 503 "
                         "(default: 8 x the plan's max batch)")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
+    parser.add_argument("--max-connections", type=int, default=256,
+                        help="open connections at most; one more is answered 503 and closed (default 256)")
+    parser.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                        help="seconds a request's headers may take to arrive, else 408 (default 10)")
+    parser.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+                        help="seconds a request's body may take to arrive after its headers, else 408 (default 30)")
     return parser
+
+
+# (option, attribute, lowest, highest) of the server's numeric options
+SERVE_BOUNDS = (("--port", "port", 1, 65535), ("--queue-size", "queue_size", 1, 1_000_000),
+                ("--max-body-bytes", "max_body_bytes", 1, 1 << 30),
+                ("--max-connections", "max_connections", 1, 100_000),
+                ("--header-timeout", "header_timeout", 1e-3, 3600.0),
+                ("--body-timeout", "body_timeout", 1e-3, 3600.0))
+
+
+def check_serve_arguments(args: argparse.Namespace) -> None:
+    """SpecError naming the first server option outside its range (before the engine is built)."""
+    for option, name, low, high in SERVE_BOUNDS:
+        value = getattr(args, name)
+        if value is not None and not low <= value <= high:  # NaN is never in range
+            raise SpecError(f"{option} {value}: must be {low:g} to {high:g}")
 
 
 def serve_main(plan_path: Path, model_path: Path | None, settings: EngineSettings, default_max_new_tokens: int,
@@ -186,6 +209,7 @@ def serve_main(plan_path: Path, model_path: Path | None, settings: EngineSetting
 
     args = _serve_parser(default_max_new_tokens).parse_args(argv)
     try:
+        check_serve_arguments(args)  # before the process group and the engine
         return run_distributed(lambda ctx: run_serve(args, plan_path, _model_file(args, model_path), settings))
     except ZplanError as error:
         return _error(str(error))
@@ -198,7 +222,8 @@ def run_serve(args: argparse.Namespace, plan_path: Path, model_path: Path | None
     if not 1 <= args.max_new_tokens < settings.max_seq_len:
         raise SpecError(f"--max-new-tokens {args.max_new_tokens}: must be 1 to {settings.max_seq_len - 1} "
                         f"(max_seq_len = {settings.max_seq_len} holds prompt + generated tokens)")
-    overrides = {"max_body_bytes": args.max_body_bytes}
+    overrides = {"max_body_bytes": args.max_body_bytes, "max_connections": args.max_connections,
+                 "header_timeout_s": args.header_timeout, "body_timeout_s": args.body_timeout}
     if args.queue_size is not None:
         overrides["queue_size"] = args.queue_size
     engine, tokenizer, ctx = engine_from_plan(plan, model_path, weights=args.weights, seed=args.seed,

@@ -4,8 +4,12 @@ Requests are validated (pydantic, extra fields refused), tokenized and put on a 
 with Retry-After). One worker thread takes up to engine.max_batch waiting requests at a time, runs them as
 one engine.stream batch and hands each new token to its request's asyncio queue (loop.call_soon_threadsafe),
 so the event loop only ever waits. A client that goes away leaves its sequence running to the end of the
-batch (the engine has no per-sequence cancel); the others are not disturbed. An engine error fails the
-requests of that batch (500 with the message) and the worker goes on with the next.
+batch (the engine has no per-sequence cancel); the others are not disturbed, and the server prints one line. An
+engine error fails the requests of that batch (500 with the message) and the worker goes on with the next.
+
+Slow and greedy clients: a request's headers must arrive within header_timeout_s and its body within
+body_timeout_s (else 408), and at most max_connections connections are open at a time (more get 503):
+runtime/inference/http_limits.py. A body that is not JSON, not UTF-8 or holds NaN or an infinite number is 422.
 
 Tensor parallel: every rank of the replica must run the same engine.stream. Rank 0 serves HTTP and, before
 each batch, broadcasts it (torch.distributed.broadcast_object_list); the other ranks loop in follow_batches
@@ -26,6 +30,7 @@ API (JSON):
 
 import asyncio
 import json
+import math
 import queue
 import signal
 import socket
@@ -37,9 +42,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import ClientDisconnect
 
 from zplan.errors import ZplanError
 
@@ -59,6 +64,9 @@ class ServerLimits:
     queue_size: int = 64  # requests waiting for the worker; more get 503
     retry_after_s: int = 1  # Retry-After of a 503
     batch_wait_s: float = 0.002  # after the first request of a batch, wait this long for more
+    max_connections: int = 256  # open connections; one more is answered 503 and closed
+    header_timeout_s: float = 10.0  # a request's headers complete within this (else 408)
+    body_timeout_s: float = 30.0  # a request's body read within this after its headers (else 408)
 
     @classmethod
     def for_engine(cls, max_seq_len: int, max_batch: int, default_max_new_tokens: int, **overrides: Any):
@@ -73,7 +81,7 @@ def request_model(limits: ServerLimits) -> type[BaseModel]:
     """The POST /v1/generate body, bounded by `limits`; strict types (no "5" for 5), unknown fields refused."""
 
     class GenerateRequest(BaseModel):
-        model_config = ConfigDict(extra="forbid", strict=True)
+        model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
         prompt: str = Field(min_length=1, max_length=limits.max_prompt_chars, description="Text to continue.")
         max_new_tokens: int = Field(default=limits.default_max_new_tokens, ge=1, le=limits.max_new_tokens,
@@ -313,6 +321,30 @@ class BodySizeLimit:
         return f"request body over {self.max_bytes} bytes"
 
 
+def json_safe(value: Any) -> Any:
+    """`value` as JSON can carry it: NaN and infinities as text, bytes decoded (invalid UTF-8 replaced), other
+    objects as their str; so that an error about a bad value can itself be rendered."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).decode("utf-8", errors="replace")
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value if value is None or isinstance(value, (str, int, float, bool)) else str(value)
+
+
+def validation_response(error: ValidationError) -> JSONResponse:
+    """422 in FastAPI's format ({"detail": [{"type", "loc", "msg", "input", "ctx"}, ...]}), every value JSON."""
+    errors = [{**e, "loc": ["body", *e["loc"]]} for e in error.errors(include_url=False)]
+    return JSONResponse({"detail": json_safe(errors)}, status_code=422)
+
+
+def _client(request: Request) -> str:
+    return f"{request.client.host}:{request.client.port}" if request.client else "a client"
+
+
 def _json_line(payload: dict) -> bytes:
     return (json.dumps(payload, ensure_ascii=False) + "\n").encode()
 
@@ -361,12 +393,21 @@ def create_app(worker: BatchWorker, tokenizer, limits: ServerLimits, *, tp: int 
     async def generate(http_request: Request):
         # parsed here rather than by FastAPI, so that a body sent without Content-Type: application/json (curl -d)
         # is read as JSON too; errors keep FastAPI's 422 format
-        raw = await http_request.body()
+        try:
+            raw = await asyncio.wait_for(http_request.body(), limits.body_timeout_s)
+        except ClientDisconnect:
+            print(f"zplan: {_client(http_request)} disconnected before its request body was read", file=sys.stderr,
+                  flush=True)
+            return Response(status_code=499)  # nobody reads it
+        except TimeoutError:
+            print(f"zplan: {_client(http_request)} sent no whole request body within {limits.body_timeout_s:g} s",
+                  file=sys.stderr, flush=True)
+            return JSONResponse({"detail": f"request body not received within {limits.body_timeout_s:g} s"},
+                                status_code=408, headers={"Connection": "close"})
         try:
             body = GenerateRequest.model_validate_json(raw)
         except ValidationError as error:
-            errors = [{**e, "loc": ("body", *e["loc"])} for e in error.errors(include_url=False)]
-            raise RequestValidationError(errors, body=raw.decode("utf-8", errors="replace")) from None
+            return validation_response(error)
         prompt_ids = tokenizer.encode(body.prompt)
         if len(prompt_ids) + body.max_new_tokens > engine.max_seq_len:
             raise HTTPException(400, f"prompt of {len(prompt_ids)} tokens + max_new_tokens {body.max_new_tokens} "
@@ -389,20 +430,31 @@ def create_app(worker: BatchWorker, tokenizer, limits: ServerLimits, *, tp: int 
             while event[0] == "token":
                 tokens.append(event[1])
                 event = await request.events.get()
+            if await http_request.is_disconnected():
+                print(f"zplan: {_client(http_request)} disconnected before its answer ({len(tokens)} tokens)",
+                      file=sys.stderr, flush=True)
+                return Response(status_code=499)  # nobody reads it
             if event[0] == "error":
                 return JSONResponse({"detail": f"generation failed: {event[1]}"}, status_code=500)
             return final(tokens, len(prompt_ids), event[1])
 
         async def lines() -> AsyncIterator[bytes]:
-            tokens, text, event = [], IncrementalText(completion), first
-            while event[0] == "token":
-                tokens.append(event[1])
-                yield _json_line({"token": event[1], "text": text.add(event[1])})
-                event = await request.events.get()
-            if event[0] == "error":
-                yield _json_line({"error": f"generation failed: {event[1]}", "finish_reason": "error"})
-            else:
-                yield _json_line(final(tokens, len(prompt_ids), event[1]))
+            tokens, text, event, finished = [], IncrementalText(completion), first, False
+            try:
+                while event[0] == "token":
+                    tokens.append(event[1])
+                    yield _json_line({"token": event[1], "text": text.add(event[1])})
+                    await asyncio.sleep(0)  # a lost connection is noticed here, before the next write
+                    event = await request.events.get()
+                if event[0] == "error":
+                    yield _json_line({"error": f"generation failed: {event[1]}", "finish_reason": "error"})
+                else:
+                    yield _json_line(final(tokens, len(prompt_ids), event[1]))
+                finished = True
+            finally:
+                if not finished:  # the response was cancelled: the client went away
+                    print(f"zplan: {_client(http_request)} disconnected after {len(tokens)} streamed tokens; its "
+                          "sequence runs to the end of its batch", file=sys.stderr, flush=True)
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
@@ -430,6 +482,16 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def server_config(app: FastAPI, limits: ServerLimits):
+    """uvicorn's configuration of the server: warnings only, no access log, the connection limits of `limits`."""
+    import uvicorn
+
+    from zplan.runtime.inference.http_limits import limited_protocol
+
+    return uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, access_log=False,
+                          http=limited_protocol(limits.max_connections, limits.header_timeout_s))
+
+
 def serve(engine, tokenizer, ctx, host: str, port: int, limits: ServerLimits) -> int:
     """Serve until SIGTERM / Ctrl-C on rank 0; the other tensor-parallel ranks follow rank 0's batches.
     Every rank of the replica calls this. Returns the process's exit status."""
@@ -445,7 +507,7 @@ def serve(engine, tokenizer, ctx, host: str, port: int, limits: ServerLimits) ->
     received: list[int] = []
     previous = {sig: signal.signal(sig, lambda signum, frame: received.append(signum))
                 for sig in (signal.SIGINT, signal.SIGTERM)}
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, access_log=False))
+    server = uvicorn.Server(server_config(app, limits))
     try:
         sock = bind_socket(host, port)  # in the try: a failure still stops the other ranks
         worker.start()

@@ -68,16 +68,72 @@ def _host_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype, device="cpu", pin_memory=_pin())
 
 
-def _host_dtensor(local: torch.Tensor, p: torch.Tensor, dp_mesh) -> DTensor:
-    """A DTensor of p's global shape laid out as ZeroOneAdamW's moments, whose local tensor is `local`, a host
-    tensor, even on a CUDA mesh (DTensor.from_local would move it to the mesh's device)."""
-    mesh, placements = state_layout(p, dp_mesh)
+def host_dtensor_on(local: torch.Tensor, mesh, placements, p: torch.Tensor) -> DTensor:
+    """A DTensor of p's global shape on `mesh` with `placements`, whose local tensor is `local`, a host tensor,
+    even on a CUDA mesh (DTensor.from_local would move it to the mesh's device)."""
     if mesh.device_type == "cpu":
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=p.shape, stride=p.stride())
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
     spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(p.shape, p.stride(), local.dtype))
     return DTensor(local, spec, requires_grad=False)
+
+
+def _host_dtensor(local: torch.Tensor, p: torch.Tensor, dp_mesh) -> DTensor:
+    """A host DTensor of p's global shape laid out as ZeroOneAdamW's moments (runtime.zero1.state_layout)."""
+    mesh, placements = state_layout(p, dp_mesh)
+    return host_dtensor_on(local, mesh, placements, p)
+
+
+def states_to_host(state: dict, as_state) -> None:
+    """One parameter's states after torch's load_state_dict (which casts them to the parameter's device) back
+    into host memory: each moment (and 16-bit master) fp32 on the host (pinned with a GPU), rewrapped by
+    `as_state(local)` when it is not already a DTensor of that local tensor; the step a host fp32 scalar."""
+    for key in (*_MOMENTS, "master"):
+        if key not in state:
+            continue
+        value = state[key]
+        local = value.to_local() if isinstance(value, DTensor) else value
+        if local.device.type != "cpu" or local.dtype != torch.float32 or (_pin() and not local.is_pinned()):
+            host = _host_empty(local.shape, torch.float32)
+            host.copy_(local)
+            local = host
+        if not isinstance(value, DTensor) or value.to_local() is not local:
+            state[key] = as_state(local)
+    state["step"] = torch.as_tensor(state["step"], dtype=torch.float32).detach().cpu().reshape(())
+
+
+def kernel_calls(by_step: dict[int, tuple[list, list, list, list, list]], group: dict, threads: int) -> list[_Call]:
+    """adamw_step_ calls for one param group: `by_step` maps a step count to the (masters, grads, exp_avgs,
+    exp_avg_sqs, outs) host tensor lists of the parameters at that count (outs: a 16-bit tensor the kernel writes
+    the updated parameter into in the same pass, or None); one call per step count and kind of parameter."""
+    beta1, beta2 = group["betas"]
+    hyper = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                 weight_decay=group["weight_decay"], threads=threads or torch.get_num_threads())
+    calls: list[_Call] = []
+    for step, (masters, grads, exp_avgs, exp_avg_sqs, outs) in by_step.items():
+        has_out = [o for o in outs if o is not None]
+        if has_out and len(has_out) != len(outs):  # mixed dtypes in one group: one call per kind
+            kinds = [(m, g, a, s, o) for m, g, a, s, o in zip(masters, grads, exp_avgs, exp_avg_sqs, outs,
+                                                              strict=True)]
+            parts = [[k for k in kinds if k[4] is None], [k for k in kinds if k[4] is not None]]
+        else:
+            parts = [list(zip(masters, grads, exp_avgs, exp_avg_sqs, outs, strict=True))]
+        for part in parts:
+            m, g, a, s, o = (list(x) for x in zip(*part, strict=True))
+            calls.append(((m, g, a, s), dict(hyper, step=step, param_copy_out=o if o[0] is not None else None)))
+    return calls
+
+
+def run_kernel_calls(calls: list[_Call]) -> tuple[float, str | None]:
+    """Run the adamw_step_ calls on the calling thread: (their seconds, the backend of the last one)."""
+    from zplan.cuda.cpu_adam import adamw_step_
+
+    backend = None
+    start = time.perf_counter()
+    for tensors, kwargs in calls:
+        backend = adamw_step_(*tensors, **kwargs)
+    return time.perf_counter() - start, backend
 
 
 class CpuOffloadZeroOneAdamW(ZeroOneAdamW):
@@ -154,18 +210,7 @@ class CpuOffloadZeroOneAdamW(ZeroOneAdamW):
             self._pending, self._pending_write_back = None, []
         super().load_state_dict(state_dict)
         for p, state in self.state.items():
-            for key in (*_MOMENTS, "master"):
-                if key not in state:
-                    continue
-                value = state[key]
-                local = value.to_local() if isinstance(value, DTensor) else value
-                if local.device.type != "cpu" or local.dtype != torch.float32 or (_pin() and not local.is_pinned()):
-                    host = _host_empty(local.shape, torch.float32)
-                    host.copy_(local)
-                    local = host
-                if not isinstance(value, DTensor) or value.to_local() is not local:
-                    state[key] = _host_dtensor(local, p, self.dp_mesh)
-            state["step"] = torch.as_tensor(state["step"], dtype=torch.float32).detach().cpu().reshape(())
+            states_to_host(state, lambda local, p=p: _host_dtensor(local, p, self.dp_mesh))
         self._synced_version.clear()
         self._steps_done = int(max((float(state["step"]) for state in self.state.values()), default=0))
 
@@ -226,34 +271,16 @@ class CpuOffloadZeroOneAdamW(ZeroOneAdamW):
             for target, value in zip(lists, (self.master_rows(p), grad, state["exp_avg"].to_local(),
                                              state["exp_avg_sq"].to_local(), out), strict=True):
                 target.append(value)
-        beta1, beta2 = group["betas"]
-        hyper = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                     weight_decay=group["weight_decay"], threads=self._threads or torch.get_num_threads())
-        calls: list[_Call] = []
-        for step, (masters, grads, exp_avgs, exp_avg_sqs, outs) in by_step.items():
-            has_out = [o for o in outs if o is not None]
-            if has_out and len(has_out) != len(outs):  # mixed dtypes in one group: one call per kind
-                kinds = [(m, g, a, s, o) for m, g, a, s, o in zip(masters, grads, exp_avgs, exp_avg_sqs, outs,
-                                                                  strict=True)]
-                parts = [[k for k in kinds if k[4] is None], [k for k in kinds if k[4] is not None]]
-            else:
-                parts = [list(zip(masters, grads, exp_avgs, exp_avg_sqs, outs, strict=True))]
-            for part in parts:
-                m, g, a, s, o = (list(x) for x in zip(*part, strict=True))
-                calls.append(((m, g, a, s), dict(hyper, step=step, param_copy_out=o if o[0] is not None else None)))
-        return calls, write_back, staged
+        return kernel_calls(by_step, group, self._threads), write_back, staged
 
     def _run_calls(self, calls: list[_Call], ready: torch.cuda.Event | None = None) -> float:
         """The kernel calls (on the calling thread, or the background one), after `ready` (the host copies
         they read or overwrite) when given; returns their seconds."""
-        from zplan.cuda.cpu_adam import adamw_step_
-
         if ready is not None:
             ready.synchronize()
-        start = time.perf_counter()
-        for tensors, kwargs in calls:
-            self.last_backend = adamw_step_(*tensors, **kwargs)
-        return time.perf_counter() - start
+        seconds, backend = run_kernel_calls(calls)
+        self.last_backend = backend or self.last_backend
+        return seconds
 
     @torch.no_grad()
     def step(self, closure=None):

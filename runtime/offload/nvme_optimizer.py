@@ -6,7 +6,8 @@ Two optimizers, one per way the runtime shards a parameter:
   - NvmeZeroOneAdamW (ZeRO-1): runtime.zero1.ZeroOneAdamW, this rank's rows of every parameter (of its
     tp-local tensor under tensor parallel); the updated rows are all-gathered as there.
   - NvmeShardedAdamW (ZeRO-2/3): FSDP2's parameters are this rank's shards already (DTensor, local tensor on
-    the host under CPUOffloadPolicy); each local tensor is stepped whole.
+    the host under CPUOffloadPolicy, on the device when the placement keeps the parameters there); each local
+    tensor is stepped whole.
 The master weights are the fp32 parameters themselves (the runtime keeps parameters in fp32; mixed precision
 casts a copy for compute), updated in place; a parameter on a GPU is staged through host memory sub-group by
 sub-group. What is in files: exp_avg and exp_avg_sq, 8 bytes per updated parameter. The step count is a
@@ -28,7 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from zplan.errors import SwapError
-from zplan.runtime.offload.cpu_adam_optimizer import _host_dtensor
+from zplan.runtime.offload.cpu_adam_optimizer import _host_dtensor, host_dtensor_on
 from zplan.runtime.offload.nvme import SwapEngine
 from zplan.runtime.offload.swapped_moments import SwappedMoments
 from zplan.runtime.zero1 import ZeroOneAdamW, _local
@@ -246,14 +247,8 @@ class NvmeShardedAdamW(_SwappedAdamW, torch.optim.Optimizer):
         return _local(p.grad).reshape(-1)
 
     def _state_tensor(self, p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-        if not isinstance(p, DTensor):
-            return local
-        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
-        # as FSDP2's shards: p's mesh and placements; the local tensor stays on the host (DTensor.from_local would
-        # move it to the mesh's device)
-        spec = DTensorSpec(p.device_mesh, p.placements, tensor_meta=TensorMeta(p.shape, p.stride(), local.dtype))
-        return DTensor(local, spec, requires_grad=False)
+        # as FSDP2's shards: p's mesh and placements, the local tensor on the host
+        return host_dtensor_on(local, p.device_mesh, p.placements, p) if isinstance(p, DTensor) else local
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -72,15 +72,27 @@ def read_structure(model: nn.Module, prefix: str) -> dict:
     }
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def read_optimizer(model: nn.Module, optimizer) -> dict:
-    """Elements of Adam's first moment this rank holds, against the elements of the parameters it holds."""
-    held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
-    moments = 0
+    """Elements of Adam's first moment this rank holds, against the elements of the parameters it holds; the
+    devices the parameters, their gradients and the optimizer's moments are on."""
+    params = list(model.parameters())
+    moments, moment_devices = 0, set()
     for state in optimizer.state.values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            if state.get(key) is not None and _local(state[key]).numel():
+                moment_devices.add(_local(state[key]).device.type)
         moment = state.get("exp_avg")
         if moment is not None:
-            moments += (moment.to_local() if isinstance(moment, DTensor) else moment).numel()
-    return {"param_elements": held, "moment_elements": moments, "optimizer_class": type(optimizer).__name__}
+            moments += _local(moment).numel()
+    return {"param_elements": sum(_local(p).numel() for p in params), "moment_elements": moments,
+            "optimizer_class": type(optimizer).__name__,
+            "param_devices": sorted({_local(p).device.type for p in params}),
+            "grad_devices": sorted({_local(p.grad).device.type for p in params if p.grad is not None}),
+            "moment_devices": sorted(moment_devices)}
 
 
 def run_one(out: Path, index: int, ctx) -> None:
@@ -105,8 +117,11 @@ def run_one(out: Path, index: int, ctx) -> None:
 
             first.register_forward_pre_hook(pre_hook, with_kwargs=True)
             linear.register_forward_hook(lambda m, a, out: seen.update(compute_dtype=str(out.dtype)[6:]))
+        # the gradients as the step found them: read just before it (train zeroes them after)
+        optimizer.register_step_pre_hook(lambda opt, args, kwargs: seen.update(read_optimizer(model, opt)))
         losses = real_train(model, optimizer, data, loss_fn, config, ctx)
-        seen.update(read_optimizer(model, optimizer))
+        seen.update({k: v for k, v in read_optimizer(model, optimizer).items() if k != "grad_devices"})
+        seen["device"] = ctx.device.type
         seen["nvme_files"] = sum(1 for p in nvme.rglob("*") if p.is_file()) if nvme.exists() else 0
         return losses
 

@@ -107,7 +107,8 @@ def losses_by_step(log: Path) -> dict[int, float]:
 
 
 def checkpoint_names(directory: Path) -> list[str]:
-    return sorted(path.name for path in directory.iterdir())
+    """The folder's entries but the run lock's file (runtime/run_lock.py), which stays for the next run."""
+    return sorted(path.name for path in directory.iterdir() if path.name != ".zplan-run.lock")
 
 
 @pytest.fixture(scope="module")
@@ -250,10 +251,11 @@ def test_zero1_checkpoint_resumes_under_another_plan(zero_stage, dp, zero1_run, 
     _resume_under(zero1_run, "ZeRO-1", zero_stage, dp, model_path, tmp_path)
 
 
-@pytest.mark.parametrize("zero_stage, offload, parameters", [(1, "cpu", "gpu"), (1, "nvme", "gpu"),
+@pytest.mark.parametrize("zero_stage, offload, parameters", [(1, "cpu", "gpu"), (2, "cpu", "gpu"), (1, "nvme", "gpu"),
                                                             (3, "nvme", "nvme")])
 def test_checkpoint_resumes_into_offloaded_states(zero_stage, offload, parameters, zero3_run, model_path, tmp_path):
-    """A ZeRO-3 checkpoint into ZeRO-Offload's host states and ZeRO-Infinity's files (load_state_dict)."""
+    """A ZeRO-3 checkpoint into ZeRO-Offload's host states (ZeRO-1's rows; ZeRO-2's shards with the optimizer alone
+    on the host, runtime.offload.sharded_cpu_adam) and ZeRO-Infinity's files (load_state_dict)."""
     _resume_under(zero3_run, "ZeRO-3", zero_stage, 2, model_path, tmp_path, offload, parameters)
 
 
@@ -261,6 +263,18 @@ def test_checkpoint_resumes_into_offloaded_states(zero_stage, offload, parameter
 def zero3_nvme_run(model_path, tmp_path_factory):
     return _reshard_source(model_path, tmp_path_factory.mktemp("zero3-nvme"), zero_stage=3, offload="nvme",
                            parameters="nvme")
+
+
+@pytest.fixture(scope="module")
+def zero3_cpu_optimizer_run(model_path, tmp_path_factory):
+    return _reshard_source(model_path, tmp_path_factory.mktemp("zero3-cpu-optimizer"), zero_stage=3, offload="cpu",
+                           parameters="gpu")
+
+
+def test_cpu_offloaded_optimizer_checkpoint_resumes_under_another_plan(zero3_cpu_optimizer_run, model_path, tmp_path):
+    """ZeRO-3 with the optimizer alone on the host (runtime.offload.sharded_cpu_adam): its host moments saved as
+    FSDP2-layout DTensors (state_dict), resumed without offload under ZeRO-1."""
+    _resume_under(zero3_cpu_optimizer_run, "ZeRO-3, optimizer on the CPU", 1, 2, model_path, tmp_path)
 
 
 def test_nvme_offloaded_checkpoint_resumes_under_another_plan(zero3_nvme_run, model_path, tmp_path):

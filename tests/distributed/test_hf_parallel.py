@@ -47,10 +47,7 @@ TOLERANCE = 1e-5  # fp32: loss of every step and every final weight
 PARALLELISMS = {"tp2": Pins(tp=2), "pp2": Pins(pp=2), "zero3": Pins(zero=3, dp=2)}
 DECODERS = tuple(deterministic_decoder_sources())
 # (model, parallelism) -> the capability trait (schemas.capability.RULES) behind the compile-time refusal
-REFUSED = {
-    ("phi3", "tp2"): "fused_projection",  # qkv_proj and gate_up_proj: one Linear sliced into several projections
-    ("gpt2", "tp2"): "no_tensor_parallel_rules",  # Conv1D projections, no nn.Linear to split
-}
+REFUSED: dict[tuple[str, str], str] = {}
 # (model, parallelism) -> why it compiles and runs but does not match one process (xfail, strict)
 XFAIL: dict[tuple[str, str], str] = {}
 CASES = [pytest.param(name, par, id=f"{name}-{par}",
@@ -200,3 +197,34 @@ def test_decoder_under_parallelism_equals_single_process(name, par, parallelism,
           f"max |weight - single process| = {weight_diff:.2e}")
     assert loss_diff <= TOLERANCE, (losses, ref_losses)
     assert weight_diff <= TOLERANCE, weight_diff
+
+
+def test_fused_projections_checkpoint_reshards_across_tp_and_exports_in_file_order(models, tmp_path):
+    """Phi-3's fused qkv_proj and gate_up_proj are stored grouped at every tp (runtime/fused_layout.py). A checkpoint
+    written under tp=2 after step 2 resumes under ZeRO-3 on dp=2: steps 3 and 4 see the losses the tp=2 run saw and
+    the final weights equal its final weights; `zplan export` of the tp=2 run's last checkpoint gives the model
+    file's order: equal to its --save-weights."""
+    from safetensors.torch import load_file
+
+    from tests.distributed.harness import train_args
+    from zplan.export import export_checkpoint
+
+    saved, resumed = compile_for(models["phi3"], Pins(tp=2), tmp_path / "tp2"), tmp_path / "zero3"
+    compile_for(models["phi3"], Pins(zero=3, dp=2), resumed)
+    ckpt, weights = tmp_path / "ckpt", tmp_path / "tp2.pt"
+    Ranks([str(tmp_path / "tp2" / "train.py"), *train_args(STEPS, SEED, LR, tmp_path / "tp2.jsonl"),
+           "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--save-weights", str(weights)],
+          WORLD, tmp_path / "logs").wait_ok()
+    assert saved.parallel.tp == 2
+    output = Ranks([str(resumed / "train.py"), *train_args(STEPS, SEED, LR, tmp_path / "zero3.jsonl"),
+                    "--resume", str(ckpt / "step-000002"), "--save-weights", str(tmp_path / "zero3.pt")],
+                   WORLD, tmp_path / "logs").wait_ok()
+    assert "resumed from" in output
+    ref = {r["step"]: r["loss"] for r in read_log(tmp_path / "tp2.jsonl")}
+    got = {r["step"]: r["loss"] for r in read_log(tmp_path / "zero3.jsonl")}
+    assert sorted(got) == [3, 4] and max(abs(got[s] - ref[s]) for s in got) <= TOLERANCE, (got, ref)
+    trained = torch.load(weights)
+    assert max_weight_diff(torch.load(tmp_path / "zero3.pt"), trained) <= TOLERANCE
+
+    exported = load_file(export_checkpoint(ckpt / "step-000004", tmp_path / "tp2.safetensors"))
+    assert set(exported) == set(trained) and max_weight_diff(exported, trained) == 0.0

@@ -6,9 +6,12 @@ objects and from what a block sees, what the run did. Each field of plan.json is
   tp, pp                 the mesh sizes the parameters are sharded over / the pipeline group's size;
   zero_stage             FSDP2 shards the parameters over dp (2, 3), with reshard_after_forward for 3; else Adam's
                          moments this rank holds: all of its parameters' elements (0) or their dp-th part (1);
-  placement              FSDP2's CPUOffloadPolicy (ZeRO 2/3: parameter and gradient shards on the host), the
-                         ZeRO-1 CPU optimizer or FSDP2's host step (optimizer on the CPU), swap files in
-                         --nvme-path (optimizer on NVMe); none of these without offload;
+  placement              FSDP2's CPUOffloadPolicy (ZeRO 2/3: parameter and gradient shards on the host) exactly
+                         when the parameters and gradients are placed off the GPU, else the parameters and the
+                         gradients the step sees on the run's device; the ZeRO-1 CPU optimizer, the ZeRO 2/3
+                         one over device shards (runtime.offload.sharded_cpu_adam, its moments on the host) or
+                         FSDP2's host step (optimizer on the CPU), swap files in --nvme-path (optimizer on NVMe);
+                         none of these without offload;
   precision              the dtype of the first Linear's output in block 0;
   micro_batch            the batch size of block 0's input; num_micro_batches: block 0's calls in the step;
   sequence_parallel      block 0's input holds T / tp tokens;
@@ -39,6 +42,8 @@ PLANS = {  # name -> (precision, pins)
     "tp2-sp": ("fp32", Pins(tp=2, sequence_parallel=True)),
     "pp2": ("fp32", Pins(pp=2)),
     "zero1-cpu": ("fp32", Pins(zero=1, dp=2, offload="cpu")),
+    "zero2-cpu": ("fp32", Pins(zero=2, dp=2, offload="cpu")),  # the tiny model fits: the optimizer alone off
+    "zero3-cpu-bf16": ("bf16", Pins(zero=3, dp=2, offload="cpu")),
     "zero3-nvme": ("fp32", Pins(zero=3, dp=2, offload="nvme")),
     "zero0-int8-grads": ("fp32", Pins(zero=0, dp=2, compress=CompressionConfig(grad="int8"))),
 }
@@ -80,8 +85,13 @@ def test_each_plan_field_is_what_the_run_applied(applied, name):
         placement, fsdp_host = plan["placement"], bool(seen["fsdp_offload_cpu"])
         # ZeRO 2/3: FSDP2's CPUOffloadPolicy holds the parameter and gradient shards on the host
         assert fsdp_host == (placement["parameters"] != "gpu") == (placement["gradients"] != "gpu"), seen
-        host_step = seen["optimizer_class"] == "CpuOffloadZeroOneAdamW" or (fsdp_host and not seen["nvme_files"])
+        host_optimizers = ("CpuOffloadZeroOneAdamW", "CpuOffloadShardedAdamW")
+        host_step = seen["optimizer_class"] in host_optimizers or (fsdp_host and not seen["nvme_files"])
         assert (placement["optimizer"] == "cpu") == host_step, seen
+        if placement["parameters"] == "gpu":  # parameters and the gradients the step reads on the run's device
+            assert seen["param_devices"] == seen["grad_devices"] == [seen["device"]], seen
+        if seen["optimizer_class"] in host_optimizers:  # and Adam's moments on the host
+            assert seen["moment_devices"] == ["cpu"], seen
         assert (placement["optimizer"] == "nvme") == (seen["nvme_files"] > 0), seen
         assert p["offload"] == {"gpu": "none"}.get(placement["optimizer"], placement["optimizer"])
         if seen["ddp_world"] is not None:
@@ -94,3 +104,13 @@ def test_each_plan_field_is_what_the_run_applied(applied, name):
             if seen["fsdp_param_dtype"] is not None:
                 assert seen["fsdp_param_dtype"] == seen["compute_dtype"], seen
     assert any("block_input_shape" in seen for seen in ranks)
+
+
+@pytest.mark.parametrize("name", ["zero2-cpu", "zero3-cpu-bf16"])
+def test_zero2_and_zero3_offload_the_optimizer_alone_where_the_shards_fit(applied, name):
+    """--offload cpu with ZeRO 2/3 on a model that fits: the plan keeps the parameter and gradient shards on the GPU,
+    and the run does too: FSDP2 without CPUOffloadPolicy, zplan's CPU Adam over the device shards."""
+    plan, ranks = applied[name]
+    assert [plan["placement"][s] for s in ("parameters", "gradients", "optimizer")] == ["gpu", "gpu", "cpu"]
+    for seen in ranks:
+        assert seen["fsdp_offload_cpu"] is False and seen["optimizer_class"] == "CpuOffloadShardedAdamW", seen

@@ -24,8 +24,6 @@ DECODERS = ("llama", "qwen2", "mistral", "gemma2", "phi3", "mixtral", "gpt2")
 # (model, pin) -> the trait kind behind the refusal (the runtime does not run it on such a model yet)
 REFUSED = {
     ("t5", "pp2"): "several_block_stacks",
-    ("phi3", "tp2"): "fused_projection",
-    ("gpt2", "tp2"): "no_tensor_parallel_rules",
     ("bert", "tp2"): "parameters_beside_split_linears",
     ("t5", "tp2"): "parameters_beside_split_linears",
 }

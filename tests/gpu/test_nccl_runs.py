@@ -105,6 +105,8 @@ OFFLOADS = {  # name: (ZeRO stage, offload, parameters' tier); one GPU, so every
     "zero1-cpu": (1, "cpu", "gpu"),
     "zero1-cpu-delayed": (1, "cpu", "gpu"),  # its first 40 steps are the exact warm-up
     "zero1-nvme": (1, "nvme", "gpu"),
+    "zero2-cpu-optimizer": (2, "cpu", "gpu"),  # the shards on the GPU, the optimizer alone on the host
+    "zero3-cpu-optimizer": (3, "cpu", "gpu"),
     "zero3-nvme-parameters": (3, "nvme", "nvme"),
 }
 
@@ -112,7 +114,8 @@ OFFLOADS = {  # name: (ZeRO stage, offload, parameters' tier); one GPU, so every
 @pytest.mark.parametrize("name", list(OFFLOADS))
 def test_offload_on_one_gpu_matches_one_gpu(name, model_path, reference, tmp_path):
     """The CUDA paths of offload: pinned host states, gradient rows staged to the host, updated rows back
-    (runtime.offload.cpu_adam_optimizer, nvme_optimizer, param_swap), against plain training on the GPU."""
+    (runtime.offload.cpu_adam_optimizer, sharded_cpu_adam, nvme_optimizer, param_swap), against plain training on
+    the GPU."""
     zero_stage, offload, parameters = OFFLOADS[name]
     plan = _plan(model_path, 1, 1, 1, zero_stage)
     plan = plan.model_copy(update=dict(

@@ -106,7 +106,7 @@ def test_compile_writes_everything_and_json_parses(tmp_path):
     assert data["parallel"]["tp"] * data["parallel"]["pp"] * data["parallel"]["dp"] == 8
     names = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
     assert names == {"plan.json", "train.py", "launch/torchrun.sh", "launch/slurm.sbatch", "report.md",
-                     "report.html", "ds_config.json"}
+                     "report.html", "ds_config.json", ".zplan-manifest.json"}
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
 
 
@@ -137,11 +137,15 @@ def test_a_zero1_cpu_offload_plan_runs(tmp_path):
 
 
 def test_offload_follows_the_placement_and_the_report_shows_its_traffic(tmp_path):
-    """A 26B GPT on 8 A100s with ZeRO-2 and --offload cpu: the optimizer, gradient and weight shards go to the host
-    (FSDP2's CPUOffloadPolicy). By hand (planner.placement's traffic rules): per step and GPU, the fp32 gradient
+    """A 26B GPT on 8 A100s with ZeRO-2 and --offload cpu: the GPU cannot hold the weight and gradient shards beside
+    the gathered bf16 weights, so the optimizer, gradient and weight shards go to the host (FSDP2's
+    CPUOffloadPolicy). By hand (planner.placement's traffic rules): per step and GPU, the fp32 gradient
     shard (4 P / 8 bytes) goes down once per micro-batch (1 here) and the fp32 weight shard (4 P / 8) is fetched
     once for the step's all-gather (ZeRO-2 keeps it gathered): 1.0 P.
-    The same pin on a small model that fits puts its optimizer on the host all the same: a pin is honoured."""
+    The same pin on a small model that fits puts its optimizer alone on the host all the same (a pin is honoured),
+    its shards staying on the GPU (runtime.offload.sharded_cpu_adam): per step the fp32 gradient shard (4 P / 8)
+    down and the fp32 weight shard (4 P / 8) up, 1.0 P again; on the host per GPU the CPU Adam's master, m and v
+    and the gradient buffer, 16 B x P / 8, i.e. 16 P per node of 8."""
     big = "gpt:layers=32,hidden=8192,heads=64,seq=2048,vocab=51200"
     pins = ["--gpus", 8, "--global-batch", 8, "--tp", 1, "--pp", 1, "--zero", 2, "--offload", "cpu",
             "--micro-batch", 1, "--recompute", "full"]
@@ -161,7 +165,12 @@ def test_offload_follows_the_placement_and_the_report_shows_its_traffic(tmp_path
     small = run("compile", GPT_SMALL, *pins, "-o", tmp_path / "small", "--json")
     data = json.loads(small.stdout)
     assert data["parallel"]["offload"] == "cpu"
-    assert [data["placement"][state] for state in ("parameters", "gradients", "optimizer")] == ["cpu", "cpu", "cpu"]
+    assert [data["placement"][state] for state in ("parameters", "gradients", "optimizer")] == ["gpu", "gpu", "cpu"]
+    small_plan = json.loads((tmp_path / "small" / "plan.json").read_text())
+    small_params, memory = small_plan["model"]["params"], small_plan["prediction"]["memory"]
+    assert data["placement"]["host_device_bytes_per_step"] == pytest.approx(1.0 * small_params)
+    assert memory["parameters"] == memory["gradients"] == pytest.approx(4 * small_params / 8)
+    assert memory["optimizer"] == 0.0 and memory["cpu_bytes_per_node"] == pytest.approx(16 * small_params)
     assert "| Offload traffic | host-GPU " in (tmp_path / "small" / "report.md").read_text()
 
 

@@ -68,20 +68,43 @@ def test_fp32_states_are_four_plus_four_plus_eight():
     assert (mem.parameters + mem.gradients + mem.optimizer)[0] == pytest.approx(16.0 * model.params)
 
 
-def test_offload_moves_optimizer_off_the_gpu_and_onto_the_host():
+def test_offload_keeps_the_parameter_and_gradient_shards_on_the_gpu_where_they_fit():
+    """ZeRO 2/3 with offload: the optimizer alone leaves the GPU when the weight and gradient shards fit there
+    (runtime.offload.sharded_cpu_adam); FSDP2's CPUOffloadPolicy takes them to the host only when they do not."""
     model = gpt_numbers()
+    shard = model.params / 8  # dp = 8: this GPU's shard of every parameter
     mem = memory_per_gpu(model, one(zero=2, offload=1), A100, "bf16", np.array([1.0]))
-    # ZeRO-2 under FSDP2's CPUOffloadPolicy: weight and gradient shards leave the GPU with the optimizer
-    assert mem.optimizer[0] == 0.0 and mem.gradients[0] == 0.0 and mem.parameters[0] == 0.0
-    # each of the node's 8 GPUs keeps on the host, per parameter: 12/8 (fp32 master, m, v) + 4/8 (fp32 gradient)
-    assert mem.cpu_bytes_per_node[0] == pytest.approx(8 * (12 + 4) / 8 * model.params)
-    # fp32: the weight shard is the master (4), beside m and v (8) and the gradient (4)
-    fp32 = memory_per_gpu(model, one(zero=3, offload=1), A100, "fp32", np.array([1.0]))
-    assert fp32.cpu_bytes_per_node[0] == pytest.approx(8 * (8 + 4 + 4) / 8 * model.params)
-    # NVMe: the optimizer's bytes on NVMe, the FSDP2 shards still in host memory
+    # bf16, no recompute: fp32 shards 2 x 4 B x P/8 = 6.4 GB, the gathered bf16 copy 2 B x P = 12.9 GB (in the
+    # 14.5 GB of buffers), activations 32 x (34 s h + 5 a s^2) B = 30.3 GB (32.1 GB with the logits), the reserve:
+    # 55 GB, under 80 GB, so the shards stay
+    assert not mem.parameters_offloaded[0]
+    assert mem.optimizer[0] == 0.0 and mem.parameters[0] == mem.gradients[0] == pytest.approx(4 * shard)
+    # each of the node's 8 GPUs keeps on the host, per parameter of its shard: the CPU Adam's fp32 master, m and v
+    # (12) and the buffer the fp32 gradient comes down to (4)
+    assert mem.cpu_bytes_per_node[0] == pytest.approx(8 * (12 + 4) * shard)
+    # NVMe with the shards on the GPU: the moments in files, nothing else off the GPU
     nvme = memory_per_gpu(model, one(zero=3, offload=2), A100, "fp32", np.array([1.0]))
-    assert nvme.nvme_bytes_per_node[0] == pytest.approx(8 * 8 / 8 * model.params)
-    assert nvme.cpu_bytes_per_node[0] == pytest.approx(8 * 8 / 8 * model.params)
+    assert not nvme.parameters_offloaded[0] and nvme.parameters[0] == pytest.approx(4 * shard)
+    assert nvme.nvme_bytes_per_node[0] == pytest.approx(8 * 8 * shard) and nvme.cpu_bytes_per_node[0] == 0.0
+
+
+def test_offload_moves_the_shards_to_the_host_when_the_gpu_cannot_hold_them():
+    model = gpt_numbers()
+    shard = model.params / 8
+    small = A100.model_copy(update={"gpu": A100.gpu.model_copy(update={"hbm_bytes": 16e9})})  # < 32 GB activations
+    mem = memory_per_gpu(model, one(zero=2, offload=1), small, "bf16", np.array([1.0]))
+    # ZeRO-2 under FSDP2's CPUOffloadPolicy: weight and gradient shards leave the GPU with the optimizer
+    assert mem.parameters_offloaded[0]
+    assert mem.optimizer[0] == 0.0 and mem.gradients[0] == 0.0 and mem.parameters[0] == 0.0
+    # per parameter of the shard on the host: 12 (fp32 master, m, v) + 4 (fp32 gradient)
+    assert mem.cpu_bytes_per_node[0] == pytest.approx(8 * (12 + 4) * shard)
+    # fp32: the weight shard is the master (4), beside m and v (8) and the gradient (4)
+    fp32 = memory_per_gpu(model, one(zero=3, offload=1), small, "fp32", np.array([1.0]))
+    assert fp32.parameters_offloaded[0] and fp32.cpu_bytes_per_node[0] == pytest.approx(8 * (8 + 4 + 4) * shard)
+    # NVMe: the optimizer's bytes on NVMe, the FSDP2 shards still in host memory
+    nvme = memory_per_gpu(model, one(zero=3, offload=2), small, "fp32", np.array([1.0]))
+    assert nvme.nvme_bytes_per_node[0] == pytest.approx(8 * 8 * shard)
+    assert nvme.cpu_bytes_per_node[0] == pytest.approx(8 * 8 * shard)
 
 
 @pytest.mark.parametrize("tp,sp,recompute,expected", [

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import zplan.export as export_module
-from zplan.errors import ZplanError
+from zplan.errors import CheckpointError, ZplanError
 from zplan.export import export_checkpoint
 from zplan.runtime.checkpoint import complete_checkpoints, latest_checkpoint, load_checkpoint, save_checkpoint
 from zplan.runtime.distributed import close_distributed, init_distributed
@@ -143,7 +143,7 @@ def test_bad_paths_are_zplan_errors(case, ctx, tmp_path):
     elif case == "lost shard":
         for shard in (root / "step-000001").glob("*.distcp"):
             shard.unlink()
-        ckpt, match = root, "cannot read"
+        ckpt, match = root, r"__0_0\.distcp is missing"  # named by the manifest before DCP reads anything
     else:
         ckpt, match = root, "is a folder"
         out.mkdir()
@@ -209,3 +209,82 @@ def test_a_crafted_checkpoint_runs_nothing_on_resume_or_export(ctx, tmp_path, ta
         with pytest.raises(ZplanError, match=r"\.metadata"):
             export_checkpoint(checkpoint, tmp_path / "model.safetensors")
     assert not payload.exists()
+
+
+def _flip_bytes(path: Path, count: int = 64) -> None:
+    """Flip `count` bytes in the middle of `path`, its size unchanged (a bad sector, a bit rot)."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + count] = bytes(b ^ 0xFF for b in data[middle:middle + count])
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_checkpoint_is_refused_by_resume_and_export_naming_the_file(ctx, tmp_path):
+    """64 flipped bytes in a shard (issue 13: they resumed with NaN losses and exported 1.6e37)."""
+    model, optimizer = _model_and_optimizer()
+    checkpoint = save_checkpoint(tmp_path / "ckpt", 1, model, optimizer, ctx, keep=3)
+    assert (checkpoint / "MANIFEST.json").is_file()
+    shard = next(checkpoint.glob("*.distcp"))
+    _flip_bytes(shard)
+    with pytest.raises(CheckpointError, match=rf"{shard.name} does not match its checksum.*--resume latest-valid"):
+        load_checkpoint(checkpoint, model, optimizer, ctx)
+    with pytest.raises(CheckpointError, match=rf"{shard.name} does not match its checksum"):
+        export_checkpoint(checkpoint, tmp_path / "model.safetensors")
+    assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_latest_valid_passes_over_a_damaged_checkpoint_and_says_why(ctx, tmp_path):
+    from zplan.runtime.checkpoint import latest_valid_checkpoint
+
+    model, optimizer = _model_and_optimizer()
+    root = tmp_path / "ckpt"
+    older = save_checkpoint(root, 1, model, optimizer, ctx, keep=3)
+    newer = save_checkpoint(root, 2, model, optimizer, ctx, keep=3)
+    assert latest_valid_checkpoint(root) == (newer, [])
+    (newer / "rank-00000.pt").write_bytes(b"cut")
+    chosen, skipped = latest_valid_checkpoint(root)
+    assert chosen == older and len(skipped) == 1 and "step-000002" in skipped[0] and "rank-00000.pt has 3 bytes" \
+        in skipped[0]
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint_and_says_how_much_is_needed(ctx, tmp_path, monkeypatch):
+    import errno
+
+    import zplan.runtime.checkpoint as checkpoint_module
+
+    model, optimizer = _model_and_optimizer()
+    root = tmp_path / "ckpt"
+    previous = save_checkpoint(root, 1, model, optimizer, ctx, keep=3)
+    before = {p.name: p.read_bytes() for p in previous.iterdir()}
+
+    def full_disk(obj, path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", full_disk)
+    with pytest.raises(CheckpointError, match=r"step-000002.*the disk is full\. The checkpoint needs about "
+                                              r"[0-9.]+ GiB, [0-9.]+ GiB are free; the previous checkpoints are kept"):
+        save_checkpoint(root, 2, model, optimizer, ctx, keep=3)
+    monkeypatch.undo()
+    assert sorted(p.name for p in root.iterdir()) == ["step-000001"]  # the partial .tmp folder removed
+    assert {p.name: p.read_bytes() for p in previous.iterdir()} == before
+
+
+@pytest.mark.parametrize("damage", ["rank file missing", "rank file cut", "train_state.json not JSON",
+                                    "train_state.json without step"])
+def test_a_damaged_checkpoint_without_a_manifest_is_one_message_naming_the_file(damage, ctx, tmp_path):
+    """Checkpoints written before manifests are not verified; what a resume reads from them still fails cleanly."""
+    model, optimizer = _model_and_optimizer()
+    checkpoint = save_checkpoint(tmp_path / "ckpt", 1, model, optimizer, ctx, keep=3)
+    (checkpoint / "MANIFEST.json").unlink()
+    rank_file, state_file = checkpoint / "rank-00000.pt", checkpoint / "train_state.json"
+    if damage == "rank file missing":
+        rank_file.unlink()
+    elif damage == "rank file cut":
+        rank_file.write_bytes(rank_file.read_bytes()[:20])
+    elif damage == "train_state.json not JSON":
+        state_file.write_text("{not json")
+    else:
+        state_file.write_text('{"world_size": 1}')
+    target = rank_file if damage.startswith("rank") else state_file
+    with pytest.raises(CheckpointError, match=rf"cannot read {target}.*latest-valid"):
+        load_checkpoint(checkpoint, model, optimizer, ctx)

@@ -257,4 +257,7 @@ def test_hugging_face_models_trace_through_the_fallback(llama):
     _, summary = trace_module(gpt2, inputs, S, "bf16", name="hf-gpt2")
     assert summary.params == sum(p.numel() for p in gpt2.parameters()) == narayanan_params(L, H, V, S)
     assert summary.fwd_flops_per_sample == pytest.approx(gpt_forward_flops(L, H, V, S), rel=1e-12)
-    assert summary.tp_rules == []  # GPT-2's Conv1D layers are not nn.Linear: no tensor-parallel plan
+    # GPT-2's Conv1D layers split like Linears; c_attn is q, k, v fused, in one group per head
+    assert {(r.module, r.style, tuple(r.parts), r.groups) for r in summary.tp_rules} == {
+        ("attn.c_attn", "colwise", (H, H, H), A), ("attn.c_proj", "rowwise", (), 1),
+        ("mlp.c_fc", "colwise", (), 1), ("mlp.c_proj", "rowwise", (), 1)}

@@ -25,13 +25,16 @@ class Norm(nn.Module):
 
 
 class Attention(nn.Module):
-    """q/k/v -> attention -> o; fused: one qkv Linear chunked in three; q_norm: a norm beside the split Linears."""
+    """q/k/v -> attention -> o; fused: one qkv Linear chunked in three ("partial": sliced, with features left
+    over, so its parts cannot be told; "viewed": viewed as (3, heads, head_dim) and cut); q_norm: a norm beside
+    the split Linears; explicit_heads: the heads reshaped with the model's head count, which one tensor-parallel
+    rank's features do not have."""
 
-    def __init__(self, fused=False, q_norm=False):
+    def __init__(self, fused=False, q_norm=False, explicit_heads=False):
         super().__init__()
-        self.fused = fused
+        self.fused, self.heads = fused, HEADS if explicit_heads else -1
         if fused:
-            self.qkv = nn.Linear(H, 3 * H)
+            self.qkv = nn.Linear(H, 3 * H + (HEADS if fused == "partial" else 0))
         else:
             self.q, self.k, self.v = nn.Linear(H, H), nn.Linear(H, H), nn.Linear(H, H)
         self.q_norm = nn.LayerNorm(H // HEADS) if q_norm else None
@@ -39,8 +42,14 @@ class Attention(nn.Module):
 
     def forward(self, x):  # (B, T, H)
         b, t, _ = x.shape
-        q, k, v = self.qkv(x).chunk(3, dim=-1) if self.fused else (self.q(x), self.k(x), self.v(x))
-        q, k, v = (y.view(b, t, -1, H // HEADS).transpose(1, 2) for y in (q, k, v))
+        if self.fused == "partial":
+            qkv = self.qkv(x)
+            q, k, v = qkv[..., :H], qkv[..., H:2 * H], qkv[..., 2 * H:3 * H]
+        elif self.fused == "viewed":  # cut after a view into (3, heads, head_dim): a rank's slice would mix them
+            q, k, v = self.qkv(x).view(b, t, 3, HEADS, -1).unbind(2)
+        else:
+            q, k, v = self.qkv(x).chunk(3, dim=-1) if self.fused else (self.q(x), self.k(x), self.v(x))
+        q, k, v = (y.view(b, t, self.heads, H // HEADS).transpose(1, 2) for y in (q, k, v))
         if self.q_norm is not None:
             q = self.q_norm(q)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -97,12 +106,15 @@ class Decoder(nn.Module):
         return self.head(x)
 
 
-def traits_of(**options) -> set[tuple[str, str]]:
+def summary_of(**options):
     with torch.device("meta"):
         model = Decoder(**options)
         tokens = torch.zeros(1, T, dtype=torch.long)
-    _, summary = trace_module(model, tokens, T, "fp32")
-    return {(t.kind, t.module) for t in summary.traits}
+    return trace_module(model, tokens, T, "fp32")[1]
+
+
+def traits_of(**options) -> set[tuple[str, str]]:
+    return {(t.kind, t.module) for t in summary_of(**options).traits}
 
 
 def test_a_plain_decoder_has_none():
@@ -114,12 +126,22 @@ def test_blocks_in_a_submodule_and_called_with_a_mask_still_pipeline():
     assert traits_of(nested=True, mask=True) == set()
 
 
+def test_a_fused_projection_is_planned_by_its_parts():
+    """chunk(3) of a 3H-wide qkv: three parts of H, in H groups (no head_dim attribute: features), no trait."""
+    summary = summary_of(fused=True)
+    rules = {rule.module: rule for rule in summary.tp_rules}
+    assert summary.traits == [] and (rules["attn.qkv"].parts, rules["attn.qkv"].groups) == ([H, H, H], H)
+    assert rules["attn.o"].parts == [] and rules["attn.o"].style == "rowwise"
+
+
 @pytest.mark.parametrize("options, expected", [
-    ({"fused": True}, {("fused_projection", "blocks.0.attn.qkv")}),
+    ({"fused": "partial"}, {("fused_projection", "blocks.0.attn.qkv")}),
+    ({"fused": "viewed"}, {("fused_projection", "blocks.0.attn.qkv")}),
     ({"q_norm": True}, {("parameters_beside_split_linears", "blocks.0.attn.q_norm")}),
     ({"sandwich": True}, {("parameters_outside_split_linears", "blocks.0.attn.o")}),
     ({"router": True}, {("parameters_outside_split_linears", "blocks.0.router")}),
     ({"keyword_call": True}, {("forward_not_split_by_stages", "")}),
+    ({"explicit_heads": True}, {("forward_not_split_by_heads", "blocks.0")}),
 ])
 def test_each_trait_is_found_where_it_is(options, expected):
     """(With a q norm the tracer pairs q with no Linear, so q stays whole beside the split k, v: also found.)"""
@@ -142,7 +164,7 @@ def test_hugging_face_models():
     transformers = pytest.importorskip("transformers")
     common = dict(vocab_size=V, hidden_size=H, intermediate_size=2 * H, num_hidden_layers=2, num_attention_heads=HEADS,
                   num_key_value_heads=2, max_position_embeddings=64)
-    found = {}
+    found, parts, styles = {}, {}, {}
     for name, config in (("llama", transformers.LlamaConfig(**common)),
                          ("phi3", transformers.Phi3Config(**common, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
                          ("gpt2", transformers.GPT2Config(vocab_size=V, n_embd=H, n_layer=2, n_head=HEADS))):
@@ -150,7 +172,11 @@ def test_hugging_face_models():
             model = transformers.AutoModelForCausalLM.from_config(config)
         _, summary = trace_module(model, torch.zeros(1, T, dtype=torch.long, device="meta"), T, "fp32")
         found[name] = {(t.kind, t.module) for t in summary.traits}
-    assert found["llama"] == set()
-    assert {("fused_projection", "model.layers.0.self_attn.qkv_proj"),
-            ("fused_projection", "model.layers.0.mlp.gate_up_proj")} == found["phi3"]
-    assert ("no_tensor_parallel_rules", "transformer.h.0") in found["gpt2"]
+        parts[name] = {rule.module: (rule.parts, rule.groups) for rule in summary.tp_rules if rule.parts}
+        styles[name] = {rule.module: rule.style for rule in summary.tp_rules}
+    assert found == {"llama": set(), "phi3": set(), "gpt2": set()}
+    # fused projections: q (4 heads of 8), k and v (2 kv heads each) in 2 kv-head groups; gate and up; GPT-2's Conv1D
+    assert parts["phi3"] == {"self_attn.qkv_proj": ([H, 16, 16], 2), "mlp.gate_up_proj": ([2 * H, 2 * H], 2 * H)}
+    assert parts["gpt2"] == {"attn.c_attn": ([H, H, H], HEADS)}
+    assert styles["gpt2"] == {"attn.c_attn": "colwise", "attn.c_proj": "rowwise", "mlp.c_fc": "colwise",
+                              "mlp.c_proj": "rowwise"}
