@@ -12,7 +12,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from zplan.errors import PlanMismatchError
+from zplan.errors import PlanMismatchError, validation_message
 from zplan.schemas.capability import capability_problems
 from zplan.schemas.plan import PLAN_SCHEMA_VERSION, Plan
 
@@ -32,8 +32,7 @@ def load_plan(path: str | Path) -> Plan:
     except ValidationError as exc:
         raise PlanMismatchError(
             f"{path} is not a plan this zplan can read (it reads plan schema version "
-            f"{PLAN_SCHEMA_VERSION}): {exc.error_count()} validation error(s), first: "
-            f"{exc.errors()[0]['msg']} at {'.'.join(str(p) for p in exc.errors()[0]['loc'])}. "
+            f"{PLAN_SCHEMA_VERSION}): {exc.error_count()} validation error(s): {validation_message(exc)}. "
             "Recompile the model with this zplan."
         ) from exc
 
@@ -119,8 +118,12 @@ def model_file_problems(source: str, fp, model_path: str | Path | None, compile_
     if not Path(model_path).is_file():
         return [f"model file {model_path} does not exist (the plan was made for {fp.model_ref})"]
     if model_file_sha256(model_path) != fp.model_sha256:
-        return [f"model file edited since the plan was made: recompile (sha256 of {model_path} is "
-                f"{model_file_sha256(model_path)[:12]}..., the plan's fingerprint says {fp.model_sha256[:12]}...)"]
+        digests = (f"sha256 of {model_path} is {model_file_sha256(model_path)[:12]}..., the plan's fingerprint says "
+                   f"{fp.model_sha256[:12]}...")
+        if Path(model_path).name != Path(fp.model_ref).name:  # not the file the plan was compiled from
+            return [f"this plan was made for another model file, {fp.model_ref}, not {model_path}: compile "
+                    f"{model_path} for its own plan ({digests})"]
+        return [f"model file edited since the plan was made: recompile ({digests})"]
     return []
 
 

@@ -23,7 +23,7 @@ import torch
 from pydantic import ValidationError
 from torch import nn
 
-from zplan.errors import ModelLoadError, PlanMismatchError, SpecError
+from zplan.errors import ModelLoadError, PlanMismatchError, SpecError, validation_message
 from zplan.runtime.distributed import RunContext, init_distributed
 from zplan.runtime.plan_check import model_file_problems, raise_mismatch
 from zplan.schemas.inference import INFERENCE_PLAN_SCHEMA_VERSION, InferencePlan
@@ -70,11 +70,10 @@ def load_inference_plan(path: str | Path) -> InferencePlan:
     try:
         return InferencePlan.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
         raise PlanMismatchError(
             f"{path} is not an inference plan this zplan can read (it reads inference plan schema version "
-            f"{INFERENCE_PLAN_SCHEMA_VERSION}): {exc.error_count()} validation error(s), first: {first['msg']} at "
-            f"{'.'.join(str(p) for p in first['loc'])}. Recompile the model with this zplan."
+            f"{INFERENCE_PLAN_SCHEMA_VERSION}): {exc.error_count()} validation error(s): {validation_message(exc)}. "
+            "Recompile the model with this zplan."
         ) from exc
 
 

@@ -55,6 +55,13 @@ def test_edited_model_file_asks_to_recompile(model_file):
         check_plan(plan, model_file, world_size=2)
 
 
+def test_another_models_file_is_named_as_such(model_file, tmp_path):
+    other = tmp_path / "other_model.py"
+    other.write_text(MODEL_SOURCE + "# another model\n")
+    with pytest.raises(PlanMismatchError, match=rf"made for another model file, {model_file}, not {other}"):
+        check_plan(plan_for(model_file), other, world_size=2)
+
+
 def test_every_difference_is_listed(model_file):
     plan = plan_for(model_file)
     model_file.write_text(MODEL_SOURCE + "# edited\n")
@@ -151,3 +158,16 @@ def test_emitted_script_exits_2_with_the_message(model_file, tmp_path):
     result = _run_emitted_script(family, tmp_path / "family", None)
     assert result.returncode == 2, result.stderr
     assert "family specs are for planning only" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_an_invalid_plan_json_names_the_field_and_its_value(model_file, tmp_path):
+    import json
+
+    from zplan.runtime.plan_check import load_plan
+
+    data = json.loads(plan_for(model_file).model_dump_json())
+    data["parallel"]["micro_batch"] = -3
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanMismatchError, match=r"parallel\.micro_batch = -3: Input should be greater than 0"):
+        load_plan(path)
