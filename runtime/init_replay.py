@@ -286,7 +286,8 @@ def _to_meta(model: nn.Module) -> None:
 
     def meta(tensor: torch.Tensor) -> torch.Tensor:
         if id(tensor) not in made:
-            empty = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+            with unset_fake_temporarily():  # a meta tensor even inside another fake mode (the dry run's)
+                empty = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
             made[id(tensor)] = (nn.Parameter(empty, requires_grad=tensor.requires_grad)
                                 if isinstance(tensor, nn.Parameter) else empty)
         return made[id(tensor)]

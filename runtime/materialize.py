@@ -138,6 +138,15 @@ def _cpu_offloaded(roots: list[nn.Module]) -> set[int]:
     return ids
 
 
+def _empty_like(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Uninitialised memory of `tensor`'s (local) size on `device`. A plain tensor's is made from its shape alone:
+    a fake mode around (the dry run's, runtime.fake_world) would keep a weakref to a meta tensor given as input,
+    and swap_tensors refuses tensors with weakrefs (a DTensor's input is its local tensor, not the swapped one)."""
+    if isinstance(tensor, DTensor):
+        return torch.empty_like(tensor, device=device)
+    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
+
+
 def _allocate(named: dict[str, torch.Tensor], device: torch.device | str, on_cpu: set[int]) -> int:
     """Give every meta tensor of `named` uninitialised memory of its local size on `device`, in place
     (torch.utils.swap_tensors: the same Python objects, so ties, FSDP2's references and pipeline
@@ -148,7 +157,7 @@ def _allocate(named: dict[str, torch.Tensor], device: torch.device | str, on_cpu
         if id(tensor) in done or not tensor.is_meta:
             continue
         done.add(id(tensor))
-        empty = torch.empty_like(tensor, device="cpu" if id(tensor) in on_cpu else device)
+        empty = _empty_like(tensor, "cpu" if id(tensor) in on_cpu else device)
         if isinstance(tensor, nn.Parameter):
             empty = nn.Parameter(empty, requires_grad=tensor.requires_grad)
         torch.utils.swap_tensors(tensor, empty)

@@ -57,6 +57,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
@@ -285,6 +286,8 @@ class MicroBatches:
     def get(self, index: torch.Tensor | int | None) -> Any:
         if index is None:
             raise PipelineSplitError(f"a pipeline stage after the first needs the {MICRO_BATCH_INDEX} keyword")
+        if isinstance(index, FakeTensor):  # the dry run (runtime.fake_world): no value, and every micro-batch of a
+            return self.batches[0]  # step has the same shapes, so the first stands in
         return self.batches[int(index.reshape(-1)[0]) if isinstance(index, torch.Tensor) else index]
 
 
@@ -717,10 +720,8 @@ class PipelineRun(nn.Module):
             power = local**norm_type
             dist.all_reduce(power, group=self._group)
             total = power ** (1.0 / norm_type)
-        if max_norm > 0 and not math.isinf(max_norm):
-            coefficient = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
-            for _, p in named:
-                p.grad.mul_(coefficient)
+        if max_norm > 0 and not math.isinf(max_norm):  # on the device, no value read back (nor a sync)
+            torch.nn.utils.clip_grads_with_norm_([p for _, p in named], max_norm, total)
         return total
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 
 from zplan.errors import PlanMismatchError
@@ -53,13 +54,17 @@ def parallelize(model: nn.Module, weights, mesh: DeviceMesh, plan: Plan, model_f
     p, prefix, precision = plan.parallel, plan.model.block_prefix, plan.train.precision
     rules = plan.model.tp_rules
     fused = {rule.module: FusedLayout(parts=rule.parts, groups=rule.groups) for rule in rules if rule.parts}
-    model = apply_tensor_parallel(model, mesh["tp"], {rule.module: rule.style for rule in rules}, prefix,
-                                  p.sequence_parallel, fused)
-    model = apply_recompute(model, p.recompute, prefix)
-    model = apply_pipeline(model, mesh["pp"], [stage.layer_names for stage in plan.stages], p.schedule,
-                           units=plan.model.layers, num_micro_batches=p.num_micro_batches, loss_fn=model_file.loss_fn,
-                           example_micro_batch=model_file.example_inputs(p.micro_batch, plan.train.seq_len),
-                           activation_compression=p.compression.activations)
+    # The structural steps work on the meta model, outside any fake mode (the dry run's, runtime.fake_world: a fake
+    # mode that saw the meta parameters keeps weakrefs to them, and the weights' swap_tensors refuses such tensors).
+    with unset_fake_temporarily():
+        model = apply_tensor_parallel(model, mesh["tp"], {rule.module: rule.style for rule in rules}, prefix,
+                                      p.sequence_parallel, fused)
+        model = apply_recompute(model, p.recompute, prefix)
+        model = apply_pipeline(model, mesh["pp"], [stage.layer_names for stage in plan.stages], p.schedule,
+                               units=plan.model.layers, num_micro_batches=p.num_micro_batches,
+                               loss_fn=model_file.loss_fn,
+                               example_micro_batch=model_file.example_inputs(p.micro_batch, plan.train.seq_len),
+                               activation_compression=p.compression.activations)
     replicated = p.zero_stage in (0, 1)
     if replicated:
         materialized = materialize_weights(model, weights, device)

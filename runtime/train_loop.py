@@ -103,7 +103,7 @@ def _flush(optimizer: torch.optim.Optimizer) -> None:
         flush()
 
 
-def _loss_scaler(model: nn.Module, precision: str, device: torch.device):
+def loss_scaler(model: nn.Module, precision: str, device: torch.device):
     """fp16 needs loss scaling (Micikevicius et al. 2018); bf16 and fp32 do not."""
     if precision != "fp16":
         return None
@@ -129,6 +129,37 @@ def _grad_sync(model: nn.Module, last_micro_batch: bool):
     if keeps_parameters_gathered(model):
         model.set_reshard_after_backward(last_micro_batch)  # shards again before the optimizer step
     return contextlib.nullcontext()
+
+
+def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, data_iter: Iterator, loss_fn: Callable,
+                   num_micro_batches: int, grad_clip: float, scaler, device: torch.device):
+    """One optimizer step as train() runs it (and the dry run, zplan.dryrun, on fake tensors): forward and backward
+    of `num_micro_batches` micro-batches from `data_iter`, unscale, clip, step. Returns (loss_sum, grad_norm) as
+    tensors, nothing read back to the host: loss_sum is this rank's sum of micro-batch losses / num_micro_batches."""
+    pipelined = isinstance(model, PipelineRun)
+    loss_sum = torch.zeros((), device=device)
+    if pipelined:  # the schedule runs every micro-batch; the mean loss comes back on every rank
+        micro_batches = [_to_device(next(data_iter), device) for _ in range(num_micro_batches)]
+        loss_sum += model.step(micro_batches, loss_scale=scaler.scale if scaler else 1.0)
+    for micro in range(0 if pipelined else num_micro_batches):
+        batch = _to_device(next(data_iter), device)
+        with _grad_sync(model, last_micro_batch=micro == num_micro_batches - 1):
+            loss = loss_fn(forward_batch(model, batch), batch) / num_micro_batches
+            (scaler.scale(loss) if scaler else loss).backward()
+        loss_sum += loss.detach().float()
+    if scaler:
+        scaler.unscale_(optimizer)
+    max_norm = grad_clip if grad_clip > 0 else math.inf
+    grad_norm = (model.clip_grad_norm_(max_norm) if pipelined  # the norm over all stages
+                 else torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+    if isinstance(grad_norm, DTensor):
+        grad_norm = grad_norm.full_tensor()
+    if scaler:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    return loss_sum, grad_norm
 
 
 def _mfu(model_flops_per_step: float, step_time_s: float, world_size: int, peak_flops: float) -> float:
@@ -233,8 +264,7 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, data_iter: Iterato
     steps, num_micro_batches, micro_batch = config.steps, config.num_micro_batches, config.micro_batch
     data_parallel_size, checkpoint, figures = config.data_parallel_size, config.checkpoint, config.figures
     tokens_per_step = micro_batch * num_micro_batches * data_parallel_size * config.seq_len
-    pipelined = isinstance(model, PipelineRun)
-    scaler = _loss_scaler(model, config.precision, ctx.device)
+    scaler = loss_scaler(model, config.precision, ctx.device)
     # What a rank file's data-iterator and RNG state depend on: restored only under the same layout.
     layout = {"data_parallel_size": data_parallel_size, "num_micro_batches": num_micro_batches,
               "micro_batch": micro_batch}
@@ -269,28 +299,8 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, data_iter: Iterato
                 lr = config.lr_schedule(step)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
-                loss_sum = torch.zeros((), device=ctx.device)  # sum of micro-batch losses / num_micro_batches
-                if pipelined:  # the schedule runs every micro-batch; the mean loss comes back on every rank
-                    micro_batches = [_to_device(next(data_iter), ctx.device) for _ in range(num_micro_batches)]
-                    loss_sum += model.step(micro_batches, loss_scale=scaler.scale if scaler else 1.0)
-                for micro in range(0 if pipelined else num_micro_batches):
-                    batch = _to_device(next(data_iter), ctx.device)
-                    with _grad_sync(model, last_micro_batch=micro == num_micro_batches - 1):
-                        loss = loss_fn(forward_batch(model, batch), batch) / num_micro_batches
-                        (scaler.scale(loss) if scaler else loss).backward()
-                    loss_sum += loss.detach().float()
-                if scaler:
-                    scaler.unscale_(optimizer)
-                max_norm = config.grad_clip if config.grad_clip > 0 else math.inf
-                grad_norm = (model.clip_grad_norm_(max_norm) if pipelined  # the norm over all stages
-                             else torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
-                if isinstance(grad_norm, DTensor):
-                    grad_norm = grad_norm.full_tensor()
-                if scaler:
-                    scaler.step(optimizer)
-                    scaler.update()
-                else:
-                    optimizer.step()
+                loss_sum, grad_norm = optimizer_step(model, optimizer, data_iter, loss_fn, num_micro_batches,
+                                                     config.grad_clip, scaler, ctx.device)
                 if step == start_step:
                     state_bytes = model_state_bytes(model, optimizer)
                     tiers = state_bytes_by_tier(model, optimizer, ctx.device)

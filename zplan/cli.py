@@ -1,4 +1,4 @@
-"""The `zplan` command line: compile | estimate | explain | export | clusters | probe.
+"""The `zplan` command line: compile | estimate | explain | export | clusters | probe | reduce | dryrun.
 
 User errors (ZplanError) print one message on stderr, no traceback, and exit with status 2.
 """
@@ -14,6 +14,7 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console
 
+from zplan.dryrun_cli import dryrun_command
 from zplan.errors import ClusterError, SpecError, ZplanError, validation_message
 from zplan.reduce_cli import reduce_command
 from zplan.schemas.spec import Pins
@@ -364,3 +365,4 @@ def probe(
 
 
 app.command("reduce")(reduce_command)  # zplan reduce: zplan/reduce_cli.py
+app.command("dryrun")(dryrun_command)  # zplan dryrun: zplan/dryrun_cli.py

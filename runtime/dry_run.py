@@ -1,0 +1,162 @@
+"""One rank of a plan's program on fake tensors, its memory counted: the dry run's inner loop (zplan.dryrun).
+
+    figures = dry_run_rank(plan, model_path, rank, settings)
+
+Becomes `rank` of a fake world of the plan's size (runtime.fake_world) and makes the calls train.py makes, in its
+order: plan_mesh, build_meta_model, parallelize (tensor parallel, recompute, pipeline stage and schedule, DDP /
+ZeRO-1 / FSDP2, offload, the weights made), plan_optimizer, then `steps` optimizer steps of
+runtime.train_loop.optimizer_step on the synthetic batches make_data_iter gives. runtime.live_memory counts every
+storage from the build on; its peak starts again once the build is done, so the figures are those of the steps
+with everything the build left (model states, DDP's buckets, ZeRO-1's sharded states) included.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from zplan.runtime.live_memory import LiveMemory, local_tensor
+from zplan.runtime.materialize import _cpu_offloaded, weight_roots
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """train.py's hyper-parameters that shape what the optimizer holds."""
+
+    lr: float
+    weight_decay: float
+    grad_clip: float
+
+
+@dataclass(frozen=True)
+class RankFigures:
+    peak_bytes: int  # device bytes allocated at the peak of the steps
+    by_category: dict  # near the peak (runtime.live_memory)
+    host_peak_bytes: int  # offloaded states in host memory
+    seconds: float
+
+
+def _storage_id(tensor: torch.Tensor) -> int:
+    return id(local_tensor(tensor).untyped_storage())
+
+
+def _fsdp_params(roots: list[nn.Module]) -> list:
+    """FSDP2's FSDPParam objects under `roots` (their sharded and unsharded tensors)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    found = []
+    for root in roots:
+        for module in root.modules():
+            if isinstance(module, FSDPModule):
+                for group in getattr(module._get_fsdp_state(), "_fsdp_param_groups", ()):
+                    found.extend(group.fsdp_params)
+    return found
+
+
+class StateStorages:
+    """{category: storage ids} of the model's parameters (FSDP2's shards and gathered copies too), their gradients
+    and the optimizer's states, for LiveMemory's breakdown. The parameters' and states' storages are read at
+    refresh() (they keep their storages: FSDP2 resizes its gathered ones in place); the gradients at every call."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.roots, self.optimizer = weight_roots(model), optimizer
+        self.refresh()
+
+    def refresh(self) -> None:
+        params = {id(p): p for root in self.roots for p in root.parameters()}
+        for fsdp_param in _fsdp_params(self.roots):
+            for tensor in (fsdp_param.sharded_param, getattr(fsdp_param, "_unsharded_param", None)):
+                if tensor is not None:
+                    params[id(tensor)] = tensor
+        self.params = list(params.values())
+        states = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        states += list(getattr(self.optimizer, "host_buffers", lambda: [])())
+        self.ids = {"parameters": {_storage_id(p) for p in self.params}, "optimizer": {_storage_id(v) for v in states}}
+
+    def __call__(self) -> dict[str, set[int]]:
+        grads = {_storage_id(p.grad) for p in self.params if p.grad is not None}
+        return {**self.ids, "gradients": grads}
+
+    def host_ids(self, offload: str) -> set[int]:
+        """Storage ids of what an offload keeps in host memory (LiveMemory.mark_host): with an offload tier every
+        optimizer state and buffer (the optimizer steps on the CPU: runtime.offload), and the parameter and
+        gradient shards that FSDP2's CPUOffloadPolicy keeps on the host."""
+        ids = set(self.ids["optimizer"]) if offload != "none" else set()
+        offloaded = _cpu_offloaded(self.roots)
+        for parameter in self.params:
+            if id(parameter) in offloaded:
+                ids.add(_storage_id(parameter))
+                if parameter.grad is not None:
+                    ids.add(_storage_id(parameter.grad))
+        return ids
+
+
+def measure_steps(plan, model_path: Path, settings: TrainSettings, steps: int, ctx, say: Callable[[str], None],
+                  fake: bool = True) -> RankFigures:
+    """Build this rank's part of `plan` and run `steps` optimizer steps, every storage counted (module docstring):
+    on fake tensors (`fake`, inside runtime.fake_world), or on real ones in a real process group (the dry run's
+    honesty check, tests/distributed/test_dry_run.py: the same code, the same meter)."""
+    import contextlib
+
+    from zplan.planner.model_file import load_model_file
+    from zplan.runtime.data import make_data_iter
+    from zplan.runtime.fake_world import drop_cached_tensors, fake_tensors
+    from zplan.runtime.materialize import build_meta_model
+    from zplan.runtime.plan_apply import parallelize, plan_mesh, plan_optimizer
+    from zplan.runtime.train_loop import loss_scaler, optimizer_step
+
+    p = plan.parallel
+    model_file = load_model_file(model_path)
+    nvme_dir = None
+    start = time.perf_counter()
+    mesh = plan_mesh(plan, ctx.device.type)  # outside the fake mode: a mesh is real ranks
+    with fake_tensors() if fake else contextlib.nullcontext(), LiveMemory() as meter:  # from the build on
+        model, weights = build_meta_model(model_file.build_model, seed=0, device=ctx.device)
+        model, _ = parallelize(model, weights, mesh, plan, model_file, ctx.device)
+        if p.offload == "nvme":
+            import tempfile
+
+            nvme_dir = tempfile.TemporaryDirectory(prefix="zplan-dryrun-nvme-")
+        optimizer = plan_optimizer(model, mesh, plan, lr=settings.lr, weight_decay=settings.weight_decay,
+                                   steps=steps, nvme_path=nvme_dir.name if nvme_dir else None)
+        data = make_data_iter(model_file, vocab=plan.model.vocab, seq_len=plan.train.seq_len,
+                              micro_batch=p.micro_batch, num_micro_batches=p.num_micro_batches,
+                              dp_rank=mesh["dp"].get_local_rank(), dp_size=p.dp, seed=0)
+        scaler = loss_scaler(model, plan.train.precision, ctx.device)
+        del weights
+        if fake:
+            drop_cached_tensors()
+        storages = StateStorages(model, optimizer)
+        meter.classify = storages
+        meter.reset_peak()  # the build's transient tensors (the initialisation's replay, on the host) are gone
+        meter.phase = "forward"
+        say(f"rank {ctx.rank}: built in {time.perf_counter() - start:.1f} s")
+        model.train()
+        for step in range(steps):
+            optimizer_step(model, optimizer, data, model_file.loss_fn, p.num_micro_batches, settings.grad_clip,
+                           scaler, ctx.device)
+            optimizer.zero_grad(set_to_none=True)
+            if step == 0:  # the optimizer's states exist now
+                storages.refresh()
+                meter.mark_host(storages.host_ids(p.offload))
+            say(f"rank {ctx.rank}: step {step + 1}/{steps} ({time.perf_counter() - start:.1f} s)")
+        if hasattr(optimizer, "close"):
+            optimizer.close()
+    if nvme_dir is not None:
+        nvme_dir.cleanup()
+    return RankFigures(meter.peak_bytes, meter.record.by_category, meter.host_peak_bytes, time.perf_counter() - start)
+
+
+def dry_run_rank(plan, model_path: Path, rank: int, settings: TrainSettings, steps: int,
+                 say: Callable[[str], None]) -> RankFigures:
+    """Be `rank` of the plan's world, alone in a fake world, and measure_steps on fake tensors."""
+    from zplan.runtime.fake_world import fake_world
+
+    p = plan.parallel
+    with fake_world(rank, p.tp * p.pp * p.dp, plan.cluster.gpus_per_node) as ctx:
+        return measure_steps(plan, model_path, settings, steps, ctx, say, fake=True)

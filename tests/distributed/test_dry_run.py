@@ -1,0 +1,34 @@
+"""The dry run's honesty check: the same program on the same plan, run for real by 2 gloo processes on real tensors
+(tests/distributed/dry_run_worker.py: runtime.dry_run.measure_steps with fake=False) and by the dry run on fake
+tensors, counted by the same meter (runtime.live_memory): the peaks of each stage's rank agree within 5 %. The
+plans cover DDP (whose reducer the dry run stands in for: runtime.fake_world.FakeRankDDP) inside pipeline
+stages, and FSDP2 with DTensor tensor parallel."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.harness import Ranks
+from tests.hf_zoo import write_model_files
+from zplan.api import compile_plan, prepare, write_outputs
+from zplan.dryrun import dry_run, load_program
+from zplan.schemas.spec import Pins
+
+WORKER = Path(__file__).with_name("dry_run_worker.py")
+
+
+@pytest.mark.parametrize("pins", [dict(pp=2, zero=0), dict(tp=2, zero=3)], ids=["pp2-ddp", "tp2-zero3"])
+def test_fake_peak_equals_real_peak(tmp_path, pins):
+    model = write_model_files(tmp_path / "zoo")["llama"]
+    plan = compile_plan(prepare(str(model), 2, "cpu-local", 4, 32, "fp32", Pins(**pins)))
+    out = tmp_path / "out"
+    write_outputs(plan, out, str(model))
+
+    fake = dry_run(load_program(out), say=lambda message: None)
+    prefix = tmp_path / "real"
+    Ranks([str(WORKER), str(out), str(model), str(prefix)], 2, tmp_path / "logs").wait_ok()
+    for rank in fake.ranks:
+        real = json.loads(Path(f"{prefix}.rank{rank.rank}.json").read_text())
+        print(f"{pins} rank {rank.rank}: fake {rank.measured_peak_bytes} B, real {real['peak_bytes']} B")
+        assert rank.measured_peak_bytes == pytest.approx(real["peak_bytes"], rel=0.05)
