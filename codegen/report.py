@@ -310,6 +310,21 @@ def capability_rows(plan: Plan) -> list[dict[str, str]]:
             if capability != "sequence_parallel" or "tensor_parallel" not in RULES[trait.kind].blocks]  # said once
 
 
+def verification_rows(plan: Plan) -> list[dict[str, str]]:
+    """The dry run's numbers per rank (plan.verification, `zplan compile --verify`), beside the plan's; [] when
+    the plan was not verified."""
+    if plan.verification is None:
+        return []
+    rows = []
+    for rank in plan.verification.ranks:
+        error = (rank.predicted_peak_bytes - rank.measured_peak_bytes) / max(1, rank.measured_peak_bytes)
+        rows.append({"rank": f"{rank.rank} ({rank.role})", "measured": format_bytes(rank.measured_peak_bytes),
+                     "planned": format_bytes(rank.predicted_peak_bytes), "difference": f"{error:+.1%}",
+                     "capacity": format_bytes(rank.capacity_bytes),
+                     "host": format_bytes(rank.host_peak_bytes) if rank.host_peak_bytes else "-"})
+    return rows
+
+
 def report_context(plan: Plan) -> dict[str, Any]:
     """Everything report.md.j2 and report.html.j2 read: plan_context plus chart data and tables."""
     timeline = pipeline_timeline(plan.parallel)
@@ -318,6 +333,8 @@ def report_context(plan: Plan) -> dict[str, Any]:
     return {
         **plan_context(plan),
         "memory_chart": memory_chart(plan),
+        "verification": plan.verification,
+        "verification_rows": verification_rows(plan),
         "time_chart": time_chart(plan),
         "timeline": timeline,
         "timeline_text": timeline_as_text(timeline),

@@ -87,8 +87,8 @@ def _function_name(func: Any) -> str:
 def _cache_key(value: Any) -> Any:
     """A hashable description of an argument: tensors by metadata, constants by value."""
     if isinstance(value, torch.Tensor):
-        if value.device.type != "meta":
-            return _UNCACHEABLE
+        if value.device.type != "meta" or type(value) not in (torch.Tensor, nn.Parameter):
+            return _UNCACHEABLE  # a DTensor's op gives a DTensor: never the plain output cached for its shape
         return ("T", tuple(value.shape), value.stride(), value.dtype, value.requires_grad)
     if isinstance(value, (tuple, list)):
         parts = tuple(_cache_key(item) for item in value)

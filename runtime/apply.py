@@ -33,14 +33,16 @@ def transformer_blocks(model: nn.Module, block_prefix: str) -> list[nn.Module]:
 
 def apply_tensor_parallel(
     model: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[str, str], block_prefix: str, sequence_parallel: bool,
-    fused: dict | None = None,
+    fused: dict | None = None, stage_starts: tuple[int, ...] = (),
 ) -> nn.Module:
     """Split each block's Linears column/row-wise over `tp_mesh` (tp_plan: path in block -> style),
     with sequence parallel when planned; everything else replicated over `tp_mesh`; fused projections (`fused`:
-    path in block -> runtime.fused_layout.FusedLayout) stored grouped at every tp (runtime.tensor_parallel)."""
+    path in block -> runtime.fused_layout.FusedLayout) stored grouped at every tp; `stage_starts`: the blocks
+    that begin a pipeline stage after the first (runtime.tensor_parallel)."""
     from zplan.runtime import tensor_parallel
 
-    return tensor_parallel.apply_tensor_parallel(model, tp_mesh, tp_plan, block_prefix, sequence_parallel, fused)
+    return tensor_parallel.apply_tensor_parallel(model, tp_mesh, tp_plan, block_prefix, sequence_parallel, fused,
+                                                 stage_starts)
 
 
 # ---- 2. activation recompute ---------------------------------------------------------------------

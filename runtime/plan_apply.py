@@ -58,7 +58,7 @@ def parallelize(model: nn.Module, weights, mesh: DeviceMesh, plan: Plan, model_f
     # mode that saw the meta parameters keeps weakrefs to them, and the weights' swap_tensors refuses such tensors).
     with unset_fake_temporarily():
         model = apply_tensor_parallel(model, mesh["tp"], {rule.module: rule.style for rule in rules}, prefix,
-                                      p.sequence_parallel, fused)
+                                      p.sequence_parallel, fused, stage_starts(plan))
         model = apply_recompute(model, p.recompute, prefix)
         model = apply_pipeline(model, mesh["pp"], [stage.layer_names for stage in plan.stages], p.schedule,
                                units=plan.model.layers, num_micro_batches=p.num_micro_batches,
@@ -74,6 +74,17 @@ def parallelize(model: nn.Module, weights, mesh: DeviceMesh, plan: Plan, model_f
     if not replicated:
         materialized = materialize_weights(model, weights, device)
     return model, materialized
+
+
+def stage_starts(plan: Plan) -> tuple[int, ...]:
+    """Indices of the blocks that begin a pipeline stage after the first (each stage's first block)."""
+    prefix = plan.model.block_prefix + "."
+    starts = []
+    for stage in plan.stages[1:]:
+        blocks = [int(name[len(prefix):]) for name in stage.layer_names if name.startswith(prefix)]
+        if blocks:
+            starts.append(min(blocks))
+    return tuple(starts)
 
 
 def plan_optimizer(model: nn.Module, mesh: DeviceMesh, plan: Plan, *, lr: float, weight_decay: float, steps: int,

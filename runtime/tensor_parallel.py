@@ -363,11 +363,15 @@ def replicate_remaining_parameters(model: nn.Module, tp_mesh: DeviceMesh) -> int
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[str, str], block_prefix: str,
-                          sequence_parallel: bool, fused: dict[str, FusedLayout] | None = None) -> nn.Module:
+                          sequence_parallel: bool, fused: dict[str, FusedLayout] | None = None,
+                          stage_starts: tuple[int, ...] = ()) -> nn.Module:
     """Split each block's planned Linears over `tp_mesh` (tp_plan: path inside the block -> 'colwise' or
     'rowwise'), with sequence parallel when planned; replicate every other parameter over `tp_mesh`. `fused`
     (path inside the block -> layout): the fused projections, stored grouped at every tp (runtime/fused_layout.py)
-    and the head counts their holders read made this rank's.
+    and the head counts their holders read made this rank's. `stage_starts`: the blocks that begin a pipeline stage
+    after the first; under sequence parallel the hidden state crosses each stage boundary whole, as it enters the
+    first block and leaves the last (the model's forward around the blocks, rotary positions from the hidden
+    state's length for one, runs on every stage), so the block before each gathers and the block itself scatters.
 
     Returns `model`, changed in place. tp = 1 only stores the fused projections grouped.
     """
@@ -398,8 +402,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[s
             for holder in sorted({parent_path(path) for path in tp_plan} - {""}):
                 block.get_submodule(holder).register_forward_pre_hook(_gather_sequence_inputs, with_kwargs=True)
     if sequence_parallel:
-        blocks[0].register_forward_pre_hook(_first_arg_hook(_scatter_sequence(tp_mesh)))
-        blocks[-1].register_forward_hook(_first_output_hook(_gather_sequence(tp_mesh)))
+        for start in (0, *stage_starts):
+            blocks[start].register_forward_pre_hook(_first_arg_hook(_scatter_sequence(tp_mesh)))
+        for end in (*(start - 1 for start in stage_starts), len(blocks) - 1):
+            blocks[end].register_forward_hook(_first_output_hook(_gather_sequence(tp_mesh)))
     replicate_remaining_parameters(model, tp_mesh)
     return model
 

@@ -183,6 +183,32 @@ class Assumption(_Frozen):
     source: str = Field(description="Where it comes from.")
 
 
+class RankVerification(_Frozen):
+    """One kind of rank as the dry run measured it (zplan.dryrun)."""
+
+    rank: int = Field(ge=0, description="Global rank dry-run (dp rank 0, tp rank 0 of its stage).")
+    stage: int = Field(ge=0, description="Pipeline stage.")
+    role: str = Field(description="What the rank holds, e.g. 'stage 0 of 2 (embedding)'.")
+    measured_peak_bytes: int = Field(ge=0, description="Peak allocated bytes over the dry run's steps.")
+    predicted_peak_bytes: float = Field(description="The plan's total minus its framework reserve.")
+    capacity_bytes: float = Field(description="Device memory minus the framework reserve.")
+    by_category: dict[str, int] = Field(description="Measured bytes near the peak: parameters, gradients, "
+                                                    "optimizer, activations, temporaries.")
+    host_peak_bytes: int = Field(ge=0, description="Offloaded states in host memory, peak.")
+
+
+class Verification(_Frozen):
+    """`zplan compile --verify`: the plan's program run on fake tensors at its world size (zplan.dryrun)."""
+
+    method: str = Field(description="How the numbers were obtained.")
+    torch_version: str = Field(description="torch the dry run ran on.")
+    steps: int = Field(gt=0, description="Optimizer steps per rank.")
+    ranks: list[RankVerification] = Field(description="The pipeline's end stages' ranks.")
+    max_rel_error: float = Field(description="|predicted - measured| / measured on the most loaded rank.")
+    fits: bool = Field(description="Every rank's measured peak within its capacity.")
+    seconds: float = Field(description="Wall time of the dry run.")
+
+
 class Plan(_Frozen):
     schema_version: int = Field(default=PLAN_SCHEMA_VERSION, description="Plan format version.")
     zplan_version: str = Field(description="zplan version that wrote the plan.")
@@ -204,3 +230,5 @@ class Plan(_Frozen):
     alternatives: list[Candidate] = Field(description="Best other configurations and the Pareto front.")
     rejected: list[RejectedFamily] = Field(description="Why other families lost.")
     assumptions: list[Assumption] = Field(description="Every number the prediction assumed.")
+    verification: Optional[Verification] = Field(default=None, description="The dry run's measurement "
+                                                 "(`zplan compile --verify`), or null when not run.")

@@ -181,6 +181,11 @@ def compile(
                                 "model's sequence length)."),
     out_dir: Optional[Path] = typer.Option(None, "-o", "--out", help="Output folder (default: out/<model>)."),
     force: bool = FORCE,
+    verify: bool = typer.Option(False, "--verify", help="Training: dry-run the plan's program on fake tensors at "
+                                                         "its world size (`zplan dryrun`) before writing it, and "
+                                                         "record the measured memory in plan.json and the report; "
+                                                         "a plan the dry run finds over capacity is refused (exit "
+                                                         "1), naming the next plan it shows fits."),
     as_json: bool = JSON,
 ) -> None:
     """Trace MODEL, search the plan, write plan.json, train.py, launch/, report.md/html, ds_config.json
@@ -218,7 +223,9 @@ def compile(
                           delayed_update.value)
             status.update(f"scoring configurations for {gpus} GPUs")
             plan = compile_plan(req)
-            status.update("writing outputs")
+        if verify:
+            plan = _verified(plan, req, model)
+        with err.status("writing outputs", spinner="dots"):
             files = write_outputs(plan, folder, model, force=force)
     except ZplanError as exc:
         _fail(exc)
@@ -235,6 +242,23 @@ def compile(
         print_plan_summary(out, plan, folder, files)
     for gap in gaps:
         err.print(f"warning: the emitted train.py cannot run this plan yet: {gap}.", soft_wrap=True)
+
+
+def _verified(plan, req, model: str):
+    """compile --verify (zplan.dryrun.verify): the plan with the dry run's numbers, or exit 1 with why."""
+    from zplan.dryrun import DryRunError, verify
+
+    if plan.model.source == "family":
+        raise SpecError("--verify runs the model's code, and a family spec has none: compile a model file")
+    try:
+        verified, why = verify(plan, req, model, say=lambda message: err.print(f"zplan: {message}", highlight=False))
+    except DryRunError as exc:
+        err.print(f"[bold red]the plan does not run:[/] {exc}", highlight=False, soft_wrap=True, markup=True)
+        raise typer.Exit(code=1) from None
+    if verified is None:
+        err.print(f"[bold red]refused:[/] {why}", highlight=False, soft_wrap=True, markup=True)
+        raise typer.Exit(code=1)
+    return verified
 
 
 def _compile_inference(model: str, gpus: int, cluster: str, target: Target, batch: Optional[int],

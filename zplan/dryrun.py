@@ -182,3 +182,85 @@ def dry_run(program: Program, *, steps: int = DRYRUN_STEPS, stages: list[int] | 
 
 def stderr_say(message: str) -> None:
     print(f"zplan: {message}", file=sys.stderr, flush=True)
+
+
+# ---- zplan compile --verify ----------------------------------------------------------------------------------
+
+VERIFY_METHOD = ("zplan dryrun: the emitted program's runtime calls on fake tensors (FakeTensorMode) under a fake "
+                 "process group of the plan's world size, the pipeline's end stages, every storage counted "
+                 "(allocated bytes; no allocator reserve, fragmentation, CUDA context or NCCL buffers)")
+
+
+def verification_of(result: DryRunResult):
+    """The plan.json record (schemas.plan.Verification) of a dry run."""
+    import torch
+
+    from zplan.schemas.plan import RankVerification, Verification
+
+    ranks = [RankVerification(rank=r.rank, stage=r.stage, role=r.role, measured_peak_bytes=r.measured_peak_bytes,
+                              predicted_peak_bytes=r.predicted_peak_bytes, capacity_bytes=r.capacity_bytes,
+                              by_category={k: int(v) for k, v in r.by_category.items()},
+                              host_peak_bytes=r.host_peak_bytes) for r in result.ranks]
+    return Verification(method=VERIFY_METHOD, torch_version=torch.__version__, steps=result.steps, ranks=ranks,
+                        max_rel_error=result.max_rel_error, fits=result.fits, seconds=result.seconds)
+
+
+def dry_run_plan(plan, model_ref: str, say: Callable[[str], None] = print) -> DryRunResult:
+    """Dry-run the end stages of a plan not written yet: its outputs go to a temporary folder first."""
+    import tempfile
+
+    from zplan.api import write_outputs
+
+    with tempfile.TemporaryDirectory(prefix="zplan-verify-") as folder:
+        out = Path(folder) / "out"
+        write_outputs(plan, out, model_ref)
+        program = load_program(out, Path(model_ref))
+        pp = plan.parallel.pp
+        return dry_run(program, say=say, stages=sorted({0, pp - 1}))
+
+
+def pins_of(parallel):
+    """The Pins that compile exactly `parallel` (a schemas.plan.ParallelConfig), and their command-line flags."""
+    from zplan.schemas.spec import Pins
+
+    p = parallel
+    pins = Pins(tp=p.tp, pp=p.pp, dp=p.dp, zero=p.zero_stage, offload=p.offload, micro_batch=p.micro_batch,
+                recompute=p.recompute, sequence_parallel=p.sequence_parallel, interleave=p.interleave)
+    flags = (f"--tp {p.tp} --pp {p.pp} --dp {p.dp} --zero {p.zero_stage} --offload {p.offload} --micro-batch "
+             f"{p.micro_batch} --recompute {p.recompute} --{'' if p.sequence_parallel else 'no-'}sequence-parallel "
+             f"--interleave {p.interleave}")
+    return pins, flags
+
+
+def verify(plan, request, model_ref: str, say: Callable[[str], None], tries: int = 3):
+    """`zplan compile --verify`: (the plan with its Verification, None) when the dry run shows it fits; else
+    (None, why): the measured numbers and the first of the plan's next `tries` alternatives that the dry run
+    shows fits (each compiled with its pins and dry-run), or that none did."""
+    import dataclasses
+
+    from zplan.api import compile_plan
+
+    result = dry_run_plan(plan, model_ref, say)
+    if result.fits:
+        return plan.model_copy(update={"verification": verification_of(result)}), None
+    worst = max(result.ranks, key=lambda r: r.measured_peak_bytes)
+    gib = 2**30
+    why = (f"the dry run shows the plan does not fit: rank {worst.rank} ({worst.role}) allocates "
+           f"{worst.measured_peak_bytes / gib:.2f} GiB at its peak (planned {worst.predicted_peak_bytes / gib:.2f}) "
+           f"of {worst.capacity_bytes / gib:.2f} GiB")
+    tried = 0
+    for alternative in plan.alternatives:
+        if tried == tries:
+            break
+        if not alternative.feasible or alternative.parallel == plan.parallel:
+            continue
+        tried += 1
+        pins, flags = pins_of(alternative.parallel)
+        say(f"verify: dry run of the next plan, {flags}")
+        other = compile_plan(dataclasses.replace(request, pins=pins))
+        other_result = dry_run_plan(other, model_ref, say)
+        if other_result.fits:
+            top = max(other_result.ranks, key=lambda r: r.measured_peak_bytes)
+            return None, (f"{why}. The dry run shows this plan fits ({top.measured_peak_bytes / 2**30:.2f} GiB of "
+                          f"{top.capacity_bytes / 2**30:.2f}): compile with {flags}")
+    return None, f"{why}, nor do the next {tried} plans the planner ranks: pin recompute, offload or more GPUs"

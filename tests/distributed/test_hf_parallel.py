@@ -43,8 +43,11 @@ GLOBAL_BATCH, SEQ_LEN, VOCAB = 8, 32, 128  # VOCAB: the zoo's VOCAB_SIZE
 STEPS, SEED, LR = 4, 7, 1e-3
 TOLERANCE = 1e-5  # fp32: loss of every step and every final weight
 
-# parallelism -> the pins it compiles with (2 processes each)
-PARALLELISMS = {"tp2": Pins(tp=2), "pp2": Pins(pp=2), "zero3": Pins(zero=3, dp=2)}
+# parallelism -> the pins it compiles with (WORLD processes each, or WORLD_OF's)
+PARALLELISMS = {"tp2": Pins(tp=2), "pp2": Pins(pp=2), "zero3": Pins(zero=3, dp=2),
+                "tp2pp2": Pins(tp=2, pp=2, sequence_parallel=True)}
+WORLD_OF = {"tp2pp2": 4}
+ONLY = {"tp2pp2": ("llama", "gpt2")}  # 4 processes: two decoders (rotary positions from the hidden state; fused)
 DECODERS = tuple(deterministic_decoder_sources())
 # (model, parallelism) -> the capability trait (schemas.capability.RULES) behind the compile-time refusal
 REFUSED: dict[tuple[str, str], str] = {}
@@ -52,16 +55,16 @@ REFUSED: dict[tuple[str, str], str] = {}
 XFAIL: dict[tuple[str, str], str] = {}
 CASES = [pytest.param(name, par, id=f"{name}-{par}",
                       marks=[pytest.mark.xfail(strict=True, reason=XFAIL[name, par])] if (name, par) in XFAIL else [])
-         for par in PARALLELISMS for name in DECODERS]
+         for par in PARALLELISMS for name in ONLY.get(par, DECODERS)]
 WORKER = Path(__file__).with_name("hf_parallel_worker.py")
 
 
-def compile_for(model: Path, pins: Pins, out: Path) -> Plan:
-    """`zplan compile MODEL --gpus 2 --cluster cpu-local --global-batch 8 --seq 32 --precision fp32 PINS -o OUT`
+def compile_for(model: Path, pins: Pins, out: Path, world: int = WORLD) -> Plan:
+    """`zplan compile MODEL --gpus WORLD --cluster cpu-local --global-batch 8 --seq 32 --precision fp32 PINS -o OUT`
     in this process (transformers is imported once)."""
     from zplan.api import compile_plan, prepare, write_outputs
 
-    plan = compile_plan(prepare(str(model), WORLD, "cpu-local", GLOBAL_BATCH, SEQ_LEN, "fp32", pins))
+    plan = compile_plan(prepare(str(model), world, "cpu-local", GLOBAL_BATCH, SEQ_LEN, "fp32", pins))
     write_outputs(plan, out, str(model))
     return plan
 
@@ -73,17 +76,20 @@ class Parallelism:
         self.plans: dict[str, Plan] = {}
         self.out: dict[str, Path] = {}
         self.refusals: dict[str, str] = {}
+        world = WORLD_OF.get(name, WORLD)
         for model, path in models.items():
+            if model not in ONLY.get(name, models):
+                continue
             out = root / f"{model}-{name}"
             try:
-                self.plans[model] = compile_for(path, PARALLELISMS[name], out)
+                self.plans[model] = compile_for(path, PARALLELISMS[name], out, world)
                 self.out[model] = out
             except SpecError as error:
                 self.refusals[model] = str(error)
         self.output, self.status = "", 0
         if self.out:
             ranks = Ranks([str(WORKER), "--steps", str(STEPS), "--seed", str(SEED), "--lr", str(LR),
-                           *map(str, self.out.values())], WORLD, root / f"logs-{name}")
+                           *map(str, self.out.values())], world, root / f"logs-{name}")
             self.status = ranks.wait()
             self.output = ranks.output()
 

@@ -82,3 +82,29 @@ def test_over_capacity_exits_1_with_the_numbers(llama, tmp_path):
     done = runner.invoke(app, ["dryrun", str(out)])
     assert done.exit_code == 1, done.output
     assert "over capacity" in done.output and "allocates" in done.output and "Traceback" not in done.output
+
+
+def test_compile_verify_records_the_proof(llama, tmp_path):
+    out = tmp_path / "out"
+    done = runner.invoke(app, ["compile", str(llama), "--gpus", "4", "--cluster", "cpu-local", "--pp", "2",
+                               "--verify", "-o", str(out)])
+    assert done.exit_code == 0, done.output
+    verification = json.loads((out / "plan.json").read_text())["verification"]
+    assert verification["fits"] is True and [r["stage"] for r in verification["ranks"]] == [0, 1]
+    assert all(r["measured_peak_bytes"] > 0 for r in verification["ranks"])
+    assert "Proven by a dry run: fits" in (out / "report.md").read_text()
+    assert runner.invoke(app, ["dryrun", str(out), "--json"]).exit_code == 0  # the verified plan.json still runs
+
+
+def test_verify_refuses_a_plan_over_capacity_and_names_one_that_fits(llama):
+    from zplan.dryrun import verify
+
+    request = prepare(str(llama), 2, "cpu-local", None, None, "fp32", Pins(zero=0))
+    plan = compile_plan(request)
+    memory = plan.prediction.memory
+    tiny = memory.model_copy(update={"capacity": memory.reserve + 1000})  # a device of 1000 bytes beside the reserve
+    cramped = plan.model_copy(update={"prediction": plan.prediction.model_copy(update={"memory": tiny})})
+    verified, why = verify(cramped, request, str(llama), say=lambda message: None, tries=1)
+    assert verified is None
+    assert "does not fit" in why and "allocates" in why
+    assert "this plan fits" in why and "compile with --tp" in why  # the next plan, dry-run on the real device
