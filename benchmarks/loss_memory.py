@@ -2,16 +2,18 @@
 
     .venv/bin/python benchmarks/loss_memory.py [--json] [--shapes 1x2048x32000 2x1024x128256] [--real]
 
-What is measured: `logits` is the head's output, a (B, T, V) tensor in the compute dtype (fp32, or bf16 / fp16
-as autocast and FSDP2's MixedPrecisionPolicy make it) that requires grad; then
+What is measured: the logits are the head's output, a (B, T, V) tensor in the compute dtype (fp32, or bf16 /
+fp16 as autocast and FSDP2's MixedPrecisionPolicy make it) made by a matmul, as the runtime makes them; then
 
-    loss = next_token_loss(logits, ids); loss.backward()
+    loss = next_token_loss(hidden @ W.t(), ids); loss.backward()
 
 runs (planner.model_file.next_token_loss, the runtime's default loss: cross-entropy on
 logits[:, :-1].flatten(0, 1).float()). The number is the peak, over every aten op of that forward and
-backward, of the bytes of all live storages: the logits tensor itself, everything the loss allocates
-(the fp32 upcast, the log-softmax output, its gradient, the gradient of its input, the logits' gradient),
-but not the token ids (B, T), which exist before the loss. Divided by B*T*V, it is the bytes per logit
+backward, of the bytes of all live storages: the logits while the loss is computed, everything the loss
+allocates (the fp32 upcast, the log-softmax output, its gradient, the gradient of its input, the logits'
+gradient); nothing holds the logits after the loss is computed (the train loop does not, and the head's
+backward needs its input, not its output), so at the backward's peak three fp32 tensors of (B, T-1, V) live.
+Divided by B*T*V, it is the bytes per logit
 that planner/cost/memory.py budgets on the last pipeline stage (LOSS_BYTES_PER_LOGIT).
 
 How: a TorchDispatchMode sees the output of every aten op, forward and backward, and counts each new
@@ -40,6 +42,7 @@ from zplan.planner.cost.memory import LOSS_BYTES_PER_LOGIT  # noqa: E402
 from zplan.planner.model_file import next_token_loss  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+HEAD_WIDTH = 8  # hidden width of the stand-in head
 DEFAULT_SHAPES = ((1, 2048, 32000), (2, 1024, 128256), (4, 512, 50304))  # (B, T, V), B*T = 2048
 
 
@@ -77,17 +80,19 @@ class LiveStorageBytes(TorchDispatchMode):
 def loss_peak_bytes(batch: int, seq_len: int, vocab: int, precision: str, fake: bool = True) -> int:
     """Peak live bytes of `next_token_loss(logits, ids); loss.backward()` with (B, T, V) logits in `precision`,
     the logits and their gradient included, the token ids excluded."""
+    dtype = DTYPES[precision]
     with FakeTensorMode() if fake else contextlib.nullcontext():
-        logits = torch.zeros(batch, seq_len, vocab, dtype=DTYPES[precision], requires_grad=True)  # (B, T, V)
+        # the head as the runtime runs it: logits = hidden @ W^T, a non-leaf that nothing keeps once the loss is
+        # computed (the matmul's backward needs its inputs, not its output); HEAD_WIDTH small enough that the
+        # head's own tensors and gradients are negligible beside the (B, T, V) ones
+        hidden = torch.zeros(batch, seq_len, HEAD_WIDTH, dtype=dtype, requires_grad=True)
+        weight = torch.zeros(vocab, HEAD_WIDTH, dtype=dtype, requires_grad=True)
         ids = torch.zeros(batch, seq_len, dtype=torch.long)  # (B, T)
         tracker = LiveStorageBytes()
         with tracker:
-            tracker.track(ids)  # an input: counted as live from the start, subtracted below
-            tracker.track(logits)
-            loss = next_token_loss(logits, ids)
+            loss = next_token_loss(hidden @ weight.t(), ids)  # the logits (B, T, V) are made and dropped in here
             loss.backward()
-        ids_bytes = ids.untyped_storage().nbytes()
-    return tracker.peak_bytes - ids_bytes
+    return tracker.peak_bytes
 
 
 def bytes_per_logit(batch: int, seq_len: int, vocab: int, precision: str, fake: bool = True) -> float:

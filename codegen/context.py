@@ -168,6 +168,7 @@ def plan_context(plan: Plan) -> dict[str, Any]:
         "feasible": yes_no(prediction.feasible),
         "candidates_evaluated": f"{plan.candidates_evaluated:,}",
         "memory_total": format_bytes(memory.total),
+        "memory_not_at_peak": format_bytes(memory.not_at_peak),
         "memory_capacity": format_bytes(memory.capacity),
         "memory_headroom": format_bytes(memory.capacity - memory.total),
         "memory_used_percent": format_percent(share(memory.total, memory.capacity)),

@@ -146,6 +146,16 @@ def block_act_bytes_16bit(spec: FamilySpec, s: int) -> float:
     return s * (6 * h + 4 * h_kv + 4 * h + 2 * h + 8 * f) + core
 
 
+def block_gemm_out_bytes_16bit(spec: FamilySpec, s: int) -> float:
+    """The block's projection outputs per sample at 16-bit (what selective recompute keeps): GPT q, k, v, o (4h)
+    and the MLP's up (f) and down (h); Llama q and o (2h), k and v (2 h_kv), gate and up (2f), down (h)."""
+    h, f = spec.hidden, spec.ffn
+    if spec.family == "gpt":
+        return 2.0 * s * (5 * h + f)
+    h_kv = spec.kv_heads * h // spec.heads
+    return 2.0 * s * (3 * h + 2 * h_kv + 2 * f)
+
+
 def family_summary(spec: str, seq_len: int | None = None, precision: str = "bf16") -> ModelSummary:
     """ModelSummary of a family spec, counted at seq_len (default: the spec's seq) and `precision`."""
     parsed = parse_family_spec(spec)
@@ -165,7 +175,8 @@ def family_summary(spec: str, seq_len: int | None = None, precision: str = "bf16
     head_act = 4.0 * s * h * scale  # final norm input + output-projection input (Korthikanti 4.3)
     prefix = BLOCK_PREFIX[parsed.family]
     block = LayerCost(name=f"{prefix}.0", kind="block", params=block_params(parsed),
-                      fwd_flops=block_fwd_flops(parsed, s), act_bytes=block_act_bytes_16bit(parsed, s) * scale)
+                      fwd_flops=block_fwd_flops(parsed, s), act_bytes=block_act_bytes_16bit(parsed, s) * scale,
+                      gemm_out_bytes=block_gemm_out_bytes_16bit(parsed, s) * scale)
     layers = [LayerCost(name="embedding", kind="embedding", params=embed_params, fwd_flops=0.0, act_bytes=embed_act)]
     layers += [block.model_copy(update={"name": f"{prefix}.{i}"}) for i in range(L)]
     tied = V * h if parsed.family == "gpt" else 0  # a pipeline's last stage holds its own copy of the token table

@@ -333,6 +333,7 @@ def _summarize(graph: ModelGraph, raw: RawTrace, model: nn.Module, name: str,
     params_of = dict.fromkeys(units, 0.0)
     flops_of = dict.fromkeys(units, 0.0)
     act_of = dict.fromkeys(units, 0.0)
+    gemm_of = dict.fromkeys(units, 0.0)  # outputs of the matmuls that read a weight (selective recompute keeps them)
     modules_of: dict[str, dict[str, None]] = {unit: {} for unit in units}  # ordered sets
     for node, data in graph.iter_nodes():
         reads_parameter = any(arg.param is not None for arg in by_name[node].args)
@@ -341,6 +342,9 @@ def _summarize(graph: ModelGraph, raw: RawTrace, model: nn.Module, name: str,
         params_of[data["unit"]] += data["params"]
         flops_of[data["unit"]] += data["fwd_flops"]
         act_of[data["unit"]] += data["act_bytes"]
+        op = by_name[node]
+        if op.op in MATMUL_OPS and reads_parameter:
+            gemm_of[data["unit"]] += _tensor_bytes(op.shape, op.dtype, element_bytes(graph.precision))
     owner: dict[str, str] = {}  # parameter -> the unit that reads it first, which owns it
     shared_of: dict[str, dict[str, int]] = {unit: {} for unit in units}  # unit -> parameters it reads, owned elsewhere
     for node, data in graph.iter_nodes():
@@ -357,7 +361,7 @@ def _summarize(graph: ModelGraph, raw: RawTrace, model: nn.Module, name: str,
     layers = [
         LayerCost(name=unit, kind="embedding" if unit == "embedding" else "head" if unit == "head" else "block",
                   params=int(params_of[unit]), shared_params=sum(shared_of[unit].values()),
-                  fwd_flops=flops_of[unit], act_bytes=act_of[unit],
+                  fwd_flops=flops_of[unit], act_bytes=act_of[unit], gemm_out_bytes=gemm_of[unit],
                   modules=_unit_modules(model, list(modules_of[unit]), prefix) or [unit])
         for unit in units
     ]

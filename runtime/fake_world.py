@@ -15,7 +15,8 @@ torch 2.13's DeviceMesh computes its coordinates with tensor ops (mesh == rank).
 cannot answer; DeviceMesh.__init__ runs outside the fake mode here (it is bookkeeping on a small real tensor of
 ranks, FSDP2 builds such meshes inside fully_shard too). Exchanges that read values across ranks are answered by
 this rank alone (_pipeline_vote_on_this_rank), and DDP, whose C++ reducer reads values, is FakeRankDDP, which
-holds what the reducer holds. These patches live only inside fake_tensors.
+holds what the reducer holds. F.rms_norm takes the fused kernel a GPU takes (_rms_norm_as_on_gpu). These patches
+live only inside fake_tensors.
 After the build, drop_cached_tensors empties FakeTensorMode's dispatch cache, whose keys hold the replay's full
 tensors.
 """
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn import functional as F
 
 from zplan.runtime.distributed import RunContext, close_distributed
 
@@ -153,6 +155,9 @@ class FakeRankDDP(nn.parallel.DistributedDataParallel):
             for p, view in zip(same, bucket.split([q.numel() for q in same]), strict=True):
                 self._bucket_views[id(p)] = view.view_as(p)
                 p.register_post_accumulate_grad_hook(self._into_bucket)
+                if p.grad is not None:  # as the reducer's initialize_bucket_views: copied in, replaced by the view
+                    self._bucket_views[id(p)].copy_(p.grad)
+                    p.grad = self._bucket_views[id(p)]
 
     def _into_bucket(self, p: torch.Tensor) -> None:
         view = self._bucket_views[id(p)]
@@ -186,6 +191,44 @@ def _ddp_on_a_fake_rank() -> Iterator[None]:
         nn.parallel.DistributedDataParallel = original
 
 
+class _FusedRMSNorm(torch.autograd.Function):
+    """rms_norm with what CUDA's fused kernel keeps for backward: the input, the weight and the per-row reciprocal
+    RMS (aten._fused_rms_norm and its backward; on the CPU the op decomposes into fp32 ops that autograd records)."""
+
+    @staticmethod
+    def forward(ctx, input, normalized_shape, weight, eps):
+        with torch.no_grad():
+            out, rstd = torch.ops.aten._fused_rms_norm(input, list(normalized_shape), weight, eps)
+        ctx.normalized_shape = list(normalized_shape)
+        ctx.save_for_backward(input, weight, rstd)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        input, weight, rstd = ctx.saved_tensors
+        grad_input, grad_weight = torch.ops.aten._fused_rms_norm_backward(
+            grad_out, input, ctx.normalized_shape, rstd, weight, [True, weight is not None])
+        return grad_input, None, grad_weight, None
+
+
+@contextlib.contextmanager
+def _rms_norm_as_on_gpu() -> Iterator[None]:
+    """F.rms_norm (nn.RMSNorm) as CUDA runs it (_FusedRMSNorm): torch's rms_norm takes a fused kernel on a GPU,
+    which keeps the input and the per-row reciprocal RMS, and a composite of fp32 ops on the CPU, which keeps fp32
+    copies of the input; the dry run runs on the CPU and holds what the GPU holds. An RMSNorm written out in the
+    model file (Hugging Face's LlamaRMSNorm) runs as written, on the GPU too."""
+    original = F.rms_norm
+
+    def rms_norm(input, normalized_shape, weight=None, eps=None):
+        return _FusedRMSNorm.apply(input, tuple(normalized_shape), weight, eps)
+
+    F.rms_norm = rms_norm
+    try:
+        yield
+    finally:
+        F.rms_norm = original
+
+
 @contextlib.contextmanager
 def fake_world(rank: int, world_size: int, gpus_per_node: int = GPUS_PER_NODE_DEFAULT) -> Iterator[RunContext]:
     """Be rank `rank` of `world_size` (module docstring) until the block ends; the process group is closed after."""
@@ -208,6 +251,7 @@ def fake_world(rank: int, world_size: int, gpus_per_node: int = GPUS_PER_NODE_DE
 def fake_tensors() -> Iterator[FakeTensorMode]:
     """Every tensor made inside is a fake one (module docstring); meshes made inside (FSDP2's) stay real."""
     with _mesh_outside_fake_mode(), _pipeline_vote_on_this_rank(), _ddp_on_a_fake_rank(), _objects_through_mailbox(), \
+            _rms_norm_as_on_gpu(), \
             FakeTensorMode(allow_non_fake_inputs=True) as mode:
         yield mode
         FakeTensorMode.cache_clear()

@@ -33,6 +33,10 @@ class LayerCost(BaseModel):
     act_bytes: float = Field(
         ge=0, description="Bytes saved for backward for one sample, no parallelism, at compute precision."
     )
+    gemm_out_bytes: float = Field(
+        default=0.0, ge=0, description="Bytes of the outputs of the unit's projections (matmuls with a weight), one "
+        "sample, no parallelism, at compute precision: what selective recompute keeps (runtime.apply)."
+    )
 
 
 class TensorParallelRule(BaseModel):

@@ -128,7 +128,9 @@ class MemoryBreakdown(_Frozen):
     comm_buffers: float = Field(description="Collective buffers and parameters gathered for compute (ZeRO-2: the "
                                 "stage's, held from forward to backward; ZeRO-3: two units').")
     reserve: float = Field(description="Framework reserve (context, allocator).")
-    total: float = Field(description="Sum of the above.")
+    not_at_peak: float = Field(default=0.0, description="Bytes of the parts above that are not live at the peak "
+                               "moment: the loss's temporaries and the backward's buffers never coincide.")
+    total: float = Field(description="The peak: the sum of the above minus not_at_peak.")
     capacity: float = Field(description="Device memory.")
     cpu_bytes_per_node: float = Field(description="Host bytes used by offloaded states, per node.")
     nvme_bytes_per_node: float = Field(description="NVMe bytes used by offloaded states, per node.")

@@ -166,14 +166,18 @@ def prediction(est: StepEstimate, cluster: ClusterSpec, placed: PlacedStates | N
         offload_s, optimizer_s = placed.offload_s - overlapped_s, placed.optimizer_s
         feasible = feasible and placed.feasible
     others = float(mem.activations[0] + mem.comm_buffers[0] + mem.reserve[0])
-    total = states["parameters"] + states["gradients"] + states["optimizer"] + others
+    # not live at the peak (planner.cost.memory), less the gradients the placement takes off the GPU
+    moved = max(0.0, float(mem.gradients[0]) - states["gradients"])
+    not_at_peak = max(0.0, float(mem.not_at_peak[0]) - moved)
+    total = states["parameters"] + states["gradients"] + states["optimizer"] + others - not_at_peak
     step = float(est.step_time_s[0] - est.offload_s[0] - est.optimizer_s[0]) + offload_s + optimizer_s
     return Prediction(
         step_time_s=step, tokens_per_s=float(est.tokens_per_s[0] * est.step_time_s[0] / step),
         mfu=float(est.mfu[0] * est.step_time_s[0] / step), model_flops_per_step=float(est.model_flops_per_step),
         feasible=feasible and total <= cluster.gpu.hbm_bytes,
         memory=MemoryBreakdown(activations=float(mem.activations[0]), comm_buffers=float(mem.comm_buffers[0]),
-                               reserve=float(mem.reserve[0]), total=total, capacity=float(cluster.gpu.hbm_bytes),
+                               reserve=float(mem.reserve[0]), not_at_peak=not_at_peak, total=total,
+                               capacity=float(cluster.gpu.hbm_bytes),
                                **states),
         time=TimeBreakdown(
             compute=float(est.compute_s[0]), tensor_parallel=float(est.tensor_parallel_s[0]),

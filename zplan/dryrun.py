@@ -34,6 +34,20 @@ class DryRunError(Exception):
     """The program failed on a fake rank: it would fail on the cluster too (the message says where)."""
 
 
+class DryRunUnsupported(ZplanError):
+    """A plan the dry run cannot run on fake tensors (the message says why)."""
+
+
+def unsupported_reason(plan) -> str | None:
+    """Why the dry run cannot run `plan`, or None. Offloaded optimizers read tensor values on the host (zplan's CPU
+    Adam groups parameters by their step count; the NVMe swap engine writes tensor bytes to files), which fake
+    tensors do not have."""
+    if plan.parallel.offload != "none":
+        return (f"the plan offloads the optimizer ({plan.parallel.offload}): its CPU Adam and NVMe swap read tensor "
+                "values, which the dry run's fake tensors do not have (not built yet)")
+    return None
+
+
 @dataclass
 class RankMemory:
     """One kind of rank: what the dry run measured and what the plan predicted, bytes per GPU."""
@@ -155,6 +169,9 @@ def dry_run(program: Program, *, steps: int = DRYRUN_STEPS, stages: list[int] | 
     from zplan.runtime.dry_run import dry_run_rank
     from zplan.runtime.fake_world import MAILBOX
 
+    reason = unsupported_reason(program.plan)
+    if reason:
+        raise DryRunUnsupported(f"cannot dry-run this plan: {reason}")
     MAILBOX.clear()  # what earlier stages send later ones (runtime.fake_world): the stages run in order
     start = time.perf_counter()
     plan = program.plan
@@ -233,13 +250,18 @@ def pins_of(parallel):
 
 
 def verify(plan, request, model_ref: str, say: Callable[[str], None], tries: int = 3):
-    """`zplan compile --verify`: (the plan with its Verification, None) when the dry run shows it fits; else
-    (None, why): the measured numbers and the first of the plan's next `tries` alternatives that the dry run
-    shows fits (each compiled with its pins and dry-run), or that none did."""
+    """`zplan compile --verify`: (the plan with its Verification, None) when the dry run shows it fits, (the plan as it
+    is, None) when the dry run cannot run it (unsupported_reason, said through `say`); else (None, why): the measured
+    numbers and the first of the plan's next `tries` alternatives that the dry run shows fits (each compiled with its
+    pins and dry-run), or that none did."""
     import dataclasses
 
     from zplan.api import compile_plan
 
+    reason = unsupported_reason(plan)
+    if reason:
+        say(f"verify: not verified, {reason}")
+        return plan, None
     result = dry_run_plan(plan, model_ref, say)
     if result.fits:
         return plan.model_copy(update={"verification": verification_of(result)}), None
@@ -252,7 +274,7 @@ def verify(plan, request, model_ref: str, say: Callable[[str], None], tries: int
     for alternative in plan.alternatives:
         if tried == tries:
             break
-        if not alternative.feasible or alternative.parallel == plan.parallel:
+        if not alternative.feasible or alternative.parallel == plan.parallel or alternative.parallel.offload != "none":
             continue
         tried += 1
         pins, flags = pins_of(alternative.parallel)

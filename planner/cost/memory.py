@@ -1,5 +1,11 @@
 """Bytes per GPU, vectorised over candidates; the most loaded of the first and last stage counts.
 
+What is predicted: the peak of allocated bytes (torch.cuda.max_memory_allocated's figure, what the dry run
+measures: zplan dryrun, runtime.live_memory) plus the cluster's framework reserve, which stands for what
+allocation does not count (CUDA context, NCCL's buffers, kernel workspaces, the caching allocator's reserve and
+fragmentation). The peak is of one moment (memory_per_gpu's peak): the loss's temporaries and the backward's
+buffers are not live together.
+
 Model states as zplan's runtime holds them (Rajbhandari et al., ZeRO, SC'20, Sec. 3 and 5, for the
 partitioning): the parameters stay fp32 in every precision (they are the master weights: autocast under
 ZeRO 0/1, FSDP2's MixedPrecisionPolicy under ZeRO 2/3 make 16-bit copies for compute), the gradients
@@ -13,9 +19,9 @@ from forward until backward; under ZeRO 2 every unit's gathered parameters (FSDP
 reshard_after_forward=False), held from its forward until its backward; ZeRO-3's two in-flight units.
 Activations per block (Korthikanti et al., MLSys'23, Table 2): of the block's saved bytes, 10*s*b*h
 (16-bit; layer-norm inputs, dropout masks, first-linear inputs) stay replicated under tensor parallel
-unless sequence parallel shards them; the rest is divided by tp. Selective recompute drops the
-attention-core bytes; full recompute keeps only the block input (2*s*b*h, /tp with sequence parallel)
-plus one block's activations live while it is recomputed.
+unless sequence parallel shards them; the rest is divided by tp. Selective recompute keeps the projections'
+outputs and the block input (the runtime's policy, runtime.apply); full recompute keeps only the block input
+(2*s*b*h, /tp with sequence parallel) plus one block's activations live while it is recomputed.
 Tensor parallel splits the blocks only: the runtime (runtime/tensor_parallel.py) replicates the embedding,
 the final norm and the output head over the tp ranks, so every tp rank holds their whole parameters, their
 gradients and optimizer states (sharded over dp by ZeRO like every parameter, never divided by tp), and
@@ -60,16 +66,16 @@ ADAM_BYTES = 8.0  # fp32 m and v
 HOST_OPTIMIZER_BYTES = 12.0
 HOST_GRAD_BUFFER_BYTES = 4.0
 
-# Peak live bytes per logit while the runtime's default loss (planner.model_file.next_token_loss: cross-entropy
-# on logits[:, :-1].flatten(0, 1).float()) runs its forward and backward, counting the (B, T, V) logits the
-# head produced (in the compute dtype) and everything the loss allocates: at the peak (the log-softmax
-# backward) the logits, the fp32 log-softmax output, its gradient and the gradient of its input, i.e.
-# elem + 3 * 4 bytes (the last three over T-1 of the T positions, and a (B, T-1, V) copy of the logits that
-# flatten makes when B > 1 is freed by then). Measured exactly, counting live storages with a
-# TorchDispatchMode on fake tensors (torch 2.13, CPU):
+# Peak live bytes per logit while the runtime's default loss (planner.model_file.next_token_loss: cross-entropy on
+# logits[:, :-1].flatten(0, 1).float()) runs its forward and backward on the (B, T, V) logits the head's matmul made:
+# at the peak (the log-softmax backward) the fp32 log-softmax output, its gradient and the gradient of its input,
+# 3 * 4 bytes; nothing holds the logits themselves by then (the train loop drops them once the loss is computed, and
+# the head's backward needs its input, not its output), and the forward's own peak (the logits, the copy flatten
+# makes when B > 1, the fp32 upcast, the log-softmax output) is no higher. Measured exactly, counting live storages
+# with a TorchDispatchMode on fake tensors (torch 2.13, CPU), and the same in the dry run (zplan dryrun):
 #     .venv/bin/python benchmarks/loss_memory.py --json
-# which prints these bytes per logit for several (B, T, V) with B*T = 2048: elem + 12 (1 - 1/T), the constants below.
-LOSS_BYTES_PER_LOGIT = {"fp32": 16.0, "bf16": 14.0, "fp16": 14.0}
+# which prints 12.0 bytes per logit (within 0.2 %) for several (B, T, V) in every precision.
+LOSS_BYTES_PER_LOGIT = {"fp32": 12.0, "bf16": 12.0, "fp16": 12.0}
 
 
 def element_bytes(precision: str) -> int:
@@ -115,7 +121,8 @@ class MemoryEstimate:
     activations: np.ndarray
     comm_buffers: np.ndarray
     reserve: np.ndarray
-    total: np.ndarray
+    not_at_peak: np.ndarray  # bytes of the parts above that are not live at the peak moment (memory_per_gpu.peak)
+    total: np.ndarray  # the peak: the parts' sum minus not_at_peak
     cpu_bytes_per_node: np.ndarray
     nvme_bytes_per_node: np.ndarray
     fits: np.ndarray  # bool: device, host and NVMe capacity all respected
@@ -141,11 +148,18 @@ def block_activation_bytes(model: ModelNumbers, cand: Candidates, precision: str
     s, h = model.seq_len, model.hidden
     total = b * model.block_act_bytes
     replicated = np.minimum(total, 5.0 * s * h * elem * b)  # 10*s*b*h at 16-bit
-    attention_core = b * attention_core_act_bytes(model, precision)
     sharded = total - replicated
     none = sharded / t + np.where(sp, replicated / t, replicated)
-    selective = none - attention_core / t
     block_input = np.where(sp, s * b * h * elem / t, s * b * h * elem)
+    # Selective: the runtime keeps the projections' outputs and recomputes everything else (runtime.apply's
+    # policy: aten.mm / addmm saved), plus the block input the checkpoint keeps. Under tp the column-parallel outputs
+    # are split; the two row-parallel ones (attention out, MLP down: 2*s*h) are whole unless sequence parallel.
+    # A trace without the projections' outputs (older summaries) keeps the attention-core rule.
+    gemm = b * model.block_gemm_out_bytes
+    rowwise = np.minimum(gemm, 2.0 * s * h * elem * b)
+    kept = (gemm - rowwise) / t + np.where(sp, rowwise / t, rowwise) + block_input
+    selective = np.where(gemm > 0, np.minimum(kept, none),
+                         none - b * attention_core_act_bytes(model, precision) / t)
     full = block_input
     return np.select([cand.recompute == 0, cand.recompute == 1], [none, selective], full)
 
@@ -158,13 +172,16 @@ def attention_core_act_bytes(model: ModelNumbers, precision: str) -> float:
     return materialised if model.block_act_bytes > materialised else 0.0
 
 
-def compute_copy_bytes(params_gpu: np.ndarray, zero: np.ndarray, precision: str) -> np.ndarray:
+def compute_copy_bytes(params_gpu: np.ndarray, zero: np.ndarray, precision: str,
+                       uncast_params: np.ndarray | float = 0.0) -> np.ndarray:
     """Parameters held in the compute dtype besides the fp32 ones, from forward until backward: ZeRO-2
     (FSDP2, reshard_after_forward=False) the stage's whole parameters, gathered unit by unit; ZeRO 0/1
-    with mixed precision autocast's cached 16-bit copies of the stage's weights; 0 otherwise (ZeRO-3
+    with mixed precision autocast's cached 16-bit copies of the weights it casts, which are all but
+    `uncast_params` (an embedding lookup is not an autocast op: its table is read in fp32); 0 otherwise (ZeRO-3
     frees each unit after its forward: its two in-flight blocks are counted in comm_buffers)."""
-    copies = (zero == 2) | ((zero <= 1) & (precision != "fp32"))
-    return np.where(copies, element_bytes(precision) * params_gpu, 0.0)
+    autocast = (zero <= 1) & (precision != "fp32")
+    cast = np.where(autocast, params_gpu - uncast_params, params_gpu)
+    return np.where((zero == 2) | autocast, element_bytes(precision) * cast, 0.0)
 
 
 def memory_per_gpu(
@@ -211,8 +228,21 @@ def memory_per_gpu(
     # computed); ZeRO-3 two blocks' gathered parameters (current + prefetched), ZeRO-2 all of them.
     comm = comm + np.where(z >= 2, 2.0 * GRAD_BYTES * block_params_gpu, 0.0)
     comm = comm + np.where(z == 3, 2.0 * elem * block_params_gpu, 0.0)
-    comm = comm + compute_copy_bytes(params_gpu, z, precision)
     comm = comm + np.where(t > 1, 2.0 * b * s * h * elem, 0.0)  # sequence-parallel gather buffers
+    # the compute copies of each end stage: under DDP (tp 1) autocast's, which leave the embedding table in fp32;
+    # under tp FSDP2's replicate (runtime.tensor_parallel) casts every parameter of a unit, the embedding too
+    uncast = np.where(t == 1, model.embed_params - model.head_shared_params, 0.0)
+    # autocast's copies are saved tensors: a recomputed block (selective or full) recomputes its casts instead
+    recomputed = np.where((t == 1) & (cand.recompute > 0), model.block_params, 0.0)
+    # each micro-batch's forward under autocast casts afresh and its backward keeps them: a pipeline stage holds the
+    # copies of every micro-batch in flight (ZeRO-2's gathered parameters are held once)
+    per_microbatch = np.where((z <= 1) & (t == 1), inflight, 1.0)
+    first_copies = per_microbatch * compute_copy_bytes(first_params, z, precision, uncast + first_blocks * recomputed)
+    last_uncast = np.where(single, uncast, 0.0) + last_blocks * recomputed
+    last_copies = compute_copy_bytes(last_params, z, precision, last_uncast)
+    # Gradients live at the loss's peak: DDP's buckets hold them from the build on (runtime.apply: gradient as
+    # bucket view); else only once a micro-batch's backward has run, i.e. with several micro-batches per step.
+    persistent_grads = ((z <= 1) & (t == 1)) | (num_micro_batches > 1)
 
     reserve = np.full(len(cand), float(cluster.framework_reserve_bytes))
     # Compression's buffers (module docstring).
@@ -221,23 +251,45 @@ def memory_per_gpu(
     one_bit_errors = ONE_BIT_ERROR_BYTES_PER_PARAM * (1.0 + 1.0 / dp) * params_gpu
     one_bit_errors = one_bit_errors + np.where(z == 1, ADAM_BYTES / 2 * params_gpu, 0.0)  # ZeRO-1: whole momentum
 
+    first_loss = np.where(single, logits, 0.0)
+
+    def peak(weights, grads, optim, acts, copies, buffers, loss) -> tuple[np.ndarray, np.ndarray]:
+        """(peak bytes, bytes of the parts not live at the peak). The parts do not all peak at one moment: at the
+        loss's peak (the log-softmax backward, before any block's backward) every block's activations and compute
+        copies are live but no block's backward buffers, and gradients only where they persist; during a block's
+        backward its buffers, the block being recomputed (full recompute) and the gradients are, the loss's
+        temporaries are gone. Measured this way by the dry run (zplan dryrun, runtime.live_memory)."""
+        early = np.where(persistent_grads, grads, 0.0)
+        parts = weights + grads + optim + acts + copies + buffers
+        backward = grads - early + buffers + live_block
+        at_peak = weights + optim + acts - loss - live_block + copies + early + np.maximum(loss, backward)
+        return at_peak, parts - at_peak
+
     def on_gpu(params_off: np.ndarray) -> tuple[np.ndarray, ...]:
-        """(weights, gradients, optimizer, activations, comm buffers, total) of the more loaded end stage."""
+        """(weights, gradients, optimizer, activations, comm buffers, not at the peak, total) of the more loaded
+        end stage."""
         per_param = state_bytes_per_param(z, dp, offloaded, params_off)
         w1, g1, o1 = (bytes_per_param * first_params for bytes_per_param in per_param)
         w2, g2, o2 = (bytes_per_param * last_params for bytes_per_param in per_param)
-        use_first = w1 + g1 + o1 + first_act >= w2 + g2 + o2 + last_act
-        weights, grads, optim, acts = (np.where(use_first, a, c) for a, c in
-                                       ((w1, w2), (g1, g2), (o1, o2), (first_act, last_act)))
-        one_bit_step = np.maximum(0.0, ONE_BIT_STEP_BYTES_PER_PARAM * params_gpu - acts)
-        buffers = comm + np.where(cand.grad_compress == 2, one_bit_errors + one_bit_step, 0.0)
-        return weights, grads, optim, acts, buffers, weights + grads + optim + acts + buffers + reserve
+        def buffers_beside(acts):  # 1-bit Adam's step outlives the activations it is larger than
+            one_bit_step = np.maximum(0.0, ONE_BIT_STEP_BYTES_PER_PARAM * params_gpu - acts)
+            return comm + np.where(cand.grad_compress == 2, one_bit_errors + one_bit_step, 0.0)
+
+        buffers1, buffers2 = buffers_beside(first_act), buffers_beside(last_act)
+        peak1, slack1 = peak(w1, g1, o1, first_act, first_copies, buffers1, first_loss)
+        peak2, slack2 = peak(w2, g2, o2, last_act, last_copies, buffers2, logits)
+        use_first = peak1 >= peak2
+        weights, grads, optim, acts, buffers, slack, total = (
+            np.where(use_first, a, c) for a, c in
+            ((w1, w2), (g1, g2), (o1, o2), (first_act, last_act), (buffers1 + first_copies, buffers2 + last_copies),
+             (slack1, slack2), (peak1, peak2)))
+        return weights, grads, optim, acts, buffers, slack, total + reserve
 
     # An offloaded ZeRO 2/3 candidate keeps its weight and gradient shards on the GPU when they fit there (the
     # optimizer alone offloaded: no per-micro-batch traffic), else FSDP2's CPUOffloadPolicy takes them to the host.
     kept_total = on_gpu(np.zeros(len(cand), dtype=bool))[-1]
     params_off = offloaded & (z >= 2) & (kept_total > cluster.gpu.hbm_bytes)
-    weights, grads, optim, acts, comm, total = on_gpu(params_off)
+    weights, grads, optim, acts, comm, not_at_peak, total = on_gpu(params_off)
 
     # Host / NVMe: the offloaded states of every GPU of the node. Parameters on the GPU: the optimizer on the CPU
     # holds HOST_OPTIMIZER_BYTES + HOST_GRAD_BUFFER_BYTES per parameter of the shard on the host; on NVMe, its
@@ -260,6 +312,7 @@ def memory_per_gpu(
     )
     return MemoryEstimate(
         parameters=weights, gradients=grads, optimizer=optim, activations=acts, comm_buffers=comm,
-        reserve=reserve, total=total, cpu_bytes_per_node=cpu, nvme_bytes_per_node=nvme, fits=fits,
+        reserve=reserve, not_at_peak=not_at_peak, total=total, cpu_bytes_per_node=cpu, nvme_bytes_per_node=nvme,
+        fits=fits,
         stage_params=params_gpu, parameters_offloaded=params_off,
     )

@@ -167,18 +167,18 @@ def test_logits_and_the_loss_peak_are_not_divided_by_tp():
     """One stage, tp=2 with sequence parallel and full recompute, b=1, fp32, by hand: the blocks keep their inputs
     (s*h*4 / 2 each) plus one recomputed block (34 s h / 2); the larger of the embedding's output (s*h*elem) and
     the head's saved inputs (head_act_bytes, 4 s h here, whole: the final norm and head are replicated); the
-    whole logits and the loss's fp32 temporaries, elem + 3 * 4 bytes per logit (benchmarks/loss_memory.py)."""
+    loss's fp32 temporaries, 3 * 4 bytes per logit (benchmarks/loss_memory.py: the logits themselves are gone)."""
     model = edged_numbers()
     mem = memory_per_gpu(model, one(tp=2, sp=1, recompute=2), A100, "fp32", np.array([1.0]))
     blocks = L * S * H * 4 / 2 + 34 * S * H / 2
-    assert mem.activations[0] == pytest.approx(blocks + S * H * 4 + S * V * 16.0)
+    assert mem.activations[0] == pytest.approx(blocks + S * H * 4 + S * V * 12.0)
     bf16 = memory_per_gpu(model, one(tp=4, sp=1, recompute=2), A100, "bf16", np.array([1.0]))
-    assert bf16.activations[0] == pytest.approx(L * S * H * 2 / 4 + 34 * S * H / 4 + 4 * S * H + S * V * 14.0)
+    assert bf16.activations[0] == pytest.approx(L * S * H * 2 / 4 + 34 * S * H / 4 + 4 * S * H + S * V * 12.0)
 
 
 def test_unit_costs_keep_the_embedding_and_head_whole_under_tp():
     """planner.partition's per-unit bytes: a block's states are halved at tp=2, the embedding's and head's are not,
-    and the head's unit carries the whole logits and loss peak (14 bytes per logit at bf16)."""
+    and the head's unit carries the whole loss peak (12 bytes per logit)."""
     from zplan.planner.cost.units import unit_costs
     from zplan.planner.family import family_summary
 
@@ -189,7 +189,7 @@ def test_unit_costs_keep_the_embedding_and_head_whole_under_tp():
     for unit, static in zip(summary.layers, units.static_bytes, strict=True):
         assert static == pytest.approx(16.0 * unit.params / (2 if unit.kind == "block" else 1))
     head = kinds.index("head")
-    assert units.act_bytes[head] == pytest.approx(2 * 128 * 256 * 2 + 2 * 128 * 1000 * 14.0)
+    assert units.act_bytes[head] == pytest.approx(2 * 128 * 256 * 2 + 2 * 128 * 1000 * 12.0)
 
 
 def test_edge_compute_is_not_divided_by_tp():

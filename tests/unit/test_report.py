@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -70,8 +71,11 @@ def test_display_parts_cover_the_schema():
     """A field added to the breakdowns must show up in the reports."""
     assert {key for key, _ in TIME_PARTS} == set(TimeBreakdown.model_fields)
     memory_fields = set(MemoryBreakdown.model_fields) - {"total", "capacity", "cpu_bytes_per_node",
-                                                          "nvme_bytes_per_node"}
+                                                          "nvme_bytes_per_node", "not_at_peak"}
     assert {key for key, _ in MEMORY_PARTS} == memory_fields
+    templates = Path(__file__).resolve().parents[2] / "codegen" / "templates"
+    for name in ("report.md.j2", "report.html.j2"):  # subtracted from the parts, so its own row, not a segment
+        assert "memory_not_at_peak" in (templates / name).read_text(), name
 
 
 def test_formatting_by_hand():
