@@ -19,7 +19,6 @@ the log-sum-exp as the GPU's flash and memory-efficient kernels do (O(s*h) per l
 from __future__ import annotations
 
 import importlib.util
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -195,10 +194,6 @@ def dry_run(program: Program, *, steps: int = DRYRUN_STEPS, stages: list[int] | 
             host_peak_bytes=measured.host_peak_bytes, predicted_host_bytes=host, seconds=measured.seconds))
     result.seconds = time.perf_counter() - start
     return result
-
-
-def stderr_say(message: str) -> None:
-    print(f"zplan: {message}", file=sys.stderr, flush=True)
 
 
 # ---- zplan compile --verify ----------------------------------------------------------------------------------

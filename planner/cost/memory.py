@@ -149,15 +149,20 @@ def block_activation_bytes(model: ModelNumbers, cand: Candidates, precision: str
     total = b * model.block_act_bytes
     replicated = np.minimum(total, 5.0 * s * h * elem * b)  # 10*s*b*h at 16-bit
     sharded = total - replicated
-    none = sharded / t + np.where(sp, replicated / t, replicated)
+    # Sequence parallel shards the norms' inputs, but torch's tensor parallel all-gathers the inputs of the
+    # column-parallel projections (attention, MLP: 2*s*b*h) and their matmuls save them whole (Megatron re-gathers
+    # them in backward instead); measured by the dry run.
+    gathered = np.minimum(replicated, 2.0 * s * h * elem * b)
+    none = sharded / t + np.where(sp, (replicated - gathered) / t + gathered, replicated)
     block_input = np.where(sp, s * b * h * elem / t, s * b * h * elem)
     # Selective: the runtime keeps the projections' outputs and recomputes everything else (runtime.apply's
     # policy: aten.mm / addmm saved), plus the block input the checkpoint keeps. Under tp the column-parallel outputs
-    # are split; the two row-parallel ones (attention out, MLP down: 2*s*h) are whole unless sequence parallel.
-    # A trace without the projections' outputs (older summaries) keeps the attention-core rule.
+    # are split; the two row-parallel ones (attention out, MLP down: 2*s*h) are whole partial sums, also under
+    # sequence parallel (the mm's output, before its reduce-scatter). A trace without the projections' outputs
+    # (older summaries) keeps the attention-core rule.
     gemm = b * model.block_gemm_out_bytes
     rowwise = np.minimum(gemm, 2.0 * s * h * elem * b)
-    kept = (gemm - rowwise) / t + np.where(sp, rowwise / t, rowwise) + block_input
+    kept = (gemm - rowwise) / t + rowwise + block_input
     selective = np.where(gemm > 0, np.minimum(kept, none),
                          none - b * attention_core_act_bytes(model, precision) / t)
     full = block_input
