@@ -183,13 +183,9 @@ def apply_data_parallel(
         if compute_dtype is not None:
             _forward_under_autocast(model, device.type, compute_dtype)
         device_ids = [device] if device.type == "cuda" else None
-        # gradient_as_bucket_view: the gradients are views into DDP's buckets, not a second copy of them (torch's
-        # DistributedDataParallel docs): 4 bytes per parameter, as planner.cost.memory counts them. Gradients that
-        # exist when DDP is built become such views at once (its reducer copies and aliases them), so that already
-        # the first step's micro-batches accumulate in the buckets (runtime.train_loop.zero_grads keeps them there).
-        for parameter in model.parameters():
-            if parameter.requires_grad and parameter.grad is None:
-                parameter.grad = torch.zeros_like(parameter)
+        # gradient_as_bucket_view: once synchronised, the gradients are views into DDP's buckets, not a second copy
+        # of them (torch's DistributedDataParallel docs). Under no_sync (micro-batches before the last) they are
+        # still computed beside the buckets (planner.cost.memory counts both).
         ddp = DistributedDataParallel(model, process_group=dp_mesh.get_group(), device_ids=device_ids,
                                       gradient_as_bucket_view=True)
         if grad_compression == "int8":  # 1bit: build_optimizer's OneBitAdamW registers its own hook

@@ -100,7 +100,7 @@ def measure_steps(plan, model_path: Path, settings: TrainSettings, steps: int, c
                   fake: bool = True) -> RankFigures:
     """Build this rank's part of `plan` and run `steps` optimizer steps, every storage counted (module docstring):
     on fake tensors (`fake`, inside runtime.fake_world), or on real ones in a real process group (the dry run's
-    honesty check, tests/distributed/test_dry_run.py: the same code, the same meter)."""
+    honesty check, tests/distributed/test_dry_run_vs_real.py: the same code, the same meter)."""
     import contextlib
 
     from zplan.planner.model_file import load_model_file
@@ -108,7 +108,7 @@ def measure_steps(plan, model_path: Path, settings: TrainSettings, steps: int, c
     from zplan.runtime.fake_world import drop_cached_tensors, fake_tensors
     from zplan.runtime.materialize import build_meta_model
     from zplan.runtime.plan_apply import parallelize, plan_mesh, plan_optimizer
-    from zplan.runtime.train_loop import loss_scaler, optimizer_step, zero_grads
+    from zplan.runtime.train_loop import loss_scaler, optimizer_step
 
     p = plan.parallel
     model_file = load_model_file(model_path)
@@ -140,7 +140,7 @@ def measure_steps(plan, model_path: Path, settings: TrainSettings, steps: int, c
         for step in range(steps):
             optimizer_step(model, optimizer, data, model_file.loss_fn, p.num_micro_batches, settings.grad_clip,
                            scaler, ctx.device)
-            zero_grads(model, optimizer)
+            optimizer.zero_grad(set_to_none=True)
             if step == 0:  # the optimizer's states exist now
                 storages.refresh()
                 meter.mark_host(storages.host_ids(p.offload))

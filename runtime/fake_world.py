@@ -155,9 +155,6 @@ class FakeRankDDP(nn.parallel.DistributedDataParallel):
             for p, view in zip(same, bucket.split([q.numel() for q in same]), strict=True):
                 self._bucket_views[id(p)] = view.view_as(p)
                 p.register_post_accumulate_grad_hook(self._into_bucket)
-                if p.grad is not None:  # as the reducer's initialize_bucket_views: copied in, replaced by the view
-                    self._bucket_views[id(p)].copy_(p.grad)
-                    p.grad = self._bucket_views[id(p)]
 
     def _into_bucket(self, p: torch.Tensor) -> None:
         view = self._bucket_views[id(p)]

@@ -162,16 +162,6 @@ def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, data_iter
     return loss_sum, grad_norm
 
 
-def zero_grads(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Gradients to zero after a step. Under DDP (gradient_as_bucket_view, runtime.apply) they stay zeroed views of
-    its buckets, so that the next step's micro-batches accumulate into the buckets in place; set_to_none would make
-    every backward under no_sync allocate gradients beside the buckets (twice the gradient memory, measured by the
-    dry run). Elsewhere they are freed (set_to_none)."""
-    wrappers = [model, *(model.chunks if isinstance(model, PipelineRun) else ())]  # a pipeline's stages: DDP each
-    ddp = any(isinstance(module, DistributedDataParallel) for wrapper in wrappers for module in wrapper.modules())
-    optimizer.zero_grad(set_to_none=not ddp)
-
-
 def _mfu(model_flops_per_step: float, step_time_s: float, world_size: int, peak_flops: float) -> float:
     """Model FLOPs utilisation (PaLM, Appendix B): achieved model FLOP/s over the peak of all devices."""
     return model_flops_per_step / (step_time_s * world_size * peak_flops) if peak_flops > 0 else 0.0
@@ -314,7 +304,7 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, data_iter: Iterato
                 if step == start_step:
                     state_bytes = model_state_bytes(model, optimizer)
                     tiers = state_bytes_by_tier(model, optimizer, ctx.device)
-                zero_grads(model, optimizer)
+                optimizer.zero_grad(set_to_none=True)
                 dist.all_reduce(loss_sum)  # gloo has no AVG: sum, then divide
                 loss_value = loss_sum.item() / ctx.world_size
                 step_time_s = time.perf_counter() - start

@@ -1,7 +1,7 @@
 """zplan dryrun on fake tensors at world sizes 2, 8, 64 and 1024: the program of a compiled plan builds and steps on one
 rank per pipeline stage, the optimizer states it counts equal the plan's formula, and bad input or a
 plan over capacity ends in one message with the right exit status. The fake-vs-real comparison is
-tests/distributed/test_dry_run.py."""
+tests/distributed/test_dry_run_vs_real.py."""
 
 import json
 from pathlib import Path
