@@ -1,5 +1,5 @@
-"""One rank of the dry run's honesty check (tests/distributed/test_dry_run_vs_real.py): the plan in OUT run for real, in a
-real gloo process group on real tensors, through the same measure_steps and meter as the dry run.
+"""One rank of the dry run's honesty check (tests/distributed/test_dry_run_vs_real.py): the plan in OUT run for
+real, in a real gloo process group on real tensors, through the same measure_steps and meter as the dry run.
 
     python dry_run_worker.py OUT MODEL_FILE RESULT_PREFIX     # as one rank of torchrun's world
 writes RESULT_PREFIX.rank<r>.json: the figures of runtime.dry_run.RankFigures.
