@@ -18,7 +18,6 @@ the log-sum-exp as the GPU's flash and memory-efficient kernels do (O(s*h) per l
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -120,14 +119,12 @@ def load_program(out_dir: Path, model: Path | None = None) -> Program:
     if plan.model.source == "family":
         raise PlanMismatchError(f"{out_dir} was compiled from a family spec: there is no model code to run. Compile a "
                                 "model file to dry-run it")
-    spec = importlib.util.spec_from_file_location("zplan_dryrun_train", script)
-    train = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(train)
-        model_file = train.MODEL_FILE
-        planned_for, digest = train.PLANNED_FOR, train.PLAN_DIGEST
-        settings = (float(train.LR), float(train.WEIGHT_DECAY), float(train.GRAD_CLIP))
-    except Exception as error:  # an edited or foreign train.py: say which
+    try:  # read as data, never run: the only code zplan runs is the model file
+        constants = train_script_constants(script)
+        model_file = constants["MODEL_FILE"]
+        planned_for, digest = constants["PLANNED_FOR"], constants["PLAN_DIGEST"]
+        settings = (float(constants["LR"]), float(constants["WEIGHT_DECAY"]), float(constants["GRAD_CLIP"]))
+    except (KeyError, TypeError, ValueError, SyntaxError, OSError) as error:  # an edited or foreign train.py
         raise PlanMismatchError(f"{script} is not a train.py `zplan compile` wrote ({type(error).__name__}: "
                                 f"{error}): recompile the model") from error
     model_path = Path(model) if model else (script.parent / model_file)
@@ -137,6 +134,22 @@ def load_program(out_dir: Path, model: Path | None = None) -> Program:
     from zplan.runtime.dry_run import TrainSettings
 
     return Program(plan, model_path, TrainSettings(*settings))
+
+
+TRAIN_SCRIPT_CONSTANTS = ("MODEL_FILE", "PLANNED_FOR", "PLAN_DIGEST", "LR", "WEIGHT_DECAY", "GRAD_CLIP")
+
+
+def train_script_constants(script: Path) -> dict:
+    """TRAIN_SCRIPT_CONSTANTS as an emitted train.py assigns them at its top level, parsed with ast (literals
+    only: ValueError otherwise); a missing one is absent from the result."""
+    import ast
+
+    constants = {}
+    for node in ast.parse(script.read_text()).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            if node.targets[0].id in TRAIN_SCRIPT_CONSTANTS:
+                constants[node.targets[0].id] = ast.literal_eval(node.value)
+    return constants
 
 
 def representative_ranks(plan) -> list[tuple[int, int, str]]:

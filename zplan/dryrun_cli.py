@@ -62,16 +62,15 @@ def print_result(console: Console, result, plan) -> None:
 def next_plan_that_fits(result, plan) -> str | None:
     """The fastest of the plan's alternatives that fits once scaled by how far the dry run found the plan off (an
     estimate: dry-run it to prove it)."""
+    from zplan.dryrun import pins_of
+
     top = max(result.ranks, key=lambda r: r.measured_peak_bytes)
     scale = top.measured_peak_bytes / max(1.0, top.predicted_peak_bytes)
     reserve = plan.prediction.memory.reserve
     for alternative in plan.alternatives:
         expected = (alternative.memory_per_gpu_bytes - reserve) * scale
         if alternative.feasible and expected <= top.capacity_bytes:
-            p = alternative.parallel
-            return (f"--tp {p.tp} --pp {p.pp} --dp {p.dp} --zero {p.zero_stage} --micro-batch {p.micro_batch} "
-                    f"--recompute {p.recompute} --offload {p.offload} (planned {_gib(expected)} GiB at the dry "
-                    "run's scale)")
+            return f"{pins_of(alternative.parallel)[1]} (planned {_gib(expected)} GiB at the dry run's scale)"
     return None
 
 

@@ -73,6 +73,14 @@ def test_cli_json_and_bad_input(llama, tmp_path):
     not_a_plan = runner.invoke(app, ["dryrun", str(tmp_path)])
     assert not_a_plan.exit_code == 2 and "is not a folder `zplan compile` wrote" in not_a_plan.output
 
+    marker = tmp_path / "ran"  # train.py is read as data: code in it never runs
+    script = out / "train.py"
+    original = script.read_text()
+    script.write_text(f"open({str(marker)!r}, 'w').close()\n" + original.replace("PLAN_DIGEST = ", "PLAN_DIGEST = str"))
+    hostile = runner.invoke(app, ["dryrun", str(out)])
+    assert hostile.exit_code == 2 and "is not a train.py" in hostile.output and not marker.exists()
+    script.write_text(original)
+
     changed = tmp_path / "changed.py"
     changed.write_text(llama.read_text().replace("hidden_size=32", "hidden_size=64"))
     other_model = runner.invoke(app, ["dryrun", str(out), "--model", str(changed)])
