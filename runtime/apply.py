@@ -183,9 +183,16 @@ def apply_data_parallel(
         if compute_dtype is not None:
             _forward_under_autocast(model, device.type, compute_dtype)
         device_ids = [device] if device.type == "cuda" else None
-        # gradient_as_bucket_view: once synchronised, the gradients are views into DDP's buckets, not a second copy
-        # of them (torch's DistributedDataParallel docs). Under no_sync (micro-batches before the last) they are
-        # still computed beside the buckets (planner.cost.memory counts both).
+        # gradient_as_bucket_view: the gradients are views into DDP's buckets, not a second copy of them (torch's
+        # DistributedDataParallel docs). Its reducer makes a gradient that exists at construction such a view; one
+        # that does not exists beside the buckets until synchronised, which under no_sync (the micro-batches before
+        # the last) is the whole backward. So every gradient exists first, as a broadcast zero that holds no memory,
+        # and train_loop.clear_gradients zeroes the views in place instead of dropping them.
+        zero = {}
+        for p in model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = zero.setdefault((p.dtype, p.device), torch.zeros((), dtype=p.dtype, device=p.device)) \
+                    .expand(p.shape)
         ddp = DistributedDataParallel(model, process_group=dp_mesh.get_group(), device_ids=device_ids,
                                       gradient_as_bucket_view=True)
         if grad_compression == "int8":  # 1bit: build_optimizer's OneBitAdamW registers its own hook

@@ -35,6 +35,7 @@ but not loaded: they come from the script that resumes, as the LR schedule does 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -187,8 +188,24 @@ def resolve_checkpoint(path: str | Path) -> Path:
 # ---- state dicts ---------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _gradients_set_aside(optimizer: torch.optim.Optimizer):
+    """DCP's state-dict calls give an optimizer without states its states by a step on zero gradients, but only where
+    no parameter has a gradient; DDP's always exist (runtime.apply: views of its buckets), so they step aside."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, grad in zip(params, grads, strict=True):
+            p.grad = grad
+
+
 def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    return get_state_dict(model, optimizer, options=_OPTIONS)
+    with _gradients_set_aside(optimizer):
+        return get_state_dict(model, optimizer, options=_OPTIONS)
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:
@@ -534,8 +551,9 @@ def load_checkpoint(
             f"cannot load checkpoint {path} into this model and optimizer: {describe_dcp_error(error)}"
         ) from error
     optimizer_state.update({key: wanted_optimizer[reads_from[key]] for key in reads_from})
-    set_state_dict(model, optimizer, model_state_dict=model_state,
-                   optim_state_dict=optimizer_state, options=_OPTIONS)
+    with _gradients_set_aside(optimizer):
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
+                       options=_OPTIONS)
 
     same_world = train_state["world_size"] == ctx.world_size and train_state.get("layout", {}) == (layout or {})
     rank_file = path / f"rank-{(ctx.rank if same_world else 0):05d}.pt"

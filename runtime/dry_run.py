@@ -108,7 +108,7 @@ def measure_steps(plan, model_path: Path, settings: TrainSettings, steps: int, c
     from zplan.runtime.fake_world import drop_cached_tensors, fake_tensors
     from zplan.runtime.materialize import build_meta_model
     from zplan.runtime.plan_apply import parallelize, plan_mesh, plan_optimizer
-    from zplan.runtime.train_loop import loss_scaler, optimizer_step
+    from zplan.runtime.train_loop import clear_gradients, loss_scaler, optimizer_step
 
     p = plan.parallel
     model_file = load_model_file(model_path)
@@ -140,7 +140,7 @@ def measure_steps(plan, model_path: Path, settings: TrainSettings, steps: int, c
         for step in range(steps):
             optimizer_step(model, optimizer, data, model_file.loss_fn, p.num_micro_batches, settings.grad_clip,
                            scaler, ctx.device)
-            optimizer.zero_grad(set_to_none=True)
+            clear_gradients(model, optimizer)
             if step == 0:  # the optimizer's states exist now
                 storages.refresh()
                 meter.mark_host(storages.host_ids(p.offload))

@@ -135,9 +135,9 @@ class FakeRankDDP(nn.parallel.DistributedDataParallel):
     """DistributedDataParallel on a fake rank, without its C++ reducer (which reads and writes tensor data: its
     constructor exchanges parameter shapes, its bucket rebuild and all-reduce futures carry values). It holds
     what the reducer holds with gradient_as_bucket_view (runtime.apply): flat buckets of every parameter's
-    gradient, one per dtype, made at construction, and each gradient, once computed outside no_sync, copied into
-    its view of the bucket and replaced by that view (torch's reducer does the same in mark_variable_ready; under
-    no_sync gradients accumulate in their own tensors). The all-reduce is in
+    gradient, one per dtype, made at construction; a gradient that exists then becomes its view of the bucket, and
+    one computed later outside no_sync is copied into that view and replaced by it (torch's reducer does the same in
+    mark_variable_ready; under no_sync such a gradient accumulates in its own tensor). The all-reduce is in
     place on the buckets (NCCL's is too) and costs no memory; comm hooks (int8 gradient compression) are not run,
     so their copies of a bucket are not counted."""
 
@@ -154,6 +154,9 @@ class FakeRankDDP(nn.parallel.DistributedDataParallel):
             bucket = torch.empty(sum(p.numel() for p in same), dtype=dtype, device=same[0].device)
             for p, view in zip(same, bucket.split([q.numel() for q in same]), strict=True):
                 self._bucket_views[id(p)] = view.view_as(p)
+                if p.grad is not None:  # as the reducer's bucket views initialisation does
+                    self._bucket_views[id(p)].copy_(p.grad)
+                    p.grad = self._bucket_views[id(p)]
                 p.register_post_accumulate_grad_hook(self._into_bucket)
 
     def _into_bucket(self, p: torch.Tensor) -> None:

@@ -59,14 +59,14 @@ import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from zplan.errors import ZplanError
 from zplan.planner.model_file import logits_of
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}  # in
+# torch.distributed.pipelining, imported when a schedule is built: it pulls in torch._dynamo (~1 s per process)
 BLOCK_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 SPLIT_TOLERANCE = 1e-5  # max |stages composed - model(example)|, eval mode, fp32
 MICRO_BATCH_INDEX = "micro_batch_index"  # the keyword by which a stage learns which micro-batch it runs
@@ -629,16 +629,18 @@ class PipelineRun(nn.Module):
         return None if has_dtensor else examples
 
     def _build_schedule(self, first_micro_batch: Any):
+        from torch.distributed import pipelining
+
         examples = self._activation_examples(first_micro_batch)
         stages = []
         for chunk, index in zip(self._chunks, self._stage_indices, strict=True):
             inputs, outputs = examples[index] if examples else (None, None)
-            stages.append(PipelineStage(chunk, index, self._num_stages, self._device, input_args=inputs,
-                                        output_args=outputs, group=self._group))
-        schedule_class = SCHEDULES[self._schedule_name]
+            stages.append(pipelining.PipelineStage(chunk, index, self._num_stages, self._device, input_args=inputs,
+                                                   output_args=outputs, group=self._group))
+        schedule_class = getattr(pipelining, SCHEDULES[self._schedule_name])
         # scale_grads=False: step() divides the gradients by num_micro_batches itself, once per parameter
         # (torch scales per stage, twice for a parameter shared by two chunks of one rank).
-        if schedule_class is ScheduleInterleaved1F1B:
+        if schedule_class is pipelining.ScheduleInterleaved1F1B:
             return schedule_class(stages, self._num_micro_batches, loss_fn=self._micro_batch_loss,
                                   scale_grads=False)
         return schedule_class(stages[0], self._num_micro_batches, loss_fn=self._micro_batch_loss,

@@ -121,14 +121,27 @@ def loss_scaler(model: nn.Module, precision: str, device: torch.device):
 
 
 def _grad_sync(model: nn.Module, last_micro_batch: bool):
-    """DDP all-reduces only after the last micro-batch; FSDP2 reduce-scatters each one (ZeRO keeps
-    gradients sharded, so accumulating them unsharded would defeat it). ZeRO-2 keeps its parameters
-    gathered until the last micro-batch's backward (runtime.apply.keeps_parameters_gathered)."""
+    """DDP, and FSDP2's replicate (ZeRO 0/1 under tensor parallel: runtime.tensor_parallel), all-reduce only after
+    the last micro-batch (the replicate accumulates the others' gradients in fp32, its reduce dtype: one copy, as DDP
+    holds); FSDP2's fully_shard reduce-scatters each one (ZeRO keeps gradients sharded, so accumulating them
+    unsharded would defeat it). ZeRO-2 keeps its parameters gathered until the last micro-batch's backward
+    (runtime.apply.keeps_parameters_gathered)."""
+    from torch.distributed._composable.replicate_with_fsdp import ReplicateModule
+
     if isinstance(model, DistributedDataParallel) and not last_micro_batch:
         return model.no_sync()
+    if isinstance(model, ReplicateModule):
+        model.set_requires_gradient_sync(last_micro_batch)
     if keeps_parameters_gathered(model):
         model.set_reshard_after_backward(last_micro_batch)  # shards again before the optimizer step
     return contextlib.nullcontext()
+
+
+def clear_gradients(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """After a step: DDP's gradients are views of its buckets (runtime.apply), zeroed in place so that the next
+    step's no_sync micro-batches accumulate into them; every other gradient is dropped (set_to_none)."""
+    chunks = model.chunks if isinstance(model, PipelineRun) else [model]
+    optimizer.zero_grad(set_to_none=not any(isinstance(c, DistributedDataParallel) for c in chunks))
 
 
 def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, data_iter: Iterator, loss_fn: Callable,
@@ -304,7 +317,7 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, data_iter: Iterato
                 if step == start_step:
                     state_bytes = model_state_bytes(model, optimizer)
                     tiers = state_bytes_by_tier(model, optimizer, ctx.device)
-                optimizer.zero_grad(set_to_none=True)
+                clear_gradients(model, optimizer)
                 dist.all_reduce(loss_sum)  # gloo has no AVG: sum, then divide
                 loss_value = loss_sum.item() / ctx.world_size
                 step_time_s = time.perf_counter() - start
