@@ -158,10 +158,13 @@ def stage_params_on_rank(plan, pp_rank: int) -> float:
 def predicted_rank_bytes(plan, pp_rank: int) -> dict[str, float]:
     """The planner's bytes per parameter (memory.state_bytes_per_param) times stage_params_on_rank."""
     from zplan.planner.cost.memory import state_bytes_per_param
+    from zplan.schemas.model_states import parameters_in_compute_dtype
 
     p = plan.parallel
     per_param = state_bytes_per_param(p.zero_stage, p.dp, p.offload != "none",
-                                      parameters_offloaded=plan.placement.parameters != "gpu")
+                                      parameters_offloaded=plan.placement.parameters != "gpu",
+                                      sixteen_bit=parameters_in_compute_dtype(p.zero_stage, plan.train.precision,
+                                                                              p.compression.grad))
     n = stage_params_on_rank(plan, pp_rank)
     return {k: float(b) * n for k, b in zip(("parameters", "gradients", "optimizer"), per_param, strict=True)}
 
@@ -249,12 +252,14 @@ def predicted_gathered_bytes(plan) -> float:
     (ZeRO 2: the whole stage in the compute dtype), from the planner's own formula."""
     import numpy as np
 
+    from zplan.planner.cost.inputs import GRAD_COMPRESSION
     from zplan.planner.cost.memory import compute_copy_bytes
 
     p = plan.parallel
     stage_params = max(stage.params for stage in plan.stages) / p.tp if p.pp > 1 else plan.model.params / p.tp
-    return float(compute_copy_bytes(np.array([stage_params]), np.array([p.zero_stage]),
-                                          plan.train.precision)[0])
+    grad_compress = GRAD_COMPRESSION.index(p.compression.grad)
+    return float(compute_copy_bytes(np.array([stage_params]), np.array([p.zero_stage]), plan.train.precision,
+                                    grad_compress=np.array([grad_compress]))[0])
 
 
 def _total(r: dict) -> int:

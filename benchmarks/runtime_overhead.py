@@ -1,8 +1,9 @@
 """Runtime overhead: step time of zplan's runtime under ZeRO 0/1/2/3 against hand-written torch code
-for the same plan, and against DeepSpeed itself (ZeRO 1 and 2), all in the same 2 processes (gloo).
+for the same plan, and against DeepSpeed itself (ZeRO 1 and 2 in fp32, ZeRO 1 in bf16), all in the same
+2 processes (gloo).
 
     .venv/bin/python benchmarks/runtime_overhead.py [--json] [--rounds 3] [--steps 4] [--skip-deepspeed]
-                                                    [--stages 0 1 2 3]
+                                                    [--skip-bf16] [--stages 0 1 2 3]
 
 The model is benchmarks/_small_gpt.py (examples/gpt.py at 4 layers, hidden 256, vocabulary 8192,
 64 tokens, 5.3M parameters), compiled for each stage with
@@ -14,7 +15,27 @@ ZeRO 0 against DDP, ZeRO 1 against DDP + ZeroRedundancyOptimizer, ZeRO 2 and 3 a
 fully_shard per block and at the root (reshard_after_forward False / True); same model, seed, data,
 micro-batches, fused AdamW, clipping, and the same per-step loss all-reduce that logging needs.
 DeepSpeed runs the plan's ds_config.json (codegen.ds_config) with `torch_adam: true`, on its CPU
-accelerator (DS_ACCELERATOR=cpu; without oneCCL it falls back to gloo).
+accelerator (DS_ACCELERATOR=cpu; without oneCCL it falls back to gloo), with the warm-up/cosine learning rate
+the other sides use set on its optimizer's groups before each step. In fp32 (ZeRO 1 and 2) its engine wraps
+torch.optim.AdamW in deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.
+
+bf16 ZeRO 1 (issue 16, on by default, --skip-bf16 leaves it out; it runs when --stages has 1): the ZeRO-1 plan
+compiled again with --precision bf16, nothing else changed (checked: same parallel config, placement, batch),
+timed against DeepSpeed like the pairs above. zplan: bf16 parameters and gradients on every rank
+(runtime.apply.cast_parameters; DDP all-reduces the bf16 gradients after the last micro-batch), and
+runtime.zero1.ZeroOneAdamW keeps fp32 master rows and fp32 moments for its dim-0 row shard, steps them with the
+fused AdamW kernel, rounds them into the bf16 parameter rows and gathers those (the clipping factor divides the
+upcast gradient rows in the step: train_loop._clip_in_step). DeepSpeed 0.19.8: the same config with
+"bf16": {"enabled": true} and zero_optimization stage 1 (codegen.ds_config writes it for a bf16 plan) and
+torch_adam. Its engine casts the parameters (not the buffers) to bf16; with no data_types.grad_accum_dtype the
+gradients accumulate in bf16 too, so _do_optimizer_sanity_check picks ZeRO (not BF16_Optimizer, which it takes
+only for fp32 gradient accumulation) and the optimizer that runs is DeepSpeedZeroOptimizer over torch.optim.AdamW
+(torch's default on CPU, the single-tensor loop, over one flat fp32 partition per group) holding the fp32 master
+partition and fp32 moments of its shard; gradients are all-reduced in bf16 (its communication_data_type) at the
+accumulation boundary and the bf16 partitions all-gathered after the step: the same precision and memory layout
+as zplan's. The JSON says which class ran (deepspeed.optimizer_by_precision), and its rows are in the DeepSpeed
+section with "precision": "bf16". Both sides start from the same fp32 weights rounded to bf16: their first losses
+are equal (first_loss_zplan, first_loss_deepspeed), the later ones within bf16 rounding (3e-4 over 11 steps).
 
 A step is timed from the outside, from the fetch of its first micro-batch to the next step's, so it
 includes everything the loop does (wall time, and this process's CPU time). Each pair (zplan and its
@@ -24,11 +45,12 @@ zplan median over the baseline's median; the CPU-time ratio (same steps) is prin
 this shared 2-core machine other processes take the cores and the wall ratio of a single round can
 swing by +-50 %, while CPU time shows whether zplan does more work. The load average is printed.
 Targets (issue 3): max_step_time_ratio <= 1.05, step_time_ratio_vs_deepspeed <= 1.0 (zplan over
-DeepSpeed, the larger of ZeRO 1 and 2).
+DeepSpeed, the larger of ZeRO 1 and 2, fp32). Issue 16: zero1_bf16_vs_deepspeed <= 1.0 (zplan's bf16 ZeRO-1 step
+time over DeepSpeed's; zero1_bf16_vs_deepspeed_cpu, its CPU-time ratio, beside it).
 
 The first DeepSpeed run on a machine JIT-builds its shared-memory comm op (about 3.5 minutes on 2
 cores, cached in ~/.cache/torch_extensions afterwards). The script takes about 110 s on a quiet 2-core
-machine, up to 4 minutes when other processes load it.
+machine, up to 4 minutes when other processes load it; the bf16 ZeRO-1 pair adds about 10 s (--skip-bf16).
 """
 
 from __future__ import annotations
@@ -45,6 +67,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import (  # noqa: E402
+    CLUSTER,
     SMALL_GPT,
     StepClock,
     apply_plan,
@@ -62,6 +85,7 @@ WEIGHT_DECAY = 0.1
 GRAD_CLIP = 1.0
 WARMUP_STEPS_SKIPPED = 2  # left out of every run: lazy init, first allocations
 GLOBAL_BATCH, MICRO_BATCH = 4, 1
+BF16_ZERO1 = "zero1-bf16"  # the plan key (and folder) of the ZeRO-1 plan compiled with --precision bf16
 BASELINES = {0: "DDP", 1: "DDP + ZeroRedundancyOptimizer", 2: "FSDP2 (reshard_after_forward=False)",
              3: "FSDP2 (reshard_after_forward=True)"}
 
@@ -151,14 +175,20 @@ def run_baseline(plan, model_file, ctx, steps: int) -> tuple[list[float], list[f
     return clock.step_times_s(WARMUP_STEPS_SKIPPED), clock.step_cpu_s(WARMUP_STEPS_SKIPPED), losses[0]
 
 
+# What DeepSpeed's engine wrapped around which optimizer, by plan precision (run_deepspeed notes it; the worker
+# reports it): e.g. "DeepSpeedZeroOptimizer over AdamW", never assumed.
+DEEPSPEED_OPTIMIZERS: dict[str, str] = {}
+
+
 def run_deepspeed(plan, model_file, ctx, steps: int) -> tuple[list[float], list[float], float]:
-    """DeepSpeed's engine on the plan's ds_config.json (AdamW with torch_adam), same model and data."""
+    """DeepSpeed's engine on the plan's ds_config.json (AdamW with torch_adam; bf16 enabled for a bf16 plan), same
+    model, data and learning-rate schedule."""
     import deepspeed
     import torch
     import torch.distributed as dist
 
     from zplan.codegen.ds_config import deepspeed_config
-    from zplan.runtime import synthetic_token_batches
+    from zplan.runtime import WarmupCosine, synthetic_token_batches
 
     p = plan.parallel
     config = deepspeed_config(plan)
@@ -167,13 +197,18 @@ def run_deepspeed(plan, model_file, ctx, steps: int) -> tuple[list[float], list[
     torch.manual_seed(SEED)
     model = model_file.build_model()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=_param_groups(model), config=config)
+    DEEPSPEED_OPTIMIZERS[plan.train.precision] = (f"{type(engine.optimizer).__name__} over "
+                                                  f"{type(engine.basic_optimizer).__name__}")
     micro = p.num_micro_batches
     clock = StepClock(synthetic_token_batches(
         vocab=plan.model.vocab, seq_len=plan.train.seq_len, micro_batch=p.micro_batch, num_micro_batches=micro,
         dp_rank=ctx.rank, dp_size=p.dp, seed=SEED), micro)
+    schedule = WarmupCosine(max_lr=LR, warmup_steps=max(1, steps // 10), total_steps=steps)
     losses = []
     engine.train()
-    for _ in range(steps):
+    for step in range(steps):
+        for group in engine.optimizer.param_groups:  # the wrapper's groups are its torch AdamW's
+            group["lr"] = schedule(step)
         loss_sum = torch.zeros(())
         for _ in range(micro):
             tokens = next(clock)  # (B, T)
@@ -200,30 +235,35 @@ def worker(args, ctx) -> None:
 
     plan_dir = Path(args.plan_dir)
     plans = {z: load_plan(plan_dir / f"zero{z}" / "plan.json") for z in (0, 1, 2, 3)}
+    if (plan_dir / BF16_ZERO1).exists():
+        plans[BF16_ZERO1] = load_plan(plan_dir / BF16_ZERO1 / "plan.json")
     model_file = load_model_file(SMALL_GPT)
     mesh = build_mesh(pp=1, dp=WORLD, tp=1, device_type=ctx.device.type)
     steps = WARMUP_STEPS_SKIPPED + args.steps + 1  # the last step has no next fetch to end its timing
-    runners = {
-        "zplan": lambda z: run_zplan(plans[z], model_file, SMALL_GPT, mesh, ctx, steps),
-        "baseline": lambda z: run_baseline(plans[z], model_file, ctx, steps),
-        "deepspeed": lambda z: run_deepspeed(plans[z], model_file, ctx, steps),
+    runners = {  # by plan key: a ZeRO stage (fp32), or BF16_ZERO1
+        "zplan": lambda key: run_zplan(plans[key], model_file, SMALL_GPT, mesh, ctx, steps),
+        "baseline": lambda key: run_baseline(plans[key], model_file, ctx, steps),
+        "deepspeed": lambda key: run_deepspeed(plans[key], model_file, ctx, steps),
     }
 
-    def compare(other: str, stages, rounds: int) -> list[dict]:
-        """zplan against `other` for each stage, `rounds` times, alternating which goes first."""
+    def compare(other: str, keys, rounds: int) -> list[dict]:
+        """zplan against `other` for each plan key, `rounds` times, alternating which goes first (by round and
+        ZeRO stage)."""
         wall, cpu, first_loss = {}, {}, {}
-        round_ratios = {z: [] for z in stages}
+        round_ratios = {z: [] for z in keys}
         for r in range(rounds):
-            for z in stages:
+            for z in keys:
                 medians = {}
-                for side in (("zplan", other) if (r + z) % 2 == 0 else (other, "zplan")):
+                stage = plans[z].parallel.zero_stage
+                for side in (("zplan", other) if (r + stage) % 2 == 0 else (other, "zplan")):
                     kept_wall, kept_cpu, first_loss[side, z] = runners[side](z)
                     wall.setdefault((side, z), []).extend(kept_wall)
                     cpu.setdefault((side, z), []).extend(kept_cpu)
                     medians[side] = median(kept_wall)
                 round_ratios[z].append(medians["zplan"] / medians[other])
         return [{
-            "zero_stage": z, "zplan_step_s": median(wall["zplan", z]), f"{other}_step_s": median(wall[other, z]),
+            "zero_stage": plans[z].parallel.zero_stage, "precision": plans[z].train.precision,
+            "zplan_step_s": median(wall["zplan", z]), f"{other}_step_s": median(wall[other, z]),
             # each round's pair runs back to back, under much the same machine load: the median of the
             # rounds' ratios is the headline; the ratio of the pooled medians is kept beside it
             "ratio": median(round_ratios[z]), "pooled_ratio": median(wall["zplan", z]) / median(wall[other, z]),
@@ -231,31 +271,69 @@ def worker(args, ctx) -> None:
             "zplan_cpu_s": median(cpu["zplan", z]), f"{other}_cpu_s": median(cpu[other, z]),
             "cpu_ratio": median(cpu["zplan", z]) / median(cpu[other, z]), "steps_timed": len(wall["zplan", z]),
             "first_loss_zplan": first_loss["zplan", z], f"first_loss_{other}": first_loss[other, z],
-        } for z in stages]
+        } for z in keys]
 
     stages = tuple(args.stages)
     rows = compare("baseline", stages, args.rounds)
     for row in rows:
         row["baseline"] = BASELINES[row["zero_stage"]]
-    deepspeed_result = {"ran": False, "error": None, "rows": []}
-    if not args.skip_deepspeed and any(z in (1, 2) for z in stages):
+    deepspeed_result = {"ran": False, "error": None, "rows": [], "bf16_ran": False, "bf16_error": None}
+    with_bf16 = BF16_ZERO1 in plans and not args.skip_bf16 and 1 in stages
+    if not args.skip_deepspeed and (with_bf16 or any(z in (1, 2) for z in stages)):
         try:
             import deepspeed
 
             deepspeed.init_distributed(dist_backend="gloo")
+            deepspeed_result.update(version=deepspeed.__version__, accelerator=os.environ.get("DS_ACCELERATOR"))
+        except Exception as exc:  # neither comparison can run
+            deepspeed_result["error"] = deepspeed_result["bf16_error"] = f"{type(exc).__name__}: {exc}"
+            deepspeed_result["traceback"] = traceback.format_exc()[-3000:]
+    if not args.skip_deepspeed and any(z in (1, 2) for z in stages) and not deepspeed_result["error"]:
+        try:
             deepspeed_result["rows"] = compare("deepspeed", tuple(z for z in stages if z in (1, 2)),
                                                args.deepspeed_rounds)
-            deepspeed_result.update(ran=True, version=deepspeed.__version__,
-                                    accelerator=os.environ.get("DS_ACCELERATOR"))
+            deepspeed_result["ran"] = True
         except Exception as exc:  # say exactly why; never a made-up number
             deepspeed_result["error"] = f"{type(exc).__name__}: {exc}"
             deepspeed_result["traceback"] = traceback.format_exc()[-3000:]
+    # issue 16: mixed-precision ZeRO 1 against DeepSpeed's
+    if not args.skip_deepspeed and with_bf16 and not deepspeed_result["bf16_error"]:
+        try:
+            deepspeed_result["rows"] += compare("deepspeed", (BF16_ZERO1,), args.deepspeed_rounds)
+            deepspeed_result["bf16_ran"] = True
+        except Exception as exc:  # its own error: the fp32 rows stand
+            deepspeed_result["bf16_error"] = f"{type(exc).__name__}: {exc}"
+            deepspeed_result["bf16_traceback"] = traceback.format_exc()[-3000:]
+    deepspeed_result["optimizer_by_precision"] = dict(DEEPSPEED_OPTIMIZERS)
     if ctx.is_main:
         write_result(args.worker, {"rows": rows, "deepspeed": deepspeed_result, "torch": torch.__version__,
                                    "load_average_end": load_average()})
 
 
 # ---- the parent ----------------------------------------------------------------------------------------
+
+
+def compile_bf16_plan(out_dir: Path):
+    """_launch.compile_plan_files(..., zero=1) with --precision bf16: the same pins (tp 1, pp 1, ZeRO 1, global batch
+    and micro-batch), the same zplan.api calls as the CLI."""
+    from zplan.api import compile_plan, prepare, write_outputs
+    from zplan.schemas.plan import Plan
+    from zplan.schemas.spec import Pins
+
+    pins = Pins(tp=1, pp=1, dp=None, zero=1, micro_batch=MICRO_BATCH, recompute=None)
+    plan = compile_plan(prepare(str(SMALL_GPT), WORLD, CLUSTER, GLOBAL_BATCH, None, "bf16", pins))
+    write_outputs(plan, out_dir, str(SMALL_GPT))
+    return Plan.model_validate_json((out_dir / "plan.json").read_text())
+
+
+def _check_same_plan(fp32_plan, bf16_plan) -> None:
+    """The bf16 pair times the fp32 ZeRO-1 plan's layout in bf16: only the precision may differ."""
+    same = (fp32_plan.parallel == bf16_plan.parallel and fp32_plan.placement == bf16_plan.placement
+            and fp32_plan.train.model_copy(update={"precision": "bf16"}) == bf16_plan.train)
+    if not same:
+        raise RuntimeError(f"the bf16 ZeRO-1 plan differs from the fp32 one beyond its precision: "
+                           f"{bf16_plan.parallel} {bf16_plan.placement} against {fp32_plan.parallel} "
+                           f"{fp32_plan.placement}")
 
 
 def main() -> None:
@@ -265,6 +343,8 @@ def main() -> None:
     parser.add_argument("--deepspeed-rounds", type=int, default=2, help="runs of each zplan/DeepSpeed pair")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per run (default 4; 3 more run untimed)")
     parser.add_argument("--skip-deepspeed", action="store_true", help="leave DeepSpeed out")
+    parser.add_argument("--skip-bf16", action="store_true",
+                        help="leave out the bf16 ZeRO-1 pair against DeepSpeed (issue 16; run by default)")
     parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3],
                         help="ZeRO stages to time (default all; DeepSpeed runs those of 1 and 2)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -281,13 +361,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="zplan-overhead-") as tmp:
         plans = {z: compile_plan_files(SMALL_GPT, WORLD, Path(tmp) / f"zero{z}", global_batch=GLOBAL_BATCH,
                                        micro_batch=MICRO_BATCH, zero=z) for z in (0, 1, 2, 3)}
+        bf16_wanted = not (args.skip_bf16 or args.skip_deepspeed) and 1 in args.stages
+        bf16_plan = compile_bf16_plan(Path(tmp) / BF16_ZERO1) if bf16_wanted else None
+        if bf16_plan is not None:
+            _check_same_plan(plans[1], bf16_plan)
         forwarded = ["--plan-dir", tmp, "--rounds", str(args.rounds), "--steps", str(args.steps),
                      "--deepspeed-rounds", str(args.deepspeed_rounds), "--stages", *map(str, args.stages)]
         if args.skip_deepspeed:
             forwarded.append("--skip-deepspeed")
-        measured = run_workers(Path(__file__).resolve(), WORLD, forwarded, timeout_s=900,
+        if args.skip_bf16:
+            forwarded.append("--skip-bf16")
+        measured = run_workers(Path(__file__).resolve(), WORLD, forwarded, timeout_s=1200,
                                env={"DS_ACCELERATOR": "cpu"})
     rows, ds = measured["rows"], measured["deepspeed"]
+    ds_fp32 = [r for r in ds["rows"] if r["precision"] == "fp32"]
+    ds_bf16 = next((r for r in ds["rows"] if r["precision"] == "bf16"), None)
     plan = plans[0]
     result = {
         "model": str(SMALL_GPT.relative_to(SMALL_GPT.parents[1])), "params": plan.model.params,
@@ -297,9 +385,12 @@ def main() -> None:
         "max_step_time_ratio": max(r["ratio"] for r in rows),
         "max_cpu_time_ratio": max(r["cpu_ratio"] for r in rows),
         "deepspeed": ds,
-        "step_time_ratio_vs_deepspeed": max(r["ratio"] for r in ds["rows"]) if ds["ran"] else None,
-        "step_time_ratio_vs_deepspeed_by_stage": {str(r["zero_stage"]): r["ratio"] for r in ds["rows"]},
-        "cpu_time_ratio_vs_deepspeed": max(r["cpu_ratio"] for r in ds["rows"]) if ds["ran"] else None,
+        "step_time_ratio_vs_deepspeed": max(r["ratio"] for r in ds_fp32) if ds["ran"] else None,
+        "step_time_ratio_vs_deepspeed_by_stage": {str(r["zero_stage"]): r["ratio"] for r in ds_fp32},
+        "cpu_time_ratio_vs_deepspeed": max(r["cpu_ratio"] for r in ds_fp32) if ds["ran"] else None,
+        # issue 16: zplan's ZeRO 1 compiled with --precision bf16 over DeepSpeed's stage 1 with bf16 enabled
+        "zero1_bf16_vs_deepspeed": ds_bf16["ratio"] if ds_bf16 else None,
+        "zero1_bf16_vs_deepspeed_cpu": ds_bf16["cpu_ratio"] if ds_bf16 else None,
         "torch": measured["torch"], "wall_s": time.perf_counter() - start,
         "load_average": [load_start, measured["load_average_end"]], "cores": os.cpu_count(),
     }
@@ -317,7 +408,7 @@ def main() -> None:
     print(f"max_step_time_ratio {result['max_step_time_ratio']:.3f} (target <= 1.05); CPU time: "
           f"{result['max_cpu_time_ratio']:.3f}")
     if ds["ran"]:
-        for r in ds["rows"]:
+        for r in ds_fp32:
             spread = ", ".join(f"{x:.3f}" for x in r["round_ratios"])
             print(f"  ZeRO {r['zero_stage']}: zplan {r['zplan_step_s'] * 1e3:7.1f} ms  DeepSpeed {ds['version']} "
                   f"{r['deepspeed_step_s'] * 1e3:7.1f} ms  zplan/DeepSpeed {r['ratio']:.3f}  (per round {spread}; "
@@ -327,6 +418,17 @@ def main() -> None:
               f"{result['cpu_time_ratio_vs_deepspeed']:.3f}")
     else:
         print(f"DeepSpeed did not run: {ds['error'] or 'skipped (--skip-deepspeed)'}")
+    if ds_bf16:
+        r = ds_bf16
+        spread = ", ".join(f"{x:.3f}" for x in r["round_ratios"])
+        print(f"  ZeRO 1 bf16: zplan {r['zplan_step_s'] * 1e3:7.1f} ms  DeepSpeed {ds['version']} "
+              f"({ds['optimizer_by_precision'].get('bf16', '?')}) {r['deepspeed_step_s'] * 1e3:7.1f} ms  "
+              f"zplan/DeepSpeed {r['ratio']:.3f}  (per round {spread}; CPU time {r['zplan_cpu_s'] * 1e3:.0f} / "
+              f"{r['deepspeed_cpu_s'] * 1e3:.0f} ms = {r['cpu_ratio']:.3f}; first loss {r['first_loss_zplan']:.4f} / "
+              f"{r['first_loss_deepspeed']:.4f})")
+        print(f"zero1_bf16_vs_deepspeed {r['ratio']:.3f} (target <= 1.0, issue 16); CPU time: {r['cpu_ratio']:.3f}")
+    elif ds.get("bf16_error"):
+        print(f"bf16 ZeRO 1 against DeepSpeed did not run: {ds['bf16_error']}")
     print(f"({result['wall_s']:.0f} s; load average {result['load_average'][0]:.1f} at the start, "
           f"{result['load_average'][1]:.1f} at the end, on {result['cores']} cores)")
 

@@ -17,6 +17,7 @@ from typing import Any
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
 from zplan.runtime.plan_origin import plan_digest
+from zplan.schemas.model_states import parameters_in_compute_dtype
 from zplan.schemas.plan import Plan
 from zplan.schemas.spec import ADAMW_DEFAULTS, GRAD_CLIP
 
@@ -78,6 +79,18 @@ def _wrapped_items(items: list[str], indent: str) -> list[str]:
     return lines
 
 
+def precision_row(plan: Plan) -> str:
+    """What the run computes in and where its fp32 master weights and gradients are (schemas.model_states)."""
+    p, precision = plan.parallel, plan.train.precision
+    if precision == "fp32":
+        return "fp32 throughout"
+    if parameters_in_compute_dtype(p.zero_stage, precision, p.compression.grad):
+        return (f"{precision} parameters and gradients (accumulated and reduced in {precision}), fp32 master weights "
+                "and Adam moments in the optimizer")
+    return (f"{precision} compute on copies of fp32 parameters (the masters), fp32 gradients (accumulated and "
+            "reduced in fp32), fp32 Adam moments")
+
+
 def plan_review(plan: Plan) -> Code:
     """The plan as comment lines of train.py, for a reviewer: what plan.json makes the run do (codegen only shows
     it; the script reads plan.json)."""
@@ -98,7 +111,7 @@ def plan_review(plan: Plan) -> Code:
         ("recompute", p.recompute),
         ("compression", f"gradients {p.compression.grad}, weight all-gathers {p.compression.weights}, activations "
                         f"{p.compression.activations}"),
-        ("precision", f"{plan.train.precision} compute, fp32 master weights"),
+        ("precision", precision_row(plan)),
         ("batch", f"{plan.train.global_batch} sequences of {plan.train.seq_len} tokens per step = micro-batch "
                   f"{p.micro_batch} x {p.num_micro_batches} micro-batches x dp {p.dp}"),
         ("predicted", f"step {prediction.step_time_s * 1e3:.1f} ms, MFU {prediction.mfu:.1%}, model states "

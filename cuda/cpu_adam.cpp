@@ -7,7 +7,8 @@
 //   v   = fma((1 - beta2) * g, g, v * beta2)          v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
 //   p   = p - (step_size * m) / (sqrt(v) / bc2_sqrt + eps)
 // with step_size = lr / (1 - beta1^t) and bc2_sqrt = sqrt(1 - beta2^t) computed in double, then rounded to
-// float. g is read as fp32, bf16 or fp16 and upcast in registers; when an output copy is given, the updated
+// float. g is read as fp32, bf16 or fp16, upcast in registers and multiplied by grad_scale (the inverse of a loss
+// scale times a clipping factor; 1 leaves it exact); when an output copy is given, the updated
 // parameter is rounded to bf16 / fp16 (round to nearest even, as torch's .to()) and written in the same pass:
 // the "offload step" reads p, g16, m, v and writes p, m, v, p16: 28 bytes a parameter. The 16-bit copy is
 // written with non-temporal stores when it is aligned for them, so its lines are not first read into the cache
@@ -41,6 +42,7 @@ struct Hyper {
   float step_size;    // lr / (1 - beta1^t)
   float bc2_sqrt;     // sqrt(1 - beta2^t)
   float eps;
+  float grad_scale;   // g is read as g * grad_scale
 };
 
 // ---- scalar element update (also the tail of every vector loop) -------------------------------------------
@@ -49,7 +51,7 @@ template <typename O> inline void store_scalar(O* p, float x) { *p = static_cast
 
 template <typename G, typename O>
 inline void update_scalar(float* p, const G* g, float* m, float* v, O* out, const Hyper& h) {
-  const float gf = load_scalar(g);
+  const float gf = load_scalar(g) * h.grad_scale;
   float pf = *p * h.decay;
   // lerp with weight < 0.5: start + weight * (end - start), fused (torch's lerp uses fma here too)
   float mf = std::fma(h.w1, gf - *m, *m);
@@ -148,8 +150,9 @@ void update_tile(float* p, const G* g, float* m, float* v, O* out, int64_t begin
 #if defined(ZPLAN_AVX512) || defined(ZPLAN_AVX2)
   const vfloat decay = vset1(h.decay), w1 = vset1(h.w1), beta2 = vset1(h.beta2), c2 = vset1(h.c2);
   const vfloat step_size = vset1(h.step_size), bc2_sqrt = vset1(h.bc2_sqrt), eps = vset1(h.eps);
+  const vfloat grad_scale = vset1(h.grad_scale);
   for (; i + kWidth <= end; i += kWidth) {
-    const vfloat gv = vload_g(g + i);
+    const vfloat gv = vmul(vload_g(g + i), grad_scale);
     vfloat pv = vmul(vload(p + i), decay);
     vfloat mv = vload(m + i);
     mv = vfma(w1, vsub(gv, mv), mv);
@@ -228,7 +231,7 @@ void check_state(const at::Tensor& t, const at::Tensor& p, const char* name) {
 // outs: empty, or one bf16/fp16 tensor a parameter (the device copy, written in the same pass).
 void adamw_step(std::vector<at::Tensor> params, std::vector<at::Tensor> grads, std::vector<at::Tensor> exp_avgs,
                 std::vector<at::Tensor> exp_avg_sqs, std::vector<at::Tensor> outs, double lr, double beta1,
-                double beta2, double eps, double weight_decay, int64_t step, int64_t threads) {
+                double beta2, double eps, double weight_decay, int64_t step, int64_t threads, double grad_scale) {
   const size_t count = params.size();
   TORCH_CHECK(grads.size() == count && exp_avgs.size() == count && exp_avg_sqs.size() == count,
               "params, grads, exp_avg and exp_avg_sq must have the same length");
@@ -244,6 +247,7 @@ void adamw_step(std::vector<at::Tensor> params, std::vector<at::Tensor> grads, s
   h.step_size = static_cast<float>(lr / bias_correction1);
   h.bc2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
   h.eps = static_cast<float>(eps);
+  h.grad_scale = static_cast<float>(grad_scale);
   TORCH_CHECK(h.w1 < 0.5f, "beta1 must be > 0.5 (the lerp form used here), got ", beta1);
   const int nthreads = threads > 0 ? static_cast<int>(threads) : at::get_num_threads();
 

@@ -134,8 +134,10 @@ def _as_list(x: TensorOrList | None) -> list[torch.Tensor]:
 
 def adamw_step_(params_fp32: TensorOrList, grads: TensorOrList, exp_avg: TensorOrList, exp_avg_sq: TensorOrList,
                 *, lr: float, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
-                step: int, param_copy_out: TensorOrList | None = None, threads: int = 0) -> str:
-    """One AdamW step in place (torch.optim.AdamW semantics), step counted from 1.
+                step: int, param_copy_out: TensorOrList | None = None, threads: int = 0, grad_scale: float = 1.0
+                ) -> str:
+    """One AdamW step in place (torch.optim.AdamW semantics), step counted from 1, on the gradients times
+    `grad_scale` (an inverse loss scale and clipping factor; 1.0 reads them as they are).
 
     params_fp32, exp_avg, exp_avg_sq: contiguous fp32 CPU tensors (or equal-length lists of them); grads: fp32, bf16
     or fp16, same sizes; param_copy_out: None, or bf16/fp16 tensors receiving the updated parameters.
@@ -145,10 +147,10 @@ def adamw_step_(params_fp32: TensorOrList, grads: TensorOrList, exp_avg: TensorO
     p, g, m, v, out = (_as_list(x) for x in (params_fp32, grads, exp_avg, exp_avg_sq, param_copy_out))
     if module is None:
         adamw_step_reference_(p, g, m, v, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                              step=step, param_copy_out=out or None)
+                              step=step, param_copy_out=out or None, grad_scale=grad_scale)
         return "reference"
     module.adamw_step(p, g, m, v, out, float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
-                      int(step), int(threads))
+                      int(step), int(threads), float(grad_scale))
     return f"cpp-{module.simd()}"
 
 
@@ -156,9 +158,9 @@ def adamw_step_(params_fp32: TensorOrList, grads: TensorOrList, exp_avg: TensorO
 def adamw_step_reference_(params_fp32: TensorOrList, grads: TensorOrList, exp_avg: TensorOrList,
                           exp_avg_sq: TensorOrList, *, lr: float, beta1: float = 0.9, beta2: float = 0.999,
                           eps: float = 1e-8, weight_decay: float = 0.0, step: int,
-                          param_copy_out: TensorOrList | None = None) -> None:
-    """The same step in plain torch ops: upcast the gradient, AdamW in fp32 (the order of torch.optim.AdamW's
-    single-tensor path), downcast the parameter into param_copy_out."""
+                          param_copy_out: TensorOrList | None = None, grad_scale: float = 1.0) -> None:
+    """The same step in plain torch ops: upcast the gradient (times grad_scale, rounded to fp32), AdamW in fp32 (the
+    order of torch.optim.AdamW's single-tensor path), downcast the parameter into param_copy_out."""
     p_list, g_list, m_list, v_list, out_list = (_as_list(x) for x in (params_fp32, grads, exp_avg, exp_avg_sq,
                                                                       param_copy_out))
     if step < 1:
@@ -168,6 +170,8 @@ def adamw_step_reference_(params_fp32: TensorOrList, grads: TensorOrList, exp_av
     step_size = lr / bias_correction1
     for k, (p, g, m, v) in enumerate(zip(p_list, g_list, m_list, v_list, strict=True)):
         g32 = g.float()
+        if grad_scale != 1.0:
+            g32 = g32 * torch.tensor(grad_scale, dtype=torch.float32)  # one fp32 multiply, as the kernel does
         p.mul_(1 - lr * weight_decay)
         m.lerp_(g32, 1 - beta1)
         v.mul_(beta2).addcmul_(g32, g32, value=1 - beta2)

@@ -9,6 +9,7 @@ from zplan.planner.cost.memory import (
     GRAD_BYTES,
     HOST_USABLE_FRACTION,
     LOSS_BYTES_PER_LOGIT,
+    MASTER_BYTES,
     PARAM_BYTES,
 )
 from zplan.planner.cost.step import ADAM_BYTES_PER_PARAM
@@ -63,12 +64,18 @@ def assumptions(cluster: ClusterSpec, summary: ModelSummary, train: TrainSpec) -
         ("logits and loss", f"{LOSS_BYTES_PER_LOGIT[train.precision]:.0f} B per logit (b, s, V) on the last stage, "
                             "whole on every tp rank: embedding and head are replicated over tp, not vocab-parallel",
          "measured: benchmarks/loss_memory.py; runtime/tensor_parallel.py"),
-        ("model states", f"{PARAM_BYTES:.0f} B fp32 weight + {GRAD_BYTES:.0f} B fp32 gradient + {ADAM_BYTES:.0f} B "
-                         "Adam moments per parameter, sharded by ZeRO stage; 16-bit copies for compute are transient",
-         "zplan's runtime; partitioning: Rajbhandari et al. SC'20"),
-        ("gradient reduction", f"in {train.precision}, DDP buckets of {DDP_BUCKET_BYTES // 2**20} MiB " + (
-            "overlapped with the last micro-batch's backward" if cluster.overlaps_comm_with_compute
-            else "after the backward (no overlap)"), "torch DDP / FSDP2 defaults"),
+        ("model states", (f"ZeRO 0/1: 2 B {train.precision} weight + 2 B {train.precision} gradient + "
+                          f"{MASTER_BYTES + ADAM_BYTES:.0f} B fp32 master and Adam moments per parameter; ZeRO 2/3: "
+                          if train.precision != "fp32" else "") +
+         f"{PARAM_BYTES:.0f} B fp32 weight + {GRAD_BYTES:.0f} B fp32 gradient + {ADAM_BYTES:.0f} B Adam moments"
+         f"{'' if train.precision == 'fp32' else ' (FSDP2 casts transient 16-bit copies for compute)'}; sharded by "
+         "ZeRO stage", "zplan's runtime (schemas/model_states.py); partitioning: Rajbhandari et al. SC'20"),
+        ("gradient accumulation and reduction", (
+            f"ZeRO 0/1 in {train.precision} (DDP buckets of {DDP_BUCKET_BYTES // 2**20} MiB, reduced once a step), "
+            "ZeRO 2/3 in fp32 (reduce-scattered every micro-batch)" if train.precision != "fp32" else
+            f"in fp32, DDP buckets of {DDP_BUCKET_BYTES // 2**20} MiB") + (
+            ", overlapped with the backward" if cluster.overlaps_comm_with_compute
+            else ", after the backward (no overlap)"), "torch DDP / FSDP2 defaults"),
         ("GPU Adam step", f"{ADAM_BYTES_PER_PARAM:.0f} bytes streamed per parameter", "fused AdamW traffic"),
         ("offload", "host transfers are not overlapped with compute (conservative); the CPU Adam step neither, "
                     "unless the plan turns on the delayed parameter update (see its row)",

@@ -21,7 +21,9 @@ Constraints
   gradients leave only with the parameters. Only ZeRO-3 swaps the parameters on to NVMe
   (runtime.offload.param_swap);
 * host memory: the optimizer on the CPU beside parameters on the GPU holds ``optimizer_host_extra_bytes`` there
-  besides its states (zplan's CPU Adam: an fp32 master of the shard and the buffer the gradients come down to);
+  besides its states (zplan's CPU Adam: the buffer the gradients come down to, and an fp32 master of the shard
+  where the parameters are fp32); the optimizer on NVMe keeps ``optimizer_nvme_host_bytes`` of its states in host
+  memory rather than in files (the fp32 masters of 16-bit parameters: runtime.offload.nvme_optimizer);
 
 Objective: minimise the per-step transfer time, serial sum of three parts
 (``m`` = micro-batches per step, P/G/O = parameter/gradient/optimizer bytes per GPU):
@@ -33,7 +35,7 @@ Objective: minimise the per-step transfer time, serial sum of three parts
     - parameters off GPU: fetched up for every all-gather, ``param_fetches_per_step`` times P (ZeRO-3: every
       forward and backward, 2 m; ZeRO-2: once, the runtime keeps them gathered through the step; ZeRO-Infinity,
       Rajbhandari et al. 2021, Sec. 5);
-* NVMe bytes / nvme_bytes_per_s: optimizer on NVMe reads and writes its O bytes every step (2 O);
+* NVMe bytes / nvme_bytes_per_s: optimizer on NVMe reads and writes its O bytes in files every step (2 O);
   parameters on NVMe are read for every fetch (2 m P) and written once updated (P) (ZeRO-Infinity);
 * CPU Adam when the optimizer is off the GPU: the parameters it updates over cpu_adam_params_per_s (this
   GPU's share of the node's throughput measured by zplan probe) when given, else at memory bandwidth:
@@ -131,7 +133,7 @@ def transfer_times(
     cpu_memory_bytes_per_s: float, micro_batches_per_step: int = 1, param_update_bytes: float | None = None,
     grad_update_bytes: float | None = None, device_to_host_bytes_per_s: float | None = None,
     optimizer_params: float = 0.0, cpu_adam_params_per_s: float | None = None,
-    param_fetches_per_step: int | None = None,
+    param_fetches_per_step: int | None = None, optimizer_nvme_host_bytes: float = 0.0,
 ) -> TransferTimes:
     """Per-step transfer time of one placement (the objective of ``place_model_states``, in floats).
 
@@ -141,6 +143,7 @@ def transfer_times(
     ``optimizer_params``, ``cpu_adam_params_per_s``: the parameters this rank's optimizer updates and this
     GPU's share of the measured CPU Adam throughput; when the latter is given, the CPU step takes their ratio.
     ``param_fetches_per_step``: all-gathers of parameters held off the GPU per step (default 2 m, ZeRO-3's).
+    ``optimizer_nvme_host_bytes``: the optimizer's bytes kept in host memory, not swapped, when it is on NVMe.
     """
     param_update = param_bytes if param_update_bytes is None else param_update_bytes
     grad_update = grad_bytes if grad_update_bytes is None else grad_update_bytes
@@ -156,7 +159,7 @@ def transfer_times(
         cpu_optimizer_s = cpu_adam_step_s(optimizer_bytes, grad_update, param_update, cpu_memory_bytes_per_s,
                                           optimizer_params, cpu_adam_params_per_s)
     if optimizer_tier == "nvme":
-        nvme += 2 * optimizer_bytes
+        nvme += 2 * (optimizer_bytes - optimizer_nvme_host_bytes)
     if params_off:
         up += fetches * param_bytes
         down += param_bytes if not optimizer_off else 0.0
@@ -194,6 +197,7 @@ def place_model_states(
     offload_pinned: bool = False,
     param_fetches_per_step: int | None = None,
     optimizer_host_extra_bytes: float = 0.0,
+    optimizer_nvme_host_bytes: float = 0.0,
 ) -> PlacementResult:
     """Choose the tier of each model state: minimise per-step transfer time subject to tier capacities,
     the offload tier and ZeRO semantics (objective and constraints in the module docstring).
@@ -205,7 +209,8 @@ def place_model_states(
     GPU; ``device_to_host_bytes_per_s`` defaults to ``host_device_bytes_per_s``; ``optimizer_params`` and
     ``cpu_adam_params_per_s``, ``param_fetches_per_step`` as in ``transfer_times``.
     ``optimizer_host_extra_bytes``: host bytes the optimizer needs besides ``optimizer_bytes`` when it is on the
-    CPU and the parameters on the GPU (module docstring; counted in ``cpu_bytes``). Never raises for lack of
+    CPU and the parameters on the GPU (module docstring; counted in ``cpu_bytes``); ``optimizer_nvme_host_bytes``:
+    the part of ``optimizer_bytes`` that stays in host memory when the optimizer is on NVMe. Never raises for lack of
     memory: returns ``feasible=False`` with the least-overflowing legal placement.
     """
     state_bytes = {"params": float(param_bytes), "grads": float(grad_bytes),
@@ -213,7 +218,9 @@ def place_model_states(
     capacity = {"gpu": float(gpu_free_bytes), "cpu": float(cpu_free_bytes), "nvme": float(nvme_free_bytes)}
     if zero_stage not in (0, 1, 2, 3) or offload not in ALLOWED_TIERS_BY_OFFLOAD:
         raise ValueError(f"zero_stage must be 0..3 and offload none|cpu|nvme, got {zero_stage}, {offload!r}")
-    if micro_batches_per_step < 1 or min(*state_bytes.values(), *capacity.values(), optimizer_host_extra_bytes) < 0:
+    if (micro_batches_per_step < 1 or min(*state_bytes.values(), *capacity.values(), optimizer_host_extra_bytes,
+                                           optimizer_nvme_host_bytes) < 0
+            or optimizer_nvme_host_bytes > optimizer_bytes):
         raise ValueError("bytes and capacities must be >= 0 and micro_batches_per_step >= 1")
     measured = [v for v in (device_to_host_bytes_per_s, cpu_adam_params_per_s) if v is not None]
     if min(host_device_bytes_per_s, nvme_bytes_per_s, cpu_memory_bytes_per_s, *measured) <= 0 or optimizer_params < 0:
@@ -222,7 +229,8 @@ def place_model_states(
                       cpu_memory_bytes_per_s=cpu_memory_bytes_per_s,
                       device_to_host_bytes_per_s=device_to_host_bytes_per_s or host_device_bytes_per_s,
                       optimizer_params=float(optimizer_params), cpu_adam_params_per_s=cpu_adam_params_per_s,
-                      param_fetches_per_step=param_fetches_per_step)
+                      param_fetches_per_step=param_fetches_per_step,
+                      optimizer_nvme_host_bytes=float(optimizer_nvme_host_bytes))
     updates = dict(param_update_bytes=float(param_bytes if param_update_bytes is None else param_update_bytes),
                    grad_update_bytes=float(grad_bytes if grad_update_bytes is None else grad_update_bytes))
     legal = {state: legal_tiers(state, zero_stage, offload, offload_pinned) for state in STATES}
@@ -241,6 +249,9 @@ def place_model_states(
     used = {tier: sum(state_bytes[s] for s in STATES if tiers[s] == tier) for tier in TIERS}
     if tiers["optimizer"] == "cpu" and tiers["params"] == "gpu":
         used["cpu"] += float(optimizer_host_extra_bytes)
+    if tiers["optimizer"] == "nvme":
+        used["nvme"] -= float(optimizer_nvme_host_bytes)
+        used["cpu"] += float(optimizer_nvme_host_bytes)
     return PlacementResult(
         param_tier=tiers["params"],
         grad_tier=tiers["grads"],
@@ -285,10 +296,14 @@ def _solve(state_bytes, updates, capacity, legal, rates, micro_batches_per_step,
         return var
 
     # What each tier holds: (boolean, bytes) items, the states, and on the CPU the optimizer's extra host bytes
-    # beside parameters on the GPU.
-    loads = {t: [(on[s, t], state_bytes[s]) for s in STATES] for t in TIERS}
+    # beside parameters on the GPU, and its part kept in host memory when it is on NVMe.
+    nvme_host = rates.get("optimizer_nvme_host_bytes", 0.0)
+    loads = {t: [(on[s, t], state_bytes[s] - (nvme_host if (s, t) == ("optimizer", "nvme") else 0.0))
+                 for s in STATES] for t in TIERS}
     if host_extra_bytes > 0:
         loads["cpu"].append((both(on["optimizer", "cpu"], on["params", "gpu"], "host_master"), host_extra_bytes))
+    if nvme_host > 0:
+        loads["cpu"].append((on["optimizer", "nvme"], nvme_host))
 
     # Transfer time of each term in seconds, by the boolean that switches it on (module docstring).
     param_b, grad_b, optim_b = state_bytes["params"], state_bytes["grads"], state_bytes["optimizer"]
@@ -307,7 +322,7 @@ def _solve(state_bytes, updates, capacity, legal, rates, micro_batches_per_step,
         (params_off, fetches * param_b / up),  # ZeRO-3 fetches from CPU/NVMe every forward and backward
         (both(on["optimizer", "gpu"], params_off, "params_down_after_step"), param_b / down),
         (optimizer_off, adam_s),  # CPU Adam
-        (on["optimizer", "nvme"], 2 * optim_b / nvme),  # optimizer states swapped in and out
+        (on["optimizer", "nvme"], 2 * (optim_b - nvme_host) / nvme),  # optimizer states swapped in and out
         (on["params", "nvme"], (fetches + 1) * param_b / nvme),  # fetch reads + write of updated params
     ]
     time_unit_s = max(sum(seconds for _, seconds in terms_s), 1e-30) / TIME_RESOLUTION

@@ -29,11 +29,12 @@ from dataclasses import dataclass
 from zplan.errors import SpecError
 from zplan.planner.cost.inputs import OFFLOAD_TIERS, Candidates
 from zplan.planner.cost.memory import (
-    ADAM_BYTES,
     HOST_GRAD_BUFFER_BYTES,
     HOST_OPTIMIZER_BYTES,
     HOST_USABLE_FRACTION,
+    MASTER_BYTES,
     element_bytes,
+    sixteen_bit_states,
     state_bytes_per_param,
 )
 from zplan.planner.cost.step import StepEstimate, gpu_adam_step_s
@@ -69,8 +70,10 @@ def place(cand: Candidates, est: StepEstimate, cluster: ClusterSpec, train: Trai
     mem, z, dp = est.memory, int(cand.zero[0]), int(cand.dp[0])
     params_gpu = float(mem.stage_params[0])
     elem = element_bytes(train.precision)
-    # As the runtime holds them (cost.memory: fp32 weights and gradients, Adam's m and v), on any tier.
-    weights, grads, optim = (float(b) * params_gpu for b in state_bytes_per_param(z, dp, False))
+    # As the runtime holds them (cost.memory: fp32 weights and gradients, Adam's m and v; or 16-bit weights and
+    # gradients, the fp32 masters with m and v), on any tier.
+    sixteen_bit = bool(sixteen_bit_states(z, train.precision, cand.grad_compress[0]))
+    weights, grads, optim = (float(b) * params_gpu for b in state_bytes_per_param(z, dp, False, None, sixteen_bit))
     optim_params = params_gpu / (dp if z >= 1 else 1)
     gpu_free = cluster.gpu.hbm_bytes - float(mem.activations[0] + mem.comm_buffers[0] + mem.reserve[0])
     per_gpu = HOST_USABLE_FRACTION / cluster.gpus_per_node
@@ -93,8 +96,11 @@ def place(cand: Candidates, est: StepEstimate, cluster: ClusterSpec, train: Trai
         # ZeRO-Offload's 16-bit copies), ZeRO 2/3 FSDP2's fp32 gradient shard down and fp32 parameter shard up
         # (runtime.offload.sharded_cpu_adam), i.e. the `grads` and `weights` bytes themselves
         **({} if z >= 2 else dict(param_update_bytes=elem * optim_params, grad_update_bytes=elem * optim_params)),
-        # zplan's CPU Adam beside parameters on the GPU: the fp32 master of the shard and the gradient buffer
-        optimizer_host_extra_bytes=(HOST_OPTIMIZER_BYTES - ADAM_BYTES + HOST_GRAD_BUFFER_BYTES) * optim_params,
+        # zplan's CPU Adam beside parameters on the GPU: the fp32 master of the shard (unless the optimizer's states
+        # hold it already: 16-bit parameters) and the gradient buffers
+        optimizer_host_extra_bytes=(HOST_OPTIMIZER_BYTES + HOST_GRAD_BUFFER_BYTES) * optim_params - optim,
+        # on NVMe, a 16-bit parameter's master stays in host memory (runtime.offload.nvme_optimizer)
+        optimizer_nvme_host_bytes=MASTER_BYTES * optim_params if sixteen_bit else 0.0,
     )
     on_gpu = {"params": result.param_tier == "gpu", "grads": result.grad_tier == "gpu",
               "optimizer": result.optimizer_tier == "gpu"}

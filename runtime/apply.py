@@ -14,6 +14,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
+from zplan.schemas.model_states import parameters_in_compute_dtype
+
 _COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -115,6 +117,18 @@ def apply_pipeline(
 # ---- 4. ZeRO / data parallel (with mixed precision and offload) ----------------------------------
 
 
+def cast_parameters(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """The floating-point parameters (not the buffers: rotary tables stay as the model made them) in `dtype`, in
+    place (torch.utils.swap_tensors: the same Parameter objects, tied ones stay tied, DTensors stay DTensors), as
+    FSDP2's MixedPrecisionPolicy computes: every op in the parameters' dtype, no autocast."""
+    seen = set()
+    for p in model.parameters():
+        if id(p) not in seen and p.is_floating_point() and p.dtype != dtype:
+            seen.add(id(p))
+            torch.utils.swap_tensors(p, nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad))
+    return model
+
+
 def _forward_under_autocast(model: nn.Module, device_type: str, dtype: torch.dtype) -> None:
     original_forward = model.forward
 
@@ -137,9 +151,11 @@ def apply_data_parallel(
     2: FSDP2 fully_shard per block and at the root, parameters kept gathered between forward and
     backward (reshard_after_forward=False), so gradients and optimizer states are sharded.
     3: the same with reshard_after_forward=True, parameters sharded too.
-    Mixed precision keeps fp32 master weights: FSDP2's MixedPrecisionPolicy (compute in bf16/fp16,
-    gradients reduced in fp32) for ZeRO 2/3 and for ZeRO 0/1 under tensor parallel, torch.autocast
-    around the forward for ZeRO 0/1 otherwise.
+    Mixed precision keeps fp32 master weights: under ZeRO 2/3 FSDP2's MixedPrecisionPolicy (fp32 shards, compute
+    in bf16/fp16, gradients reduced in fp32); under ZeRO 0/1 the parameters themselves are cast to the compute dtype
+    (cast_parameters: 16-bit gradients, reduced in 16 bits, accumulated over micro-batches in 16 bits) and the
+    optimizer keeps the fp32 masters (runtime.zero1; schemas.model_states.parameters_in_compute_dtype), except
+    with 1-bit Adam, which steps fp32 parameters, with torch.autocast around the forward.
     offload='cpu' or 'nvme' (ZeRO 2/3), as the plan's placement puts the parameters (`parameters_on_host`; None:
     on the host whenever offload is not 'none'): parameters on the host (and so their gradients: placement cpu or
     nvme), FSDP2's CPUOffloadPolicy keeps the sharded parameters, gradients and the optimizer step there
@@ -173,14 +189,16 @@ def apply_data_parallel(
                                       "ZeRO-Infinity step each rank's optimizer shard; ZeRO 0 has none)")
         from zplan.runtime import tensor_parallel
 
+        sixteen_bit = parameters_in_compute_dtype(zero_stage, precision, grad_compression)
+        if sixteen_bit:
+            cast_parameters(model, compute_dtype)
         if tensor_parallel.has_tensor_parallel_parameters(model):  # tp > 1: DDP cannot hold DTensors
             if grad_compression != "none":
                 raise NotImplementedError("gradient compression runs on DDP's reduction: tensor parallel = 1 only")
-            return tensor_parallel.replicate_over_data_parallel(model, dp_mesh, zero_stage, compute_dtype,
-                                                                block_prefix)
+            return tensor_parallel.replicate_over_data_parallel(model, dp_mesh, zero_stage, block_prefix)
         from torch.nn.parallel import DistributedDataParallel
 
-        if compute_dtype is not None:
+        if compute_dtype is not None and not sixteen_bit:  # 1-bit Adam: fp32 parameters under autocast
             _forward_under_autocast(model, device.type, compute_dtype)
         device_ids = [device] if device.type == "cuda" else None
         # gradient_as_bucket_view: the gradients are views into DDP's buckets, not a second copy of them (torch's
@@ -266,6 +284,8 @@ def build_optimizer(
     (runtime.offload.cpu_adam_optimizer.CpuOffloadZeroOneAdamW: ZeRO-Offload, CPU Adam on the owned rows),
     with delayed_update its one-step delayed parameter update (the CPU step overlaps the next forward/backward).
 
+    ZeRO 0 with 16-bit parameters (mixed precision: runtime.apply.cast_parameters): the same optimizer unsharded, for
+    its fp32 masters (shard_states=False).
     ZeRO 2/3 need nothing more: FSDP2's parameters are already shards, so the optimizer states are.
     offload='cpu' with ZeRO 2/3: parameters on the host (`parameters_on_host`, as apply_data_parallel was given:
     FSDP2's CPUOffloadPolicy), the fused AdamW steps the host shards; parameters on the device, the optimizer
@@ -306,15 +326,16 @@ def build_optimizer(
             return nvme_optimizer.NvmeShardedAdamW(groups, lr=lr, nvme_path=nvme_path,
                                                    swap_parameters_of=model if swap_parameters else None)
         raise NotImplementedError("NVMe offload with ZeRO 0: pin ZeRO 1, 2 or 3")
-    if zero_stage == 1:
+    if zero_stage in (0, 1) and (zero_stage == 1 or parameters_in_compute_dtype(0, precision, grad_compression)):
         if offload == "cpu":  # ZeRO-Offload: the owned rows' master and moments on the host, CPU Adam
             from zplan.runtime.offload.cpu_adam_optimizer import CpuOffloadZeroOneAdamW
 
             return CpuOffloadZeroOneAdamW(groups, dp_mesh, lr=lr, delayed_update=delayed_update)
         from zplan.runtime.zero1 import ZeroOneAdamW
 
-        # each rank keeps AdamW states for an even dim-0 slice of every parameter (runtime/zero1.py)
-        return ZeroOneAdamW(groups, dp_mesh, lr=lr, fused=fused)
+        # each rank keeps AdamW states (and 16-bit parameters' fp32 masters) for an even dim-0 slice of every
+        # parameter (runtime/zero1.py); ZeRO 0: for all of it
+        return ZeroOneAdamW(groups, dp_mesh, lr=lr, fused=fused, shard_states=zero_stage == 1)
     if offload == "cpu" and zero_stage in (2, 3) and parameters_on_host is False:  # the optimizer alone on the host
         from zplan.runtime.offload.sharded_cpu_adam import CpuOffloadShardedAdamW
 

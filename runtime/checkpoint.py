@@ -69,6 +69,7 @@ from zplan.runtime.checkpoint_manifest import (
     write_manifest,
 )
 from zplan.runtime.distributed import RunContext
+from zplan.runtime.zero1 import with_master_weights
 
 COMPLETE_MARKER = "COMPLETE"
 LATEST_VALID = "latest-valid"
@@ -203,9 +204,13 @@ def _gradients_set_aside(optimizer: torch.optim.Optimizer):
             p.grad = grad
 
 
-def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict, dict]:
+    """(model state, optimizer state, {key: the 16-bit parameter's entry} of the model entries that are fp32 masters
+    in its place: with_master_weights)."""
     with _gradients_set_aside(optimizer):
-        return get_state_dict(model, optimizer, options=_OPTIONS)
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=_OPTIONS)
+    model_state, replaced = with_master_weights(model_state, optimizer)
+    return model_state, optimizer_state, replaced
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:
@@ -298,7 +303,7 @@ def save_checkpoint(
         tmp.mkdir()
     dist.barrier()
 
-    model_state, optimizer_state = _state_dicts(model, optimizer)
+    model_state, optimizer_state, _ = _state_dicts(model, optimizer)
     fused_layouts = model_fused_layouts(model)  # collective: a pipeline rank knows its own stages' only
     failure = None
     try:
@@ -534,7 +539,7 @@ def load_checkpoint(
         verify_checkpoint(path, ctx)
     train_state = read_train_state(path)
     _check_fused_layouts(path, train_state.get("fused_layouts", {}), model_fused_layouts(model))
-    model_state, optimizer_state = _state_dicts(model, optimizer)
+    model_state, optimizer_state, replaced = _state_dicts(model, optimizer)
     # Ask DCP for every tensor in this run's layout; param_groups stay this script's hyper-parameters.
     wanted_optimizer = {k: v for k, v in optimizer_state.items() if not k.startswith(_PARAM_GROUPS_PREFIX)}
     # A tied parameter's optimizer state is saved under its first name ('wte.weight'); a pipeline rank that
@@ -551,6 +556,9 @@ def load_checkpoint(
             f"cannot load checkpoint {path} into this model and optimizer: {describe_dcp_error(error)}"
         ) from error
     optimizer_state.update({key: wanted_optimizer[reads_from[key]] for key in reads_from})
+    if replaced:  # the fp32 masters were loaded in place: the 16-bit parameters from them, then as themselves
+        optimizer.parameters_from_masters()
+        model_state.update(replaced)
     with _gradients_set_aside(optimizer):
         set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
                        options=_OPTIONS)

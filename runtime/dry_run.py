@@ -127,7 +127,7 @@ def measure_steps(plan, model_path: Path, settings: TrainSettings, steps: int, c
         data = make_data_iter(model_file, vocab=plan.model.vocab, seq_len=plan.train.seq_len,
                               micro_batch=p.micro_batch, num_micro_batches=p.num_micro_batches,
                               dp_rank=mesh["dp"].get_local_rank(), dp_size=p.dp, seed=0)
-        scaler = loss_scaler(model, plan.train.precision, ctx.device)
+        scaler = loss_scaler(model, optimizer, plan.train.precision, ctx.device)
         del weights
         if fake:
             drop_cached_tensors()

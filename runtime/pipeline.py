@@ -64,6 +64,7 @@ from torch.utils import _pytree as pytree
 
 from zplan.errors import ZplanError
 from zplan.planner.model_file import logits_of
+from zplan.runtime.grad_norm import total_norm_fp32
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}  # in
 # torch.distributed.pipelining, imported when a schedule is built: it pulls in torch._dynamo (~1 s per process)
@@ -704,17 +705,13 @@ class PipelineRun(nn.Module):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ over the whole pipeline: the norm of all stages' gradients (tied
-        ones counted once), the same on every rank; grads scaled by min(1, max_norm / (norm + 1e-6)).
+        ones counted once, accumulated in fp32), the same on every rank; grads scaled by min(1, max_norm / (norm +
+        1e-6)).
         max_norm <= 0 or inf: only the norm."""
         named = [(name, p) for name, p in self.named_parameters() if p.grad is not None]
         counted = [p.grad for name, p in named if name not in self._not_in_norm]
-        if counted:
-            local = torch.nn.utils.get_total_norm(counted, norm_type)
-            if isinstance(local, DTensor):
-                local = local.full_tensor()
-        else:
-            local = torch.zeros((), device=self._device)
-        local = local.float()
+        # in fp32: 16-bit gradients may still carry an fp16 loss scale (runtime.train_loop)
+        local = total_norm_fp32(counted, norm_type).to(self._device)
         if math.isinf(norm_type):
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self._group)
             total = local
@@ -796,13 +793,16 @@ def stage_module_paths(stage_layer_names: Sequence[Sequence[str]], layers: Seque
     return [[path for name in names for path in (modules_of.get(name) or [name])] for names in stage_layer_names]
 
 
-def gather_full_state_dict(run: PipelineRun) -> dict[str, torch.Tensor] | None:
-    """The whole model's state dict (full CPU tensors, original names and order) on pipeline rank 0, None on the
-    others. Collective over the pipeline group, and over data/tensor parallel meshes for DTensors."""
+def gather_full_state_dict(run: PipelineRun, optimizer: torch.optim.Optimizer | None = None
+                           ) -> dict[str, torch.Tensor] | None:
+    """The whole model's state dict (full CPU tensors, original names and order; a 16-bit parameter's fp32 master
+    where `optimizer` keeps one: runtime.zero1) on pipeline rank 0, None on the others. Collective over the pipeline
+    group, and over data/tensor parallel meshes for DTensors."""
     from zplan.runtime.fused_layout import stored_layouts, to_original_state
+    from zplan.runtime.zero1 import with_master_weights
 
     local = {}
-    for name, tensor in run.state_dict().items():
+    for name, tensor in with_master_weights(run.state_dict(), optimizer)[0].items():
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         local[name] = full.detach().cpu()
     layouts = {name: layout for root in run.weight_roots() for name, layout in stored_layouts(root).items()}

@@ -418,8 +418,8 @@ def has_tensor_parallel_parameters(model: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def replicate_over_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int,
-                                 compute_dtype: torch.dtype | None, block_prefix: str) -> nn.Module:
+def replicate_over_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, block_prefix: str
+                                 ) -> nn.Module:
     """ZeRO 0 and 1 for a tensor-parallel model: parameters and gradients replicated over `dp_mesh`,
     gradients all-reduced (averaged) in backward, per block so that the all-reduce of one block overlaps
     the backward of the next. The optimizer states are replicated too (ZeRO 0, torch's AdamW) or
@@ -429,17 +429,16 @@ def replicate_over_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, zero_sta
     DistributedDataParallel cannot: it broadcasts and buckets parameters as plain tensors and has no
     rule for DTensors. FSDP2's replicate (torch.distributed._composable.replicate_with_fsdp, DDP built on
     FSDP2's machinery) takes DTensor parameters and places them on the (dp, tp) mesh as (Replicate,
-    tp placement). Mixed precision as FSDP2: compute in `compute_dtype`, reduce gradients in fp32.
+    tp placement). No mixed-precision policy: with mixed precision the parameters are already in the compute dtype
+    (runtime.apply.cast_parameters), their gradients reduced and accumulated in it, the fp32 masters in the
+    optimizer.
     """
     if zero_stage not in (0, 1):
         raise ValueError(f"replicate_over_data_parallel runs ZeRO 0 and 1; ZeRO {zero_stage} shards the "
                          "parameters (runtime.apply.apply_data_parallel: FSDP2's fully_shard)")
     from torch.distributed._composable.replicate_with_fsdp import replicate
-    from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    mp_policy = (MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-                 if compute_dtype is not None else MixedPrecisionPolicy())
     for block in transformer_blocks(model, block_prefix):
-        replicate(block, mesh=dp_mesh, mp_policy=mp_policy)
-    replicate(model, mesh=dp_mesh, mp_policy=mp_policy)  # the root: embedding, final norm, head
+        replicate(block, mesh=dp_mesh)
+    replicate(model, mesh=dp_mesh)  # the root: embedding, final norm, head
     return model

@@ -40,6 +40,7 @@ from zplan.runtime.checkpoint import (
     save_checkpoint,
 )
 from zplan.runtime.distributed import RunContext
+from zplan.runtime.grad_norm import total_norm_fp32
 from zplan.runtime.memory_tiers import describe as describe_tiers
 from zplan.runtime.memory_tiers import resident_bytes, state_bytes_by_tier
 from zplan.runtime.pipeline import PipelineRun
@@ -103,14 +104,16 @@ def _flush(optimizer: torch.optim.Optimizer) -> None:
         flush()
 
 
-def loss_scaler(model: nn.Module, precision: str, device: torch.device):
+def loss_scaler(model: nn.Module, optimizer: torch.optim.Optimizer, precision: str, device: torch.device):
     """fp16 needs loss scaling (Micikevicius et al. 2018); bf16 and fp32 do not."""
     if precision != "fp16":
         return None
-    if isinstance(model, PipelineRun):  # backward runs inside the schedule, each rank has its stages' grads
-        from zplan.runtime.loss_scale import PipelineLossScaler
+    # backward inside a pipeline's schedule, each rank with its stages' grads; or 16-bit gradients, unscaled by the
+    # optimizer's step (runtime.loss_scale)
+    if isinstance(model, PipelineRun) or _unscaled_in_step(optimizer):
+        from zplan.runtime.loss_scale import LossScaler
 
-        return PipelineLossScaler(device)
+        return LossScaler(device)
     from torch.distributed.fsdp import FSDPModule
 
     if isinstance(model, FSDPModule):  # sharded gradients: the inf check is all-reduced over ranks
@@ -144,6 +147,29 @@ def clear_gradients(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=not any(isinstance(c, DistributedDataParallel) for c in chunks))
 
 
+def _unscaled_in_step(optimizer: torch.optim.Optimizer) -> bool:
+    """16-bit gradients of 16-bit parameters: the optimizer's step upcasts, unscales and clips them
+    (runtime.zero1.ZeroOneAdamW.grad_divisor)."""
+    return getattr(optimizer, "unscales_gradients", False)
+
+
+def _clip_in_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler, max_norm: float) -> torch.Tensor:
+    """The gradients stay as the backward left them (16-bit, times the loss scale under fp16); their norm is taken
+    in fp32, and the step divides them by the loss scale times torch's clipping factor, 1 / min(1, max_norm /
+    (norm + 1e-6)) (torch.nn.utils.clip_grad_norm_). Returns the unscaled norm, nothing read back to the host but
+    an fp16 overflow check."""
+    scale = scaler.scale if scaler else 1.0
+    if isinstance(model, PipelineRun):  # the norm over all stages; max_norm inf: nothing scaled in place
+        norm = model.clip_grad_norm_(math.inf)
+    else:
+        norm = total_norm_fp32(p.grad for p in model.parameters() if p.grad is not None)
+    norm = norm / scale
+    if scaler:
+        scaler.note_overflow(norm)
+    optimizer.grad_divisor = scale * torch.clamp((norm + 1e-6) / max_norm, min=1.0)
+    return norm
+
+
 def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, data_iter: Iterator, loss_fn: Callable,
                    num_micro_batches: int, grad_clip: float, scaler, device: torch.device):
     """One optimizer step as train() runs it (and the dry run, zplan.dryrun, on fake tensors): forward and backward
@@ -160,13 +186,16 @@ def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, data_iter
             loss = loss_fn(forward_batch(model, batch), batch) / num_micro_batches
             (scaler.scale(loss) if scaler else loss).backward()
         loss_sum += loss.detach().float()
-    if scaler:
-        scaler.unscale_(optimizer)
     max_norm = grad_clip if grad_clip > 0 else math.inf
-    grad_norm = (model.clip_grad_norm_(max_norm) if pipelined  # the norm over all stages
-                 else torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
-    if isinstance(grad_norm, DTensor):
-        grad_norm = grad_norm.full_tensor()
+    if _unscaled_in_step(optimizer):
+        grad_norm = _clip_in_step(model, optimizer, scaler, max_norm)
+    else:
+        if scaler:
+            scaler.unscale_(optimizer)
+        grad_norm = (model.clip_grad_norm_(max_norm) if pipelined  # the norm over all stages
+                     else torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
     if scaler:
         scaler.step(optimizer)
         scaler.update()
@@ -277,7 +306,7 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, data_iter: Iterato
     steps, num_micro_batches, micro_batch = config.steps, config.num_micro_batches, config.micro_batch
     data_parallel_size, checkpoint, figures = config.data_parallel_size, config.checkpoint, config.figures
     tokens_per_step = micro_batch * num_micro_batches * data_parallel_size * config.seq_len
-    scaler = loss_scaler(model, config.precision, ctx.device)
+    scaler = loss_scaler(model, optimizer, config.precision, ctx.device)
     # What a rank file's data-iterator and RNG state depend on: restored only under the same layout.
     layout = {"data_parallel_size": data_parallel_size, "num_micro_batches": num_micro_batches,
               "micro_batch": micro_batch}

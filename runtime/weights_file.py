@@ -12,22 +12,36 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from zplan.runtime.distributed import RunContext
 from zplan.runtime.fused_layout import stored_layouts, to_original_state
 from zplan.runtime.outputs import write_atomically
+from zplan.runtime.zero1 import with_master_weights
 
 
-def save_full_weights(model: nn.Module, path: str | Path, ctx: RunContext) -> None:
+def _full_on_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered whole (collective over its mesh), on the host."""
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu()
+
+
+def save_full_weights(model: nn.Module, path: str | Path, ctx: RunContext,
+                      optimizer: torch.optim.Optimizer | None = None) -> None:
     """torch.save {parameter name: full CPU tensor} on rank 0, atomically (runtime.outputs); names as the model
-    file defines them (no DDP 'module.' prefix). Every rank must call it: gathering the shards is a collective."""
+    file defines them (no DDP 'module.' prefix); a 16-bit parameter's fp32 master where `optimizer` keeps one
+    (runtime.zero1). Every rank must call it: gathering the shards is a collective."""
     from zplan.runtime.pipeline import PipelineRun, gather_full_state_dict
 
     if isinstance(model, PipelineRun):  # each pipeline rank holds its stages: gather them to rank 0
-        state = gather_full_state_dict(model)
+        state = gather_full_state_dict(model, optimizer)
     else:
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        local, _ = with_master_weights(get_model_state_dict(model), optimizer)
+        state = {}
+        for name, tensor in local.items():  # each gathered by every rank (collective), kept by rank 0
+            full = _full_on_host(tensor)
+            if ctx.is_main:
+                state[name] = full
         state = to_original_state(state, stored_layouts(model))  # fused projections in the model file's order
     if ctx.is_main:  # written beside, then renamed: a full disk or a kill leaves the previous file whole
         size = sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor))

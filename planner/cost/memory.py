@@ -7,16 +7,19 @@ fragmentation). The peak is of one moment (memory_per_gpu's peak): the loss's te
 buffers are not live together.
 
 Model states as zplan's runtime holds them (Rajbhandari et al., ZeRO, SC'20, Sec. 3 and 5, for the
-partitioning): the parameters stay fp32 in every precision (they are the master weights: autocast under
-ZeRO 0/1, FSDP2's MixedPrecisionPolicy under ZeRO 2/3 make 16-bit copies for compute), the gradients
-are fp32, and Adam keeps m and v in fp32: 4 + 4 + 8 bytes per parameter. Stage 1 shards the 8 Adam
-bytes over dp, stage 2 the gradients and (FSDP2 holds only shards at rest) the weights too, stage 3 the
-same. The paper's mixed-precision layout (16-bit weights and gradients, K=12 with an fp32 master copy)
-totals the same 16 bytes at ZeRO 0 and 16/dp at ZeRO 2/3, but 4 + 12/dp at ZeRO 1 where the runtime
-holds 8 + 8/dp. The 16-bit copies for compute are transient, a term of the peak (compute_copy_bytes,
-in comm_buffers): under ZeRO 0/1 with mixed precision autocast's cached copies of the weights, kept
-from forward until backward; under ZeRO 2 every unit's gathered parameters (FSDP2 with
-reshard_after_forward=False), held from its forward until its backward; ZeRO-3's two in-flight units.
+partitioning; schemas.model_states says which layout runs where):
+  - ZeRO 0/1 with mixed precision: the paper's layout. 16-bit parameters and gradients on every rank, the fp32
+    master weights and Adam's m and v in the optimizer (runtime.zero1): 2 + 2 + 12 bytes per parameter, the 12
+    sharded over dp by ZeRO-1: 4 + 12/dp (the paper's K = 12). The gradients accumulate over micro-batches in the
+    16-bit dtype (DDP's buckets) and are reduced in it once a step.
+  - fp32, ZeRO 2/3 and 1-bit Adam: fp32 parameters (the masters: FSDP2's MixedPrecisionPolicy under ZeRO 2/3, or
+    autocast under 1-bit Adam, make 16-bit copies for compute), fp32 gradients (FSDP2's reduce dtype: ZeRO 2/3
+    accumulate over micro-batches in fp32), fp32 m and v: 4 + 4 + 8. ZeRO 2 shards the gradients and (FSDP2 holds
+    only shards at rest) the weights too, so 16/dp at rest, 2 + 16/dp at the peak with the gathered 16-bit
+    parameters (the paper's 2 + 14/dp, its gradient shard 16-bit); ZeRO 3 16/dp.
+The 16-bit copies for compute are transient, a term of the peak (compute_copy_bytes, in comm_buffers): under
+ZeRO 2 every unit's gathered parameters (FSDP2 with reshard_after_forward=False), held from its forward until its
+backward; ZeRO-3's two in-flight units; with 1-bit Adam autocast's cached copies of the weights.
 Activations per block (Korthikanti et al., MLSys'23, Table 2): of the block's saved bytes, 10*s*b*h
 (16-bit; layer-norm inputs, dropout masks, first-linear inputs) stay replicated under tensor parallel
 unless sequence parallel shards them; the rest is divided by tp. Selective recompute keeps the projections'
@@ -34,6 +37,8 @@ and gradient shards stay on the GPU where they fit (the optimizer alone on the h
 else go to the host with it (FSDP2's CPUOffloadPolicy: parameters_offloaded). Host bytes per parameter of this
 rank's shard: beside device parameters zplan's CPU Adam keeps an fp32 master, m and v and a gradient buffer
 (HOST_OPTIMIZER_BYTES + HOST_GRAD_BUFFER_BYTES); under CPUOffloadPolicy the shards and the optimizer's states.
+On NVMe the files hold m and v (ADAM_BYTES), and host memory the fp32 master of a 16-bit parameter (ZeRO-1) or
+FSDP2's parameter and gradient shards under CPUOffloadPolicy.
 Compression (planner.cost.compression) adds to the communication buffers: the int8 gradient hook's copies of
 one DDP bucket; 1-bit Adam's error feedback, and its step's transient copies beyond the activations they
 outlive (the step runs after the backward has freed them).
@@ -57,12 +62,14 @@ DDP_BUCKET_BYTES = 25 * 1024**2  # torch DDP default bucket_cap_mb=25
 HOST_USABLE_FRACTION = 0.9  # leave 10% of host memory / NVMe to the OS and the data loader
 
 
-PARAM_BYTES = 4.0  # fp32 parameters: the master weights, in every precision
-GRAD_BYTES = 4.0  # fp32 gradients (autocast; FSDP2 reduce_dtype=fp32)
+PARAM_BYTES = 4.0  # fp32 parameters: the master weights (fp32 runs, ZeRO 2/3's FSDP2 shards, 1-bit Adam)
+GRAD_BYTES = 4.0  # fp32 gradients (fp32 runs; FSDP2's reduce_dtype=fp32; 1-bit Adam's autocast)
 ADAM_BYTES = 8.0  # fp32 m and v
+MASTER_BYTES = 4.0  # the optimizer's fp32 master of a 16-bit parameter (ZeRO 0/1 with mixed precision)
 # zplan's CPU Adam beside parameters kept on the device (ZeRO-1's runtime.offload.cpu_adam_optimizer, ZeRO 2/3's
 # runtime.offload.sharded_cpu_adam), per parameter of this rank's shard, in host memory: an fp32 master copy, m and
-# v (12), and the buffer the fp32 gradient shard is copied down into before the step (4, with a GPU).
+# v (12), and the buffers the gradient shard is copied down into before the step (4, with a GPU: fp32, or a 16-bit
+# parameter's 16-bit gradient and the 16-bit rows the kernel writes for the copy back up).
 HOST_OPTIMIZER_BYTES = 12.0
 HOST_GRAD_BUFFER_BYTES = 4.0
 
@@ -89,25 +96,33 @@ def logits_loss_bytes(model: ModelNumbers, micro_batch, precision: str):
     return np.asarray(micro_batch, dtype=float) * model.seq_len * model.vocab * LOSS_BYTES_PER_LOGIT[precision]
 
 
+def sixteen_bit_states(zero, precision: str, grad_compress) -> np.ndarray:
+    """Per candidate: parameters and gradients in the 16-bit compute dtype, the fp32 masters in the optimizer
+    (schemas.model_states.parameters_in_compute_dtype, vectorised; grad_compress 2 is 1-bit Adam)."""
+    return (np.asarray(zero) <= 1) & (precision in ("bf16", "fp16")) & (np.asarray(grad_compress) != 2)
+
+
 def optimizer_bytes_per_param(precision: str) -> int:
     """Adam with ZeRO-Offload's CPU step (planner.cost.offload, planner.placement): fp32 master + m + v
     (mixed precision, K=12) or m + v (fp32, the weight is the master)."""
     return 8 if precision == "fp32" else 12
 
 
-def state_bytes_per_param(zero, dp, offloaded, parameters_offloaded=None) -> tuple:
+def state_bytes_per_param(zero, dp, offloaded, parameters_offloaded=None, sixteen_bit=False) -> tuple:
     """(weights, gradients, optimizer) bytes per parameter on the GPU, arrays or scalars alike: the
-    runtime's 4 + 4 + 8 sharded by ZeRO stage; offloaded states leave the GPU: the optimizer always (ZeRO-1:
+    runtime's 4 + 4 + 8, or with `sixteen_bit` (sixteen_bit_states) 2 + 2 + 12, sharded by ZeRO stage; offloaded
+    states leave the GPU: the optimizer always (ZeRO-1:
     runtime.offload.cpu_adam_optimizer; ZeRO 2/3 with the parameters on the GPU: runtime.offload.sharded_cpu_adam),
     and under ZeRO 2/3 where `parameters_offloaded` the weight and gradient shards with it (FSDP2's
     CPUOffloadPolicy; planner.placement places them so). Default: every offloaded ZeRO 2/3 candidate offloads
     its parameters too (the conservative end, the least GPU memory)."""
     zero, dp, offloaded = np.asarray(zero), np.asarray(dp, dtype=float), np.asarray(offloaded, dtype=bool)
     params_off = offloaded & (zero >= 2) if parameters_offloaded is None else np.asarray(parameters_offloaded, bool)
+    sixteen = np.asarray(sixteen_bit, dtype=bool)
     sharded = np.where(zero >= 2, dp, 1.0)
-    weights = np.where(params_off, 0.0, PARAM_BYTES / sharded)
-    grads = np.where(params_off, 0.0, GRAD_BYTES / sharded)
-    optim = np.where(offloaded, 0.0, ADAM_BYTES / np.where(zero >= 1, dp, 1.0))
+    weights = np.where(params_off, 0.0, np.where(sixteen, 2.0, PARAM_BYTES) / sharded)
+    grads = np.where(params_off, 0.0, np.where(sixteen, 2.0, GRAD_BYTES) / sharded)
+    optim = np.where(offloaded, 0.0, (ADAM_BYTES + np.where(sixteen, MASTER_BYTES, 0.0)) / np.where(zero >= 1, dp, 1.0))
     return weights, grads, optim
 
 
@@ -178,13 +193,14 @@ def attention_core_act_bytes(model: ModelNumbers, precision: str) -> float:
 
 
 def compute_copy_bytes(params_gpu: np.ndarray, zero: np.ndarray, precision: str,
-                       uncast_params: np.ndarray | float = 0.0) -> np.ndarray:
+                       uncast_params: np.ndarray | float = 0.0, grad_compress: np.ndarray | int = 0) -> np.ndarray:
     """Parameters held in the compute dtype besides the fp32 ones, from forward until backward: ZeRO-2
-    (FSDP2, reshard_after_forward=False) the stage's whole parameters, gathered unit by unit; ZeRO 0/1
-    with mixed precision autocast's cached 16-bit copies of the weights it casts, which are all but
-    `uncast_params` (an embedding lookup is not an autocast op: its table is read in fp32); 0 otherwise (ZeRO-3
-    frees each unit after its forward: its two in-flight blocks are counted in comm_buffers)."""
-    autocast = (zero <= 1) & (precision != "fp32")
+    (FSDP2, reshard_after_forward=False) the stage's whole parameters, gathered unit by unit; ZeRO 0/1 with
+    mixed precision and 1-bit Adam (grad_compress 2: fp32 parameters under autocast) autocast's cached 16-bit
+    copies of the weights it casts, which are all but `uncast_params` (an embedding lookup is not an autocast op:
+    its table is read in fp32); 0 otherwise (ZeRO 0/1 compute on their 16-bit parameters themselves; ZeRO-3 frees
+    each unit after its forward: its two in-flight blocks are counted in comm_buffers)."""
+    autocast = (zero <= 1) & (precision != "fp32") & (np.asarray(grad_compress) == 2)
     cast = np.where(autocast, params_gpu - uncast_params, params_gpu)
     return np.where((zero == 2) | autocast, element_bytes(precision) * cast, 0.0)
 
@@ -200,7 +216,6 @@ def memory_per_gpu(
     """Bytes per GPU of every candidate (module docstring). `end_stage_blocks`: the blocks the first and the last
     pipeline stage hold, from a partition (default: the uniform split's most, blocks_per_stage)."""
     elem = element_bytes(precision)
-    k_opt = optimizer_bytes_per_param(precision)
     t, p, dp, z = (cand.tp.astype(float), cand.pp, cand.dp.astype(float), cand.zero)
     b = cand.micro_batch.astype(float)
     s, h = model.seq_len, model.hidden
@@ -227,31 +242,34 @@ def memory_per_gpu(
 
     block_params_gpu = model.block_params / t
     params_gpu = np.maximum(first_params, last_params)
+    sixteen = sixteen_bit_states(z, precision, cand.grad_compress)
+    grad_elem = np.where(sixteen, 2.0, GRAD_BYTES)  # bytes of one gradient value under ZeRO 0/1
     # ZeRO 0/1: DDP's gradient buckets (and ZeRO-1's parameter all-gather, bucketed the same way).
-    comm = np.where(z <= 1, 2.0 * np.minimum(DDP_BUCKET_BYTES, GRAD_BYTES * first_params), 0.0)
+    comm = np.where(z <= 1, 2.0 * np.minimum(DDP_BUCKET_BYTES, grad_elem * first_params), 0.0)
     # ZeRO 2/3: two blocks' unsharded gradients in the reduce-scatter (one reduced while the next is
     # computed); ZeRO-3 two blocks' gathered parameters (current + prefetched), ZeRO-2 all of them.
     comm = comm + np.where(z >= 2, 2.0 * GRAD_BYTES * block_params_gpu, 0.0)
     comm = comm + np.where(z == 3, 2.0 * elem * block_params_gpu, 0.0)
     comm = comm + np.where(t > 1, 2.0 * b * s * h * elem, 0.0)  # sequence-parallel gather buffers
-    # the compute copies of each end stage: under DDP (tp 1) autocast's, which leave the embedding table in fp32;
-    # under tp FSDP2's replicate (runtime.tensor_parallel) casts every parameter of a unit, the embedding too
-    uncast = np.where(t == 1, model.embed_params - model.head_shared_params, 0.0)
+    # the compute copies of each end stage: under 1-bit Adam (DDP, tp 1) autocast's, which leave the embedding table
+    # in fp32
+    uncast = model.embed_params - model.head_shared_params
     # autocast's copies are saved tensors: a recomputed block (selective or full) recomputes its casts instead
-    recomputed = np.where((t == 1) & (cand.recompute > 0), model.block_params, 0.0)
+    recomputed = np.where(cand.recompute > 0, model.block_params, 0.0)
     # each micro-batch's forward under autocast casts afresh and its backward keeps them: a pipeline stage holds the
     # copies of every micro-batch in flight (ZeRO-2's gathered parameters are held once)
-    per_microbatch = np.where((z <= 1) & (t == 1), inflight, 1.0)
-    first_copies = per_microbatch * compute_copy_bytes(first_params, z, precision, uncast + first_blocks * recomputed)
+    per_microbatch = np.where(z <= 1, inflight, 1.0)
+    first_copies = per_microbatch * compute_copy_bytes(first_params, z, precision, uncast + first_blocks * recomputed,
+                                                       cand.grad_compress)
     last_uncast = np.where(single, uncast, 0.0) + last_blocks * recomputed
-    last_copies = compute_copy_bytes(last_params, z, precision, last_uncast)
+    last_copies = compute_copy_bytes(last_params, z, precision, last_uncast, cand.grad_compress)
     # Gradients live at the loss's peak: DDP's buckets hold them from the build on (runtime.apply: gradient as
     # bucket view); else only once a micro-batch's backward has run, i.e. with several micro-batches per step.
     persistent_grads = ((z <= 1) & (t == 1)) | (num_micro_batches > 1)
 
     reserve = np.full(len(cand), float(cluster.framework_reserve_bytes))
     # Compression's buffers (module docstring).
-    bucket = np.minimum(DDP_BUCKET_BYTES, GRAD_BYTES * first_params)
+    bucket = np.minimum(DDP_BUCKET_BYTES, grad_elem * first_params)
     comm = comm + np.where(cand.grad_compress == 1, INT8_HOOK_BUCKET_COPIES * bucket, 0.0)
     one_bit_errors = ONE_BIT_ERROR_BYTES_PER_PARAM * (1.0 + 1.0 / dp) * params_gpu
     one_bit_errors = one_bit_errors + np.where(z == 1, ADAM_BYTES / 2 * params_gpu, 0.0)  # ZeRO-1: whole momentum
@@ -273,7 +291,7 @@ def memory_per_gpu(
     def on_gpu(params_off: np.ndarray) -> tuple[np.ndarray, ...]:
         """(weights, gradients, optimizer, activations, comm buffers, not at the peak, total) of the more loaded
         end stage."""
-        per_param = state_bytes_per_param(z, dp, offloaded, params_off)
+        per_param = state_bytes_per_param(z, dp, offloaded, params_off, sixteen)
         w1, g1, o1 = (bytes_per_param * first_params for bytes_per_param in per_param)
         w2, g2, o2 = (bytes_per_param * last_params for bytes_per_param in per_param)
         def buffers_beside(acts):  # 1-bit Adam's step outlives the activations it is larger than
@@ -298,18 +316,18 @@ def memory_per_gpu(
 
     # Host / NVMe: the offloaded states of every GPU of the node. Parameters on the GPU: the optimizer on the CPU
     # holds HOST_OPTIMIZER_BYTES + HOST_GRAD_BUFFER_BYTES per parameter of the shard on the host; on NVMe, its
-    # moments (optimizer_bytes_per_param) in files. Under FSDP2's CPUOffloadPolicy (params_off) the optimizer's
-    # optimizer_bytes_per_param on the offload tier, and the fp32 gradient shards and the parameter shards in host
-    # memory too (in fp32 the shard is the master itself, in 16-bit the optimizer's master is).
+    # moments (ADAM_BYTES) in files and a 16-bit parameter's fp32 master (ZeRO-1) in host memory. Under FSDP2's
+    # CPUOffloadPolicy (params_off) the fp32 parameter shards (the masters) and gradient shards in host memory, and
+    # m and v there too (CPU) or in files (NVMe).
     shard = params_gpu / np.where(z >= 1, dp, 1.0)
-    optimizer_off = k_opt * shard
     beside_device = (HOST_OPTIMIZER_BYTES + HOST_GRAD_BUFFER_BYTES) * shard
-    shard_bytes = GRAD_BYTES + (PARAM_BYTES if precision == "fp32" else 0.0)
-    host_shards = np.where(params_off, shard_bytes * shard, 0.0)
+    host_shards = np.where(params_off, (PARAM_BYTES + GRAD_BYTES) * shard, 0.0)
+    nvme_host_masters = np.where(sixteen, MASTER_BYTES * shard, 0.0)
     gpus = cluster.gpus_per_node
     cpu = np.select([cand.offload == 1, cand.offload == 2],
-                    [np.where(params_off, optimizer_off, beside_device) + host_shards, host_shards], 0.0) * gpus
-    nvme = np.where(cand.offload == 2, optimizer_off, 0.0) * gpus
+                    [np.where(params_off, ADAM_BYTES * shard, beside_device) + host_shards,
+                     host_shards + nvme_host_masters], 0.0) * gpus
+    nvme = np.where(cand.offload == 2, ADAM_BYTES * shard, 0.0) * gpus
     fits = (
         (total <= cluster.gpu.hbm_bytes)
         & (cpu <= HOST_USABLE_FRACTION * cluster.cpu_memory_bytes)

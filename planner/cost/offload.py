@@ -15,7 +15,8 @@ this rank updates:
   CPU Adam:       shard / (cpu_adam_params_per_s / gpus_per_node) where the profile has a measured
                   throughput (zplan probe), else reads and writes the fp32 states, reads gradients, writes
                   weights, at this GPU's share of the host memory bandwidth
-  NVMe:           reads and writes the optimizer states; ZeRO-3 weights read per fetch, written once
+  NVMe:           reads and writes the moments in files (a 16-bit parameter's master stays in host memory);
+                  ZeRO-3 weights read per fetch, written once
 Counted as not overlapped with compute (the delayed parameter update, planner.placement_choice, is decided
 for the chosen plan only).
 """
@@ -26,6 +27,7 @@ import numpy as np
 
 from zplan.planner.cost.inputs import Candidates
 from zplan.planner.cost.memory import (
+    ADAM_BYTES,
     GRAD_BYTES,
     HOST_OPTIMIZER_BYTES,
     PARAM_BYTES,
@@ -68,6 +70,6 @@ def offload_time_s(cand: Candidates, params_gpu: np.ndarray, num_micro_batches: 
                           2.0 * optim + grads + elem * shard)
     adam_s = cpu_adam_s(shard, adam_bytes, cluster)
     nvme_bw = max(cluster.nvme_bandwidth_Bps, 1.0) / cluster.gpus_per_node
-    nvme_bytes = 2.0 * optim + np.where((z == 3) & params_off, (2.0 * m + 1.0) * elem * shard, 0.0)
+    nvme_bytes = 2.0 * ADAM_BYTES * shard + np.where((z == 3) & params_off, (2.0 * m + 1.0) * elem * shard, 0.0)
     total = host_s + adam_s + np.where(cand.offload == 2, nvme_bytes / nvme_bw, 0.0)
     return np.where(cand.offload > 0, total, 0.0)

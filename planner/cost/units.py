@@ -19,6 +19,7 @@ from zplan.planner.cost.memory import (
     block_activation_bytes,
     element_bytes,
     logits_loss_bytes,
+    sixteen_bit_states,
     state_bytes_per_param,
 )
 from zplan.schemas.cluster import ClusterSpec
@@ -47,7 +48,8 @@ def unit_costs(summary: ModelSummary, cand: Candidates, cluster: ClusterSpec, pr
         np.array([b * model.seq_len * model.hidden * elem]), cand.tp, np.ones(1), cluster)[0])
     block_act = float(block_activation_bytes(model, cand, precision)[0])
 
-    per_param = float(sum(state_bytes_per_param(z, dp, off > 0)))
+    sixteen_bit = sixteen_bit_states(z, precision, cand.grad_compress[0])
+    per_param = float(sum(state_bytes_per_param(z, dp, off > 0, None, sixteen_bit)))
 
     times, static, acts = [], [], []
     for unit in summary.layers:

@@ -103,13 +103,16 @@ def states_to_host(state: dict, as_state) -> None:
     state["step"] = torch.as_tensor(state["step"], dtype=torch.float32).detach().cpu().reshape(())
 
 
-def kernel_calls(by_step: dict[int, tuple[list, list, list, list, list]], group: dict, threads: int) -> list[_Call]:
+def kernel_calls(by_step: dict[int, tuple[list, list, list, list, list]], group: dict, threads: int,
+                 grad_divisor=None) -> list[_Call]:
     """adamw_step_ calls for one param group: `by_step` maps a step count to the (masters, grads, exp_avgs,
     exp_avg_sqs, outs) host tensor lists of the parameters at that count (outs: a 16-bit tensor the kernel writes
-    the updated parameter into in the same pass, or None); one call per step count and kind of parameter."""
+    the updated parameter into in the same pass, or None); one call per step count and kind of parameter. 16-bit
+    gradients are read divided by `grad_divisor` (ZeroOneAdamW's: loss scale times clipping factor), if any."""
     beta1, beta2 = group["betas"]
     hyper = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                  weight_decay=group["weight_decay"], threads=threads or torch.get_num_threads())
+    grad_scale = 1.0 if grad_divisor is None else 1.0 / float(grad_divisor)
     calls: list[_Call] = []
     for step, (masters, grads, exp_avgs, exp_avg_sqs, outs) in by_step.items():
         has_out = [o for o in outs if o is not None]
@@ -121,7 +124,9 @@ def kernel_calls(by_step: dict[int, tuple[list, list, list, list, list]], group:
             parts = [list(zip(masters, grads, exp_avgs, exp_avg_sqs, outs, strict=True))]
         for part in parts:
             m, g, a, s, o = (list(x) for x in zip(*part, strict=True))
-            calls.append(((m, g, a, s), dict(hyper, step=step, param_copy_out=o if o[0] is not None else None)))
+            sixteen_bit = o[0] is not None
+            calls.append(((m, g, a, s), dict(hyper, step=step, param_copy_out=o if sixteen_bit else None,
+                                             grad_scale=grad_scale if sixteen_bit else 1.0)))
     return calls
 
 
@@ -271,7 +276,7 @@ class CpuOffloadZeroOneAdamW(ZeroOneAdamW):
             for target, value in zip(lists, (self.master_rows(p), grad, state["exp_avg"].to_local(),
                                              state["exp_avg_sq"].to_local(), out), strict=True):
                 target.append(value)
-        return kernel_calls(by_step, group, self._threads), write_back, staged
+        return kernel_calls(by_step, group, self._threads, self.grad_divisor), write_back, staged
 
     def _run_calls(self, calls: list[_Call], ready: torch.cuda.Event | None = None) -> float:
         """The kernel calls (on the calling thread, or the background one), after `ready` (the host copies

@@ -8,10 +8,11 @@ Two optimizers, one per way the runtime shards a parameter:
   - NvmeShardedAdamW (ZeRO-2/3): FSDP2's parameters are this rank's shards already (DTensor, local tensor on
     the host under CPUOffloadPolicy, on the device when the placement keeps the parameters there); each local
     tensor is stepped whole.
-The master weights are the fp32 parameters themselves (the runtime keeps parameters in fp32; mixed precision
-casts a copy for compute), updated in place; a parameter on a GPU is staged through host memory sub-group by
-sub-group. What is in files: exp_avg and exp_avg_sq, 8 bytes per updated parameter. The step count is a
-host scalar per parameter.
+The master weights: an fp32 parameter is its own (FSDP2's shards, fp32 ZeRO-1), updated in place, staged through host
+memory sub-group by sub-group when it is on a GPU; a 16-bit parameter (ZeRO-1 with mixed precision: runtime.zero1)
+has an fp32 master of its rows in host memory (pinned with a GPU), stepped there and rounded into the parameter's
+rows. What is in files: exp_avg and exp_avg_sq, 8 bytes per updated parameter. The step count is a host scalar per
+parameter.
 
 State dict: the same layout as torch.optim.AdamW over these parameters (ZeRO-1: runtime.zero1's DTensor
 rows), so checkpoints reshard into and out of every other plan. state_dict() reads the moments back from
@@ -32,7 +33,7 @@ from zplan.errors import SwapError
 from zplan.runtime.offload.cpu_adam_optimizer import _host_dtensor, host_dtensor_on
 from zplan.runtime.offload.nvme import SwapEngine
 from zplan.runtime.offload.swapped_moments import SwappedMoments
-from zplan.runtime.zero1 import ZeroOneAdamW, _local
+from zplan.runtime.zero1 import ZeroOneAdamW, _local, is_16bit
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 DEFAULT_SUB_GROUP_BYTES = 64 * 2**20  # moments per sub-group (both): 8M parameters, one 64 MiB read and write
@@ -81,8 +82,11 @@ class _SwappedAdamW:
             self.state[p] = _between_steps(torch.zeros((), dtype=torch.float32))
         self.last_backend: str | None = None
 
-    def _segment(self, p: torch.Tensor) -> torch.Tensor:  # this rank's elements of p: a flat fp32 view
+    def _segment(self, p: torch.Tensor) -> torch.Tensor:  # this rank's elements of p's master: a flat fp32 view
         raise NotImplementedError
+
+    def _rounded_segment(self, p: torch.Tensor) -> torch.Tensor | None:  # a 16-bit p's elements (flat), else None
+        return None
 
     def _state_tensor(self, p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:  # a moment in the dict layout
         raise NotImplementedError
@@ -117,13 +121,16 @@ class _SwappedAdamW:
                     continue
                 n = piece.stop - piece.start
                 master = self._segment(p)[piece.start:piece.stop]
-                grad = self._segment_grad(p)[piece.start:piece.stop]
+                grad = self._segment_grad(p)[piece.start:piece.stop].to("cpu", torch.float32)
+                rounded = self._rounded_segment(p)  # a 16-bit parameter's rows, written from its master
+                if rounded is not None and self.grad_divisor is not None:
+                    grad.div_(float(self.grad_divisor))  # loss scale x clipping (runtime.zero1)
                 host = master if master.device.type == "cpu" else master.to("cpu")  # staged from the GPU
+                copies = [(master, host)] + ([] if rounded is None else [(rounded[piece.start:piece.stop], host)])
                 key = (id(group_of[p]), int(self.state[p]["step"].item()))
                 lists = calls.setdefault(key, ([], [], [], [], []))
-                for target, value in zip(lists, (host, grad.to("cpu").float(), exp_avg[piece.offset:piece.offset + n],
-                                                 exp_avg_sq[piece.offset:piece.offset + n], (master, host)),
-                                         strict=True):
+                for target, value in zip(lists, (host, grad, exp_avg[piece.offset:piece.offset + n],
+                                                 exp_avg_sq[piece.offset:piece.offset + n], copies), strict=True):
                     target.append(value)
             groups = {id(g): g for g in self.param_groups}
             for (group_id, step), (masters, grads, exp_avgs, exp_avg_sqs, write_back) in calls.items():
@@ -132,7 +139,7 @@ class _SwappedAdamW:
                 self.last_backend = adamw_step_(
                     masters, grads, exp_avgs, exp_avg_sqs, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
                     eps=group["eps"], weight_decay=group["weight_decay"], step=step, threads=self._threads)
-                for target, host in write_back:
+                for target, host in (pair for copies in write_back for pair in copies):
                     if target is not host:
                         target.copy_(host)
             if swapper is not None:
@@ -189,23 +196,45 @@ class _SwappedAdamW:
 
 
 class NvmeZeroOneAdamW(_SwappedAdamW, ZeroOneAdamW):
-    """ZeRO-1 AdamW (runtime.zero1) whose owned rows' moments live in files under `nvme_path` (module docstring).
-    `sub_group_bytes`: moment bytes swapped per sub-group; `threads`: the CPU kernel's OpenMP threads (0: all)."""
+    """ZeRO-1 AdamW (runtime.zero1) whose owned rows' moments live in files under `nvme_path` (module docstring),
+    a 16-bit parameter's fp32 master rows in host memory. `sub_group_bytes`: moment bytes swapped per sub-group;
+    `threads`: the CPU kernel's OpenMP threads (0: all)."""
 
     def __init__(self, params, dp_mesh, *, nvme_path: str | os.PathLike | None, sub_group_bytes: int =
                  DEFAULT_SUB_GROUP_BYTES, threads: int = 0, **kwargs):
         kwargs.pop("fused", None)  # the host kernel steps whatever the device kernel choice
+        self._masters: dict[torch.Tensor, DTensor] = {}  # 16-bit parameter -> host fp32 master rows (DTensor)
         super().__init__(params, dp_mesh, fused=True, **kwargs)
         self._setup_swap(nvme_path, sub_group_bytes, threads)
 
     def _fresh_state(self, p: torch.Tensor) -> dict:  # ZeroOneAdamW's init: no moments in memory
+        if is_16bit(p):
+            rows = self._rows[p]
+            host = torch.empty(self._owned_shape(p), dtype=torch.float32, pin_memory=torch.cuda.is_available())
+            host.copy_(_local(p.detach())[rows.start:rows.stop])
+            self._masters[p] = _host_dtensor(host, p, self.dp_mesh)
         return _between_steps(torch.zeros((), dtype=torch.float32))
+
+    def master(self, p: torch.Tensor) -> DTensor | None:
+        return self._masters.get(p)
+
+    def host_buffers(self) -> list[torch.Tensor]:
+        """The swapped moments' host slots and the 16-bit parameters' fp32 masters (runtime.memory_tiers)."""
+        return super().host_buffers() + [master.to_local() for master in self._masters.values()]
+
+    def _rounded_segment(self, p: torch.Tensor) -> torch.Tensor | None:
+        if p not in self._masters:
+            return None
+        rows = self._rows[p]
+        return _local(p.detach())[rows.start:rows.stop].view(-1)
 
     def _owned_shape(self, p: torch.Tensor) -> tuple[int, ...]:
         rows = self._rows[p]
         return (rows.stop - rows.start, *_local(p).shape[1:])
 
     def _segment(self, p: torch.Tensor) -> torch.Tensor:
+        if p in self._masters:
+            return self._masters[p].to_local().view(-1)
         rows = self._rows[p]
         return _local(p.detach())[rows.start:rows.stop].view(-1)
 

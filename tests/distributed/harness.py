@@ -193,17 +193,24 @@ def run_emitted_script(plan: Plan, model_path: Path, out_dir: Path, *, steps: in
 
 
 def train_single_process(build_model: Callable[[], torch.nn.Module], *, steps: int, seed: int, lr: float,
-                         global_batch: int, vocab: int, seq_len: int,
-                         device: str = "cpu") -> tuple[list[float], dict[str, torch.Tensor]]:
+                         global_batch: int, vocab: int, seq_len: int, device: str = "cpu",
+                         dtype: torch.dtype = torch.float32) -> tuple[list[float], dict[str, torch.Tensor]]:
     """What the emitted script must reproduce: one process, the whole global batch at once, plain torch
     AdamW (fused, as the runtime uses) under the same LR schedule and clipping, on `device`;
-    (losses, final weights on the CPU)."""
+    (losses, final weights on the CPU). `dtype` bf16/fp16: mixed precision as the ZeRO paper has it, written here
+    from scratch: the model's parameters in `dtype`, an fp32 master copy of each that AdamW steps on the gradient
+    upcast, the parameter then rounded from it; the loss in fp32 on the 16-bit logits; the masters returned."""
     torch.manual_seed(seed)
     model = build_model().to(device)
     params = list(model.parameters())
+    masters = params
+    if dtype != torch.float32:
+        masters = [p.detach().clone() for p in params]  # fp32: the weights as built
+        for p in params:
+            p.data = p.data.to(dtype)
     optimizer = torch.optim.AdamW(
-        [{"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
-         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=lr, fused=True,
+        [{"params": [m for m in masters if m.dim() >= 2], "weight_decay": WEIGHT_DECAY},
+         {"params": [m for m in masters if m.dim() < 2], "weight_decay": 0.0}], lr=lr, fused=True,
     )
     schedule = WarmupCosine(max_lr=lr, warmup_steps=max(1, steps // 10), total_steps=steps)
     losses = []
@@ -212,13 +219,24 @@ def train_single_process(build_model: Callable[[], torch.nn.Module], *, steps: i
             group["lr"] = schedule(step)
         tokens = synthetic_token_batch(vocab, seq_len, global_batch, seed, step).to(device)  # (B, T)
         logits = model(tokens)  # (B, T, V)
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), tokens[:, 1:].reshape(-1))
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+        for p, master in zip(params, masters, strict=True):
+            if master is not p:
+                master.grad = p.grad.float()
+        torch.nn.utils.clip_grad_norm_(masters, GRAD_CLIP)
         optimizer.step()
         optimizer.zero_grad()
+        model.zero_grad()
+        with torch.no_grad():
+            for p, master in zip(params, masters, strict=True):
+                p.copy_(master)
         losses.append(loss.item())
-    return losses, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    weights = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    master_of = {id(p): master for p, master in zip(params, masters, strict=True)}
+    for name, p in model.named_parameters(remove_duplicate=False):  # the masters, under every name (tied too)
+        weights[name] = master_of[id(p)].detach().cpu().clone()
+    return losses, weights
 
 
 def max_loss_diff(losses: list[float], reference: list[float]) -> float:
@@ -229,3 +247,10 @@ def max_weight_diff(weights: dict[str, torch.Tensor], reference: dict[str, torch
     """The largest elementwise difference over all parameters (the two hold the same names)."""
     assert set(weights) == set(reference)
     return max((weights[k] - reference[k]).abs().max().item() for k in reference)
+
+
+def mean_weight_diff(weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    """The mean elementwise difference over all parameters (the two hold the same names)."""
+    assert set(weights) == set(reference)
+    total = sum((weights[k] - reference[k]).abs().sum().item() for k in reference)
+    return total / sum(t.numel() for t in reference.values())

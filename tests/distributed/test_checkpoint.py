@@ -1,5 +1,5 @@
-"""Checkpoints of the emitted train.py (2 processes, gloo, fp32): kill and resume, kill while writing,
-resume under another plan, and `zplan export`.
+"""Checkpoints of the emitted train.py (2 processes, gloo, fp32 unless a test says bf16): kill and resume, kill while
+writing, resume under another plan (bf16 too: fp32 master weights), and `zplan export`.
 
 The references are runs of the same script that were not interrupted: a resumed run must end with
 bit-identical weights (dropout on, so the RNG state must come back too, and ZeRO-1, so the sharded
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.harness import Ranks, emit, max_weight_diff, read_log, train_args
+from tests.distributed.harness import Ranks, emit, max_weight_diff, mean_weight_diff, read_log, train_args
 from tests.plan_samples import gpt_unit_names, runnable_plan
 from zplan.runtime.checkpoint import TEST_PAUSE_ENV
 from zplan.schemas import Plan
@@ -83,11 +83,11 @@ def build_model():
 '''
 
 
-def make_plan(model_path: Path, *, zero_stage: int, dp: int) -> Plan:
+def make_plan(model_path: Path, *, zero_stage: int, dp: int, precision: str = "fp32") -> Plan:
     """A hand-made data-parallel plan for the tiny GPT."""
     return runnable_plan(model_path, units=gpt_unit_names(LAYERS), hidden=HIDDEN, heads=HEADS, vocab=VOCAB,
                          seq_len=SEQ_LEN, micro_batch=MICRO_BATCH, num_micro_batches=GLOBAL_BATCH // (dp * MICRO_BATCH),
-                         dp=dp, zero_stage=zero_stage)
+                         dp=dp, zero_stage=zero_stage, precision=precision)
 
 
 def with_offload(plan: Plan, offload: str, parameters: str = "gpu") -> Plan:
@@ -281,6 +281,84 @@ def test_nvme_offloaded_checkpoint_resumes_under_another_plan(zero3_nvme_run, mo
     """Moments and parameter shards read back from their swap files into a checkpoint (state_dict), resumed
     without offload under ZeRO-1."""
     _resume_under(zero3_nvme_run, "ZeRO-3 on NVMe", 1, 2, model_path, tmp_path)
+
+
+# ---- mixed precision: a ZeRO-1 bf16 checkpoint (fp32 masters) resumed under ZeRO-3 bf16 and back ----------
+
+
+def _checkpoint_dtypes(checkpoint: Path) -> dict[str, torch.dtype]:
+    """{DCP key ('model.<fqn>', 'optimizer.state.<fqn>.exp_avg', ...): dtype} of the checkpoint's tensors, from its
+    .metadata alone."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from zplan.runtime.checkpoint import SafeFileSystemReader
+
+    metadata = SafeFileSystemReader(checkpoint).read_metadata()
+    return {key: entry.properties.dtype for key, entry in metadata.state_dict_metadata.items()
+            if isinstance(entry, TensorStorageMetadata)}
+
+
+def _bf16_run(model_path: Path, work: Path, zero_stage: int, *, resume: Path | None = None
+              ) -> tuple[Path, dict[int, float], dict[str, torch.Tensor]]:
+    """ZeRO `zero_stage` bf16 on 2 processes to step RESHARD_STEPS (from `resume` when given), a checkpoint after
+    every step, all kept; (checkpoint folder, {step: loss}, final weights)."""
+    script = emit(make_plan(model_path, zero_stage=zero_stage, dp=2, precision="bf16"), model_path, work / "out")
+    ckpt, log, weights = work / "ckpt", work / "log.jsonl", work / "weights.pt"
+    args = [*_common_args(RESHARD_STEPS, log), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1",
+            "--keep", str(RESHARD_STEPS), "--save-weights", str(weights)]
+    args += ["--resume", str(resume)] if resume else []
+    output = launch(script, args, 2, dropout=0.0).wait_ok()
+    assert resume is None or f"resumed from {resume}" in output
+    return ckpt, losses_by_step(log) if log.exists() else {}, torch.load(weights)  # no log: no step was left
+
+
+def test_zero1_bf16_checkpoint_resumes_under_zero3_bf16_and_back(model_path, tmp_path):
+    """ZeRO-1 bf16 (bf16 parameters and gradients, fp32 masters in its optimizer: runtime.zero1) checkpoints the
+    masters as the model's weights; ZeRO-3 bf16 (FSDP2's fp32 shards, bf16 compute) resumes from them after step 2,
+    and ZeRO-1 bf16 from ZeRO-3's checkpoint after step 3: each resumed run's next loss is the one the run it
+    resumed from saw, bit for bit, and the checkpoints hold fp32 masters, not the bf16 parameters."""
+    from safetensors.torch import load_file
+
+    from zplan.export import export_checkpoint
+
+    zero1_ckpt, zero1_losses, zero1_weights = _bf16_run(model_path, tmp_path / "zero1", 1)
+    zero3_ckpt, zero3_losses, zero3_weights = _bf16_run(model_path, tmp_path / "zero3", 3,
+                                                        resume=zero1_ckpt / "step-000002")
+    _, back_losses, back_weights = _bf16_run(model_path, tmp_path / "back", 1, resume=zero3_ckpt / "step-000003")
+    assert sorted(zero1_losses) == [1, 2, 3, 4] and sorted(zero3_losses) == [3, 4] and sorted(back_losses) == [4]
+    there, back = zero3_losses[3] - zero1_losses[3], back_losses[4] - zero3_losses[4]
+    drift = zero3_losses[4] - zero1_losses[4]
+    there_weights, back_weights_diff = mean_weight_diff(zero3_weights, zero1_weights), mean_weight_diff(
+        back_weights, zero3_weights)
+    print(f"bf16 ZeRO-1 step 2 -> ZeRO-3: step-3 loss diff {there:.2e}; ZeRO-3 step 3 -> ZeRO-1: step-4 loss diff "
+          f"{back:.2e}; ZeRO-3's step 4 against ZeRO-1's {drift:.2e}; final mean |weight diff| ZeRO-3 vs ZeRO-1 "
+          f"{there_weights:.2e}, back vs ZeRO-3 {back_weights_diff:.2e}")
+    # Bit-equal: the step after a resume computes from the same fp32 masters, both stages round them to the same
+    # bf16 parameters (ZeRO-1 holds them, FSDP2's MixedPrecisionPolicy casts its shards before the all-gather) and run
+    # the same bf16 forward on the same micro-batches, per rank, the loss summed over the 2 ranks the same way.
+    assert there == 0.0 and back == 0.0
+    # Past that step the stages part by rounding: ZeRO-1 all-reduces bf16 gradients, FSDP2 reduce-scatters them in
+    # fp32 (reduce_dtype). Measured: step 4 |diff| ~4e-5, mean |weight diff| 2e-6 (two steps) and 3e-7 (one); the
+    # Adam moments lost at the resume instead would move step 4's loss by 5e-3 and the weights by 8e-4 on average
+    # (a single-process bf16 run with its optimizer rebuilt at that step): so the moments were resharded too.
+    assert abs(drift) <= 5e-4 and there_weights <= 2e-5 and back_weights_diff <= 2e-5
+
+    # Every tensor of the checkpoints is fp32, the ZeRO-1 ones too (its parameters are bf16): weights and moments.
+    for checkpoint in (zero1_ckpt / "step-000002", zero3_ckpt / "step-000003", zero1_ckpt / "step-000004"):
+        dtypes = _checkpoint_dtypes(checkpoint)
+        assert any(key.startswith("model.") for key in dtypes) and any(".exp_avg_sq" in key for key in dtypes)
+        assert set(dtypes.values()) == {torch.float32}, (checkpoint, dtypes)
+    # ...and the model's are the masters, not the bf16 parameters upcast: the weights ZeRO-1 saved at the end (its
+    # masters) exactly, with no weight a bf16 value.
+    exported = load_file(export_checkpoint(zero1_ckpt / "step-000004", tmp_path / "zero1.safetensors"))
+    assert set(exported) == set(zero1_weights)
+    for name, weight in exported.items():
+        assert weight.dtype == torch.float32 and torch.equal(weight, zero1_weights[name]), name
+        assert not torch.equal(weight, weight.bfloat16().float()), name
+    # Loading fills ZeRO-1's masters with the checkpoint's fp32 weights exactly: resumed at its last step (no step
+    # left to run), ZeRO-1 saves ZeRO-3's final weights bit for bit.
+    _, no_losses, loaded_weights = _bf16_run(model_path, tmp_path / "loaded", 1, resume=zero3_ckpt / "step-000004")
+    assert not no_losses and max_weight_diff(loaded_weights, zero3_weights) == 0.0
 
 
 # ---- zplan export -----------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from tests.distributed.harness import (
     import_file,
     max_loss_diff,
     max_weight_diff,
+    mean_weight_diff,
     run_emitted_script,
     train_single_process,
 )
@@ -245,6 +246,40 @@ def test_mixed_precision_keeps_fp32_master_weights(zero_stage, pp, precision, mo
     # fp16 rounding does change the trajectory (the fp32 runs above agree to < 1e-6): proof that the
     # run computed in fp16 rather than silently in fp32.
     assert param_diff > 1e-5
+
+
+@pytest.fixture(scope="module")
+def bf16_reference(model_path) -> tuple[list[float], dict[str, torch.Tensor]]:
+    build_model = import_file(model_path, "tiny_gpt_reference").build_model
+    return train_single_process(build_model, steps=STEPS, seed=SEED, lr=LR, global_batch=GLOBAL_BATCH, vocab=VOCAB,
+                                seq_len=SEQ_LEN, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2])
+def test_bf16_trains_as_one_process_with_fp32_masters(zero_stage, model_path, bf16_reference, reference, tmp_path):
+    """bf16 against one process that keeps bf16 parameters and fp32 masters (harness.train_single_process): ZeRO 0/1
+    hold the parameters and gradients in bf16 and the masters in the optimizer (runtime.zero1), ZeRO 2 FSDP2's fp32
+    shards with bf16 compute. The losses agree within the tolerance of the fp16 test above (DDP sums the two ranks'
+    bf16 gradients, the reference computes the whole batch's: rounding apart); the saved weights are the fp32
+    masters, nearer the reference's on average than the fp32 run's (trained in bf16, not silently in fp32), and
+    at most two AdamW steps (2 lr) from them anywhere: Adam turns a rounding difference in a near-zero gradient
+    into a whole step."""
+    records, weights = run_emitted_script(make_plan(model_path, zero_stage=zero_stage, precision="bf16"), model_path,
+                                          tmp_path / "out", steps=STEPS, seed=SEED, lr=LR)
+    ref_losses, ref_weights = bf16_reference
+    loss_diff = max_loss_diff([r["loss"] for r in records], ref_losses)
+    param_diff = max_weight_diff(weights, ref_weights)
+    mean_diff, fp32_mean_diff = mean_weight_diff(weights, ref_weights), mean_weight_diff(weights, reference[1])
+    print(f"ZeRO {zero_stage} bf16: max |loss - bf16 single process| = {loss_diff:.2e}, max |master - reference "
+          f"master| = {param_diff:.2e}, mean {mean_diff:.2e} (from the fp32 run's: {fp32_mean_diff:.2e})")
+    assert loss_diff <= 1e-3
+    assert param_diff <= 2 * LR + 1e-5
+    assert mean_diff < fp32_mean_diff
+    assert all(w.dtype == torch.float32 for w in weights.values())
+    if zero_stage <= 1:  # the paper's layout: 16-bit parameters and gradients, fp32 masters and moments
+        n = sum(w.numel() for name, w in weights.items() if name != "head.weight")  # tied to wte
+        stated = (2 + 2 + (12 / WORLD if zero_stage == 1 else 12)) * n
+        assert records[0]["model_state_bytes"] == pytest.approx(stated, rel=0.01)
 
 
 class _CountOps(TorchDispatchMode):

@@ -263,14 +263,17 @@ def test_wire_bytes_by_hand():
 
 
 def test_memory_of_the_compressed_collectives_by_hand():
-    """int8: four fp32 copies of a 25 MiB DDP bucket; 1-bit: the worker's and server's error feedback
-    (4 x (1 + 1/16) bytes a parameter) and the step's 24 bytes a parameter beyond the activations it outlives."""
+    """int8: four copies of a 25 MiB DDP bucket; 1-bit: the worker's and server's error feedback (4 x (1 + 1/16)
+    bytes a parameter), the step's 24 bytes a parameter beyond the activations it outlives, and, since 1-bit Adam
+    steps fp32 parameters under autocast where plain bf16 ZeRO-0 holds bf16 parameters, autocast's bf16 copies of the
+    weights (2 bytes a parameter; the fp32 weights and gradients cost 4 + 4 where the bf16 ones and the fp32 master
+    cost 2 + 2 + 4: the states are equal)."""
     model, P = _model(), 1e8
     plain = estimate_step(model, _cand(), A100, "bf16", 16).memory
     int8 = estimate_step(model, _cand(grad_compress=1), A100, "bf16", 16).memory
     one_bit = estimate_step(model, _cand(grad_compress=2), A100, "bf16", 16).memory
     assert int8.comm_buffers[0] - plain.comm_buffers[0] == pytest.approx(4 * 25 * 1024**2)
-    extra = 4 * (1 + 1 / 16) * P + max(0.0, 24 * P - float(plain.activations[0]))
+    extra = 2 * P + 4 * (1 + 1 / 16) * P + max(0.0, 24 * P - float(plain.activations[0]))
     assert one_bit.comm_buffers[0] - plain.comm_buffers[0] == pytest.approx(extra)
     assert one_bit.total[0] - plain.total[0] == pytest.approx(extra)
 
@@ -296,7 +299,7 @@ def test_a_data_parallel_bound_plan_is_told_what_one_bit_adam_saves_and_compilin
     assert compressed.prediction.step_time_s == pytest.approx(plain.prediction.step_time_s - one_bit.saved_s)
     assert compressed.compression.applied.saved_s == pytest.approx(one_bit.saved_s)
     # bytes: 2 (W-1)/W of the gradients, 2 bytes an element uncompressed, 1/8 + 4/256 compressed
-    params = plain.prediction.memory.parameters / 4  # fp32 master weights under ZeRO 0
+    params = plain.prediction.memory.parameters / 2  # bf16 weights under ZeRO 0 (the fp32 masters: the optimizer's)
     assert one_bit.uncompressed_wire_bytes == pytest.approx(2 * 31 / 32 * 2 * params)
     assert one_bit.wire_bytes == pytest.approx(2 * 31 / 32 * (1 / 8 + 4 / 256) * params)
     assert decision.reason.startswith("off: ") and "--compress grad=1bit would save" in decision.reason

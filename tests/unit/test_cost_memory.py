@@ -25,27 +25,39 @@ def one(**kw):
     return Candidates.single(**base)
 
 
-@pytest.mark.parametrize("zero,expected_per_param", [
-    (0, 16.0),            # 4 + 4 + 8 (the paper's 2 + 2 + 12 totals the same)
-    (1, 8.0 + 8 / 8),     # fp32 weights and gradients whole, Adam's 8 bytes sharded (the paper: 4 + 12 / N)
-    (2, 16 / 8),          # FSDP2 ZeRO-2 shards weights at rest too (the paper: 2 + 14 / N)
-    (3, 16 / 8),          # 16 psi / N
+@pytest.mark.parametrize("zero,expected", [
+    (0, (2, 2, 12)),          # the paper's 2 + 2 + 12: bf16 weights and gradients, fp32 master, m and v
+    (1, (2, 2, 12 / 8)),      # the paper's 4 + 12 / N
+    (2, (4 / 8, 4 / 8, 8 / 8)),  # FSDP2's fp32 shards at rest (the masters), fp32 gradient shards: 16 / N
+    (3, (4 / 8, 4 / 8, 8 / 8)),  # 16 psi / N
 ])
-def test_model_states_are_the_runtimes(zero, expected_per_param):
-    """bf16 on 8 GPUs: the runtime keeps fp32 weights (the master copy) and fp32 gradients whatever the
-    compute precision, and Adam's m and v (8 bytes), sharded by ZeRO stage."""
+def test_model_states_are_the_runtimes(zero, expected):
+    """bf16 on 8 GPUs, (weights, gradients, optimizer) bytes per parameter as the runtime holds them: ZeRO 0/1
+    the ZeRO paper's mixed-precision layout (runtime.zero1: bf16 parameters and gradients, the fp32 masters with
+    Adam's moments in the optimizer), ZeRO 2/3 FSDP2's fp32 shards with fp32 gradients (Rajbhandari et al. Fig. 1,
+    K = 12)."""
     model = gpt_numbers()
     mem = memory_per_gpu(model, one(zero=zero), A100, "bf16", np.array([1.0]))
-    states = mem.parameters + mem.gradients + mem.optimizer
-    assert states[0] == pytest.approx(expected_per_param * model.params)
+    states = (mem.parameters[0], mem.gradients[0], mem.optimizer[0])
+    assert states == pytest.approx(tuple(b * model.params for b in expected))
+
+
+def test_one_bit_adam_keeps_fp32_parameters_under_autocast():
+    """1-bit Adam (--compress grad=1bit) steps fp32 parameters: 4 + 4 + 8 at ZeRO 0, and autocast's bf16 copies of
+    the weights (2 psi; the model has no embedding) among the buffers, beside DDP's two 25 MiB fp32 buckets."""
+    model = gpt_numbers()
+    mem = memory_per_gpu(model, one(zero=0).with_compression("1bit", "none", "none"), A100, "bf16", np.array([1.0]))
+    assert (mem.parameters[0], mem.gradients[0], mem.optimizer[0]) == pytest.approx(
+        (4 * model.params, 4 * model.params, 8 * model.params))
+    assert mem.comm_buffers[0] >= 2 * model.params + 2 * 25 * 2**20
 
 
 def test_compute_copies_are_held_from_forward_to_backward():
     """By hand for the 6.4B GPT on 8 GPUs in bf16. ZeRO-2 (FSDP2, reshard_after_forward=False): 4/8 + 4/8
     + 8/8 bytes per parameter at rest; in the step every block's gathered bf16 weights (2 bytes each)
     plus two blocks' unsharded gradients (fp32) in the reduce-scatter. ZeRO-3 holds only two gathered
-    blocks (current + prefetched) besides the same two gradient blocks. ZeRO-0: autocast's cached bf16
-    copies of all weights (2 psi) plus DDP's two 25 MiB fp32 gradient buckets."""
+    blocks (current + prefetched) besides the same two gradient blocks. ZeRO-0 computes on its bf16 weights
+    themselves: no copies, only DDP's two 25 MiB buckets."""
     model = gpt_numbers()
     psi, block = model.params, model.block_params  # 32 * 12 h^2, 12 h^2
     z0 = memory_per_gpu(model, one(zero=0), A100, "bf16", np.array([1.0]))
@@ -55,7 +67,7 @@ def test_compute_copies_are_held_from_forward_to_backward():
     assert at_rest == pytest.approx((4 * psi / 8, 4 * psi / 8, 8 * psi / 8))
     assert z2.comm_buffers[0] == pytest.approx(2 * psi + 2 * 4 * block)
     assert z3.comm_buffers[0] == pytest.approx(2 * 4 * block + 2 * 2 * block)
-    assert z0.comm_buffers[0] == pytest.approx(2 * psi + 2 * 25 * 2**20)
+    assert z0.comm_buffers[0] == pytest.approx(2 * 25 * 2**20)
     # the peak: ZeRO-2 holds all its gathered weights (2 psi) where ZeRO-3 holds two blocks; the rest is equal
     assert z2.total[0] - z3.total[0] == pytest.approx(2 * psi - 2 * 2 * block)
     fp32 = memory_per_gpu(model, one(zero=0), A100, "fp32", np.array([1.0]))

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zplan.runtime.loss_scale import PipelineLossScaler
+from zplan.runtime.loss_scale import LossScaler
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -23,7 +23,7 @@ def _optimizer(grad: torch.Tensor) -> tuple[torch.nn.Parameter, torch.optim.Opti
 
 
 def test_gradients_are_unscaled_and_the_step_taken():
-    scaler = PipelineLossScaler(torch.device("cpu"), init_scale=8.0, growth_interval=2)
+    scaler = LossScaler(torch.device("cpu"), init_scale=8.0, growth_interval=2)
     param, optimizer = _optimizer(torch.tensor([8.0, 16.0, -8.0]))  # the gradient of 8 x the loss
     scaler.unscale_(optimizer)
     assert torch.equal(param.grad, torch.tensor([1.0, 2.0, -1.0])) and not scaler.found_overflow
@@ -37,7 +37,7 @@ def test_gradients_are_unscaled_and_the_step_taken():
 
 
 def test_an_overflow_skips_the_step_and_halves_the_scale():
-    scaler = PipelineLossScaler(torch.device("cpu"), init_scale=8.0)
+    scaler = LossScaler(torch.device("cpu"), init_scale=8.0)
     param, optimizer = _optimizer(torch.tensor([1.0, float("inf"), 0.0]))
     scaler.unscale_(optimizer)
     assert scaler.found_overflow
@@ -46,6 +46,6 @@ def test_an_overflow_skips_the_step_and_halves_the_scale():
     assert torch.equal(param.detach(), torch.ones(3))  # not stepped
     assert scaler.scale == 4.0
     state = scaler.state_dict()
-    restored = PipelineLossScaler(torch.device("cpu"))
+    restored = LossScaler(torch.device("cpu"))
     restored.load_state_dict(state)
     assert restored.state_dict() == {"scale": 4.0, "steps_since_overflow": 0}

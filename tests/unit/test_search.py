@@ -61,11 +61,11 @@ def test_plan_is_no_slower_than_the_published_megatron_layout():
     theirs = estimate_config(prepare(spec, 64, "dgx-a100-80g", 64, None, "bf16", published))
     ours = compile_plan(prepare(spec, 64, "dgx-a100-80g", 64, None, "bf16", Pins()))
     assert ours.prediction.step_time_s <= theirs["step_time_s"]
-    # Megatron ran this layout in 80 GB; zplan's runtime holds the embedding whole on every tp rank (Megatron splits
-    # the vocabulary over tp), which is what keeps the layout from fitting here: 16 B/param of states on 7/8 of it.
+    # Megatron ran this layout in 80 GB, and it fits zplan's runtime too: under ZeRO 0 with bf16 the parameters are
+    # bf16 themselves (no autocast copies of them), though the runtime holds the embedding whole on every tp rank
+    # (Megatron splits the vocabulary over tp: 16 B/param of states on 7/8 of the table more here).
     memory = theirs["memory_breakdown"]
-    whole_embedding_excess = 16 * 51200 * 12288 * (1 - 1 / 8)
-    assert memory["total"] > memory["capacity"] > memory["total"] - whole_embedding_excess
+    assert theirs["feasible"] and memory["total"] <= memory["capacity"]
 
 
 def test_stage_partition_covers_every_unit_once_in_order():
