@@ -29,15 +29,19 @@ forward and backward (its shards plus what FSDP2 has gathered: ZeRO 2 keeps the 
 from forward until backward), and DDP's gradient buckets (a second copy of the gradients that DDP
 allocates for its all-reduce; not a model state).
 
-The planner counts the model states as zplan's runtime holds them at rest (planner/cost/memory.py):
-fp32 parameters (the master weights, also under bf16: autocast or FSDP2's MixedPrecisionPolicy make the
-16-bit copies for compute), fp32 gradients and fp32 Adam moments, 4 + 4 + 8 bytes per parameter;
-ZeRO 1 shards the Adam moments evenly (runtime/zero1.py, dim-0 chunks of every parameter), ZeRO 2 is
+The planner counts the model states as zplan's runtime holds them at rest (planner/cost/memory.py): in fp32 and
+under ZeRO 2/3 fp32 parameters (the masters; FSDP2's MixedPrecisionPolicy makes the 16-bit copies for compute),
+fp32 gradients and fp32 Adam moments, 4 + 4 + 8 bytes per parameter; under ZeRO 0/1 with bf16 the ZeRO paper's
+layout, bf16 parameters and gradients and the fp32 master with the moments in the optimizer, 2 + 2 + 12
+(runtime/zero1.py). ZeRO 1 shards the optimizer's bytes evenly (dim-0 chunks of every parameter), ZeRO 2 is
 FSDP2 with reshard_after_forward=False, so parameters, gradients and optimizer states are all shards at
 rest, like ZeRO 3, and the gathered parameters (compute dtype) are a transient term of the peak
 (planner.cost.memory.compute_copy_bytes, part of the plan's comm_buffers). 'error' compares the
 measured states after the step with the plan's model states; 'in step' adds the parameters gathered
 between forward and backward and is compared with the model states plus that transient term.
+The bf16 table (keys zero1_bytes_per_param, zero2_bytes_per_param: issue 16) holds ZeRO-1's bytes per parameter
+after the step against the paper's 4 + 12/N, and ZeRO-2's in the step against what the README states, 2 + 16/N
+(the paper's 2 + 14/N keeps a 16-bit gradient shard; FSDP2 reduce-scatters into fp32 shards).
 Tensor parallel splits the blocks' parameters over tp and replicates the embedding, the final norm and the
 (tied) head on every tp rank; the pipeline keeps each stage's units on its rank (and a tied weight on every
 rank that uses it: runtime/pipeline.py tied_parameters).
@@ -297,6 +301,28 @@ def worker(args, ctx) -> None:
 # ---- parent -------------------------------------------------------------------------------------------
 
 
+def stated_bf16_bytes_per_param(zero: int, n: int) -> float:
+    """What the README states the runtime holds with bf16 on n data-parallel ranks, bytes per parameter (issue 16):
+    ZeRO-1 the paper's 4 + 12/n after the step (bf16 parameters and gradients, fp32 master and moments of its rows:
+    runtime.zero1); ZeRO-2 2 + 16/n between forward and backward (FSDP2's gathered bf16 parameters beside its fp32
+    parameter and gradient shards and fp32 moments; the paper's 2 + 14/n has a 16-bit gradient shard)."""
+    return {1: 4 + 12 / n, 2: 2 + 16 / n}[zero]
+
+
+def bf16_row(case: Case, m: dict) -> dict:
+    """A ZeRO-1 / ZeRO-2 bf16 case against stated_bf16_bytes_per_param: ZeRO-1's model states after the step, ZeRO-2's
+    with the parameters it holds between forward and backward (its peak)."""
+    n, params = case.world, m["num_params"]
+    after_step = _total(m)
+    in_step = m["parameters_between_forward_and_backward"] + m["gradients"] + m["optimizer"]
+    measured = (after_step if case.zero == 1 else in_step) / params
+    stated = stated_bf16_bytes_per_param(case.zero, n)
+    return {"world_size": n, "zero_stage": case.zero, "measured_bytes_per_param": measured,
+            "stated_bytes_per_param": stated, "relative_error": measured / stated - 1.0,
+            "after_step_bytes_per_param": after_step / params, "in_step_bytes_per_param": in_step / params,
+            "paper_bytes_per_param": {1: 4 + 12 / n, 2: 2 + 14 / n}[case.zero]}
+
+
 def zero_study_row(case: Case, plan, m: dict, replicated: dict) -> dict:
     """A row of the ZeRO study table, as this benchmark has always reported it."""
     n, z = case.world, case.zero
@@ -397,7 +423,7 @@ def main() -> None:
         return
 
     start = time.perf_counter()
-    rows, cases, num_blocks = [], {}, 0
+    rows, cases, num_blocks, bf16_rows = [], {}, 0, {}
     for n in args.worlds:
         chosen = [c for c in cases_for(n) if args.cases is None or c.name in args.cases]
         if not chosen:
@@ -412,6 +438,10 @@ def main() -> None:
             if c.zero_study and replicated is not None:
                 rows.append(zero_study_row(c, plans[c.name], measured[c.name], replicated))
             cases[c.name] = case_result(c, plans[c.name], measured[c.name])
+            if c.precision == "bf16" and c.tp == c.pp == 1 and c.zero in (1, 2):
+                bf16_rows[c.name] = bf16_row(c, measured[c.name])
+    largest = {z: max((r for r in bf16_rows.values() if r["zero_stage"] == z), key=lambda r: r["world_size"],
+                      default=None) for z in (1, 2)}
     result = {
         "model": "benchmarks/_small_gpt.py", "precision": "fp32", "rows": rows,
         "max_relative_error_vs_plan": max((abs(r["relative_error_vs_plan"]) for r in rows), default=None),
@@ -420,6 +450,10 @@ def main() -> None:
         **cases,
         "cases": list(cases),
         "cases_off_by_more_than_2pct": [k for k, c in cases.items() if abs(c["ratio"] - 1) > TOLERANCE],
+        "bf16_zero_study": bf16_rows,
+        # issue 16's keys: at the largest world measured (4 by default)
+        **{f"zero{z}_bytes_per_param": r["measured_bytes_per_param"] for z, r in largest.items() if r},
+        **{f"zero{z}_stated_bytes_per_param": r["stated_bytes_per_param"] for z, r in largest.items() if r},
         "wall_s": time.perf_counter() - start,
     }
     notes = [line for k, c in cases.items() if abs(c["ratio"] - 1) > TOLERANCE for line in explain(k, c, num_blocks)]
@@ -452,6 +486,13 @@ def main() -> None:
                       f"parameters held, {r['planned_stage_params']:,.0f} in the plan's stage)")
     for line in notes:
         print("  " + line)
+    if bf16_rows:
+        print("\nbf16, bytes per parameter per rank: ZeRO-1 after the step, ZeRO-2 between forward and backward, "
+              "against the README's statement (within 2 %?) and the ZeRO paper's")
+        for name, r in bf16_rows.items():
+            flag = "" if abs(r["relative_error"]) <= TOLERANCE else "  <- off"
+            print(f"  {name:22s} measured {r['measured_bytes_per_param']:.3f}  stated {r['stated_bytes_per_param']:.3f}"
+                  f"  ({r['relative_error']:+.2%})  paper {r['paper_bytes_per_param']:.3f}{flag}")
     print(f"({result['wall_s']:.0f} s)")
 
 

@@ -23,11 +23,15 @@ from torch.distributed.tensor import DTensor
 
 class LossScaler:
     def __init__(self, device: torch.device, init_scale: float = 2.0**16, growth_interval: int = 2000):
-        self.scale = init_scale  # the factor the current step's losses are multiplied by
+        self.factor = init_scale  # what the current step's losses are multiplied by
         self.growth_interval = growth_interval
         self.steps_since_overflow = 0
         self.device = device
         self.found_overflow = False  # in the last unscale_
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss times the current factor (torch's GradScaler.scale)."""
+        return loss * self.factor
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the gradients of this rank's parameters by the scale; note whether any rank has a
@@ -36,7 +40,7 @@ class LossScaler:
         for p in (p for group in optimizer.param_groups for p in group["params"]):
             if p.grad is not None:
                 local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                local.mul_(1.0 / self.scale)
+                local.mul_(1.0 / self.factor)
                 finite = finite * torch.isfinite(local).all()
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every rank: 0 when any rank overflowed
         self.found_overflow = finite.item() == 0
@@ -54,16 +58,16 @@ class LossScaler:
     def update(self) -> None:
         """The scale for the next step."""
         if self.found_overflow:
-            self.scale /= 2.0
+            self.factor /= 2.0
             self.steps_since_overflow = 0
             return
         self.steps_since_overflow += 1
         if self.steps_since_overflow == self.growth_interval:
-            self.scale *= 2.0
+            self.factor *= 2.0
             self.steps_since_overflow = 0
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "steps_since_overflow": self.steps_since_overflow}
+        return {"scale": self.factor, "steps_since_overflow": self.steps_since_overflow}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale, self.steps_since_overflow = state["scale"], state["steps_since_overflow"]
+        self.factor, self.steps_since_overflow = state["scale"], state["steps_since_overflow"]

@@ -88,8 +88,11 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
     """Bytes this rank holds in memory of parameters, gradients and optimizer states (its shards only; a
     state swapped to a file counts 0 here: runtime.memory_tiers)."""
     params = list({id(p): p for p in model.parameters()}.values())
-    # sharded states (ZeRO 1: runtime.zero1, ZeRO 2/3: FSDP2) are DTensors: their local shard counts
+    # sharded states (ZeRO 1: runtime.zero1, ZeRO 2/3: FSDP2) are DTensors: their local shard counts; the fp32
+    # masters of 16-bit parameters too where they are not states (the NVMe optimizer keeps them apart)
     states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    counted = {id(v) for v in states}
+    states += [m for m in getattr(optimizer, "master_weights", dict)().values() if id(m) not in counted]
     return {
         "parameters": sum(resident_bytes(p) for p in params),
         "gradients": sum(resident_bytes(p.grad) for p in params if p.grad is not None),
@@ -158,7 +161,7 @@ def _clip_in_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler, ma
     in fp32, and the step divides them by the loss scale times torch's clipping factor, 1 / min(1, max_norm /
     (norm + 1e-6)) (torch.nn.utils.clip_grad_norm_). Returns the unscaled norm, nothing read back to the host but
     an fp16 overflow check."""
-    scale = scaler.scale if scaler else 1.0
+    scale = scaler.factor if scaler else 1.0
     if isinstance(model, PipelineRun):  # the norm over all stages; max_norm inf: nothing scaled in place
         norm = model.clip_grad_norm_(math.inf)
     else:
@@ -179,7 +182,7 @@ def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, data_iter
     loss_sum = torch.zeros((), device=device)
     if pipelined:  # the schedule runs every micro-batch; the mean loss comes back on every rank
         micro_batches = [_to_device(next(data_iter), device) for _ in range(num_micro_batches)]
-        loss_sum += model.step(micro_batches, loss_scale=scaler.scale if scaler else 1.0)
+        loss_sum += model.step(micro_batches, loss_scale=scaler.factor if scaler else 1.0)
     for micro in range(0 if pipelined else num_micro_batches):
         batch = _to_device(next(data_iter), device)
         with _grad_sync(model, last_micro_batch=micro == num_micro_batches - 1):

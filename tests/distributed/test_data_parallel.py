@@ -228,11 +228,13 @@ def test_compressed_communication_trains_close_to_single_process(zero_stage, pp,
         assert losses[1:] != ref_losses[1:]  # really compressed
 
 
-@pytest.mark.parametrize("zero_stage, pp, precision", [(2, 1, "fp16"), (0, 2, "fp16")], ids=["zero2", "pp2"])
+@pytest.mark.parametrize("zero_stage, pp, precision", [(2, 1, "fp16"), (1, 1, "fp16"), (0, 2, "fp16")],
+                         ids=["zero2", "zero1", "pp2"])
 def test_mixed_precision_keeps_fp32_master_weights(zero_stage, pp, precision, model_path, reference, tmp_path):
-    """fp16 compute (ZeRO-2: FSDP2 MixedPrecisionPolicy, ShardedGradScaler, foreach AdamW; pp=2: autocast
-    per stage, runtime.loss_scale's scaler over the pipeline): the losses follow fp32 closely and the
-    trained weights are still fp32."""
+    """fp16 compute (ZeRO-2: FSDP2 MixedPrecisionPolicy, ShardedGradScaler, foreach AdamW; ZeRO-1: fp16 parameters
+    and gradients, the loss scale and the clipping divided out of the fp32 upcast in the step, the overflow read
+    from the norm (runtime.loss_scale); pp=2, ZeRO 0: the same per stage, the scale agreed over the pipeline): the
+    losses follow fp32 closely and the trained weights (the masters) are fp32."""
     plan = (make_plan(model_path, zero_stage=zero_stage, precision=precision) if pp == 1 else
             pipeline_plan(model_path, pp=pp, dp=1, interleave=1, zero_stage=zero_stage, precision=precision))
     records, weights = run_emitted_script(plan, model_path, tmp_path / "out", steps=STEPS, seed=SEED, lr=LR)
@@ -255,22 +257,30 @@ def bf16_reference(model_path) -> tuple[list[float], dict[str, torch.Tensor]]:
                                 seq_len=SEQ_LEN, dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("zero_stage", [0, 1, 2])
-def test_bf16_trains_as_one_process_with_fp32_masters(zero_stage, model_path, bf16_reference, reference, tmp_path):
+@pytest.mark.parametrize("zero_stage, offload", [(0, "none"), (1, "none"), (2, "none"), (1, "cpu"), (1, "nvme")])
+def test_bf16_trains_as_one_process_with_fp32_masters(zero_stage, offload, model_path, bf16_reference, reference,
+                                                      tmp_path):
     """bf16 against one process that keeps bf16 parameters and fp32 masters (harness.train_single_process): ZeRO 0/1
     hold the parameters and gradients in bf16 and the masters in the optimizer (runtime.zero1), ZeRO 2 FSDP2's fp32
-    shards with bf16 compute. The losses agree within the tolerance of the fp16 test above (DDP sums the two ranks'
+    shards with bf16 compute; ZeRO-1 offloaded keeps the masters and moments of its rows on the host (CPU Adam,
+    the clipping factor applied by its kernel) or the masters on the host and the moments in files (NVMe). The
+    losses agree within the tolerance of the fp16 test above (DDP sums the two ranks'
     bf16 gradients, the reference computes the whole batch's: rounding apart); the saved weights are the fp32
     masters, nearer the reference's on average than the fp32 run's (trained in bf16, not silently in fp32), and
     at most two AdamW steps (2 lr) from them anywhere: Adam turns a rounding difference in a near-zero gradient
     into a whole step."""
-    records, weights = run_emitted_script(make_plan(model_path, zero_stage=zero_stage, precision="bf16"), model_path,
-                                          tmp_path / "out", steps=STEPS, seed=SEED, lr=LR)
+    plan = make_plan(model_path, zero_stage=zero_stage, precision="bf16")
+    plan = plan.model_copy(update=dict(parallel=plan.parallel.model_copy(update=dict(offload=offload)),
+                                       placement=plan.placement.model_copy(update=dict(
+                                           optimizer="gpu" if offload == "none" else offload))))
+    extra = ("--nvme-path", str(tmp_path / "nvme")) if offload == "nvme" else ()
+    records, weights = run_emitted_script(plan, model_path, tmp_path / "out", steps=STEPS, seed=SEED, lr=LR,
+                                          extra_args=extra)
     ref_losses, ref_weights = bf16_reference
     loss_diff = max_loss_diff([r["loss"] for r in records], ref_losses)
     param_diff = max_weight_diff(weights, ref_weights)
     mean_diff, fp32_mean_diff = mean_weight_diff(weights, ref_weights), mean_weight_diff(weights, reference[1])
-    print(f"ZeRO {zero_stage} bf16: max |loss - bf16 single process| = {loss_diff:.2e}, max |master - reference "
+    print(f"ZeRO {zero_stage} bf16 (offload {offload}): max |loss - bf16 single process| = {loss_diff:.2e}, max |master - reference "
           f"master| = {param_diff:.2e}, mean {mean_diff:.2e} (from the fp32 run's: {fp32_mean_diff:.2e})")
     assert loss_diff <= 1e-3
     assert param_diff <= 2 * LR + 1e-5
@@ -278,7 +288,8 @@ def test_bf16_trains_as_one_process_with_fp32_masters(zero_stage, model_path, bf
     assert all(w.dtype == torch.float32 for w in weights.values())
     if zero_stage <= 1:  # the paper's layout: 16-bit parameters and gradients, fp32 masters and moments
         n = sum(w.numel() for name, w in weights.items() if name != "head.weight")  # tied to wte
-        stated = (2 + 2 + (12 / WORLD if zero_stage == 1 else 12)) * n
+        optimizer = {"none": 12, "cpu": 12, "nvme": 4}[offload]  # on NVMe the moments are in files
+        stated = (2 + 2 + (optimizer / WORLD if zero_stage == 1 else optimizer)) * n
         assert records[0]["model_state_bytes"] == pytest.approx(stated, rel=0.01)
 
 

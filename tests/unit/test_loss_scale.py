@@ -30,10 +30,10 @@ def test_gradients_are_unscaled_and_the_step_taken():
     scaler.step(optimizer)
     scaler.update()
     assert torch.equal(param.detach(), torch.tensor([0.0, -1.0, 2.0]))  # 1 - lr * grad
-    assert scaler.scale == 8.0
+    assert scaler.factor == 8.0
     scaler.unscale_(optimizer)  # a second step without overflow: growth_interval 2 reached, the scale doubles
     scaler.update()
-    assert scaler.scale == 16.0 and scaler.steps_since_overflow == 0
+    assert scaler.factor == 16.0 and scaler.steps_since_overflow == 0
 
 
 def test_an_overflow_skips_the_step_and_halves_the_scale():
@@ -44,7 +44,7 @@ def test_an_overflow_skips_the_step_and_halves_the_scale():
     scaler.step(optimizer)
     scaler.update()
     assert torch.equal(param.detach(), torch.ones(3))  # not stepped
-    assert scaler.scale == 4.0
+    assert scaler.factor == 4.0
     state = scaler.state_dict()
     restored = LossScaler(torch.device("cpu"))
     restored.load_state_dict(state)
