@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from zplan.schemas.model_states import parameters_in_compute_dtype
@@ -119,13 +120,15 @@ def apply_pipeline(
 
 def cast_parameters(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """The floating-point parameters (not the buffers: rotary tables stay as the model made them) in `dtype`, in
-    place (torch.utils.swap_tensors: the same Parameter objects, tied ones stay tied, DTensors stay DTensors), as
-    FSDP2's MixedPrecisionPolicy computes: every op in the parameters' dtype, no autocast."""
-    seen = set()
-    for p in model.parameters():
-        if id(p) not in seen and p.is_floating_point() and p.dtype != dtype:
-            seen.add(id(p))
-            torch.utils.swap_tensors(p, nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad))
+    place (the same Parameter objects, so tied ones stay tied; a DTensor's through torch.utils.swap_tensors, a plain
+    one's data replaced, which a fake tensor's weak references allow: the dry run), as FSDP2's MixedPrecisionPolicy
+    computes: every op in the parameters' dtype, no autocast."""
+    for p in dict.fromkeys(model.parameters()):
+        if p.is_floating_point() and p.dtype != dtype:
+            if isinstance(p, DTensor):
+                torch.utils.swap_tensors(p, nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad))
+            else:
+                p.data = p.detach().to(dtype)
     return model
 
 
@@ -142,11 +145,13 @@ def _forward_under_autocast(model: nn.Module, device_type: str, dtype: torch.dty
 def apply_data_parallel(
     model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, precision: str, offload: str, block_prefix: str,
     grad_compression: str = "none", weight_compression: str = "none", parameters_on_host: bool | None = None,
+    num_micro_batches: int = 1,
 ) -> nn.Module:
     """Replicate or shard the model over `dp_mesh` by ZeRO stage.
 
-    0: DDP, gradients all-reduced (with tensor parallel: FSDP2's replicate, which holds DTensors;
-    runtime.tensor_parallel.replicate_over_data_parallel).  1: the same here, optimizer states sharded
+    0: DDP, gradients all-reduced (with tensor parallel, whose DTensors DDP cannot hold, the same done by
+    runtime.grad_reduce.GradientReducer on their local tensors, every `num_micro_batches` backward passes).
+    1: the same here, optimizer states sharded
     by build_optimizer (runtime.zero1.ZeroOneAdamW, over the tp-local tensors under tensor parallel).
     2: FSDP2 fully_shard per block and at the root, parameters kept gathered between forward and
     backward (reshard_after_forward=False), so gradients and optimizer states are sharded.
@@ -169,7 +174,8 @@ def apply_data_parallel(
     if isinstance(model, PipelineRun):  # each pipeline stage of this rank is data-parallel like a model
         for index, chunk in enumerate(model.chunks):
             model.chunks[index] = apply_data_parallel(chunk, dp_mesh, zero_stage, precision, offload, block_prefix,
-                                                      grad_compression, weight_compression, parameters_on_host)
+                                                      grad_compression, weight_compression, parameters_on_host,
+                                                      num_micro_batches)
         return model
     if grad_compression not in ("none", "int8", "1bit"):
         raise ValueError(f"gradient compression must be none, int8 or 1bit, got {grad_compression!r}")
@@ -195,7 +201,10 @@ def apply_data_parallel(
         if tensor_parallel.has_tensor_parallel_parameters(model):  # tp > 1: DDP cannot hold DTensors
             if grad_compression != "none":
                 raise NotImplementedError("gradient compression runs on DDP's reduction: tensor parallel = 1 only")
-            return tensor_parallel.replicate_over_data_parallel(model, dp_mesh, zero_stage, block_prefix)
+            from zplan.runtime.grad_reduce import GradientReducer
+
+            GradientReducer(model, dp_mesh.get_group(), num_micro_batches)
+            return model
         from torch.nn.parallel import DistributedDataParallel
 
         if compute_dtype is not None and not sixteen_bit:  # 1-bit Adam: fp32 parameters under autocast

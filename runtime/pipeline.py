@@ -65,6 +65,7 @@ from torch.utils import _pytree as pytree
 from zplan.errors import ZplanError
 from zplan.planner.model_file import logits_of
 from zplan.runtime.grad_norm import total_norm_fp32
+from zplan.runtime.grad_reduce import gradient_reducer
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}  # in
 # torch.distributed.pipelining, imported when a schedule is built: it pulls in torch._dynamo (~1 s per process)
@@ -677,6 +678,10 @@ class PipelineRun(nn.Module):
         self._schedule.step(*args, target=target, losses=losses if holds_last else None, return_outputs=False,
                             **{MICRO_BATCH_INDEX: torch.arange(self._num_micro_batches)})  # one index per stage call
         self._micro_batches.batches = []
+        for chunk in self.chunks:  # tensor parallel's data-parallel reductions done (DDP waits in its backward)
+            reducer = gradient_reducer(chunk)
+            if reducer is not None:
+                reducer.wait()
         for param in self.parameters():  # unique parameters of this rank
             if param.grad is not None:
                 param.grad.div_(self._num_micro_batches)

@@ -70,7 +70,8 @@ def parallelize(model: nn.Module, weights, mesh: DeviceMesh, plan: Plan, model_f
         materialized = materialize_weights(model, weights, device)
     model = apply_data_parallel(model, mesh["dp"], p.zero_stage, precision, p.offload, prefix,
                                 grad_compression=p.compression.grad, weight_compression=p.compression.weights,
-                                parameters_on_host=plan.placement.parameters != "gpu")
+                                parameters_on_host=plan.placement.parameters != "gpu",
+                                num_micro_batches=p.num_micro_batches)
     if not replicated:
         materialized = materialize_weights(model, weights, device)
     return model, materialized

@@ -410,35 +410,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[s
     return model
 
 
-# ---- data parallel over tensor-parallel parameters (ZeRO 0 and 1) -------------------------------------
-
-
 def has_tensor_parallel_parameters(model: nn.Module) -> bool:
     """True once apply_tensor_parallel made the parameters DTensors (tp > 1)."""
     return any(isinstance(p, DTensor) for p in model.parameters())
-
-
-def replicate_over_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, block_prefix: str
-                                 ) -> nn.Module:
-    """ZeRO 0 and 1 for a tensor-parallel model: parameters and gradients replicated over `dp_mesh`,
-    gradients all-reduced (averaged) in backward, per block so that the all-reduce of one block overlaps
-    the backward of the next. The optimizer states are replicated too (ZeRO 0, torch's AdamW) or
-    sharded over dp by zplan's ZeRO-1 optimizer (runtime.zero1.ZeroOneAdamW, built by
-    runtime.apply.build_optimizer), which updates rows of each parameter's tp-local tensor.
-
-    DistributedDataParallel cannot: it broadcasts and buckets parameters as plain tensors and has no
-    rule for DTensors. FSDP2's replicate (torch.distributed._composable.replicate_with_fsdp, DDP built on
-    FSDP2's machinery) takes DTensor parameters and places them on the (dp, tp) mesh as (Replicate,
-    tp placement). No mixed-precision policy: with mixed precision the parameters are already in the compute dtype
-    (runtime.apply.cast_parameters), their gradients reduced and accumulated in it, the fp32 masters in the
-    optimizer.
-    """
-    if zero_stage not in (0, 1):
-        raise ValueError(f"replicate_over_data_parallel runs ZeRO 0 and 1; ZeRO {zero_stage} shards the "
-                         "parameters (runtime.apply.apply_data_parallel: FSDP2's fully_shard)")
-    from torch.distributed._composable.replicate_with_fsdp import replicate
-
-    for block in transformer_blocks(model, block_prefix):
-        replicate(block, mesh=dp_mesh)
-    replicate(model, mesh=dp_mesh)  # the root: embedding, final norm, head
-    return model

@@ -41,6 +41,7 @@ from zplan.runtime.checkpoint import (
 )
 from zplan.runtime.distributed import RunContext
 from zplan.runtime.grad_norm import total_norm_fp32
+from zplan.runtime.grad_reduce import gradient_reducer
 from zplan.runtime.memory_tiers import describe as describe_tiers
 from zplan.runtime.memory_tiers import resident_bytes, state_bytes_by_tier
 from zplan.runtime.pipeline import PipelineRun
@@ -127,27 +128,27 @@ def loss_scaler(model: nn.Module, optimizer: torch.optim.Optimizer, precision: s
 
 
 def _grad_sync(model: nn.Module, last_micro_batch: bool):
-    """DDP, and FSDP2's replicate (ZeRO 0/1 under tensor parallel: runtime.tensor_parallel), all-reduce only after
-    the last micro-batch (the replicate accumulates the others' gradients in fp32, its reduce dtype: one copy, as DDP
-    holds); FSDP2's fully_shard reduce-scatters each one (ZeRO keeps gradients sharded, so accumulating them
-    unsharded would defeat it). ZeRO-2 keeps its parameters gathered until the last micro-batch's backward
-    (runtime.apply.keeps_parameters_gathered)."""
-    from torch.distributed._composable.replicate_with_fsdp import ReplicateModule
-
+    """DDP all-reduces only after the last micro-batch (the others accumulate into its buckets: one copy; the
+    tensor-parallel reducer counts the micro-batches itself: runtime.grad_reduce); FSDP2's fully_shard
+    reduce-scatters each one (ZeRO keeps gradients sharded, so accumulating them unsharded would defeat it). ZeRO-2
+    keeps its parameters gathered until the last micro-batch's backward (runtime.apply.keeps_parameters_gathered)."""
     if isinstance(model, DistributedDataParallel) and not last_micro_batch:
         return model.no_sync()
-    if isinstance(model, ReplicateModule):
-        model.set_requires_gradient_sync(last_micro_batch)
     if keeps_parameters_gathered(model):
         model.set_reshard_after_backward(last_micro_batch)  # shards again before the optimizer step
     return contextlib.nullcontext()
 
 
+def _chunks(model: nn.Module) -> list[nn.Module]:
+    return model.chunks if isinstance(model, PipelineRun) else [model]
+
+
 def clear_gradients(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """After a step: DDP's gradients are views of its buckets (runtime.apply), zeroed in place so that the next
-    step's no_sync micro-batches accumulate into them; every other gradient is dropped (set_to_none)."""
-    chunks = model.chunks if isinstance(model, PipelineRun) else [model]
-    optimizer.zero_grad(set_to_none=not any(isinstance(c, DistributedDataParallel) for c in chunks))
+    """After a step: DDP's gradients, and the tensor-parallel reducer's, are views of their buckets (runtime.apply,
+    runtime.grad_reduce), zeroed in place so that the next step's micro-batches accumulate into them; every other
+    gradient is dropped (set_to_none)."""
+    in_buckets = any(isinstance(c, DistributedDataParallel) or gradient_reducer(c) for c in _chunks(model))
+    optimizer.zero_grad(set_to_none=not in_buckets)
 
 
 def _unscaled_in_step(optimizer: torch.optim.Optimizer) -> bool:
@@ -189,6 +190,9 @@ def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, data_iter
             loss = loss_fn(forward_batch(model, batch), batch) / num_micro_batches
             (scaler.scale(loss) if scaler else loss).backward()
         loss_sum += loss.detach().float()
+    reducer = gradient_reducer(model)  # tensor parallel's data-parallel all-reduces (a pipeline waits in its step)
+    if reducer is not None:
+        reducer.wait()
     max_norm = grad_clip if grad_clip > 0 else math.inf
     if _unscaled_in_step(optimizer):
         grad_norm = _clip_in_step(model, optimizer, scaler, max_norm)

@@ -1,6 +1,6 @@
 """ZeRO stage 1: AdamW whose states are sharded over the data-parallel ranks (Rajbhandari et al., ZeRO,
-SC'20, Sec. 5.1, P_os), for a model replicated over dp: under DDP, or, with tensor parallelism, under
-FSDP2's replicate (runtime.tensor_parallel.replicate_over_data_parallel).
+SC'20, Sec. 5.1, P_os), for a model replicated over dp: under DDP, or, with tensor parallelism, under zplan's
+reducer of DTensor gradients (runtime.grad_reduce).
 
 Every rank holds the whole model and, after DDP's all-reduce, the whole averaged gradient. Of each
 parameter of shape (d0, ...) rank r owns the rows [r*c, min((r+1)*c, d0)) with c = ceil(d0 / N) (the
@@ -24,17 +24,18 @@ bytes of fp32). In fp32 the parameter rows are the master weights and are update
 shard_states=False (ZeRO 0 with mixed precision): every rank owns every row, the states are replicated and nothing
 is gathered.
 
-Tensor parallel: a parameter is then a DTensor on the 2-D (dp, tp) mesh, (Replicate(), tp placement),
-as FSDP2's replicate leaves it (colwise weights and biases Shard(0), rowwise weights Shard(1), the rest
-Replicate; its gradient is laid out alike, already averaged over dp). Everything above applies to the
-parameter's tp-local tensor (p.to_local(), p.grad.to_local()): rank r of the dp group of this tp rank
-owns rows [r*c, min((r+1)*c, d0_local)) of it, and the rows travel within that dp group only.
+Tensor parallel: a parameter is then a DTensor on the tp mesh (colwise weights and biases Shard(0), rowwise
+weights Shard(1), the rest Replicate; its gradient is laid out alike, already averaged over dp), replicated over
+dp. Everything above applies to the parameter's tp-local tensor (p.to_local(), p.grad.to_local()): rank r of the
+dp group of this tp rank owns rows [r*c, min((r+1)*c, d0_local)) of it, and the rows travel within that dp group
+only.
 
 State dict: optimizer.state[param] = {"step": fp32 scalar, "exp_avg", "exp_avg_sq": DTensor}, each moment a
 DTensor of the parameter's global shape (DTensor.from_local with shape= and stride=, so uneven chunks
 are described exactly):
   - plain parameter: Shard(0) on the dp mesh;
-  - tensor-parallel parameter: on the parameter's (dp, tp) mesh, the tp placement the parameter's, and on
+  - tensor-parallel parameter: on the (dp, tp) mesh (the tp mesh's parent sliced), the tp placement the
+    parameter's, and on
     dp Shard(0) when that is not Shard(0); when it is (tp splits dim 0 into tp blocks, then dp splits each
     block by rows), _StridedShard(0, split_factor=tp) on dp: the layout FSDP2 gives a Shard(0)
     tensor-parallel parameter (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, _init_sharding_spec_tp).
@@ -92,15 +93,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def state_layout(p: torch.Tensor, dp_mesh: DeviceMesh, sharded: bool = True
                  ) -> tuple[DeviceMesh, list[Placement]]:
     """Mesh and placements of the moments of `p` (module docstring): Shard(0) on `dp_mesh` for a plain
-    parameter; for a DTensor parameter replicated over dp on its (dp, tp) mesh, the dp row split of its
-    tp-local tensor followed by its tp placement. sharded=False (ZeRO 0): Replicate on dp instead."""
+    parameter; for a DTensor parameter on the tp mesh, on the (dp, tp) mesh the dp row split of its tp-local tensor
+    followed by its tp placement. sharded=False (ZeRO 0): Replicate on dp instead."""
     if not isinstance(p, DTensor):
         return dp_mesh, [Shard(0) if sharded else Replicate()]
-    mesh, placements = p.device_mesh, p.placements
-    if mesh.ndim != 2 or not isinstance(placements[0], Replicate) or mesh.size(0) != dp_mesh.size():
-        raise ValueError(f"ZeroOneAdamW takes tensor-parallel parameters replicated over dp on a (dp, tp) mesh "
-                         f"(FSDP2's replicate); got placements {placements} on {mesh}")
-    tp_placement = placements[1]
+    if p.device_mesh.ndim != 1:
+        raise ValueError(f"ZeroOneAdamW takes tensor-parallel parameters on a 1-D tp mesh, replicated over dp "
+                         f"(runtime.grad_reduce); got placements {p.placements} on {p.device_mesh}")
+    mesh, tp_placement = dp_and_tp_mesh(dp_mesh, p.device_mesh), p.placements[0]
     if not sharded:
         return mesh, [Replicate(), tp_placement]
     if isinstance(tp_placement, Replicate) or (isinstance(tp_placement, Shard) and tp_placement.dim != 0):
@@ -109,6 +109,12 @@ def state_layout(p: torch.Tensor, dp_mesh: DeviceMesh, sharded: bool = True
         return mesh, [_StridedShard(0, split_factor=mesh.size(1)), tp_placement]
     raise ValueError(f"ZeroOneAdamW cannot describe the states of a parameter of shape {tuple(p.shape)} placed "
                      f"{tp_placement} over tp={mesh.size(1)}: dim 0 must split evenly into tensor-parallel blocks")
+
+
+def dp_and_tp_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
+    """The 2-D (dp, tp) mesh of two 1-D slices of one named mesh (runtime.mesh.build_mesh's)."""
+    root = dp_mesh._get_root_mesh()
+    return root[(dp_mesh.mesh_dim_names[0], tp_mesh.mesh_dim_names[0])]
 
 
 def is_16bit(t: torch.Tensor) -> bool:

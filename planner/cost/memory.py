@@ -238,6 +238,9 @@ def memory_per_gpu(
     first_act = inflight * (first_blocks * act_block + b * s * h * elem) + live_block
     logits = logits_loss_bytes(model, b, precision)  # (b, s, V) on every tp rank, and the loss's fp32 temporaries
     last_act = last_blocks * act_block + live_block + logits + b * model.head_act_bytes  # replicated head: not / tp
+    # a pipeline's last stage: the schedule keeps the stage's output, the logits (b, s, V) in the compute dtype, for
+    # that micro-batch's backward (torch.distributed.pipelining's fwd_cache), beside the loss's temporaries
+    last_act = last_act + np.where(single, 0.0, elem * b * s * model.vocab)
     first_act = np.where(single, first_act + logits, first_act)
 
     block_params_gpu = model.block_params / t
@@ -263,9 +266,10 @@ def memory_per_gpu(
                                                        cand.grad_compress)
     last_uncast = np.where(single, uncast, 0.0) + last_blocks * recomputed
     last_copies = compute_copy_bytes(last_params, z, precision, last_uncast, cand.grad_compress)
-    # Gradients live at the loss's peak: DDP's buckets hold them from the build on (runtime.apply: gradient as
-    # bucket view); else only once a micro-batch's backward has run, i.e. with several micro-batches per step.
-    persistent_grads = ((z <= 1) & (t == 1)) | (num_micro_batches > 1)
+    # Gradients live at the loss's peak: under ZeRO 0/1 the buckets hold them from the build on (DDP's gradient as
+    # bucket view; runtime.grad_reduce's under tensor parallel); else only once a micro-batch's backward has run, i.e.
+    # with several micro-batches per step.
+    persistent_grads = (z <= 1) | (num_micro_batches > 1)
 
     reserve = np.full(len(cand), float(cluster.framework_reserve_bytes))
     # Compression's buffers (module docstring).

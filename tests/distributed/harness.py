@@ -36,7 +36,7 @@ WEIGHT_DECAY = 0.1  # train.py's defaults, which the references use too
 GRAD_CLIP = 1.0
 
 _PRELOAD = ["torch", "torch.distributed.tensor.parallel", "torch.distributed.fsdp",
-            "torch.distributed._composable.replicate_with_fsdp", "zplan.runtime.apply", "zplan.runtime.checkpoint",
+            "zplan.runtime.apply", "zplan.runtime.checkpoint",
             "zplan.runtime.pipeline", "zplan.runtime.train_loop", "rich.progress",
             __name__]  # this module: each rank unpickles _rank_main from it
 

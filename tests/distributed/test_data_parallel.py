@@ -280,8 +280,9 @@ def test_bf16_trains_as_one_process_with_fp32_masters(zero_stage, offload, model
     loss_diff = max_loss_diff([r["loss"] for r in records], ref_losses)
     param_diff = max_weight_diff(weights, ref_weights)
     mean_diff, fp32_mean_diff = mean_weight_diff(weights, ref_weights), mean_weight_diff(weights, reference[1])
-    print(f"ZeRO {zero_stage} bf16 (offload {offload}): max |loss - bf16 single process| = {loss_diff:.2e}, max |master - reference "
-          f"master| = {param_diff:.2e}, mean {mean_diff:.2e} (from the fp32 run's: {fp32_mean_diff:.2e})")
+    print(f"ZeRO {zero_stage} bf16 (offload {offload}): max |loss - bf16 single process| = {loss_diff:.2e}, max "
+          f"|master - reference master| = {param_diff:.2e}, mean {mean_diff:.2e} (from the fp32 run's: "
+          f"{fp32_mean_diff:.2e})")
     assert loss_diff <= 1e-3
     assert param_diff <= 2 * LR + 1e-5
     assert mean_diff < fp32_mean_diff

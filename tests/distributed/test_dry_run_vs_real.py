@@ -2,7 +2,8 @@
 (tests/distributed/dry_run_worker.py: runtime.dry_run.measure_steps with fake=False) and by the dry run on fake
 tensors, counted by the same meter (runtime.live_memory): the peaks of each stage's rank agree within 5 %. The
 plans cover DDP (whose reducer the dry run stands in for: runtime.fake_world.FakeRankDDP) inside pipeline
-stages, and FSDP2 with DTensor tensor parallel."""
+stages, in fp32 and with bf16 parameters (ZeRO-1: fp32 masters in the optimizer), FSDP2 with DTensor tensor parallel,
+and ZeRO-1 under tensor parallel (runtime.grad_reduce's buckets)."""
 
 import json
 from pathlib import Path
@@ -18,10 +19,12 @@ from zplan.schemas.spec import Pins
 WORKER = Path(__file__).with_name("dry_run_worker.py")
 
 
-@pytest.mark.parametrize("pins", [dict(pp=2, zero=0), dict(tp=2, zero=3)], ids=["pp2-ddp", "tp2-zero3"])
-def test_fake_peak_equals_real_peak(tmp_path, pins):
+@pytest.mark.parametrize("pins, precision", [(dict(pp=2, zero=0), "fp32"), (dict(pp=2, zero=1), "bf16"),
+                                              (dict(tp=2, zero=3), "fp32"), (dict(tp=2, zero=1), "bf16")],
+                         ids=["pp2-ddp", "pp2-zero1-bf16", "tp2-zero3", "tp2-zero1-bf16"])
+def test_fake_peak_equals_real_peak(tmp_path, pins, precision):
     model = write_model_files(tmp_path / "zoo")["llama"]
-    plan = compile_plan(prepare(str(model), 2, "cpu-local", 4, 32, "fp32", Pins(**pins)))
+    plan = compile_plan(prepare(str(model), 2, "cpu-local", 4, 32, precision, Pins(**pins)))
     out = tmp_path / "out"
     write_outputs(plan, out, str(model))
 
