@@ -1,6 +1,7 @@
 """Apply a plan to a model: one function per step, called in DESIGN.md decision 5's fixed order.
 
-    apply_tensor_parallel -> apply_recompute -> apply_pipeline -> apply_data_parallel -> build_optimizer
+    disable_generation_cache -> apply_tensor_parallel -> apply_recompute -> apply_pipeline -> apply_data_parallel
+    -> build_optimizer
 
 Each step stands on torch.distributed's own API (DESIGN.md decision 4) and returns the model it was
 given or its wrapped version. Steps that are not implemented yet for a degree > 1 say so; none of them
@@ -29,6 +30,18 @@ def transformer_blocks(model: nn.Module, block_prefix: str) -> list[nn.Module]:
         return list(container)
     kind = type(container).__name__
     raise ValueError(f"{block_prefix} is a {kind}, not a ModuleList, Sequential or ModuleDict of blocks")
+
+
+def disable_generation_cache(model: nn.Module) -> nn.Module:
+    """Training keeps no generation cache: a Hugging Face model's forward fills a KV cache (config.use_cache, on by
+    default) that a recomputed block would fill again in backward, with keys twice as long (activation recompute
+    then fails: torch's checkpoint finds other ops than the forward ran), and that holds every layer's keys and
+    values besides what backward saves. HF's own gradient checkpointing turns it off the same way."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", False):
+            config.use_cache = False
+    return model
 
 
 # ---- 1. tensor parallel --------------------------------------------------------------------------

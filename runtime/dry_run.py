@@ -133,6 +133,7 @@ def measure_steps(plan, model_path: Path, settings: TrainSettings, steps: int, c
             drop_cached_tensors()
         storages = StateStorages(model, optimizer)
         meter.classify = storages
+        meter.mark_host(storages.host_ids(p.offload))  # what an offload made on the host with the optimizer
         meter.reset_peak()  # the build's transient tensors (the initialisation's replay, on the host) are gone
         meter.phase = "forward"
         say(f"rank {ctx.rank}: built in {time.perf_counter() - start:.1f} s")
@@ -141,7 +142,7 @@ def measure_steps(plan, model_path: Path, settings: TrainSettings, steps: int, c
             optimizer_step(model, optimizer, data, model_file.loss_fn, p.num_micro_batches, settings.grad_clip,
                            scaler, ctx.device)
             clear_gradients(model, optimizer)
-            if step == 0:  # the optimizer's states exist now
+            if step == 0:  # the optimizer's states exist now (a lazy optimizer makes them in its first step)
                 storages.refresh()
                 meter.mark_host(storages.host_ids(p.offload))
             say(f"rank {ctx.rank}: step {step + 1}/{steps} ({time.perf_counter() - start:.1f} s)")

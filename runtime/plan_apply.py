@@ -8,11 +8,11 @@
     train(model, optimizer, data, model_file.loss_fn, train_config(plan, steps=steps, ...), ctx)
 
 parallelize is the fixed order (torchtitan's parallelize_llama is the model: a short ordered function, the
-sharding plans as data): tensor parallel -> activation recompute -> pipeline split -> data parallel (ZeRO
-stage, mixed precision, offload, compression), with the weights made before data parallelism under ZeRO 0/1
-(DDP needs real tensors) and after it under ZeRO 2/3 (only FSDP2's shards are made). Every setting comes
-from the plan that check_plan validated, so an edit to plan.json is either checked and run, or refused. Offload
-follows the placement: under ZeRO 2/3 the parameter (and gradient) shards go to the host only where
+sharding plans as data): no generation cache -> tensor parallel -> activation recompute -> pipeline split -> data
+parallel (ZeRO stage, mixed precision, offload, compression), with the weights made before data parallelism
+under ZeRO 0/1 (DDP needs real tensors) and after it under ZeRO 2/3 (only FSDP2's shards are made). Every
+setting comes from the plan that check_plan validated, so an edit to plan.json is either checked and run, or
+refused. Offload follows the placement: under ZeRO 2/3 the parameter (and gradient) shards go to the host only where
 plan.placement.parameters says so; otherwise they stay on the device and only the optimizer is offloaded.
 """
 
@@ -32,6 +32,7 @@ from zplan.runtime.apply import (
     apply_recompute,
     apply_tensor_parallel,
     build_optimizer,
+    disable_generation_cache,
 )
 from zplan.runtime.checkpoint import CheckpointConfig
 from zplan.runtime.fused_layout import FusedLayout
@@ -57,6 +58,7 @@ def parallelize(model: nn.Module, weights, mesh: DeviceMesh, plan: Plan, model_f
     # The structural steps work on the meta model, outside any fake mode (the dry run's, runtime.fake_world: a fake
     # mode that saw the meta parameters keeps weakrefs to them, and the weights' swap_tensors refuses such tensors).
     with unset_fake_temporarily():
+        model = disable_generation_cache(model)
         model = apply_tensor_parallel(model, mesh["tp"], {rule.module: rule.style for rule in rules}, prefix,
                                       p.sequence_parallel, fused, stage_starts(plan))
         model = apply_recompute(model, p.recompute, prefix)

@@ -37,12 +37,11 @@ class DryRunUnsupported(ZplanError):
 
 
 def unsupported_reason(plan) -> str | None:
-    """Why the dry run cannot run `plan`, or None. Offloaded optimizers read tensor values on the host (zplan's CPU
-    Adam groups parameters by their step count; the NVMe swap engine writes tensor bytes to files), which fake
-    tensors do not have."""
-    if plan.parallel.offload != "none":
-        return (f"the plan offloads the optimizer ({plan.parallel.offload}): its CPU Adam and NVMe swap read tensor "
-                "values, which the dry run's fake tensors do not have (not built yet)")
+    """Why the dry run cannot run `plan`, or None. The NVMe swap engine writes tensor bytes to files and reads them
+    back, which fake tensors do not have (zplan's CPU Adam runs on them: it allocates nothing, so it is skipped)."""
+    if plan.parallel.offload == "nvme":
+        return ("the plan offloads the optimizer to NVMe: its swap engine writes and reads tensor bytes, which the dry "
+                "run's fake tensors do not have (not built)")
     return None
 
 

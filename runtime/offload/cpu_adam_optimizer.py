@@ -46,6 +46,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 
 from zplan.runtime.zero1 import ZeroOneAdamW, _local, state_layout
@@ -112,7 +113,8 @@ def kernel_calls(by_step: dict[int, tuple[list, list, list, list, list]], group:
     beta1, beta2 = group["betas"]
     hyper = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                  weight_decay=group["weight_decay"], threads=threads or torch.get_num_threads())
-    grad_scale = 1.0 if grad_divisor is None else 1.0 / float(grad_divisor)
+    # a fake divisor (the dry run) has no value, and its kernel does not run (run_kernel_calls)
+    grad_scale = 1.0 if grad_divisor is None or is_fake(grad_divisor) else 1.0 / float(grad_divisor)
     calls: list[_Call] = []
     for step, (masters, grads, exp_avgs, exp_avg_sqs, outs) in by_step.items():
         has_out = [o for o in outs if o is not None]
@@ -130,10 +132,19 @@ def kernel_calls(by_step: dict[int, tuple[list, list, list, list, list]], group:
     return calls
 
 
+def step_count(step: torch.Tensor) -> int:
+    """A parameter's AdamW step count, which the kernel's bias correction reads; on fake tensors (the dry run:
+    zplan dryrun) there are no values, and no kernel to read one (run_kernel_calls), so 1."""
+    return 1 if is_fake(step) else int(step.item())
+
+
 def run_kernel_calls(calls: list[_Call]) -> tuple[float, str | None]:
-    """Run the adamw_step_ calls on the calling thread: (their seconds, the backend of the last one)."""
+    """Run the adamw_step_ calls on the calling thread: (their seconds, the backend of the last one). On fake tensors
+    (the dry run) nothing runs: the step updates its tensors in place and allocates nothing."""
     from zplan.cuda.cpu_adam import adamw_step_
 
+    if calls and is_fake(calls[0][0][0][0]):
+        return 0.0, "fake"
     backend = None
     start = time.perf_counter()
     for tensors, kwargs in calls:
@@ -195,6 +206,11 @@ class CpuOffloadZeroOneAdamW(ZeroOneAdamW):
             master.copy_(owned)
             state["master"] = _host_dtensor(master, p, self.dp_mesh)
         return state
+
+    def host_buffers(self) -> list[torch.Tensor]:
+        """Host memory besides the states: fp32 parameters' masters, the gradient and 16-bit row buffers
+        (runtime.memory_tiers, the dry run's host count)."""
+        return [*self._master.values(), *self._grad_host.values(), *self._out_host.values()]
 
     def master_rows(self, p: torch.Tensor) -> torch.Tensor:
         """The host fp32 master of this rank's rows of `p`."""
@@ -272,7 +288,7 @@ class CpuOffloadZeroOneAdamW(ZeroOneAdamW):
                     write_back.append((owned, out))
             else:
                 write_back.append((owned, self._master[p]))
-            lists = by_step.setdefault(int(state["step"].item()), ([], [], [], [], []))
+            lists = by_step.setdefault(step_count(state["step"]), ([], [], [], [], []))
             for target, value in zip(lists, (self.master_rows(p), grad, state["exp_avg"].to_local(),
                                              state["exp_avg_sq"].to_local(), out), strict=True):
                 target.append(value)

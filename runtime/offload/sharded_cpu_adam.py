@@ -27,6 +27,7 @@ the shard's address and version counter).
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 
 from zplan.runtime.offload.cpu_adam_optimizer import (
@@ -37,13 +38,15 @@ from zplan.runtime.offload.cpu_adam_optimizer import (
     kernel_calls,
     run_kernel_calls,
     states_to_host,
+    step_count,
 )
 from zplan.runtime.zero1 import _local
 
 
 def _stamp(local: torch.Tensor) -> tuple[int, int]:
-    """What changes when a tensor is written or replaced: (address, version counter)."""
-    return local.data_ptr(), local._version
+    """What changes when a tensor is written or replaced: (address, version counter); on a fake tensor (the dry run),
+    which has no address, its storage's identity."""
+    return (id(local.untyped_storage()) if is_fake(local) else local.data_ptr()), local._version
 
 
 class CpuOffloadShardedAdamW(torch.optim.Optimizer):
@@ -112,7 +115,7 @@ class CpuOffloadShardedAdamW(torch.optim.Optimizer):
                 elif not grad.is_contiguous():
                     grad = grad.contiguous()
                 on_device = on_device or local.device.type != "cpu"
-                lists = by_step.setdefault(int(state["step"].item()), ([], [], [], [], []))
+                lists = by_step.setdefault(step_count(state["step"]), ([], [], [], [], []))
                 for target, value in zip(lists, (master, grad, _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
                                                  None), strict=True):
                     target.append(value)

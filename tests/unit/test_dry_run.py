@@ -117,3 +117,28 @@ def test_verify_refuses_a_plan_over_capacity_and_names_one_that_fits(llama):
     assert verified is None
     assert "does not fit" in why and "allocates" in why
     assert "this plan fits" in why and "compile with --tp" in why  # the next plan, dry-run on the real device
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_a_cpu_offloaded_optimizer_is_counted_on_the_host(llama, tmp_path, zero):
+    """--offload cpu at 8 ranks in bf16: zplan's CPU Adam runs on the fake tensors (its kernel, which allocates
+    nothing, is skipped), and its fp32 masters and moments of the rank's shard (12 bytes a parameter) are host bytes,
+    not device bytes; the device holds the 16-bit (ZeRO-1) or fp32 sharded (ZeRO-3) parameters and gradients. The
+    plan's host figure adds the buffers the gradients come down to, which exist only with a GPU (4 bytes a
+    parameter). NVMe is refused with its reason, exit status 2."""
+    out = compiled(llama, tmp_path / "out", 8, cluster="dgx-a100-80g", precision="bf16", zero=zero, dp=8,
+                   offload="cpu")
+    plan = load_program(out).plan
+    assert plan.placement.optimizer == "cpu" and plan.placement.parameters == "gpu"
+    (rank,) = dry_run(load_program(out), say=lambda message: None).ranks
+    shard = plan.model.params / 8
+    assert rank.by_category["optimizer"] == 0
+    assert rank.host_peak_bytes == pytest.approx(12 * shard, rel=0.1)  # whole rows (ZeRO-1), FSDP2's dim-0 chunks
+    assert rank.predicted_host_bytes == pytest.approx(16 * shard, rel=0.1)
+    states = rank.by_category["parameters"] + rank.by_category["gradients"]
+    assert states <= 2 * (2 if zero == 1 else 4 * 2 / 8) * plan.model.params * 1.1  # gradients: live or already freed
+
+    nvme = compiled(llama, tmp_path / "nvme", 8, cluster="dgx-a100-80g", precision="bf16", zero=1, dp=8,
+                    offload="nvme")
+    refused = runner.invoke(app, ["dryrun", str(nvme)])
+    assert refused.exit_code == 2 and "NVMe" in refused.output and "Traceback" not in refused.output

@@ -1,0 +1,45 @@
+"""Activation recompute on Hugging Face decoders (tests/hf_zoo.py), as the runtime applies it: the generation cache
+off (runtime.apply.disable_generation_cache), then selective or full recompute per block. The gradients equal those
+without recompute, bit for bit. With the cache on, a recomputed block appends its keys to the cache a second time
+and torch's checkpoint refuses the mismatch (that was a compiled plan that could not run)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.hf_zoo import DECODERS, write_model_files
+from zplan.planner.model_file import load_model_file
+from zplan.runtime.apply import apply_recompute, disable_generation_cache
+
+BLOCKS = {"gpt2": "transformer.h"}  # the others keep their blocks at model.layers
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    return write_model_files(tmp_path_factory.mktemp("zoo"))
+
+
+def _gradients(files, name: str, mode: str, cache_off: bool = True) -> torch.Tensor:
+    model_file = load_model_file(files[name])
+    torch.manual_seed(0)
+    model = model_file.build_model()
+    if cache_off:
+        disable_generation_cache(model)
+    apply_recompute(model, mode, BLOCKS.get(name, "model.layers"))
+    batch = model_file.example_inputs(2, 16)
+    outputs = model(**batch) if isinstance(batch, dict) else model(batch)
+    model_file.loss_fn(outputs, batch).backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+@pytest.mark.parametrize("name", sorted(DECODERS))
+def test_recompute_gives_the_gradients_of_no_recompute(files, name):
+    reference = _gradients(files, name, "none")
+    for mode in ("selective", "full"):
+        assert torch.equal(_gradients(files, name, mode), reference), mode
+
+
+def test_with_the_generation_cache_on_selective_recompute_fails(files):
+    with pytest.raises(RuntimeError, match="encountered during backward"):
+        _gradients(files, "llama", "selective", cache_off=False)
