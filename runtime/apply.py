@@ -1,6 +1,6 @@
 """Apply a plan to a model: one function per step, called in DESIGN.md decision 5's fixed order.
 
-    disable_generation_cache -> apply_tensor_parallel -> apply_recompute -> apply_pipeline -> apply_data_parallel
+    apply_tensor_parallel -> apply_recompute -> apply_pipeline -> disable_generation_cache -> apply_data_parallel
     -> build_optimizer
 
 Each step stands on torch.distributed's own API (DESIGN.md decision 4) and returns the model it was

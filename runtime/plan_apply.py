@@ -8,7 +8,7 @@
     train(model, optimizer, data, model_file.loss_fn, train_config(plan, steps=steps, ...), ctx)
 
 parallelize is the fixed order (torchtitan's parallelize_llama is the model: a short ordered function, the
-sharding plans as data): no generation cache -> tensor parallel -> activation recompute -> pipeline split -> data
+sharding plans as data): tensor parallel -> activation recompute -> pipeline split -> no generation cache -> data
 parallel (ZeRO stage, mixed precision, offload, compression), with the weights made before data parallelism
 under ZeRO 0/1 (DDP needs real tensors) and after it under ZeRO 2/3 (only FSDP2's shards are made). Every
 setting comes from the plan that check_plan validated, so an edit to plan.json is either checked and run, or
@@ -58,7 +58,6 @@ def parallelize(model: nn.Module, weights, mesh: DeviceMesh, plan: Plan, model_f
     # The structural steps work on the meta model, outside any fake mode (the dry run's, runtime.fake_world: a fake
     # mode that saw the meta parameters keeps weakrefs to them, and the weights' swap_tensors refuses such tensors).
     with unset_fake_temporarily():
-        model = disable_generation_cache(model)
         model = apply_tensor_parallel(model, mesh["tp"], {rule.module: rule.style for rule in rules}, prefix,
                                       p.sequence_parallel, fused, stage_starts(plan))
         model = apply_recompute(model, p.recompute, prefix)
@@ -67,6 +66,10 @@ def parallelize(model: nn.Module, weights, mesh: DeviceMesh, plan: Plan, model_f
                                loss_fn=model_file.loss_fn,
                                example_micro_batch=model_file.example_inputs(p.micro_batch, plan.train.seq_len),
                                activation_compression=p.compression.activations)
+        # after the pipeline split, whose check on the meta device runs the forward as the model file builds it:
+        # without its cache a Hugging Face forward reads the positions' values (a packed-sequence test), which meta
+        # tensors do not have
+        model = disable_generation_cache(model)
     replicated = p.zero_stage in (0, 1)
     if replicated:
         materialized = materialize_weights(model, weights, device)
