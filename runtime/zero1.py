@@ -5,7 +5,7 @@ reducer of DTensor gradients (runtime.grad_reduce).
 Every rank holds the whole model and, after DDP's all-reduce, the whole averaged gradient. Of each
 parameter of shape (d0, ...) rank r owns the rows [r*c, min((r+1)*c, d0)) with c = ceil(d0 / N) (the
 dim-0 chunks of torch.chunk, which FSDP2 and DTensor's Shard(0) use too; the last ranks' chunks may be
-shorter or empty). It keeps Adam moments (fp32, as the parameters) for those rows only and steps them
+shorter or empty). It keeps Adam moments (fp32) for those rows only and steps them
 with torch's fused AdamW kernel (the same kernel and arithmetic as torch.optim.AdamW(fused=True), so the
 result equals one process); the updated rows then reach every rank's parameters: a large parameter's
 rows are contiguous, so each rank broadcasts its own rows straight into the others' parameters (no
@@ -35,9 +35,8 @@ DTensor of the parameter's global shape (DTensor.from_local with shape= and stri
 are described exactly):
   - plain parameter: Shard(0) on the dp mesh;
   - tensor-parallel parameter: on the (dp, tp) mesh (the tp mesh's parent sliced), the tp placement the
-    parameter's, and on
-    dp Shard(0) when that is not Shard(0); when it is (tp splits dim 0 into tp blocks, then dp splits each
-    block by rows), _StridedShard(0, split_factor=tp) on dp: the layout FSDP2 gives a Shard(0)
+    parameter's, and on dp Shard(0) when that is not Shard(0); when it is (tp splits dim 0 into tp blocks, then
+    dp splits each block by rows), _StridedShard(0, split_factor=tp) on dp: the layout FSDP2 gives a Shard(0)
     tensor-parallel parameter (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, _init_sharding_spec_tp).
 torch.distributed.checkpoint therefore saves each rank's rows once and reshards them into any other
 layout: plain tensors (ZeRO 0, another dp size), FSDP2's Shard(0) DTensors (ZeRO 2/3), tensor-parallel
