@@ -31,7 +31,13 @@ gradients and optimizer states (sharded over dp by ZeRO like every parameter, ne
 computes the whole logits (B, T, V) and the loss on them. The loss's peak (logits_loss_bytes) is
 LOSS_BYTES_PER_LOGIT bytes per logit, measured, not divided by tp.
 Pipeline in-flight micro-batches on the first stage: 1F1B min(p, m); interleaved with v chunks
-multiplies by (1 + (p-1)/(p*v)) (Korthikanti et al., Sec. 4.2.3).
+multiplies by (1 + (p-1)/(p*v)) (Korthikanti et al., Sec. 4.2.3); each in-flight micro-batch keeps each of the rank's
+v chunks' outputs (torch.distributed.pipelining's fwd_cache), and the last stage its logits, for its backward. Beside
+them torch's PipelineStage allocates one receive buffer per micro-batch of the step for every hidden state and
+gradient a stage receives (pipeline_receive_buffer_bytes), live the whole step; a tied embedding and head sum their
+table's gradient over their two ranks after the backward (one received copy).
+Gradients as bucket views (ZeRO 0/1) are made whole by autograd before they are added into their views: the largest,
+a (V, h) table, is a term of the backward.
 Offload (planner.cost.offload for its traffic): the optimizer states leave the GPU; under ZeRO 2/3 the weight
 and gradient shards stay on the GPU where they fit (the optimizer alone on the host, runtime.offload.sharded_cpu_adam),
 else go to the host with it (FSDP2's CPUOffloadPolicy: parameters_offloaded). Host bytes per parameter of this
@@ -192,6 +198,21 @@ def attention_core_act_bytes(model: ModelNumbers, precision: str) -> float:
     return materialised if model.block_act_bytes > materialised else 0.0
 
 
+def pipeline_receive_buffer_bytes(model: ModelNumbers, cand: Candidates, num_micro_batches: np.ndarray,
+                                  precision: str) -> np.ndarray:
+    """Bytes an end rank of a pipeline holds for the hidden states and their gradients that cross stages:
+    torch.distributed.pipelining's PipelineStage allocates, when the schedule is built, one receive buffer per
+    micro-batch of the step for each input a stage receives (every stage but the first) and for each gradient it
+    receives back (every stage but the last), (b, s, h) each, whole (the runtime gathers a sequence-parallel hidden
+    state at stage edges), in the compute dtype or as int8 rows (H bytes and a 4-byte scale) under --compress
+    act=int8. Pipeline rank 0 (and the last) hold v chunks: 2v - 1 kinds of buffer, m of each."""
+    p, v, b = cand.pp, cand.interleave.astype(float), cand.micro_batch.astype(float)
+    s, h = model.seq_len, model.hidden
+    per_element = np.where(cand.act_compress > 0, 1.0 + 4.0 / h, float(element_bytes(precision)))
+    buffers = (2.0 * v - 1.0) * np.asarray(num_micro_batches, dtype=float)
+    return np.where(p > 1, buffers * b * s * h * per_element, 0.0)
+
+
 def compute_copy_bytes(params_gpu: np.ndarray, zero: np.ndarray, precision: str,
                        uncast_params: np.ndarray | float = 0.0, grad_compress: np.ndarray | int = 0) -> np.ndarray:
     """Parameters held in the compute dtype besides the fp32 ones, from forward until backward: ZeRO-2
@@ -235,7 +256,9 @@ def memory_per_gpu(
     inflight = inflight_microbatches(cand, num_micro_batches)
     act_block = block_activation_bytes(model, cand, precision)
     live_block = np.where(cand.recompute == 2, b * model.block_act_bytes / t, 0.0)  # recomputed block
-    first_act = inflight * (first_blocks * act_block + b * s * h * elem) + live_block
+    # per micro-batch in flight: its blocks' saved bytes, and each of the rank's v chunks keeps its output (whole: a
+    # sequence-parallel hidden state is gathered at stage edges) for that micro-batch's backward
+    first_act = inflight * (first_blocks * act_block + cand.interleave * b * s * h * elem) + live_block
     logits = logits_loss_bytes(model, b, precision)  # (b, s, V) on every tp rank, and the loss's fp32 temporaries
     last_act = last_blocks * act_block + live_block + logits + b * model.head_act_bytes  # replicated head: not / tp
     # a pipeline's last stage: the schedule keeps the stage's output, the logits (b, s, V) in the compute dtype, for
@@ -254,6 +277,7 @@ def memory_per_gpu(
     comm = comm + np.where(z >= 2, 2.0 * GRAD_BYTES * block_params_gpu, 0.0)
     comm = comm + np.where(z == 3, 2.0 * elem * block_params_gpu, 0.0)
     comm = comm + np.where(t > 1, 2.0 * b * s * h * elem, 0.0)  # sequence-parallel gather buffers
+    standing = pipeline_receive_buffer_bytes(model, cand, num_micro_batches, precision)  # live the whole step
     # the compute copies of each end stage: under 1-bit Adam (DDP, tp 1) autocast's, which leave the embedding table
     # in fp32
     uncast = model.embed_params - model.head_shared_params
@@ -270,6 +294,9 @@ def memory_per_gpu(
     # bucket view; runtime.grad_reduce's under tensor parallel); else only once a micro-batch's backward has run, i.e.
     # with several micro-batches per step.
     persistent_grads = (z <= 1) | (num_micro_batches > 1)
+    # ...and where they are bucket views (ZeRO 0/1), autograd makes each parameter's gradient before adding it to its
+    # view: the largest, a (V, h) table of the embedding or the head (whole on every tp rank), is live in backward
+    table_grad = np.where(z <= 1, grad_elem * model.vocab * h, 0.0)
 
     reserve = np.full(len(cand), float(cluster.framework_reserve_bytes))
     # Compression's buffers (module docstring).
@@ -280,16 +307,21 @@ def memory_per_gpu(
 
     first_loss = np.where(single, logits, 0.0)
 
-    def peak(weights, grads, optim, acts, copies, buffers, loss) -> tuple[np.ndarray, np.ndarray]:
+    def peak(weights, grads, optim, acts, copies, buffers, loss, tied_sum) -> tuple[np.ndarray, np.ndarray]:
         """(peak bytes, bytes of the parts not live at the peak). The parts do not all peak at one moment: at the
         loss's peak (the log-softmax backward, before any block's backward) every block's activations and compute
         copies are live but no block's backward buffers, and gradients only where they persist; during a block's
         backward its buffers, the block being recomputed (full recompute) and the gradients are, the loss's
-        temporaries are gone. Measured this way by the dry run (zplan dryrun, runtime.live_memory)."""
+        temporaries are gone; after the backward, with the activations gone, a pipeline sums a tied table's
+        gradient over the ranks that hold it (`tied_sum`: one received copy, runtime.pipeline). The pipeline's
+        receive buffers (`standing`) are live throughout. Measured this way by the dry run (zplan dryrun,
+        runtime.live_memory)."""
         early = np.where(persistent_grads, grads, 0.0)
-        parts = weights + grads + optim + acts + copies + buffers
-        backward = grads - early + buffers + live_block
-        at_peak = weights + optim + acts - loss - live_block + copies + early + np.maximum(loss, backward)
+        parts = weights + grads + optim + acts + copies + buffers + standing + tied_sum
+        backward = grads - early + buffers + live_block + table_grad
+        during = weights + optim + acts - loss - live_block + copies + early + np.maximum(loss, backward)
+        after = weights + grads + optim + tied_sum
+        at_peak = standing + np.maximum(during, after)
         return at_peak, parts - at_peak
 
     def on_gpu(params_off: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -298,17 +330,20 @@ def memory_per_gpu(
         per_param = state_bytes_per_param(z, dp, offloaded, params_off, sixteen)
         w1, g1, o1 = (bytes_per_param * first_params for bytes_per_param in per_param)
         w2, g2, o2 = (bytes_per_param * last_params for bytes_per_param in per_param)
+        tied_sum = np.where(single, 0.0, per_param[1] * model.head_shared_params)  # both end stages hold the table
+
         def buffers_beside(acts):  # 1-bit Adam's step outlives the activations it is larger than
             one_bit_step = np.maximum(0.0, ONE_BIT_STEP_BYTES_PER_PARAM * params_gpu - acts)
             return comm + np.where(cand.grad_compress == 2, one_bit_errors + one_bit_step, 0.0)
 
         buffers1, buffers2 = buffers_beside(first_act), buffers_beside(last_act)
-        peak1, slack1 = peak(w1, g1, o1, first_act, first_copies, buffers1, first_loss)
-        peak2, slack2 = peak(w2, g2, o2, last_act, last_copies, buffers2, logits)
+        peak1, slack1 = peak(w1, g1, o1, first_act, first_copies, buffers1, first_loss, tied_sum)
+        peak2, slack2 = peak(w2, g2, o2, last_act, last_copies, buffers2, logits, tied_sum)
         use_first = peak1 >= peak2
         weights, grads, optim, acts, buffers, slack, total = (
             np.where(use_first, a, c) for a, c in
-            ((w1, w2), (g1, g2), (o1, o2), (first_act, last_act), (buffers1 + first_copies, buffers2 + last_copies),
+            ((w1, w2), (g1, g2), (o1, o2), (first_act, last_act),
+             (buffers1 + first_copies + standing + tied_sum, buffers2 + last_copies + standing + tied_sum),
              (slack1, slack2), (peak1, peak2)))
         return weights, grads, optim, acts, buffers, slack, total + reserve
 
