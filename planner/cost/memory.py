@@ -278,6 +278,14 @@ def memory_per_gpu(
     comm = comm + np.where(z == 3, 2.0 * elem * block_params_gpu, 0.0)
     comm = comm + np.where(t > 1, 2.0 * b * s * h * elem, 0.0)  # sequence-parallel gather buffers
     standing = pipeline_receive_buffer_bytes(model, cand, num_micro_batches, precision)  # live the whole step
+    # ZeRO 2/3: the root unit (the embedding, the final norm and head, whole on every tp rank) reduces its gradients
+    # from the same two fp32 buffers of its unsharded size, once its backward is done: after the micro-batch's
+    # backward on the last stage and in one stage, but on the first stage of a pipeline while the other micro-batches
+    # in flight keep their activations (measured by the dry run: 70B at tp 8 x pp 8, two 3.9 GiB buffers)
+    first_root = np.where(single, model.embed_params + model.head_params, model.embed_params)
+    last_root = model.head_params + model.head_shared_params
+    root_reduce_first = np.where(z >= 2, 2.0 * GRAD_BYTES * first_root, 0.0)
+    root_reduce_last = np.where(z >= 2, 2.0 * GRAD_BYTES * last_root, 0.0)
     # the compute copies of each end stage: under 1-bit Adam (DDP, tp 1) autocast's, which leave the embedding table
     # in fp32
     uncast = model.embed_params - model.head_shared_params
@@ -307,20 +315,21 @@ def memory_per_gpu(
 
     first_loss = np.where(single, logits, 0.0)
 
-    def peak(weights, grads, optim, acts, copies, buffers, loss, tied_sum) -> tuple[np.ndarray, np.ndarray]:
+    def peak(weights, grads, optim, acts, copies, buffers, loss, tied_sum, root_in_backward, root_after
+             ) -> tuple[np.ndarray, np.ndarray]:
         """(peak bytes, bytes of the parts not live at the peak). The parts do not all peak at one moment: at the
         loss's peak (the log-softmax backward, before any block's backward) every block's activations and compute
         copies are live but no block's backward buffers, and gradients only where they persist; during a block's
         backward its buffers, the block being recomputed (full recompute) and the gradients are, the loss's
         temporaries are gone; after the backward, with the activations gone, a pipeline sums a tied table's
         gradient over the ranks that hold it (`tied_sum`: one received copy, runtime.pipeline). The pipeline's
-        receive buffers (`standing`) are live throughout. Measured this way by the dry run (zplan dryrun,
-        runtime.live_memory)."""
+        receive buffers (`standing`) are live throughout; ZeRO 2/3's root unit reduces in the backward or after it
+        (`root_in_backward`, `root_after`). Measured this way by the dry run (zplan dryrun, runtime.live_memory)."""
         early = np.where(persistent_grads, grads, 0.0)
-        parts = weights + grads + optim + acts + copies + buffers + standing + tied_sum
-        backward = grads - early + buffers + live_block + table_grad
+        parts = weights + grads + optim + acts + copies + buffers + standing + tied_sum + root_in_backward + root_after
+        backward = grads - early + buffers + live_block + table_grad + root_in_backward
         during = weights + optim + acts - loss - live_block + copies + early + np.maximum(loss, backward)
-        after = weights + grads + optim + tied_sum
+        after = weights + grads + optim + np.maximum(tied_sum, root_after)
         at_peak = standing + np.maximum(during, after)
         return at_peak, parts - at_peak
 
@@ -337,13 +346,21 @@ def memory_per_gpu(
             return comm + np.where(cand.grad_compress == 2, one_bit_errors + one_bit_step, 0.0)
 
         buffers1, buffers2 = buffers_beside(first_act), buffers_beside(last_act)
-        peak1, slack1 = peak(w1, g1, o1, first_act, first_copies, buffers1, first_loss, tied_sum)
-        peak2, slack2 = peak(w2, g2, o2, last_act, last_copies, buffers2, logits, tied_sum)
+        pipelined = ~single
+        # on a pipeline's first stage the root reduces as the micro-batch's backward ends, its own blocks' activations
+        # already freed
+        own_acts = first_blocks * act_block + cand.interleave * b * s * h * elem
+        root_in_backward = np.where(pipelined, np.maximum(0.0, root_reduce_first - own_acts), 0.0)
+        root_after = np.where(pipelined, 0.0, root_reduce_first)
+        peak1, slack1 = peak(w1, g1, o1, first_act, first_copies, buffers1, first_loss, tied_sum, root_in_backward,
+                             root_after)
+        peak2, slack2 = peak(w2, g2, o2, last_act, last_copies, buffers2, logits, tied_sum, 0.0, root_reduce_last)
         use_first = peak1 >= peak2
         weights, grads, optim, acts, buffers, slack, total = (
             np.where(use_first, a, c) for a, c in
             ((w1, w2), (g1, g2), (o1, o2), (first_act, last_act),
-             (buffers1 + first_copies + standing + tied_sum, buffers2 + last_copies + standing + tied_sum),
+             (buffers1 + first_copies + standing + tied_sum + root_in_backward + root_after,
+              buffers2 + last_copies + standing + tied_sum + root_reduce_last),
              (slack1, slack2), (peak1, peak2)))
         return weights, grads, optim, acts, buffers, slack, total + reserve
 
