@@ -68,7 +68,7 @@ def place(cand: Candidates, est: StepEstimate, cluster: ClusterSpec, train: Trai
     """Place candidate 0's model states; `pinned`: its offload tier is the user's --offload pin (the optimizer
     states go there) rather than the search's allowance (module docstring)."""
     mem, z, dp = est.memory, int(cand.zero[0]), int(cand.dp[0])
-    params_gpu = float(mem.stage_params[0])
+    params_gpu = float(mem.peak_stage_params[0])  # the states beside the activations memory_per_gpu priced
     elem = element_bytes(train.precision)
     # As the runtime holds them (cost.memory: fp32 weights and gradients, Adam's m and v; or 16-bit weights and
     # gradients, the fp32 masters with m and v), on any tier.

@@ -148,6 +148,7 @@ class MemoryEstimate:
     nvme_bytes_per_node: np.ndarray
     fits: np.ndarray  # bool: device, host and NVMe capacity all respected
     stage_params: np.ndarray  # parameters per GPU on the most loaded stage (blocks / tp, embedding and head whole)
+    peak_stage_params: np.ndarray  # parameters per GPU on the end stage whose memory peaks (`total`'s stage)
     parameters_offloaded: np.ndarray  # bool: ZeRO 2/3 offload with the weight and gradient shards on the host too
 
 
@@ -279,13 +280,14 @@ def memory_per_gpu(
     comm = comm + np.where(t > 1, 2.0 * b * s * h * elem, 0.0)  # sequence-parallel gather buffers
     standing = pipeline_receive_buffer_bytes(model, cand, num_micro_batches, precision)  # live the whole step
     # ZeRO 2/3: the root unit (the embedding, the final norm and head, whole on every tp rank) reduces its gradients
-    # from the same two fp32 buffers of its unsharded size, once its backward is done: after the micro-batch's
-    # backward on the last stage and in one stage, but on the first stage of a pipeline while the other micro-batches
-    # in flight keep their activations (measured by the dry run: 70B at tp 8 x pp 8, two 3.9 GiB buffers)
+    # once its backward is done, from an fp32 input of its unsharded size into an fp32 output of its shard's, added
+    # to the gradient shard after: after the micro-batch's backward on the last stage and in one stage, but on the
+    # first stage of a pipeline while the other micro-batches in flight keep their activations (measured by the dry
+    # run: 70B at tp 8 x pp 8 x dp 1, two 3.9 GiB buffers)
     first_root = np.where(single, model.embed_params + model.head_params, model.embed_params)
     last_root = model.head_params + model.head_shared_params
-    root_reduce_first = np.where(z >= 2, 2.0 * GRAD_BYTES * first_root, 0.0)
-    root_reduce_last = np.where(z >= 2, 2.0 * GRAD_BYTES * last_root, 0.0)
+    root_reduce = np.where(z >= 2, GRAD_BYTES * (1.0 + 1.0 / dp), 0.0)  # bytes per parameter of the root unit
+    root_reduce_first, root_reduce_last = root_reduce * first_root, root_reduce * last_root
     # the compute copies of each end stage: under 1-bit Adam (DDP, tp 1) autocast's, which leave the embedding table
     # in fp32
     uncast = model.embed_params - model.head_shared_params
@@ -326,7 +328,8 @@ def memory_per_gpu(
         receive buffers (`standing`) are live throughout; ZeRO 2/3's root unit reduces in the backward or after it
         (`root_in_backward`, `root_after`). Measured this way by the dry run (zplan dryrun, runtime.live_memory)."""
         early = np.where(persistent_grads, grads, 0.0)
-        parts = weights + grads + optim + acts + copies + buffers + standing + tied_sum + root_in_backward + root_after
+        parts = (weights + grads + optim + acts + copies + buffers + standing + tied_sum + table_grad + root_in_backward
+                 + root_after)
         backward = grads - early + buffers + live_block + table_grad + root_in_backward
         during = weights + optim + acts - loss - live_block + copies + early + np.maximum(loss, backward)
         after = weights + grads + optim + np.maximum(tied_sum, root_after)
@@ -334,8 +337,8 @@ def memory_per_gpu(
         return at_peak, parts - at_peak
 
     def on_gpu(params_off: np.ndarray) -> tuple[np.ndarray, ...]:
-        """(weights, gradients, optimizer, activations, comm buffers, not at the peak, total) of the more loaded
-        end stage."""
+        """(weights, gradients, optimizer, activations, comm buffers, not at the peak, total, parameters) of the more
+        loaded end stage."""
         per_param = state_bytes_per_param(z, dp, offloaded, params_off, sixteen)
         w1, g1, o1 = (bytes_per_param * first_params for bytes_per_param in per_param)
         w2, g2, o2 = (bytes_per_param * last_params for bytes_per_param in per_param)
@@ -359,16 +362,17 @@ def memory_per_gpu(
         weights, grads, optim, acts, buffers, slack, total = (
             np.where(use_first, a, c) for a, c in
             ((w1, w2), (g1, g2), (o1, o2), (first_act, last_act),
-             (buffers1 + first_copies + standing + tied_sum + root_in_backward + root_after,
-              buffers2 + last_copies + standing + tied_sum + root_reduce_last),
+             (buffers1 + first_copies + standing + tied_sum + table_grad + root_in_backward + root_after,
+              buffers2 + last_copies + standing + tied_sum + table_grad + root_reduce_last),
              (slack1, slack2), (peak1, peak2)))
-        return weights, grads, optim, acts, buffers, slack, total + reserve
+        return weights, grads, optim, acts, buffers, slack, total + reserve, np.where(use_first, first_params,
+                                                                                 last_params)
 
     # An offloaded ZeRO 2/3 candidate keeps its weight and gradient shards on the GPU when they fit there (the
     # optimizer alone offloaded: no per-micro-batch traffic), else FSDP2's CPUOffloadPolicy takes them to the host.
-    kept_total = on_gpu(np.zeros(len(cand), dtype=bool))[-1]
+    kept_total = on_gpu(np.zeros(len(cand), dtype=bool))[-2]
     params_off = offloaded & (z >= 2) & (kept_total > cluster.gpu.hbm_bytes)
-    weights, grads, optim, acts, comm, not_at_peak, total = on_gpu(params_off)
+    weights, grads, optim, acts, comm, not_at_peak, total, peak_stage_params = on_gpu(params_off)
 
     # Host / NVMe: the offloaded states of every GPU of the node. Parameters on the GPU: the optimizer on the CPU
     # holds HOST_OPTIMIZER_BYTES + HOST_GRAD_BUFFER_BYTES per parameter of the shard on the host; on NVMe, its
@@ -393,5 +397,5 @@ def memory_per_gpu(
         parameters=weights, gradients=grads, optimizer=optim, activations=acts, comm_buffers=comm,
         reserve=reserve, not_at_peak=not_at_peak, total=total, cpu_bytes_per_node=cpu, nvme_bytes_per_node=nvme,
         fits=fits,
-        stage_params=params_gpu, parameters_offloaded=params_off,
+        stage_params=params_gpu, peak_stage_params=peak_stage_params, parameters_offloaded=params_off,
     )
