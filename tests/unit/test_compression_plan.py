@@ -273,7 +273,8 @@ def test_memory_of_the_compressed_collectives_by_hand():
     int8 = estimate_step(model, _cand(grad_compress=1), A100, "bf16", 16).memory
     one_bit = estimate_step(model, _cand(grad_compress=2), A100, "bf16", 16).memory
     assert int8.comm_buffers[0] - plain.comm_buffers[0] == pytest.approx(4 * 25 * 1024**2)
-    extra = 2 * P + 4 * (1 + 1 / 16) * P + max(0.0, 24 * P - float(plain.activations[0]))
+    # and the (V, h) table's gradient made in backward, fp32 where plain bf16 makes it in bf16: 2 bytes a value more
+    extra = 2 * P + 4 * (1 + 1 / 16) * P + max(0.0, 24 * P - float(plain.activations[0])) + 2 * 1000 * 1024
     assert one_bit.comm_buffers[0] - plain.comm_buffers[0] == pytest.approx(extra)
     assert one_bit.total[0] - plain.total[0] == pytest.approx(extra)
 
