@@ -300,6 +300,10 @@ def memory_per_gpu(
                                                        cand.grad_compress)
     last_uncast = np.where(single, uncast, 0.0) + last_blocks * recomputed
     last_copies = compute_copy_bytes(last_params, z, precision, last_uncast, cand.grad_compress)
+    # ZeRO-3 in a pipeline: the last stage's root unit (the final norm and head, whole on every tp rank) is still
+    # gathered, in the compute dtype, at its loss's peak (measured by the dry run: 70B at tp 4 x pp 2; in one stage,
+    # and for the first stage's embedding, it is not)
+    last_copies = last_copies + np.where((z == 3) & ~single, elem * last_root, 0.0)
     # Gradients live at the loss's peak: under ZeRO 0/1 the buckets hold them from the build on (DDP's gradient as
     # bucket view; runtime.grad_reduce's under tensor parallel); else only once a micro-batch's backward has run, i.e.
     # with several micro-batches per step.
