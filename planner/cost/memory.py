@@ -37,7 +37,11 @@ them torch's PipelineStage allocates one receive buffer per micro-batch of the s
 gradient a stage receives (pipeline_receive_buffer_bytes), live the whole step; a tied embedding and head sum their
 table's gradient over their two ranks after the backward (one received copy).
 Gradients as bucket views (ZeRO 0/1) are made whole by autograd before they are added into their views: the largest,
-a (V, h) table, is a term of the backward.
+a (V, h) table, is a term of the backward. Under ZeRO 2/3 FSDP2's root unit (the embedding, the final norm and head:
+whole on every tp rank) reduces its gradients once the blocks' are reduced, through 4 (1 + 1/dp) bytes a parameter;
+in a pipeline its first stage does so while the other micro-batches in flight keep their activations, and its last
+stage holds the head gathered at the loss and its unsharded gradients through each micro-batch's backward. These
+terms were measured with the dry run on the plans of benchmarks/dryrun_memory.py (which print where they bind).
 Offload (planner.cost.offload for its traffic): the optimizer states leave the GPU; under ZeRO 2/3 the weight
 and gradient shards stay on the GPU where they fit (the optimizer alone on the host, runtime.offload.sharded_cpu_adam),
 else go to the host with it (FSDP2's CPUOffloadPolicy: parameters_offloaded). Host bytes per parameter of this
@@ -321,8 +325,8 @@ def memory_per_gpu(
 
     first_loss = np.where(single, logits, 0.0)
 
-    def peak(weights, grads, optim, acts, copies, buffers, loss, tied_sum, root_in_backward, root_after
-             ) -> tuple[np.ndarray, np.ndarray]:
+    def peak(weights, grads, optim, acts, copies, buffers, loss, tied_sum, root_in_backward, root_after,
+             root_grads=0.0) -> tuple[np.ndarray, np.ndarray]:
         """(peak bytes, bytes of the parts not live at the peak). The parts do not all peak at one moment: at the
         loss's peak (the log-softmax backward, before any block's backward) every block's activations and compute
         copies are live but no block's backward buffers, and gradients only where they persist; during a block's
@@ -330,11 +334,13 @@ def memory_per_gpu(
         temporaries are gone; after the backward, with the activations gone, a pipeline sums a tied table's
         gradient over the ranks that hold it (`tied_sum`: one received copy, runtime.pipeline). The pipeline's
         receive buffers (`standing`) are live throughout; ZeRO 2/3's root unit reduces in the backward or after it
-        (`root_in_backward`, `root_after`). Measured this way by the dry run (zplan dryrun, runtime.live_memory)."""
+        (`root_in_backward`, `root_after`), and on a pipeline's last stage its gradients are held unsharded through the
+        micro-batch's backward (`root_grads`). Measured this way by the dry run (zplan dryrun, runtime.live_memory)."""
         early = np.where(persistent_grads, grads, 0.0)
         parts = (weights + grads + optim + acts + copies + buffers + standing + tied_sum + table_grad + root_in_backward
-                 + root_after)
-        backward = grads - early + buffers + live_block + table_grad + root_in_backward
+                 + root_after + root_grads)
+        # the root unit reduces once the blocks' reductions are done: its buffers and theirs are not live together
+        backward = grads - early + np.maximum(buffers, root_in_backward) + live_block + table_grad + root_grads
         during = weights + optim + acts - loss - live_block + copies + early + np.maximum(loss, backward)
         after = weights + grads + optim + np.maximum(tied_sum, root_after)
         at_peak = standing + np.maximum(during, after)
@@ -361,13 +367,17 @@ def memory_per_gpu(
         root_after = np.where(pipelined, 0.0, root_reduce_first)
         peak1, slack1 = peak(w1, g1, o1, first_act, first_copies, buffers1, first_loss, tied_sum, root_in_backward,
                              root_after)
-        peak2, slack2 = peak(w2, g2, o2, last_act, last_copies, buffers2, logits, tied_sum, 0.0, root_reduce_last)
+        # a pipeline's last stage makes its root's (the head's) unsharded gradients first in each micro-batch's
+        # backward and reduces them last (measured by the dry run: GPT-3 175B, tp 8 x pp 2, ZeRO-3)
+        root_grads = np.where((z >= 2) & pipelined, elem * last_root, 0.0)
+        peak2, slack2 = peak(w2, g2, o2, last_act, last_copies, buffers2, logits, tied_sum, 0.0, root_reduce_last,
+                             root_grads)
         use_first = peak1 >= peak2
         weights, grads, optim, acts, buffers, slack, total = (
             np.where(use_first, a, c) for a, c in
             ((w1, w2), (g1, g2), (o1, o2), (first_act, last_act),
              (buffers1 + first_copies + standing + tied_sum + table_grad + root_in_backward + root_after,
-              buffers2 + last_copies + standing + tied_sum + table_grad + root_reduce_last),
+              buffers2 + last_copies + standing + tied_sum + table_grad + root_reduce_last + root_grads),
              (slack1, slack2), (peak1, peak2)))
         return weights, grads, optim, acts, buffers, slack, total + reserve, np.where(use_first, first_params,
                                                                                  last_params)
