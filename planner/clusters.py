@@ -23,7 +23,8 @@ TB = 1e12
 
 # Achieved fractions of peak for NVIDIA data-centre GPUs. Assumptions, printed in every report:
 # large bf16 GEMMs reach ~80% of tensor-core peak in cuBLAS; NCCL bus bandwidth reaches ~80% of
-# NVLink and ~90% of InfiniBand line rate (nccl-tests); PCIe copies ~80%.
+# NVLink and ~90% of InfiniBand line rate (nccl-tests); PCIe copies ~80%. The flash attention kernel's fraction
+# (efficiency.attention) is set per GPU below.
 _NVIDIA_EFFICIENCY = EfficiencySpec(
     gemm_max=0.80,
     gemm_half_flops=2.0e9,
@@ -32,6 +33,13 @@ _NVIDIA_EFFICIENCY = EfficiencySpec(
     inter_node_link=0.90,
     host_link=0.80,
 )
+
+# FlashAttention-2 forward + backward, causal, head dim 64-128, sequences 2k-16k (Dao 2023, arXiv:2307.08691,
+# Figs. 4-7): ~175-200 TFLOP/s on an A100 (of 312), ~330 on an H100 SXM5 (of 989; FlashAttention-3, Shah et al. 2024,
+# Fig. 5, measures FA2's forward at 350-370). Those figures count the backward as 2.5 forwards, the cost model as 2
+# (planner/cost/compute.py): x 3 / 3.5.
+FLASH_ATTENTION_A100 = 190e12 * 3.0 / 3.5 / 312e12  # 0.52
+FLASH_ATTENTION_H100 = 330e12 * 3.0 / 3.5 / 989e12  # 0.29
 
 DGX_A100_80G = ClusterSpec(
     name="dgx-a100-80g",
@@ -56,7 +64,22 @@ DGX_A100_80G = ClusterSpec(
     nvme_bytes=int(30 * TB),  # 8x 3.84 TB U.2 NVMe
     nvme_bandwidth_Bps=25 * GB,  # 8 PCIe Gen4 drives in RAID-0 (assumed, not in the data sheet)
     framework_reserve_bytes=2 * GiB,
-    efficiency=_NVIDIA_EFFICIENCY,
+    efficiency=_NVIDIA_EFFICIENCY.model_copy(update={"attention": FLASH_ATTENTION_A100}),
+)
+
+# A100 40GB nodes as MosaicML benchmarked them: 8 GPUs, NVSwitch, 1600 Gb/s RoCE per node (llm-foundry's
+# benchmarking README); host side as the DGX A100.
+DGX_A100_40G = DGX_A100_80G.model_copy(
+    update={
+        "name": "dgx-a100-40g",
+        "description": "8x A100-SXM4-40GB, NVSwitch, 1600 Gb/s RoCE per node",
+        "source": "A100 40GB data sheet (2020); node network from MosaicML llm-foundry's benchmarking README",
+        "gpu": DGX_A100_80G.gpu.model_copy(
+            update={"name": "A100-SXM4-40GB", "hbm_bytes": int(40 * GB), "hbm_bandwidth_Bps": 1555 * GB}
+        ),
+        "inter_node_bandwidth_Bps": 1600e9 / 8 / 8,  # 1600 Gb/s a node over 8 GPUs = 25 GB/s
+        "cpu_memory_bytes": 1024 * GiB,  # 1 TB (DGX A100 40GB configuration)
+    }
 )
 
 DGX_H100 = ClusterSpec(
@@ -82,7 +105,7 @@ DGX_H100 = ClusterSpec(
     nvme_bytes=int(30 * TB),
     nvme_bandwidth_Bps=50 * GB,  # 8 PCIe Gen4/5 drives in RAID-0 (assumed)
     framework_reserve_bytes=2 * GiB,
-    efficiency=_NVIDIA_EFFICIENCY,
+    efficiency=_NVIDIA_EFFICIENCY.model_copy(update={"attention": FLASH_ATTENTION_H100}),
 )
 
 DGX_H200 = DGX_H100.model_copy(
@@ -125,7 +148,7 @@ DGX2_V100 = ClusterSpec(
 MAX_CLUSTER_FILE_BYTES = 1 << 20  # a profile is a few kB; more is not one
 
 BUILTIN_CLUSTERS: dict[str, ClusterSpec] = {
-    c.name: c for c in (DGX_A100_80G, DGX_H100, DGX_H200, DGX2_V100, CPU_LOCAL)
+    c.name: c for c in (DGX_A100_80G, DGX_A100_40G, DGX_H100, DGX_H200, DGX2_V100, CPU_LOCAL)
 }
 
 

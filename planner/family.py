@@ -12,10 +12,10 @@ a heads, f MLP width, V vocabulary, and h_kv = kv_heads * h / a:
            attention core QK^T and AV costs 2*s^2*h each in full and half that with causal masking, as the
            traced path counts it (Megatron's 24*s*h^2*(1 + s/(6h)), Narayanan 2021 eq. 3, counts it in full;
            ours is 24*s*h^2*(1 + s/(12h)) for GPT).
-  act      bytes saved for backward at 16-bit, from Korthikanti 2022 Table 2 (no parallelism):
-           s*h*(34 + 5*a*s/h) for a GPT block, its terms rederived below for f and for SwiGLU / GQA; the
-           5*a*s^2 attention core is what an unfused kernel materialises (softmax, dropout mask and output).
-           fp32 doubles everything.
+  act      bytes saved for backward at 16-bit, from Korthikanti 2022 Table 2 (no parallelism) as the example files
+           run: s*h*(34 + 5*a*s/h) for a GPT block less its dropout masks (2sh; the examples have none) and with
+           the flash kernel's (a, s) fp32 log-sum-exp for the 5*a*s^2 unfused attention core (softmax, dropout
+           mask); its terms rederived below for f and for SwiGLU / GQA. fp32 doubles the 16-bit terms.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ FAMILY_EXAMPLES = {
     "llama": "llama:layers=126,hidden=16384,heads=128,kv_heads=8,ffn=53248,seq=8192,vocab=128256",
 }
 REQUIRED_KEYS = ("layers", "hidden", "heads")
-OPTIONAL_KEYS = {"gpt": ("seq", "vocab", "ffn"), "llama": ("seq", "vocab", "ffn", "kv_heads")}
+OPTIONAL_KEYS = {"gpt": ("seq", "vocab", "ffn", "unfused_attention"),
+                 "llama": ("seq", "vocab", "ffn", "kv_heads", "unfused_attention")}
 DEFAULT_SEQ = {"gpt": 2048, "llama": 8192}
 DEFAULT_VOCAB = {"gpt": 51200, "llama": 128256}
 BLOCK_PREFIX = {"gpt": "blocks", "llama": "layers"}  # as in examples/gpt.py and examples/llama.py
@@ -42,10 +43,11 @@ TP_RULES = {
               ("mlp.gate", "colwise"), ("mlp.up", "colwise"), ("mlp.down", "rowwise")],
 }
 FLOAT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+FLASH_LSE_BYTES = 4.0  # the flash kernel's log-sum-exp per head and token, fp32
 # Largest value of each key: far beyond any model built (Llama 3 405B: 126 layers, hidden 16384, vocab 128256), and
 # small enough that a summary (one LayerCost per layer) is built in moments.
 MAX_VALUE = {"layers": 10_000, "hidden": 1 << 20, "heads": 1 << 16, "kv_heads": 1 << 16, "ffn": 1 << 22,
-             "seq": 1 << 24, "vocab": 1 << 24}
+             "seq": 1 << 24, "vocab": 1 << 24, "unfused_attention": 1}
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class FamilySpec:
     ffn: int
     seq: int  # sequence length the model is made for (GPT: rows of the position table)
     vocab: int
+    unfused_attention: bool = False  # Megatron-LM 2021's block (Korthikanti Table 2), not the examples' flash kernel
 
 
 def is_family_spec(text: str) -> bool:
@@ -106,7 +109,8 @@ def parse_family_spec(spec: str) -> FamilySpec:
         ffn = 256 * math.ceil(int(8 * hidden / 3) / 256)
     return FamilySpec(family=family, layers=values["layers"], hidden=hidden, heads=heads, kv_heads=kv_heads,
                       ffn=ffn, seq=values.get("seq", DEFAULT_SEQ[family]),
-                      vocab=values.get("vocab", DEFAULT_VOCAB[family]))
+                      vocab=values.get("vocab", DEFAULT_VOCAB[family]),
+                      unfused_attention=bool(values.get("unfused_attention", 0)))
 
 
 def block_params(spec: FamilySpec) -> int:
@@ -132,18 +136,30 @@ def block_fwd_flops(spec: FamilySpec, s: int) -> float:
     return 2.0 * s * block_linear_weights(spec) + attention_core
 
 
-def block_act_bytes_16bit(spec: FamilySpec, s: int) -> float:
-    """Korthikanti 2022 Table 2 per sample: s*h*(34 + 5*a*s/h) for GPT at f = 4h. Its terms:
-    attention 11sh (QKV input 2sh, Q and K 4sh, V 2sh, projection input 2sh, dropout mask sh) + 5as^2;
-    two LayerNorm inputs 4sh; MLP 19sh = input 2sh + GELU input 2sf + GELU output 2sf + dropout mask sh."""
+def block_act_bytes(spec: FamilySpec, s: int, scale: float = 1.0) -> float:
+    """Bytes one block saves for backward per sample, its activations at 2 * scale bytes an element, as
+    examples/gpt.py and examples/llama.py run on a GPU: no dropout, attention through scaled_dot_product_attention's
+    flash kernel, which keeps its output and an (a, s) fp32 log-sum-exp (Dao 2023) where an unfused core keeps
+    5*a*s^2 bytes (Korthikanti 2022 Table 2). Korthikanti's other GPT terms: attention QKV input 2sh, Q and K 4sh,
+    V 2sh, projection input 2sh (the kernel's output); two LayerNorm inputs 4sh; MLP input 2sh, GELU input and
+    output 4sf: 30sh at f = 4h (Table 2's 34 less its two dropout masks). unfused_attention: Table 2 as printed
+    (Megatron-LM 2021: the masks and the unfused core; all scaled by the precision as before)."""
     h, f, a = spec.hidden, spec.ffn, spec.heads
-    core = 5.0 * a * s * s
     if spec.family == "gpt":
-        return s * (11 * h + 4 * h + 3 * h + 4 * f) + core
-    # Llama, no dropout: attention QKV input 2sh + Q 2sh + K, V 2*s*h_kv each + projection input 2sh;
-    # two RMSNorm inputs 4sh; SwiGLU input 2sh + gate and up outputs 4sf + SiLU output 2sf + product 2sf.
-    h_kv = spec.kv_heads * h // spec.heads
-    return s * (6 * h + 4 * h_kv + 4 * h + 2 * h + 8 * f) + core
+        sixteen_bit = s * (10 * h + 4 * h + 2 * h + 4 * f)
+    else:  # Llama: attention QKV input 2sh + Q 2sh + K, V 2*s*h_kv each + projection input 2sh;
+        # two RMSNorm inputs 4sh; SwiGLU input 2sh + gate and up outputs 4sf + SiLU output 2sf + product 2sf.
+        h_kv = spec.kv_heads * h // spec.heads
+        sixteen_bit = s * (6 * h + 4 * h_kv + 4 * h + 2 * h + 8 * f)
+    if spec.unfused_attention:
+        return (sixteen_bit + 2 * s * h + attention_core_bytes(spec, s)) * scale
+    return sixteen_bit * scale + FLASH_LSE_BYTES * a * s  # the log-sum-exp is fp32 whatever the precision
+
+
+def attention_core_bytes(spec: FamilySpec, s: int) -> float:
+    """16-bit bytes an unfused attention core saves per sample: softmax output, dropout mask and its output over
+    (a, s, s), 5*a*s^2 (Korthikanti 2022 Table 2); 0 for the flash kernel."""
+    return 5.0 * spec.heads * s * s if spec.unfused_attention else 0.0
 
 
 def block_gemm_out_bytes_16bit(spec: FamilySpec, s: int) -> float:
@@ -175,8 +191,9 @@ def family_summary(spec: str, seq_len: int | None = None, precision: str = "bf16
     head_act = 4.0 * s * h * scale  # final norm input + output-projection input (Korthikanti 4.3)
     prefix = BLOCK_PREFIX[parsed.family]
     block = LayerCost(name=f"{prefix}.0", kind="block", params=block_params(parsed),
-                      fwd_flops=block_fwd_flops(parsed, s), act_bytes=block_act_bytes_16bit(parsed, s) * scale,
-                      gemm_out_bytes=block_gemm_out_bytes_16bit(parsed, s) * scale)
+                      fwd_flops=block_fwd_flops(parsed, s), act_bytes=block_act_bytes(parsed, s, scale),
+                      gemm_out_bytes=block_gemm_out_bytes_16bit(parsed, s) * scale,
+                      attention_core_bytes=attention_core_bytes(parsed, s) * scale)
     layers = [LayerCost(name="embedding", kind="embedding", params=embed_params, fwd_flops=0.0, act_bytes=embed_act)]
     layers += [block.model_copy(update={"name": f"{prefix}.{i}"}) for i in range(L)]
     tied = V * h if parsed.family == "gpt" else 0  # a pipeline's last stage holds its own copy of the token table

@@ -76,6 +76,11 @@ class EfficiencySpec(_Frozen):
         description="Fraction of HBM bandwidth achieved by a block's activation ops (LayerNorm, GELU, softmax, "
                     "residual adds), where they are not memory-bound (a CPU core: tanh, reductions); None: "
                     "memory_bound.")
+    attention: float | None = Field(
+        default=None, gt=0, le=1,
+        description="Fraction of peak FLOP/s the fused (flash) attention kernel reaches on the attention core "
+                    "(QK^T, AV), forward and backward together, counted as the cost model counts them (causal "
+                    "halves, backward twice the forward); None: the GEMM curve.")
     intra_node_link: float = Field(gt=0, le=1, description="Fraction of NVLink bandwidth collectives achieve.")
     inter_node_link: float = Field(gt=0, le=1, description="Fraction of network bandwidth collectives achieve.")
     host_link: float = Field(gt=0, le=1, description="Fraction of PCIe bandwidth host<->device copies achieve.")

@@ -37,6 +37,10 @@ class LayerCost(BaseModel):
         default=0.0, ge=0, description="Bytes of the outputs of the unit's projections (matmuls with a weight), one "
         "sample, no parallelism, at compute precision: what selective recompute keeps (runtime.apply)."
     )
+    attention_core_bytes: float = Field(
+        default=0.0, ge=0, description="Of act_bytes, what an unfused attention core saves over (s, s) scores "
+        "(softmax output, dropout mask), one sample; 0 where a fused (flash) kernel keeps the scores on chip."
+    )
 
 
 class TensorParallelRule(BaseModel):

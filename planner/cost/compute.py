@@ -1,15 +1,19 @@
 """Compute time of one micro-batch on one pipeline stage, vectorised over candidates.
 
-Time = FLOPs / (peak * eff(x)) + streamed bytes / (HBM bandwidth * memory_bound), where eff is the
-cluster's saturating efficiency curve in the size x of the layer's largest GEMM per GPU (the MLP
-up-projection, 2*b*s*h*ffn/tp FLOPs):
+Time = GEMM FLOPs / (peak * eff(x)) + attention-core FLOPs / (peak * attention) + streamed bytes / (HBM
+bandwidth * memory_bound), where eff is the cluster's saturating efficiency curve in the size x of the layer's
+largest GEMM per GPU (the MLP up-projection, 2*b*s*h*ffn/tp FLOPs):
     eff(x) = gemm_max * x / (x + gemm_half_flops)
-and the streamed bytes are those of the memory-bound operations (layer norm, softmax, dropout, bias,
-GeLU, residual adds), at the fraction of HBM bandwidth the profile says they reach
+`attention` is the fraction of peak the flash kernel reaches on QK^T and AV (efficiency.attention; the GEMM curve
+where the profile has none): the kernel keeps the (s, s) scores on chip, so they stream no HBM bytes, and causal
+masking halves its work (Dao 2023); an unfused core (a summary with attention_core_bytes: Megatron-LM 2021) runs as
+batched GEMMs on the curve. The streamed bytes are those of the memory-bound operations (layer norm, softmax,
+dropout, bias, GeLU, residual adds), at the fraction of HBM bandwidth the profile says they reach
 (efficiency.activation_ops, else memory_bound). Counting their reads and writes in a GPT block with
 Megatron's fused kernels gives about 76*s*b*h + 13*a*s^2*b bytes in the forward against
 34*s*b*h + 5*a*s^2*b bytes saved for backward (Korthikanti Table 2): about STREAMED_PER_SAVED_BYTE = 2.5
-bytes streamed per byte saved; the backward streams twice the forward.
+bytes streamed per byte saved (of what the block saves: a flash kernel saves no (s, s) bytes, an unfused one
+does); the backward streams twice the forward.
 Backward costs twice the forward (Narayanan et al. SC'21, Sec. 5.1: 3x forward for fwd+bwd).
 Recompute adds a forward pass (full) or the attention core (selective; Korthikanti et al. 2022,
 Sec. 5: softmax/dropout/QK^T/AV are re-run).
@@ -29,7 +33,7 @@ from __future__ import annotations
 import numpy as np
 
 from zplan.planner.cost.inputs import Candidates, ModelNumbers
-from zplan.planner.cost.memory import attention_core_act_bytes, block_activation_bytes
+from zplan.planner.cost.memory import block_activation_bytes
 from zplan.schemas.cluster import ClusterSpec
 
 BACKWARD_OVER_FORWARD = 2.0
@@ -64,12 +68,17 @@ def block_time_s(
     b, t = cand.micro_batch, cand.tp
     gemm_flops = 2.0 * b * model.seq_len * model.hidden * model.ffn_hidden / t
     eff = gemm_efficiency(gemm_flops, cluster)
+    # The attention core runs forward and backward, and again in backward under either recompute mode.
+    core = b * attention_core_fwd_flops(model) * ((1.0 + BACKWARD_OVER_FORWARD) + (cand.recompute > 0))
     flops = b * ((1.0 + BACKWARD_OVER_FORWARD) * model.block_fwd_flops + recompute_fwd_flops(model, cand.recompute))
+    attention = cluster.efficiency.attention
+    unfused = model.block_attention_core_bytes > 0  # batched GEMMs and a softmax streamed through HBM
+    attention_eff = eff if attention is None or unfused else attention
     saved_fwd = block_activation_bytes(model, cand.with_recompute(0), precision)  # per GPU, one pass
-    core = b * attention_core_act_bytes(model, precision) / t
-    recomputed = np.select([cand.recompute == 1, cand.recompute == 2], [core, saved_fwd], 0.0)
+    recomputed = np.where(cand.recompute == 2, saved_fwd, 0.0)  # selective re-runs the core: FLOPs only
     streamed = STREAMED_PER_SAVED_BYTE * ((1.0 + BACKWARD_OVER_FORWARD) * saved_fwd + recomputed)
-    return flops / t / (peak * eff) + streamed / activation_ops_Bps(cluster) + block_host_s(cand.recompute, cluster)
+    return ((flops - core) / t / (peak * eff) + core / t / (peak * attention_eff)
+            + streamed / activation_ops_Bps(cluster) + block_host_s(cand.recompute, cluster))
 
 
 def activation_ops_Bps(cluster: ClusterSpec) -> float:

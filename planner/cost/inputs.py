@@ -83,6 +83,7 @@ class ModelNumbers:
     embed_act_bytes: float
     head_act_bytes: float
     block_gemm_out_bytes: float = 0.0  # the block's projection outputs, per sample (selective recompute keeps them)
+    block_attention_core_bytes: float = 0.0  # of block_act_bytes, an unfused attention core's (s, s) bytes per sample
     head_shared_params: float = 0.0  # parameters the head reads that the embedding owns (tied): the last stage's copy
 
     @staticmethod
@@ -107,6 +108,7 @@ class ModelNumbers:
             block_fwd_flops=float(np.mean([u.fwd_flops for u in blocks])),
             block_act_bytes=float(np.mean([u.act_bytes for u in blocks])),
             block_gemm_out_bytes=float(np.mean([u.gemm_out_bytes for u in blocks])),
+            block_attention_core_bytes=float(np.mean([u.attention_core_bytes for u in blocks])),
             embed_act_bytes=float(sum(u.act_bytes for u in pre)),
             head_act_bytes=float(sum(u.act_bytes for u in post)),
         )

@@ -190,17 +190,9 @@ def block_activation_bytes(model: ModelNumbers, cand: Candidates, precision: str
     rowwise = np.minimum(gemm, 2.0 * s * h * elem * b)
     kept = (gemm - rowwise) / t + rowwise + block_input
     selective = np.where(gemm > 0, np.minimum(kept, none),
-                         none - b * attention_core_act_bytes(model, precision) / t)
+                         none - b * model.block_attention_core_bytes / t)
     full = block_input
     return np.select([cand.recompute == 0, cand.recompute == 1], [none, selective], full)
-
-
-def attention_core_act_bytes(model: ModelNumbers, precision: str) -> float:
-    """Bytes the attention core saves when it materialises softmax and dropout over (s, s):
-    5*a*s^2 per sample at 16-bit (Korthikanti Table 2), or 0 when the block's saved bytes are too
-    small to contain it (a fused / flash attention kernel saves only O(s*h))."""
-    materialised = 5.0 * model.heads * model.seq_len**2 * element_bytes(precision) / 2.0
-    return materialised if model.block_act_bytes > materialised else 0.0
 
 
 def pipeline_receive_buffer_bytes(model: ModelNumbers, cand: Candidates, num_micro_batches: np.ndarray,

@@ -11,12 +11,14 @@ A100 = BUILTIN_CLUSTERS["dgx-a100-80g"]
 S, H, A, V, L = 2048, 4096, 32, 51200, 32
 
 
-def gpt_numbers(act_per_sample=34 * S * H + 5 * A * S * S) -> ModelNumbers:
+def gpt_numbers(act_per_sample=34 * S * H + 5 * A * S * S, core=5 * A * S * S) -> ModelNumbers:
+    """Korthikanti's GPT block: an unfused attention core saves `core` of `act_per_sample` bytes."""
     block = 12 * H * H
     return ModelNumbers(num_blocks=L, hidden=H, heads=A, ffn_hidden=4 * H, vocab=V, seq_len=S,
                         params=L * block, embed_params=0.0, embed_fwd_flops=0.0, head_params=0.0,
                         head_fwd_flops=0.0, block_params=block, block_fwd_flops=24 * S * H * H,
-                        block_act_bytes=act_per_sample, embed_act_bytes=0.0, head_act_bytes=0.0)
+                        block_act_bytes=act_per_sample, embed_act_bytes=0.0, head_act_bytes=0.0,
+                        block_attention_core_bytes=core)
 
 
 def one(**kw):
@@ -139,7 +141,7 @@ def test_activation_bytes_match_korthikanti_table_2(tp, sp, recompute, expected)
 
 
 def test_flash_attention_model_has_nothing_for_selective_recompute_to_drop():
-    model = gpt_numbers(act_per_sample=34 * S * H)  # no (s, s) tensors saved
+    model = gpt_numbers(act_per_sample=34 * S * H, core=0.0)  # no (s, s) tensors saved
     none = block_activation_bytes(model, one(tp=8, sp=1, recompute=0), "bf16")
     selective = block_activation_bytes(model, one(tp=8, sp=1, recompute=1), "bf16")
     assert none[0] == selective[0] == pytest.approx(((34 - GATHERED) / 8 + GATHERED) * S * H)

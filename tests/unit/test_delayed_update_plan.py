@@ -94,8 +94,8 @@ def test_auto_turns_it_on_where_the_cpu_step_is_a_large_share_and_the_prediction
 
 
 def test_auto_leaves_it_off_where_the_saving_is_small():
-    """64 sequences a step: forward and backward take far longer than the CPU step it could hide."""
-    plan = _plan(64)
+    """128 sequences a step: forward and backward take far longer than the CPU step it could hide."""
+    plan = _plan(128)
     decision = plan.delayed_update
     assert plan.parallel.offload == "cpu" and not plan.parallel.delayed_update
     assert 0 < decision.saved_s < DELAYED_UPDATE_MIN_SAVING * plan.prediction.step_time_s
@@ -132,7 +132,7 @@ def test_on_where_the_chosen_plan_offloads_nothing_is_an_error():
 
 
 def test_the_reports_and_the_script_context_carry_the_decision():
-    on, small = _plan(2), _plan(64)
+    on, small = _plan(2), _plan(128)
     reports = render_reports(on)
     row = next(line for line in reports["report.md"].splitlines() if line.startswith("| Delayed parameter update |"))
     assert "on: the " in row and "saving" in row and "lag one step" in row and "warm-up steps" in row
