@@ -45,6 +45,11 @@ def assumptions(cluster: ClusterSpec, summary: ModelSummary, train: TrainSpec) -
         ("framework reserve", f"{cluster.framework_reserve_bytes / 2**30:.1f} GiB per GPU", src),
         ("GEMM efficiency curve", f"{eff.gemm_max:.2f} * x / (x + {eff.gemm_half_flops:.2g} FLOPs), "
                                   "x = per-GPU MLP GEMM", "cluster profile (assumption)"),
+        ("attention efficiency", (f"{eff.attention:.2f} of peak on the attention core (QK^T, AV) through the flash "
+                                  "kernel; no (s, s) bytes streamed" if eff.attention is not None
+                                  else "the GEMM curve on the attention core"), (
+            "FlashAttention-2 forward + backward (Dao 2023, Figs. 4-7), counted as the cost model counts FLOPs"
+            if eff.attention is not None else "cluster profile (no flash figure)")),
         ("memory-bound efficiency", f"{eff.memory_bound:.2f} of HBM bandwidth" + (
             f"; activation ops {eff.activation_ops:.2f}" if eff.activation_ops is not None else ""),
          "cluster profile (assumption)"),
