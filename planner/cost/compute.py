@@ -42,6 +42,12 @@ BLOCK_OPS = 132  # aten ops per block per micro-batch: 39 forward + 93 backward
 RECOMPUTE_EXTRA_OPS = (0, 80, 79)  # ops added per block by recompute none / selective (SAC) / full
 EMBEDDING_OPS = 12  # two lookups, their sum, their backward (embedding_dense_backward x2)
 HEAD_OPS = 30  # final LayerNorm, logits GEMM, cross-entropy and their backward
+# Bytes the default loss (planner.model_file.next_token_loss: cross-entropy on the logits upcast to fp32) streams
+# through HBM per logit, forward and backward: the slice copied (2 + 2), the upcast (2 + 4), log-softmax (4 + 4),
+# the loss gradient zero-filled (4), log-softmax backward (4 + 4 + 4), the downcast (4 + 2), the slice's backward
+# (2 + 2) at 16-bit; fp32 has no casts. Counted from the aten ops of its forward and backward on (B, T, V) logits
+# (torch 2.13; nll_loss itself reads and writes (B, T)). The GEMMs that make and consume the logits are FLOPs.
+LOSS_STREAMED_BYTES_PER_LOGIT = {"bf16": 44.0, "fp16": 44.0, "fp32": 40.0}
 
 
 def gemm_efficiency(gemm_flops: np.ndarray, cluster: ClusterSpec) -> np.ndarray:
@@ -98,14 +104,19 @@ def block_host_s(recompute: np.ndarray, cluster: ClusterSpec) -> np.ndarray:
 
 
 def edge_time_s(
-    fwd_flops: float, model: ModelNumbers, cand: Candidates, cluster: ClusterSpec, precision: str, ops: int = 0
+    fwd_flops: float, model: ModelNumbers, cand: Candidates, cluster: ClusterSpec, precision: str, ops: int = 0,
+    loss: bool = False,
 ) -> np.ndarray:
     """Forward + backward seconds of the embedding or head for one micro-batch on one GPU, with the host cost
-    of its `ops` aten ops (EMBEDDING_OPS or HEAD_OPS). The runtime replicates the embedding and the head over
-    the tp ranks (runtime/tensor_parallel.py; not vocabulary-parallel), so every tp rank computes all of their
-    `fwd_flops` (per sample) and the logits GEMM is the whole (b*s, h) x (h, V): nothing is divided by tp."""
+    of its `ops` aten ops (EMBEDDING_OPS or HEAD_OPS) and, for the head (`loss`), the loss's streamed bytes
+    (LOSS_STREAMED_BYTES_PER_LOGIT). The runtime replicates the embedding and the head over the tp ranks
+    (runtime/tensor_parallel.py; not vocabulary-parallel), so every tp rank computes all of their `fwd_flops`
+    (per sample), the logits GEMM is the whole (b*s, h) x (h, V) and the loss runs on all the logits: nothing is
+    divided by tp."""
     peak = cluster.peak_flops(precision)
     b = cand.micro_batch
     gemm_flops = 2.0 * b * model.seq_len * model.hidden * model.vocab  # the head's logits GEMM, FLOPs per GPU
     eff = gemm_efficiency(gemm_flops, cluster)
-    return b * (1.0 + BACKWARD_OVER_FORWARD) * fwd_flops / (peak * eff) + ops * cluster.host_overheads.op_s
+    streamed = b * model.seq_len * model.vocab * LOSS_STREAMED_BYTES_PER_LOGIT[precision] if loss else 0.0
+    return (b * (1.0 + BACKWARD_OVER_FORWARD) * fwd_flops / (peak * eff) + streamed / activation_ops_Bps(cluster)
+            + ops * cluster.host_overheads.op_s)

@@ -173,7 +173,7 @@ def estimate_step(
     # One micro-batch on the slowest stage.
     block_s = block_time_s(model, cand, cluster, precision)
     edges_s = (edge_time_s(model.embed_fwd_flops, model, cand, cluster, precision, EMBEDDING_OPS)
-               + edge_time_s(model.head_fwd_flops, model, cand, cluster, precision, HEAD_OPS))
+               + edge_time_s(model.head_fwd_flops, model, cand, cluster, precision, HEAD_OPS, loss=True))
     load = stage_blocks if stage_blocks is not None else stage_blocks_equivalent(model, cand, edges_s / block_s)
     tp_collectives = 4.0 + 2.0 * (cand.recompute == 2)
     one = np.ones_like(t)

@@ -61,7 +61,8 @@ def unit_costs(summary: ModelSummary, cand: Candidates, cluster: ClusterSpec, pr
             acts.append(block_act * (unit.act_bytes / model.block_act_bytes if model.block_act_bytes else 1.0))
         else:
             ops = {"embedding": EMBEDDING_OPS, "head": HEAD_OPS}.get(unit.kind, 0)
-            times.append(float(edge_time_s(unit.fwd_flops, model, cand, cluster, precision, ops)[0]))
+            times.append(float(edge_time_s(unit.fwd_flops, model, cand, cluster, precision, ops,
+                                           loss=unit.kind == "head")[0]))
             # the head's whole (b, s, V) logits and the loss's peak on every tp rank (replicated head: not / tp)
             logits = float(logits_loss_bytes(model, b, precision)) if unit.kind == "head" else 0.0
             acts.append(b * model.seq_len * model.hidden * elem + logits)
