@@ -25,6 +25,7 @@ GPU_CLUSTERS = [  # (pattern in gpu_type, built-in profile)
     (r"^A100", "dgx-a100-80g"),  # 80GB, Azure NDm v4 (80GB), Selene; "memory not stated": the common 80GB
     (r"^H100", "dgx-h100"),
     (r"^H200", "dgx-h200"),
+    (r"^B200", "dgx-b200"),
     (r"^V100", "dgx2-v100"),
 ]
 PRICED_PRECISIONS = ("bf16", "fp16", "not printed (fp16/bf16 mixed)", "")

@@ -119,6 +119,33 @@ DGX_H200 = DGX_H100.model_copy(
     }
 )
 
+DGX_B200 = ClusterSpec(
+    name="dgx-b200",
+    description="NVIDIA DGX B200: 8x B200-180GB, NVLink 5 / NVSwitch, 8x NDR 400 Gb/s InfiniBand",
+    source="NVIDIA DGX B200 data sheet (2024): 1440 GB HBM3e and 64 TB/s a node, 72 PFLOP/s FP8 training a node "
+           "(with sparsity; dense is half); B200 bf16 dense 2.25 PFLOP/s",
+    gpu=GpuSpec(
+        name="B200-180GB",
+        hbm_bytes=180 * GB,  # 1440 GB / 8
+        hbm_bandwidth_Bps=8000 * GB,  # 64 TB/s / 8
+        peak_bf16_flops=2250 * TB,
+        peak_fp16_flops=2250 * TB,
+        peak_fp32_flops=75 * TB,  # FP32 (non-tensor) per GPU, 600 TFLOP/s a node / 8
+    ),
+    gpus_per_node=8,
+    intra_node_bandwidth_Bps=1800 * GB / 2,  # NVLink 5: 1.8 TB/s bidirectional per GPU
+    inter_node_bandwidth_Bps=400e9 / 8,  # one 400 Gb/s NDR port per GPU = 50 GB/s
+    host_to_device_bandwidth_Bps=64 * GB,  # PCIe Gen5 x16 per direction
+    intra_node_latency_s=6e-6,
+    inter_node_latency_s=12e-6,
+    cpu_memory_bytes=2 * 1024 * GiB,  # 2 TB (up to 4 TB)
+    cpu_memory_bandwidth_Bps=2 * 358.4 * GB,  # 2x Xeon Platinum 8570, 8 channels DDR5-5600 each
+    nvme_bytes=int(30 * TB),  # 8x 3.84 TB U.2 NVMe
+    nvme_bandwidth_Bps=50 * GB,  # 8 PCIe Gen5 drives in RAID-0 (assumed)
+    framework_reserve_bytes=2 * GiB,
+    efficiency=_NVIDIA_EFFICIENCY,  # no published flash-attention figure on B200 yet: the GEMM curve
+)
+
 DGX2_V100 = ClusterSpec(
     name="dgx2-v100",
     description="NVIDIA DGX-2: 16x V100-SXM3-32GB, NVSwitch, 8x EDR 100 Gb/s InfiniBand",
@@ -148,7 +175,7 @@ DGX2_V100 = ClusterSpec(
 MAX_CLUSTER_FILE_BYTES = 1 << 20  # a profile is a few kB; more is not one
 
 BUILTIN_CLUSTERS: dict[str, ClusterSpec] = {
-    c.name: c for c in (DGX_A100_80G, DGX_A100_40G, DGX_H100, DGX_H200, DGX2_V100, CPU_LOCAL)
+    c.name: c for c in (DGX_A100_80G, DGX_A100_40G, DGX_H100, DGX_H200, DGX_B200, DGX2_V100, CPU_LOCAL)
 }
 
 
