@@ -1,0 +1,85 @@
+"""benchmarks/reference_runs.py and the validation's stack efficiencies: rows of the published-runs files as zplan
+requests, their measured times from what each row prints, and the leave-one-source-out fit, by hand."""
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from reference_runs import measured_seconds, training_run, zero_stage  # noqa: E402
+from validate_cost_model import relative_error, stack_efficiencies  # noqa: E402
+
+from zplan.planner.family import parse_family_spec  # noqa: E402
+
+ROW = dict(source="mosaicml/llm-foundry", citation="", model="MPT-7b", params_b="6.7", layers="32", hidden="4096",
+           heads="32", kv_heads="32", ffn="16384", seq_len="2048", vocab="50368", gpus="8", gpu_type="H100 80GB",
+           tp="1", pp="1", cp="1", dp="8", zero_or_fsdp="FSDP1 FULL_SHARD", micro_batch="6", global_batch="48",
+           recompute="none", precision="amp_bf16 (MP DEFAULT)", tokens_per_s_per_gpu="4000", tflops_per_gpu="",
+           mfu="", hfu="", iter_time_s="", memory_gib="", notes="")
+
+
+def test_a_row_becomes_the_request_it_prints():
+    run = training_run(ROW, "row")
+    assert (run.cluster, run.gpus, run.global_batch, run.precision, run.stack) == ("dgx-h100", 8, 48, "bf16", "fsdp1")
+    p = run.pins
+    assert (p.tp, p.pp, p.dp, p.zero, p.micro_batch, p.recompute) == (1, 1, 8, 3, 6, "none")
+    assert run.measured_s == pytest.approx(48 * 2048 / (4000 * 8))  # tokens a step / tokens per second
+    spec = parse_family_spec(run.spec)
+    assert (spec.family, spec.layers, spec.hidden, spec.ffn, spec.vocab) == ("gpt", 32, 4096, 16384, 50368)
+
+
+def test_a_llama_row_keeps_its_grouped_heads_and_width():
+    run = training_run({**ROW, "model": "Llama 3 8B", "kv_heads": "8", "ffn": "14336", "vocab": "128256"}, "row")
+    spec = parse_family_spec(run.spec)
+    assert (spec.family, spec.kv_heads, spec.ffn) == ("llama", 8, 14336)
+
+
+@pytest.mark.parametrize("update, reason", [
+    (dict(precision="FP8"), "fp8"), (dict(gpu_type="GB200 (NVL72)"), "no built-in profile"),
+    (dict(cp="2"), "context parallelism"), (dict(global_batch=""), "not printed"),
+    (dict(tokens_per_s_per_gpu=""), "no measured time"), (dict(model="Llama 3 8B (LoRA)"), "LoRA"),
+])
+def test_rows_zplan_cannot_express_say_why(update, reason):
+    assert reason in training_run({**ROW, **update}, "row")
+
+
+def test_time_from_tflops_uses_the_formula_the_source_names():
+    row = {**ROW, "source": "NVIDIA/Megatron-LM", "tokens_per_s_per_gpu": "", "tflops_per_gpu": "400"}
+    B, s, L, h, V = 48, 2048, 32, 4096, 50368
+    model_flops = 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * h * L))  # Korthikanti et al.
+    assert measured_seconds(row, 8, B) == pytest.approx(model_flops / (400e12 * 8))
+    deepspeed = {**row, "source": "DeepSpeed"}
+    eq3 = 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))  # Narayanan et al. Eq. 3
+    assert measured_seconds(deepspeed, 8, B) == pytest.approx(eq3 / (400e12 * 8))
+
+
+@pytest.mark.parametrize("text, stage", [("FSDP1 FULL_SHARD", (3, "none")), ("FSDP1 SHARD_GRAD_OP", (2, "none")),
+                                         ("Megatron DDP", (0, "none")), ("ZeRO-3 Offload", (3, "cpu"))])
+def test_data_parallel_column_to_zero_stage(text, stage):
+    assert zero_stage(text) == stage
+
+
+def test_stack_efficiency_is_the_geometric_mean_and_applies_per_stack():
+    rows = [dict(stack="fsdp1", measured_s=2.0, predicted_s=1.0), dict(stack="fsdp1", measured_s=8.0, predicted_s=1.0),
+            dict(stack="megatron-core", measured_s=1.0, predicted_s=1.0)]
+    efficiencies = stack_efficiencies(rows)
+    assert efficiencies == {"fsdp1": pytest.approx(math.sqrt(2.0 * 8.0)), "megatron-core": 1.0}
+    assert relative_error(rows[0], efficiencies) == pytest.approx(4.0 / 2.0 - 1.0)
+    assert relative_error(rows[0], {}) == pytest.approx(-0.5)  # a stack fitted nowhere keeps efficiency 1
+
+
+REFERENCE = Path(__file__).resolve().parents[3] / "shared" / "reference"
+
+
+@pytest.mark.skipif(not (REFERENCE / "training_runs.csv").is_file(), reason="../shared/reference is not beside")
+def test_the_published_runs_are_predicted_out_of_sample_within_a_fifth():
+    """The whole validation (about 5 s): every expressible row is predicted, and leaving each source out of the
+    stack efficiencies' fit, the mean error stays under 20 % (13.6 % on 2026-12-02; the issue's target is 15 %)."""
+    from validate_cost_model import validate
+
+    result = validate(REFERENCE)
+    assert not [reason for reason in result["refused"].values() if reason.startswith("zplan refuses")]
+    assert result["coverage"] >= 0.6 and result["loso_mean_abs_error"] < 0.2
