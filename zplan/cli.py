@@ -14,6 +14,7 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console
 
+from zplan.calibrate_cli import calibrate_command
 from zplan.dryrun_cli import dryrun_command
 from zplan.errors import ClusterError, SpecError, ZplanError, validation_message
 from zplan.reduce_cli import reduce_command
@@ -390,3 +391,4 @@ def probe(
 
 app.command("reduce")(reduce_command)  # zplan reduce: zplan/reduce_cli.py
 app.command("dryrun")(dryrun_command)  # zplan dryrun: zplan/dryrun_cli.py
+app.command("calibrate")(calibrate_command)  # zplan calibrate: zplan/calibrate_cli.py

@@ -1,0 +1,65 @@
+"""zplan calibrate's fit (planner/calibrate.py) on runs whose 'measured' times a known profile made: the fit finds a
+profile under which the fitted runs and the runs left out are predicted as that profile predicts them. The same
+command on real runs of this machine: tests/e2e/test_calibrate.py."""
+
+from pathlib import Path
+
+import pytest
+
+import zplan.examples
+from zplan.api import compile_plan, prepare
+from zplan.planner.calibrate import CalibrationError, apply, calibrate, measured_run, predict_step_s
+from zplan.schemas.spec import Pins
+
+TINY = str(Path(zplan.examples.__file__).parent / "tiny.py")
+FIT = [Pins(dp=2, zero=0, micro_batch=4), Pins(dp=2, zero=3, micro_batch=2), Pins(dp=1, micro_batch=8,
+                                                                                   recompute="full"),
+       Pins(dp=2, zero=1, micro_batch=1)]
+LEFT_OUT = [Pins(dp=2, zero=2, micro_batch=2), Pins(dp=1, micro_batch=4, recompute="selective")]
+TRUTH = {"gemm_max": 0.6, "host_op_s": 1.5, "collective_bandwidth": 0.5}
+
+
+def _plans(pins_list):
+    return [compile_plan(prepare(TINY, pins.dp, "cpu-local", 8, 64, "fp32", pins.model_copy(update=dict(tp=1, pp=1))))
+            for pins in pins_list]
+
+
+@pytest.fixture(scope="module")
+def plans():
+    return _plans(FIT), _plans(LEFT_OUT)
+
+
+def _runs(plans, cluster):
+    return [measured_run(f"run{i}", plan, [{"step_time_s": predict_step_s(plan, cluster)}] * 8)
+            for i, plan in enumerate(plans)]
+
+
+def test_the_fit_recovers_what_a_known_profile_predicts(plans):
+    fit_plans, left_out = plans
+    base = fit_plans[0].cluster
+    truth = apply(base, TRUTH)
+    fit = calibrate(_runs(fit_plans, truth))
+    for run in fit.runs:
+        assert abs(run.error_after) < 0.02 < abs(run.error_before)
+    for plan, run in zip(left_out, _runs(left_out, truth), strict=True):
+        before, after = predict_step_s(plan, base), predict_step_s(plan, fit.cluster)
+        assert abs(after / run.measured_s - 1) < 0.03 < abs(before / run.measured_s - 1)
+    assert fit.cluster.name == f"{base.name}-calibrated" and "calibrated by zplan calibrate" in fit.cluster.source
+    assert fit.cluster.efficiency.gemm_max <= 1.0  # bounds keep an efficiency an efficiency
+
+
+def test_measured_time_is_the_median_after_the_warm_up(plans):
+    plan = plans[0][0]
+    records = [{"step_time_s": t} for t in (9.0, 9.0, 9.0, 1.0, 2.0, 3.0, 4.0)]
+    run = measured_run("r", plan, records)
+    assert (run.measured_s, run.steps) == (2.5, 4)
+    assert measured_run("r", plan, [{"step_time_s": 5.0}, {"step_time_s": 1.0}]).measured_s == 1.0
+
+
+def test_runs_that_cannot_calibrate_say_why(plans):
+    plan = plans[0][0]
+    with pytest.raises(CalibrationError, match="no step_time_s"):
+        measured_run("r", plan, [{"loss": 1.0}])
+    other = plan.model_copy(update={"cluster": plan.cluster.model_copy(update={"name": "elsewhere"})})
+    with pytest.raises(CalibrationError, match="different clusters"):
+        calibrate([measured_run("a", plan, [{"step_time_s": 1.0}]), measured_run("b", other, [{"step_time_s": 1.0}])])
