@@ -174,11 +174,23 @@ def _clip_in_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler, ma
     return norm
 
 
+def _phase_end(device: torch.device) -> float:
+    """Now, once the device has finished what was queued (a GPU runs ahead of the host): a phase boundary."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, data_iter: Iterator, loss_fn: Callable,
-                   num_micro_batches: int, grad_clip: float, scaler, device: torch.device):
+                   num_micro_batches: int, grad_clip: float, scaler, device: torch.device,
+                   phases: dict | None = None):
     """One optimizer step as train() runs it (and the dry run, zplan.dryrun, on fake tensors): forward and backward
     of `num_micro_batches` micro-batches from `data_iter`, unscale, clip, step. Returns (loss_sum, grad_norm) as
-    tensors, nothing read back to the host: loss_sum is this rank's sum of micro-batch losses / num_micro_batches."""
+    tensors, nothing read back to the host: loss_sum is this rank's sum of micro-batch losses / num_micro_batches.
+    `phases`, when given, receives the seconds of the forward and backward with their gradient reduction
+    ("forward_backward_s") and of the clipping and optimizer step ("optimizer_s"), the device synchronised at the
+    boundary (zplan calibrate fits the profile to them)."""
+    start = time.perf_counter() if phases is not None else 0.0
     pipelined = isinstance(model, PipelineRun)
     loss_sum = torch.zeros((), device=device)
     if pipelined:  # the schedule runs every micro-batch; the mean loss comes back on every rank
@@ -193,6 +205,7 @@ def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, data_iter
     reducer = gradient_reducer(model)  # tensor parallel's data-parallel all-reduces (a pipeline waits in its step)
     if reducer is not None:
         reducer.wait()
+    backward_done = _phase_end(device) if phases is not None else 0.0
     max_norm = grad_clip if grad_clip > 0 else math.inf
     if _unscaled_in_step(optimizer):
         grad_norm = _clip_in_step(model, optimizer, scaler, max_norm)
@@ -208,6 +221,8 @@ def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, data_iter
         scaler.update()
     else:
         optimizer.step()
+    if phases is not None:
+        phases.update(forward_backward_s=backward_done - start, optimizer_s=_phase_end(device) - backward_done)
     return loss_sum, grad_norm
 
 
@@ -348,8 +363,9 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, data_iter: Iterato
                 lr = config.lr_schedule(step)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
+                phases: dict = {}
                 loss_sum, grad_norm = optimizer_step(model, optimizer, data_iter, loss_fn, num_micro_batches,
-                                                     config.grad_clip, scaler, ctx.device)
+                                                     config.grad_clip, scaler, ctx.device, phases)
                 if step == start_step:
                     state_bytes = model_state_bytes(model, optimizer)
                     tiers = state_bytes_by_tier(model, optimizer, ctx.device)
@@ -367,6 +383,7 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, data_iter: Iterato
                     "grad_norm": float(grad_norm),
                     "tokens_per_s": tokens_per_step / step_time_s,
                     "step_time_s": step_time_s,
+                    "phases_s": phases,  # optimizer_step's forward + backward and optimizer, this rank
                     "mfu": mfu,
                     "predicted_mfu": figures.mfu,
                     "predicted_step_time_s": figures.step_time_s,

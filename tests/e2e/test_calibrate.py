@@ -1,7 +1,7 @@
 """`zplan calibrate` end to end on this machine: two tiny plans compiled for cpu-local and run by their own scripts
-with --log-json, the profile fitted on one and checked on the other; the fitted profile is a cluster file that
---cluster loads. (The fit itself against a known profile: tests/unit/test_calibrate.py; 4 + 4 runs:
-benchmarks/calibrate_cpu.py.)"""
+with --log-json (which logs each step's phases too), the profile fitted on one and checked on the other; the fitted
+profile is a cluster file that --cluster loads. (The fit itself against a known profile:
+tests/unit/test_calibrate.py; 4 + 4 runs: benchmarks/calibrate_cpu.py.)"""
 
 import json
 import subprocess
@@ -17,7 +17,10 @@ def test_calibrate_fits_on_measured_runs_and_the_profile_compiles(tmp_path):
     compile_tiny(fitted_dir, 2, "--zero", "0", "--tp", "1", "--pp", "1")
     compile_tiny(checked_dir, 1, "--micro-batch", "2")
     for out in (fitted_dir, checked_dir):
-        run_script(out, 6)
+        for record in run_script(out, 6):  # each step's phases, timed inside it (runtime.train_loop)
+            phases = record["phases_s"]
+            assert 0 < phases["forward_backward_s"] and 0 < phases["optimizer_s"]
+            assert phases["forward_backward_s"] + phases["optimizer_s"] <= record["step_time_s"]
     profile = tmp_path / "fitted.yaml"
     done = subprocess.run([str(BIN / "zplan"), "calibrate", str(fitted_dir), "--check", str(checked_dir), "-o",
                            str(profile), "--json"], capture_output=True, text=True, timeout=300)
