@@ -81,7 +81,9 @@ def block_time_s(
     unfused = model.block_attention_core_bytes > 0  # batched GEMMs and a softmax streamed through HBM
     attention_eff = eff if attention is None or unfused else attention
     saved_fwd = block_activation_bytes(model, cand.with_recompute(0), precision)  # per GPU, one pass
-    recomputed = np.where(cand.recompute == 2, saved_fwd, 0.0)  # selective re-runs the core: FLOPs only
+    # selective re-runs the attention core: FLOPs, and the (s, s) bytes where an unfused core streams them
+    core_bytes = b * model.block_attention_core_bytes / t
+    recomputed = np.select([cand.recompute == 1, cand.recompute == 2], [core_bytes, saved_fwd], 0.0)
     streamed = STREAMED_PER_SAVED_BYTE * ((1.0 + BACKWARD_OVER_FORWARD) * saved_fwd + recomputed)
     return ((flops - core) / t / (peak * eff) + core / t / (peak * attention_eff)
             + streamed / activation_ops_Bps(cluster) + block_host_s(cand.recompute, cluster))
