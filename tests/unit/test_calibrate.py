@@ -1,6 +1,6 @@
 """zplan calibrate's fit (planner/calibrate.py) on runs whose 'measured' times a known profile made: the fit finds a
 profile under which the fitted runs and the runs left out are predicted as that profile predicts them. The same
-command on real runs of this machine: tests/e2e/test_calibrate.py."""
+command on real runs of this machine: tests/e2e/test_calibrate_command.py."""
 
 from pathlib import Path
 
