@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from zplan.errors import ZplanError
-from zplan.schemas.cluster import ClusterSpec, CollectiveCost
+from zplan.schemas.cluster import ClusterSpec
 from zplan.schemas.plan import Plan
 from zplan.schemas.spec import Pins
 
@@ -112,8 +112,7 @@ def _host(cluster: ClusterSpec, **update) -> ClusterSpec:
 
 def _collectives(cluster: ClusterSpec, field: str, factor: float) -> ClusterSpec:
     costs = cluster.collectives
-    update = {kind: CollectiveCost(**{**getattr(costs, kind).model_dump(),
-                                      field: getattr(getattr(costs, kind), field) * factor})
+    update = {kind: getattr(costs, kind).model_copy(update={field: getattr(getattr(costs, kind), field) * factor})
               for kind in ("all_reduce", "all_gather", "reduce_scatter")}
     return cluster.model_copy(update={"collectives": costs.model_copy(update=update)})
 
