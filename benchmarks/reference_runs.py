@@ -79,7 +79,7 @@ def family_spec(row: dict) -> str:
     hidden = int(row["hidden"])
     ffn = _int(row.get("ffn", "")) or 4 * hidden
     vocab = _int(row.get("vocab", "")) or 51200  # GPT-3 / Nemotron rows print none: GPT-3's (padded) vocabulary
-    llama = kv != heads or "llama" in row["model"].lower() or ffn not in (4 * hidden,)
+    llama = kv != heads or "llama" in row["model"].lower() or ffn != 4 * hidden
     family = "llama" if llama else "gpt"
     spec = f"{family}:layers={row['layers']},hidden={hidden},heads={heads},seq={row['seq_len']},vocab={vocab},ffn={ffn}"
     return spec + (f",kv_heads={kv}" if family == "llama" else "")

@@ -73,10 +73,17 @@ class Calibration:
     runs: list[RunFigures]
 
 
+def _seconds(value) -> float | None:
+    """A logged step time, or None for anything that is not a positive finite number of seconds."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) and value > 0 else None
+
+
 def measured_run(name: str, plan: Plan, records: list[dict]) -> MeasuredRun:
-    times = [float(r["step_time_s"]) for r in records if isinstance(r, dict) and "step_time_s" in r]
+    times = [t for r in records if isinstance(r, dict) for t in [_seconds(r.get("step_time_s"))] if t is not None]
     if not times:
-        raise CalibrationError(f"{name}: its log has no step_time_s records: run the plan's train.py with "
+        raise CalibrationError(f"{name}: its log has no positive step_time_s records: run the plan's train.py with "
                                "--log-json FILE for a few steps (10 or more)")
     skip = WARMUP_STEPS if len(times) > 2 * WARMUP_STEPS else min(1, len(times) - 1)
     kept = times[skip:]

@@ -76,15 +76,20 @@ def calibrate_command(
     import yaml
 
     from zplan.out_dir import check_out_file, write_text_atomically
-    from zplan.planner.calibrate import RunFigures, calibrate, predict_step_s
+    from zplan.planner.calibrate import CalibrationError, RunFigures, calibrate, predict_step_s
 
     try:
         check_out_file(output, "-o")
         measured = [load_run(folder, log) for folder in runs]
         held_out = [load_run(folder, log) for folder in check or []]
+        base = measured[0].plan.cluster
+        foreign = [run.name for run in held_out if run.plan.cluster.name != base.name]
+        if foreign:
+            raise CalibrationError(f"{', '.join(foreign)} planned for another cluster than {base.name}: check runs "
+                                   "of the cluster being calibrated")
         with err.status("fitting the profile", spinner="dots") as status:
             fit = calibrate(measured, progress=lambda message: status.update(f"fitting the profile: {message}"))
-        checked = [RunFigures(run.name, run.measured_s, predict_step_s(run.plan, measured[0].plan.cluster),
+        checked = [RunFigures(run.name, run.measured_s, predict_step_s(run.plan, base),
                               predict_step_s(run.plan, fit.cluster)) for run in held_out]
         write_text_atomically(output, yaml.safe_dump(fit.cluster.model_dump(), sort_keys=False))
     except ZplanError as exc:

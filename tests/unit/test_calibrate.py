@@ -58,8 +58,9 @@ def test_measured_time_is_the_median_after_the_warm_up(plans):
 
 def test_runs_that_cannot_calibrate_say_why(plans):
     plan = plans[0][0]
-    with pytest.raises(CalibrationError, match="no step_time_s"):
-        measured_run("r", plan, [{"loss": 1.0}])
+    for records in ([{"loss": 1.0}], [{"step_time_s": v} for v in (float("nan"), -1.0, "1.0\n", 1e400, True)]):
+        with pytest.raises(CalibrationError, match="no positive step_time_s"):
+            measured_run("r", plan, records)
     other = plan.model_copy(update={"cluster": plan.cluster.model_copy(update={"name": "elsewhere"})})
     with pytest.raises(CalibrationError, match="different clusters"):
         calibrate([measured_run("a", plan, [{"step_time_s": 1.0}]), measured_run("b", other, [{"step_time_s": 1.0}])])
