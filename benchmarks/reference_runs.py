@@ -3,7 +3,7 @@
     runs, refused = load_reference_runs(reference_dir)   # ReferenceRun each, and {row label: reason} for the rest
 
 A row is expressible when zplan can state its configuration: a built-in profile for its GPU, a precision the cost
-model prices (bf16 / fp16 mixed; not fp8 or fp4 yet), no context parallelism, the parallel layout and global batch
+model prices (bf16 / fp16 mixed, fp8 in any of its scalings; not fp4 yet), no context parallelism, the parallel layout and global batch
 printed (dp = gpus / (tp * pp)), and a measured time: the iteration time, else tokens/s per GPU, else TFLOP/s per GPU
 with the FLOPs formula the source names (Narayanan et al. SC'21 Eq. 3 for Megatron 2021 and DeepSpeed: counts the
 recomputed forward; Megatron-LM's README counts model FLOPs, 72 B s l h^2 (1 + s/(6h) + V/(12 h l)), Korthikanti
@@ -26,6 +26,8 @@ GPU_CLUSTERS = [  # (pattern in gpu_type, built-in profile)
     (r"^H100", "dgx-h100"),
     (r"^H200", "dgx-h200"),
     (r"^B200", "dgx-b200"),
+    (r"^GB200", "gb200-nvl72"),
+    (r"^GB300", "gb300-nvl72"),
     (r"^V100", "dgx2-v100"),
 ]
 PRICED_PRECISIONS = ("bf16", "fp16", "not printed (fp16/bf16 mixed)", "")
@@ -114,9 +116,10 @@ def training_run(row: dict, label: str) -> ReferenceRun | str:
     precision = row["precision"].lower()
     if cluster is None:
         return f"no built-in profile for {row['gpu_type']}"
-    if "fp8" in precision or "fp4" in precision:
-        return f"precision {row['precision']} (fp8/fp4 not priced yet)"
-    if not any(p and p in precision for p in PRICED_PRECISIONS[:3]) and precision not in PRICED_PRECISIONS:
+    if "fp4" in precision:
+        return f"precision {row['precision']} (fp4 not priced yet)"
+    fp8 = "fp8" in precision  # FP8 delayed/current scaling (Transformer Engine), MXFP8 (Blackwell): fp8 GEMMs
+    if not fp8 and not any(p and p in precision for p in PRICED_PRECISIONS[:3]) and precision not in PRICED_PRECISIONS:
         return f"precision {row['precision']}"
     if (_int(row.get("cp", "")) or 1) > 1:
         return "context parallelism (not built)"
@@ -140,7 +143,7 @@ def training_run(row: dict, label: str) -> ReferenceRun | str:
     dp = gpus // (tp * pp)
     pins = Pins(tp=tp, pp=pp, dp=dp, zero=zero if dp > 1 else 0, offload=offload, micro_batch=micro,
                 recompute=mode, sequence_parallel=False if tp == 1 else None)
-    dtype = "fp16" if cluster == "dgx2-v100" else "bf16"
+    dtype = "fp16" if cluster == "dgx2-v100" else "fp8" if fp8 else "bf16"
     return ReferenceRun(label, row["source"], stack_of(row["source"], row["zero_or_fsdp"]), family_spec(row), cluster,
                         gpus, batch, dtype, pins, measured)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from zplan.planner.compression import ONE_BIT_WARMUP_STEPS
 from zplan.schemas.plan import Plan
-from zplan.schemas.spec import ADAMW_DEFAULTS, GRAD_CLIP
+from zplan.schemas.spec import ADAMW_DEFAULTS, GRAD_CLIP, compute_dtype
 
 # The emitted training script's optimizer and clipping (schemas.spec), in DeepSpeed's spelling.
 ADAMW_PARAMS: dict[str, Any] = {**ADAMW_DEFAULTS, "betas": list(ADAMW_DEFAULTS["betas"])}
@@ -72,7 +72,7 @@ def _precision_blocks(plan: Plan) -> dict[str, Any]:
     if precision == "fp16":  # dynamic loss scaling, DeepSpeed's recommended settings
         fp16.update({"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
                      "min_loss_scale": 1})
-    return {"bf16": {"enabled": precision == "bf16"}, "fp16": fp16}
+    return {"bf16": {"enabled": compute_dtype(precision) == "bf16"}, "fp16": fp16}  # fp8 GEMMs: not in DeepSpeed's config
 
 
 def deepspeed_config(plan: Plan) -> dict[str, Any]:

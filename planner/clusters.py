@@ -93,6 +93,7 @@ DGX_H100 = ClusterSpec(
         peak_bf16_flops=989 * TB,
         peak_fp16_flops=989 * TB,
         peak_fp32_flops=67 * TB,
+        peak_fp8_flops=1979 * TB,
     ),
     gpus_per_node=8,
     intra_node_bandwidth_Bps=900 * GB / 2,  # NVLink 4: 900 GB/s bidirectional per GPU
@@ -131,6 +132,7 @@ DGX_B200 = ClusterSpec(
         peak_bf16_flops=2250 * TB,
         peak_fp16_flops=2250 * TB,
         peak_fp32_flops=75 * TB,  # FP32 (non-tensor) per GPU, 600 TFLOP/s a node / 8
+        peak_fp8_flops=4500 * TB,  # 72 PFLOP/s sparse a node / 8 / 2
     ),
     gpus_per_node=8,
     intra_node_bandwidth_Bps=1800 * GB / 2,  # NVLink 5: 1.8 TB/s bidirectional per GPU
@@ -144,6 +146,82 @@ DGX_B200 = ClusterSpec(
     nvme_bandwidth_Bps=50 * GB,  # 8 PCIe Gen5 drives in RAID-0 (assumed)
     framework_reserve_bytes=2 * GiB,
     efficiency=_NVIDIA_EFFICIENCY,  # no published flash-attention figure on B200 yet: the GEMM curve
+)
+
+# GB200 NVL72: one NVLink domain of 72 Blackwell GPUs in 18 compute trays (nodes) of 4 GPUs and 2 Grace CPUs; every
+# GPU of the rack reaches every other at NVLink bandwidth (link_domain_gpus). Each Grace is joined to its 2 GPUs by
+# NVLink-C2C (900 GB/s bidirectional a superchip).
+# Rack figures from the data sheet (with sparsity where marked; dense is half): FP8 720 PFLOP/s sparse, FP16/BF16
+# 360 PFLOP/s sparse, HBM3e 13.4 TB at 576 TB/s, LPDDR5X 17 TB at 18.4 TB/s, NVLink 130 TB/s.
+GB200_NVL72 = ClusterSpec(
+    name="gb200-nvl72",
+    description="NVIDIA GB200 NVL72: 72x B200 (GB200 superchips), one NVLink 5 domain, 400 Gb/s InfiniBand a GPU",
+    source="NVIDIA GB200 NVL72 data sheet (2024), per GPU = rack / 72, dense = sparse / 2; ConnectX-7 400 Gb/s per GPU",
+    gpu=GpuSpec(
+        name="B200-186GB (GB200)",
+        hbm_bytes=186 * GB,  # 13.4 TB / 72
+        hbm_bandwidth_Bps=8000 * GB,  # 576 TB/s / 72
+        peak_bf16_flops=2500 * TB,  # 360 PFLOP/s sparse / 72 / 2
+        peak_fp16_flops=2500 * TB,
+        peak_fp32_flops=80 * TB,  # FP32 5760 TFLOP/s a rack / 72
+        peak_fp8_flops=5000 * TB,  # 720 PFLOP/s sparse / 72 / 2
+    ),
+    gpus_per_node=4,  # a compute tray: 2 GB200 superchips (2 Grace + 4 GPUs)
+    link_domain_gpus=72,  # the NVLink domain: 18 trays
+    intra_node_bandwidth_Bps=1800 * GB / 2,  # NVLink 5: 1.8 TB/s bidirectional per GPU (130 TB/s / 72)
+    inter_node_bandwidth_Bps=400e9 / 8,  # one 400 Gb/s ConnectX-7 port per GPU = 50 GB/s
+    host_to_device_bandwidth_Bps=900 * GB / 2 / 2,  # NVLink-C2C 900 GB/s bidirectional, shared by 2 GPUs
+    intra_node_latency_s=6e-6,
+    inter_node_latency_s=12e-6,
+    cpu_memory_bytes=2 * 480 * GB,  # 2 Grace a tray x 480 GB LPDDR5X (17 TB a rack / 18)
+    cpu_memory_bandwidth_Bps=18.4 * TB / 18,  # 18.4 TB/s a rack / 18 trays (2 x 512 GB/s)
+    nvme_bytes=int(4 * 3.84 * TB),  # 4 E1.S 3.84 TB a tray (assumed, not in the data sheet)
+    nvme_bandwidth_Bps=4 * 6 * GB,  # PCIe Gen5 E1.S at ~6 GB/s each (assumed)
+    framework_reserve_bytes=2 * GiB,
+    efficiency=_NVIDIA_EFFICIENCY,  # no published flash-attention figure on Blackwell yet: the GEMM curve
+)
+
+# GB300 NVL72 (Blackwell Ultra): the GB200 rack with 288 GB of HBM3e a GPU and 800 Gb/s ConnectX-8 a GPU. FP8 and
+# BF16 per GPU as GB200 (720 / 360 PFLOP/s sparse a rack); the dense FP4 gain is not priced (no fp4 precision).
+GB300_NVL72 = GB200_NVL72.model_copy(
+    update={
+        "name": "gb300-nvl72",
+        "description": "NVIDIA GB300 NVL72: 72x Blackwell Ultra (GB300 superchips), one NVLink 5 domain, "
+                       "800 Gb/s ConnectX-8 a GPU",
+        "source": "NVIDIA GB300 NVL72 data sheet (2025): HBM3e 20.7 TB at 576 TB/s, LPDDR5X 17 TB at 14 TB/s, "
+                  "FP8 720 PFLOP/s and BF16 360 PFLOP/s sparse a rack; per GPU = rack / 72, dense = sparse / 2",
+        "gpu": GB200_NVL72.gpu.model_copy(update={"name": "B300-288GB (GB300)", "hbm_bytes": 288 * GB}),
+        "inter_node_bandwidth_Bps": 800e9 / 8,  # one 800 Gb/s ConnectX-8 port per GPU = 100 GB/s
+        "cpu_memory_bandwidth_Bps": 14 * TB / 18,  # 14 TB/s a rack / 18 trays
+    }
+)
+
+# L40S (Ada, PCIe, no NVLink): the serving rows' 4- and 8-GPU servers; GPUs talk over PCIe Gen4 x16.
+L40S_SERVER = ClusterSpec(
+    name="l40s-8",
+    description="8x NVIDIA L40S 48GB (PCIe Gen4, no NVLink), 2x 400 Gb/s a server",
+    source="NVIDIA L40S data sheet (2023), dense = sparse / 2: FP8 1466 / 2, BF16 733 / 2 TFLOP/s; GDDR6 864 GB/s",
+    gpu=GpuSpec(
+        name="L40S-48GB",
+        hbm_bytes=48 * GB,
+        hbm_bandwidth_Bps=864 * GB,
+        peak_bf16_flops=366 * TB,
+        peak_fp16_flops=366 * TB,
+        peak_fp32_flops=91.6 * TB,
+        peak_fp8_flops=733 * TB,
+    ),
+    gpus_per_node=8,
+    intra_node_bandwidth_Bps=32 * GB,  # PCIe Gen4 x16 per direction, through the host's switches
+    inter_node_bandwidth_Bps=2 * 400e9 / 8 / 8,  # 2x 400 Gb/s a server over 8 GPUs (assumed)
+    host_to_device_bandwidth_Bps=32 * GB,
+    intra_node_latency_s=10e-6,
+    inter_node_latency_s=15e-6,
+    cpu_memory_bytes=1024 * GiB,
+    cpu_memory_bandwidth_Bps=2 * 307.2 * GB,  # 2 sockets, 8 channels DDR5-4800 each (assumed)
+    nvme_bytes=int(15 * TB),
+    nvme_bandwidth_Bps=25 * GB,  # assumed
+    framework_reserve_bytes=2 * GiB,
+    efficiency=_NVIDIA_EFFICIENCY,
 )
 
 DGX2_V100 = ClusterSpec(
@@ -175,7 +253,8 @@ DGX2_V100 = ClusterSpec(
 MAX_CLUSTER_FILE_BYTES = 1 << 20  # a profile is a few kB; more is not one
 
 BUILTIN_CLUSTERS: dict[str, ClusterSpec] = {
-    c.name: c for c in (DGX_A100_80G, DGX_A100_40G, DGX_H100, DGX_H200, DGX_B200, DGX2_V100, CPU_LOCAL)
+    c.name: c for c in (DGX_A100_80G, DGX_A100_40G, DGX_H100, DGX_H200, DGX_B200, GB200_NVL72, GB300_NVL72, L40S_SERVER,
+                        DGX2_V100, CPU_LOCAL)
 }
 
 

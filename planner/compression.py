@@ -297,10 +297,10 @@ def _reason(applied: CompressionOption | None, suggestions: list[CompressionOpti
     else:
         effects = "; ".join(f"--compress {o.compress} {_effect(o, ('would save', 'would cost'))}" for o in suggestions)
         parts.append(f"{where}: {effects}.")
-        span_nodes = int(cand.tp[0] * cand.dp[0]) > cluster.gpus_per_node
+        span_nodes = int(cand.tp[0] * cand.dp[0]) > cluster.link_domain()
         if span_nodes and any(o.saved_s <= 0 and "grad=" in o.compress for o in suggestions):
             parts.append("Compressed gradients travel by a direct all-to-all: across nodes each GPU sends its whole "
                          "compressed tensor on its own link, where the hierarchical all-reduce of the uncompressed "
-                         f"gradients sends about 2/{cluster.gpus_per_node} of theirs.")
+                         f"gradients sends about 2/{cluster.link_domain()} of theirs.")
     text = " ".join(parts)
     return text if applied is not None else f"off: {text}"

@@ -82,7 +82,7 @@ def _families(cand: Candidates, cluster: ClusterSpec) -> dict[str, np.ndarray]:
     return {
         "no pipeline (pp=1)": cand.pp == 1,
         "no tensor parallelism (tp=1)": cand.tp == 1,
-        "tensor parallelism across nodes": cand.tp > cluster.gpus_per_node,
+        "tensor parallelism across nodes": cand.tp > cluster.link_domain(),
         "deep pipelines (pp >= 8)": cand.pp >= 8,
         "interleaved 1F1B (v > 1)": cand.interleave > 1,
         "ZeRO-0 (replicated optimizer)": cand.zero == 0,

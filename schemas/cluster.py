@@ -57,6 +57,8 @@ class GpuSpec(_Frozen):
     peak_bf16_flops: float = Field(ge=0, description="Dense bf16 tensor-core peak, FLOP/s (0: unsupported).")
     peak_fp16_flops: float = Field(gt=0, description="Dense fp16 tensor-core peak, FLOP/s.")
     peak_fp32_flops: float = Field(gt=0, description="Dense fp32 peak (no TF32), FLOP/s.")
+    peak_fp8_flops: float = Field(default=0.0, ge=0, description="Dense fp8 (e4m3/e5m2) tensor-core peak, FLOP/s "
+                                                                 "(0: no fp8 tensor cores).")
 
 
 class EfficiencySpec(_Frozen):
@@ -130,7 +132,11 @@ class ClusterSpec(_Frozen):
     description: str = Field(description="One line for humans.")
     source: str = Field(description="Where the numbers come from (data sheet, measurement).")
     gpu: GpuSpec = Field(description="The accelerator in every slot.")
-    gpus_per_node: int = Field(gt=0, description="Accelerators per node.")
+    gpus_per_node: int = Field(gt=0, description="Accelerators per node (one host: its CPUs, memory, NVMe).")
+    link_domain_gpus: int | None = Field(
+        default=None, gt=0, description="Accelerators that reach each other at intra_node_bandwidth_Bps, a multiple "
+                                        "of gpus_per_node: an NVL72 rack's NVLink domain joins 18 nodes of 4. None: "
+                                        "gpus_per_node.")
     intra_node_bandwidth_Bps: float = Field(
         gt=0, description="Per-GPU, per-direction bandwidth inside a node (NVLink/NVSwitch), bytes/s."
     )
@@ -168,14 +174,24 @@ class ClusterSpec(_Frozen):
     host_overheads: HostOverheads = Field(
         default_factory=HostOverheads, description="Fixed host time per op and per sharded unit (0 on GPUs).")
 
+    def link_domain(self) -> int:
+        """GPUs a collective reaches over the intra-node link before it needs the network."""
+        return self.link_domain_gpus or self.gpus_per_node
+
     def device_to_host_Bps(self) -> float:
         """Per-GPU device-to-host bandwidth, bytes/s: host_to_device_bandwidth_Bps where none is given."""
         return self.device_to_host_bandwidth_Bps or self.host_to_device_bandwidth_Bps
 
     def peak_flops(self, precision: str) -> float:
-        """Peak FLOP/s for a training precision ('bf16', 'fp16', 'fp32')."""
+        """Peak FLOP/s for a training precision ('bf16', 'fp16', 'fp32'; 'fp8': bf16's, the peak of all but the
+        block GEMMs and the MFU denominator, as torchao and NeMo report fp8 MFU)."""
         return {
             "bf16": self.gpu.peak_bf16_flops,
             "fp16": self.gpu.peak_fp16_flops,
             "fp32": self.gpu.peak_fp32_flops,
+            "fp8": self.gpu.peak_bf16_flops,
         }[precision]
+
+    def gemm_peak_flops(self, precision: str) -> float:
+        """Peak FLOP/s of the blocks' Linear GEMMs: fp8's under fp8 training, else peak_flops(precision)."""
+        return self.gpu.peak_fp8_flops if precision == "fp8" else self.peak_flops(precision)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from zplan.schemas.spec import compute_dtype
+
 
 def parameters_in_compute_dtype(zero_stage: int, precision: str, grad_compression: str = "none") -> bool:
     """True where mixed precision keeps the parameters (and so their gradients) in the 16-bit compute dtype and the
@@ -10,4 +12,4 @@ def parameters_in_compute_dtype(zero_stage: int, precision: str, grad_compressio
     12 bytes per parameter before sharding). False in fp32 and under ZeRO 2/3, where FSDP2 keeps fp32 shards (the
     masters) and casts 16-bit copies for compute (MixedPrecisionPolicy), and with 1-bit Adam, which steps fp32
     parameters under autocast (runtime.compression.grad_compression)."""
-    return zero_stage <= 1 and precision in ("bf16", "fp16") and grad_compression != "1bit"
+    return zero_stage <= 1 and compute_dtype(precision) in ("bf16", "fp16") and grad_compression != "1bit"

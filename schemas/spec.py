@@ -6,7 +6,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-Precision = Literal["bf16", "fp16", "fp32"]
+Precision = Literal["bf16", "fp16", "fp32", "fp8"]
 Recompute = Literal["none", "selective", "full"]
 Tier = Literal["none", "cpu", "nvme"]
 GradCompression = Literal["none", "int8", "1bit"]
@@ -14,12 +14,20 @@ WeightCompression = Literal["none", "int8"]
 ActivationCompression = Literal["none", "int8"]
 
 
+def compute_dtype(precision: str) -> str:
+    """The floating-point dtype of all but the fp8 GEMMs: fp8 training (torchao float8, Transformer Engine) casts
+    the inputs and weights of the blocks' Linears to fp8 for their GEMMs and keeps everything else (parameters,
+    gradients, activations, attention, the head) as in bf16 mixed precision."""
+    return "bf16" if precision == "fp8" else precision
+
+
 class TrainSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     global_batch: int = Field(gt=0, description="Sequences per optimizer step, over all data-parallel ranks.")
     seq_len: int = Field(gt=0, description="Tokens per sequence.")
-    precision: Precision = Field(description="Compute precision; bf16/fp16 keep fp32 master weights.")
+    precision: Precision = Field(description="Compute precision; bf16/fp16 keep fp32 master weights; fp8 runs the "
+                                 "blocks' Linear GEMMs in fp8 with dynamic scaling and all else as bf16.")
 
 
 class CompressionConfig(BaseModel):

@@ -27,7 +27,7 @@ from zplan.schemas.cluster import ClusterSpec
 from zplan.schemas.inference import InferencePlan
 from zplan.schemas.model import ModelSummary
 from zplan.schemas.plan import Fingerprint, MemoryBreakdown, Placement, Plan, Prediction, Stage, TimeBreakdown
-from zplan.schemas.spec import CompressionConfig, Pins, TrainSpec
+from zplan.schemas.spec import CompressionConfig, Pins, TrainSpec, compute_dtype
 
 
 @dataclass(frozen=True)
@@ -57,12 +57,15 @@ def prepare(model_ref: str, gpus: int, cluster: str, global_batch: int | None, s
     spec = load_cluster(cluster)
     check_gpus(gpus, spec)
     precision = precision or default_compute_dtype(spec)
+    if spec.gemm_peak_flops(precision) <= 0 and precision == "fp8":
+        raise SpecError(f"{spec.gpu.name} has no fp8 tensor cores (H100, L40S and newer do; the profile's "
+                        "gpu.peak_fp8_flops is 0): pass --precision bf16.")
     if spec.peak_flops(precision) <= 0:
         raise SpecError(f"{spec.gpu.name} has no {precision} support: pass --precision fp16 (or fp32).")
     check_pins(gpus, pins)
     check_delayed_update(delayed_update, pins)
     check_compression(pins.compress, pins, gpus, delayed_update)
-    _, summary = summarize_model(model_ref, seq_len, precision)
+    _, summary = summarize_model(model_ref, seq_len, compute_dtype(precision))
     check_pins_against_model(pins, summary)
     check_model_for_compression(pins.compress, summary)
     batch = global_batch if global_batch is not None else default_global_batch(gpus)

@@ -30,6 +30,7 @@ class Precision(str, Enum):
     bf16 = "bf16"
     fp16 = "fp16"
     fp32 = "fp32"
+    fp8 = "fp8"
 
 
 class WeightPrecision(str, Enum):
@@ -38,6 +39,7 @@ class WeightPrecision(str, Enum):
     bf16 = "bf16"
     fp16 = "fp16"
     fp32 = "fp32"
+    fp8 = "fp8"
     int8 = "int8"
     int4 = "int4"
 
@@ -101,7 +103,8 @@ CLUSTER = typer.Option("dgx-a100-80g", "--cluster", help="Built-in profile (see 
 BATCH = typer.Option(None, "--global-batch", help="Sequences per optimizer step (default: max(8, gpus)).")
 SEQ = typer.Option(None, "--seq", help="Sequence length (default: the model's).")
 PRECISION = typer.Option(None, "--precision", help="Compute precision (default: the device's fastest of bf16, fp16 "
-                                                  "and fp32: bf16 on data-centre GPUs, fp32 on cpu-local).")
+                                                  "and fp32: bf16 on data-centre GPUs, fp32 on cpu-local); fp8: the "
+                                                  "blocks' Linear GEMMs in fp8 (torchao float8), all else bf16.")
 TP = typer.Option(None, "--tp", help="Pin the tensor-parallel degree.")
 PP = typer.Option(None, "--pp", help="Pin the pipeline-parallel degree.")
 DP = typer.Option(None, "--dp", help="Pin the data-parallel degree.")
@@ -149,7 +152,8 @@ def compile(
     precision: Optional[WeightPrecision] = typer.Option(
         None, "--precision",
         help="Training: compute precision bf16|fp16|fp32 (default: the device's fastest of them: bf16 on "
-             "data-centre GPUs, fp32 on cpu-local). Inference: weight precision (default: that compute precision; "
+             "data-centre GPUs, fp32 on cpu-local), or fp8: the blocks' Linear GEMMs in fp8 with dynamic scaling "
+             "(torchao float8; needs fp8 tensor cores), all else bf16. Inference: weight precision (default: that compute precision; "
              "int8/int4 weight-only quantization is chosen only when nothing unquantized fits, or when pinned here)."),
     tp: Optional[int] = TP, pp: Optional[int] = PP, dp: Optional[int] = DP,
     zero: Optional[int] = ZERO,

@@ -40,7 +40,8 @@ def intra_node_link(cluster: ClusterSpec, kind: Collective) -> tuple[float, floa
 
 def group_shape(size: np.ndarray, stride: np.ndarray, gpus_per_node: int) -> tuple[np.ndarray, np.ndarray]:
     """Ranks of a group per node (g) and nodes spanned (k) for a group of `size` ranks placed
-    `stride` apart (tp is innermost, so a dp group has stride tp, a pp group stride tp*dp)."""
+    `stride` apart (tp is innermost, so a dp group has stride tp, a pp group stride tp*dp). A "node" here is the
+    cluster's link domain (ClusterSpec.link_domain: an NVL72 rack)."""
     span = size * stride  # ranks from the group's first to past its last
     per_node = np.maximum(1, np.minimum(size, gpus_per_node // np.maximum(stride, 1)))
     nodes = np.where(span <= gpus_per_node, 1, np.ceil(size / per_node)).astype(np.int64)
@@ -52,7 +53,7 @@ def _one_pass_s(bytes_: np.ndarray, size: np.ndarray, stride: np.ndarray, cluste
     """One reduce-scatter- or all-gather-shaped pass of `bytes_` over a group; 0 when size == 1."""
     intra_bw, latency_s = intra_node_link(cluster, kind)
     inter_bw = _links(cluster)[1]
-    g, k = group_shape(size, stride, cluster.gpus_per_node)
+    g, k = group_shape(size, stride, cluster.link_domain())
     intra = (g - 1) / g * bytes_ / intra_bw + (g - 1) * latency_s
     # Across nodes each local rank owns 1/g of the message and uses its own NIC.
     inter = (k - 1) / k * (bytes_ / g) / inter_bw + (k - 1) * cluster.inter_node_latency_s
@@ -83,7 +84,7 @@ def all_to_all_s(bytes_: np.ndarray, size: np.ndarray, stride: np.ndarray, clust
     size == 1."""
     intra_bw, latency_s = intra_node_link(cluster, "all_gather")
     inter_bw = _links(cluster)[1]
-    g, k = group_shape(size, stride, cluster.gpus_per_node)
+    g, k = group_shape(size, stride, cluster.link_domain())
     n = np.maximum(size, 1)
     intra = (g - 1) / n * bytes_ / intra_bw + (g - 1) * latency_s
     inter = (n - g) / n * bytes_ / inter_bw + (k - 1) * cluster.inter_node_latency_s

@@ -35,6 +35,7 @@ import numpy as np
 from zplan.planner.cost.inputs import Candidates, ModelNumbers
 from zplan.planner.cost.memory import block_activation_bytes
 from zplan.schemas.cluster import ClusterSpec
+from zplan.schemas.spec import compute_dtype
 
 BACKWARD_OVER_FORWARD = 2.0
 STREAMED_PER_SAVED_BYTE = 2.5
@@ -48,6 +49,16 @@ HEAD_OPS = 30  # final LayerNorm, logits GEMM, cross-entropy and their backward
 # (2 + 2) at 16-bit; fp32 has no casts. Counted from the aten ops of its forward and backward on (B, T, V) logits
 # (torch 2.13; nll_loss itself reads and writes (B, T)). The GEMMs that make and consume the logits are FLOPs.
 LOSS_STREAMED_BYTES_PER_LOGIT = {"bf16": 44.0, "fp16": 44.0, "fp32": 40.0}
+# fp8 training (torchao float8 with dynamic tensorwise scaling, as runtime/float8 converts the blocks' Linears; the
+# head stays bf16): each GEMM operand -- a Linear's input X and weight W in the forward, the output gradient G in the
+# backward -- is cast twice, once for each layout its two GEMMs read (X for Y = XW^T and dW = G^T X; W for Y and
+# dX = GW; G for dX and dW), and each cast reads the bf16 tensor for its amax (2 B), reads it again and writes fp8
+# (2 + 1 B): 5 B an element a cast, FP8_CAST_BYTES_PER_ELEMENT = 10 over the two.
+FP8_CAST_BYTES_PER_ELEMENT = 10.0
+# Elements of X and G a token brings to a block's Linears, per block parameter: sum over Linears of (in + out)
+# features against sum of in * out. GPT's block (qkv h->3h, proj h->h, fc h->4h, proj 4h->h) has 16 h of in + out for
+# 12 h^2 parameters: 4 / (3 h) a parameter; a Llama block (q, k, v, o, gate, up, down) is within 15 % of it.
+FP8_CAST_TOKEN_ELEMENTS_PER_PARAM_H = 4.0 / 3.0
 
 
 def gemm_efficiency(gemm_flops: np.ndarray, cluster: ClusterSpec) -> np.ndarray:
@@ -71,6 +82,7 @@ def block_time_s(
 ) -> np.ndarray:
     """Forward + backward (+ recompute) seconds of one block for one micro-batch, per GPU."""
     peak = cluster.peak_flops(precision)
+    gemm_peak = cluster.gemm_peak_flops(precision)  # the Linears' GEMMs: fp8 under fp8 training
     b, t = cand.micro_batch, cand.tp
     gemm_flops = 2.0 * b * model.seq_len * model.hidden * model.ffn_hidden / t
     eff = gemm_efficiency(gemm_flops, cluster)
@@ -85,8 +97,18 @@ def block_time_s(
     core_bytes = b * model.block_attention_core_bytes / t
     recomputed = np.select([cand.recompute == 1, cand.recompute == 2], [core_bytes, saved_fwd], 0.0)
     streamed = STREAMED_PER_SAVED_BYTE * ((1.0 + BACKWARD_OVER_FORWARD) * saved_fwd + recomputed)
-    return ((flops - core) / t / (peak * eff) + core / t / (peak * attention_eff)
+    if precision == "fp8":
+        streamed = streamed + fp8_cast_bytes(model, b, t)
+    return ((flops - core) / t / (gemm_peak * eff) + core / t / (peak * attention_eff)
             + streamed / activation_ops_Bps(cluster) + block_host_s(cand.recompute, cluster))
+
+
+def fp8_cast_bytes(model: ModelNumbers, micro_batch: np.ndarray, tp: np.ndarray) -> np.ndarray:
+    """HBM bytes one block's fp8 casts stream per micro-batch, per GPU: X and G of b * s tokens
+    (FP8_CAST_TOKEN_ELEMENTS_PER_PARAM_H elements per parameter per token / h) and the weights, each tp-split, at
+    FP8_CAST_BYTES_PER_ELEMENT."""
+    token_elements = micro_batch * model.seq_len * FP8_CAST_TOKEN_ELEMENTS_PER_PARAM_H * model.block_params / model.hidden
+    return FP8_CAST_BYTES_PER_ELEMENT * (token_elements + model.block_params) / tp
 
 
 def activation_ops_Bps(cluster: ClusterSpec) -> float:
@@ -119,6 +141,6 @@ def edge_time_s(
     b = cand.micro_batch
     gemm_flops = 2.0 * b * model.seq_len * model.hidden * model.vocab  # the head's logits GEMM, FLOPs per GPU
     eff = gemm_efficiency(gemm_flops, cluster)
-    streamed = b * model.seq_len * model.vocab * LOSS_STREAMED_BYTES_PER_LOGIT[precision] if loss else 0.0
+    streamed = b * model.seq_len * model.vocab * LOSS_STREAMED_BYTES_PER_LOGIT[compute_dtype(precision)] if loss else 0.0
     return (b * (1.0 + BACKWARD_OVER_FORWARD) * fwd_flops / (peak * eff) + streamed / activation_ops_Bps(cluster)
             + ops * cluster.host_overheads.op_s)

@@ -67,6 +67,7 @@ from zplan.planner.cost.compression import (
 )
 from zplan.planner.cost.inputs import Candidates, ModelNumbers
 from zplan.schemas.cluster import ClusterSpec
+from zplan.schemas.spec import compute_dtype
 
 DDP_BUCKET_BYTES = 25 * 1024**2  # torch DDP default bucket_cap_mb=25
 HOST_USABLE_FRACTION = 0.9  # leave 10% of host memory / NVMe to the OS and the data loader
@@ -103,13 +104,14 @@ def element_bytes(precision: str) -> int:
 def logits_loss_bytes(model: ModelNumbers, micro_batch, precision: str):
     """Peak bytes of the logits (b, s, V) and the loss on them for one micro-batch, on every tp rank alike: the
     runtime's head is replicated, not vocabulary-parallel, so nothing here is divided by tp."""
-    return np.asarray(micro_batch, dtype=float) * model.seq_len * model.vocab * LOSS_BYTES_PER_LOGIT[precision]
+    return (np.asarray(micro_batch, dtype=float) * model.seq_len * model.vocab
+            * LOSS_BYTES_PER_LOGIT[compute_dtype(precision)])
 
 
 def sixteen_bit_states(zero, precision: str, grad_compress) -> np.ndarray:
     """Per candidate: parameters and gradients in the 16-bit compute dtype, the fp32 masters in the optimizer
     (schemas.model_states.parameters_in_compute_dtype, vectorised; grad_compress 2 is 1-bit Adam)."""
-    return (np.asarray(zero) <= 1) & (precision in ("bf16", "fp16")) & (np.asarray(grad_compress) != 2)
+    return (np.asarray(zero) <= 1) & (compute_dtype(precision) in ("bf16", "fp16")) & (np.asarray(grad_compress) != 2)
 
 
 def optimizer_bytes_per_param(precision: str) -> int:

@@ -183,7 +183,7 @@ def estimate_step(
     stage_s = compute_mb + tp_mb
 
     bubble = (p - 1) / v * stage_s
-    crosses_node = t * dp >= cluster.gpus_per_node
+    crosses_node = t * dp >= cluster.link_domain()
     p2p = np.where(p > 1, 2.0 * v * m * p2p_s(b * s * h * elem / t, crosses_node, cluster), 0.0)
     # int8 activations: each crossing sends the compressed bytes and is encoded and decoded on the way.
     act_elements = b * s * h / t
