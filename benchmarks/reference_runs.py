@@ -141,8 +141,13 @@ def training_run(row: dict, label: str) -> ReferenceRun | str:
     mode = "full" if recompute.startswith("full") else "selective" if "selective" in recompute else "none"
     micro = _int(row["micro_batch"])
     dp = gpus // (tp * pp)
+    virtual = re.search(r"\bVP=(\d+)", row["notes"])  # NeMo's virtual pipeline size: model chunks per stage
+    if virtual and pp > 1 and int(row["layers"]) % (pp * int(virtual.group(1))):
+        return (f"uneven interleaved stages: {row['layers']} blocks in pp {pp} x VP {virtual.group(1)} chunks "
+                "(zplan's interleaved schedule splits them evenly)")
     pins = Pins(tp=tp, pp=pp, dp=dp, zero=zero if dp > 1 else 0, offload=offload, micro_batch=micro,
-                recompute=mode, sequence_parallel=False if tp == 1 else None)
+                recompute=mode, sequence_parallel=False if tp == 1 else None,
+                interleave=int(virtual.group(1)) if virtual and pp > 1 else None)
     dtype = "fp16" if cluster == "dgx2-v100" else "fp8" if fp8 else "bf16"
     return ReferenceRun(label, row["source"], stack_of(row["source"], row["zero_or_fsdp"]), family_spec(row), cluster,
                         gpus, batch, dtype, pins, measured)
