@@ -1,0 +1,80 @@
+"""fp8 training's time terms against hand computations (planner/cost/compute.py), and its profiles and refusals."""
+
+import numpy as np
+import pytest
+
+from zplan.api import prepare
+from zplan.errors import SpecError
+from zplan.planner.clusters import BUILTIN_CLUSTERS
+from zplan.planner.cost.compute import (
+    FP8_CAST_BYTES_PER_ELEMENT,
+    activation_ops_Bps,
+    block_time_s,
+    edge_time_s,
+    gemm_efficiency,
+)
+from zplan.planner.cost.inputs import Candidates, ModelNumbers
+from zplan.planner.cost.memory import memory_per_gpu
+from zplan.schemas.spec import Pins
+
+H100 = BUILTIN_CLUSTERS["dgx-h100"]
+S, H, V, B, TP = 2048, 1024, 32000, 2, 2
+
+
+def model() -> ModelNumbers:
+    block_flops = 24.0 * S * H * H + 2.0 * S * S * H  # projections + causal QK^T and AV, one sample
+    return ModelNumbers(num_blocks=4, hidden=H, heads=8, ffn_hidden=4 * H, vocab=V, seq_len=S, params=0.0,
+                        embed_params=0.0, embed_fwd_flops=0.0, head_params=0.0, head_fwd_flops=2.0 * S * H * V,
+                        block_params=12.0 * H * H, block_fwd_flops=block_flops, block_act_bytes=30.0 * S * H,
+                        embed_act_bytes=0.0, head_act_bytes=0.0)
+
+
+def one(recompute=0):
+    return Candidates.single(tp=TP, pp=1, dp=1, micro_batch=B, zero=0, recompute=recompute, sp=0, interleave=1,
+                             offload=0)
+
+
+@pytest.mark.parametrize("recompute", [0, 2])
+def test_fp8_runs_the_block_gemms_at_the_fp8_peak_and_streams_the_casts(recompute):
+    """By hand: the block's non-attention FLOPs (3 passes, 4 with full recompute; 24 s h^2 a sample forward) move from
+    the bf16 to the fp8 peak at the same curve efficiency, and the casts stream 10 B an element of X and G
+    (16 h a token: 4 / (3 h) of the 12 h^2 parameters) and of the weights, all over tp."""
+    passes = 3 + (recompute == 2)
+    gemm = B * passes * 24.0 * S * H * H / TP
+    eff = gemm_efficiency(np.array([2.0 * B * S * H * 4 * H / TP]), H100)[0]
+    casts = FP8_CAST_BYTES_PER_ELEMENT * (B * S * 16 * H + 12.0 * H * H) / TP
+    fp8 = block_time_s(model(), one(recompute), H100, "fp8")[0]
+    bf16 = block_time_s(model(), one(recompute), H100, "bf16")[0]
+    assert H100.gemm_peak_flops("fp8") == 1979e12 and H100.peak_flops("fp8") == 989e12
+    expected = gemm / (1979e12 * eff) - gemm / (989e12 * eff) + casts / activation_ops_Bps(H100)
+    assert fp8 - bf16 == pytest.approx(expected)
+
+
+def test_fp8_keeps_the_head_and_the_model_states_of_bf16():
+    """The head's GEMM stays bf16 (the runtime converts the blocks' Linears only) and the memory is bf16's."""
+    cand = one()
+    assert edge_time_s(2.0 * S * H * V, model(), cand, H100, "fp8", loss=True)[0] == pytest.approx(
+        edge_time_s(2.0 * S * H * V, model(), cand, H100, "bf16", loss=True)[0])
+    m = np.array([4.0])
+    assert memory_per_gpu(model(), cand, H100, "fp8", m).total == pytest.approx(
+        memory_per_gpu(model(), cand, H100, "bf16", m).total)
+
+
+@pytest.mark.parametrize("cluster", ["dgx-a100-80g", "dgx2-v100", "cpu-local"])
+def test_compile_refuses_fp8_where_the_gpu_has_no_fp8_tensor_cores(cluster):
+    with pytest.raises(SpecError, match="no fp8 tensor cores"):
+        prepare("examples/tiny.py", 2 if cluster == "cpu-local" else 8, cluster, None, None, "fp8", Pins())
+
+
+def test_nvl72_racks_are_one_nvlink_domain_of_four_gpu_nodes():
+    """A 64-GPU data-parallel all-reduce inside an NVL72 rack runs at NVLink speed (no network term); on 8-GPU DGX
+    H100 nodes the same group crosses the network."""
+    from zplan.planner.cost.comm import all_reduce_s
+
+    gb200 = BUILTIN_CLUSTERS["gb200-nvl72"]
+    assert (gb200.gpus_per_node, gb200.link_domain()) == (4, 72)
+    size, stride, nbytes = np.array([64]), np.array([1]), np.array([1e9])
+    intra = gb200.intra_node_bandwidth_Bps * gb200.efficiency.intra_node_link
+    by_hand = 2 * (63 / 64 * 1e9 / intra + 63 * gb200.intra_node_latency_s)
+    assert all_reduce_s(nbytes, size, stride, gb200)[0] == pytest.approx(by_hand)
+    assert all_reduce_s(nbytes, size, stride, H100)[0] > 2 * 63 / 64 * 1e9 / (H100.intra_node_bandwidth_Bps * 0.8)
