@@ -1,4 +1,4 @@
-"""Serving throughput and first-token latency against published TensorRT-LLM runs (../shared/reference/serving_runs.csv).
+"""Serving throughput and first-token latency against published TensorRT-LLM runs (serving_runs.csv).
 
     .venv/bin/python benchmarks/validate_serving.py [--json] [--reference DIR]
 
@@ -6,8 +6,8 @@ Every row zplan can express (benchmarks/serving_runs.py: the others are listed w
 planner/inference/throughput.py on the built-in profile of its GPU: static batching (v0.9.0 "Peak Throughput":
 output tokens/s), in-flight batching at maximum load (current: output tokens/s) and batch-1 time to first token
 (v0.9.0 "Low Latency"). The max-load rows send R requests of one fixed length at once, so they run as waves of N
-requests (throughput.max_load_waves, N from the KV cache left after the weights). FP8 rows run on TensorRT-LLM's FP8 numerics as that engine's condition (serving_runs.py),
-not on zplan's engine, which has no fp8.
+requests (throughput.max_load_waves, N from the KV cache left after the weights). FP8 rows run on TensorRT-LLM's
+FP8 numerics as that engine's condition (serving_runs.py), not on zplan's engine, which has no fp8.
 
 The profiles describe zplan's assumptions (GEMM efficiency curve, achieved memory bandwidth). TensorRT-LLM is matched
 through two named efficiencies shared by both its versions -- `compute`, the factor on the FLOPs time's achieved
@@ -122,9 +122,8 @@ def validate(reference: Path) -> dict:
     by_source = defaultdict(list)
     for p in priced:
         by_source[p.run.source].append(p)
-    for source, held_out in by_source.items():
-        fitted = fit([p for p in priced if p.run.source != source])
-        loso[source] = fitted
+    for source in by_source:
+        loso[source] = fit([p for p in priced if p.run.source != source])
     for p in priced:
         r = p.run
         rows.append({
