@@ -14,7 +14,9 @@ all-gather each; its in-place broadcasts of large tensors move the same bytes); 
 unit per block plus the root) reduce-scatter each unit's gradients in every micro-batch's backward;
 stage 3 all-gathers a unit's weights before its forward and again before its backward in every
 micro-batch, stage 2 once per step (runtime.train_loop keeps them gathered until the last backward);
-overlapped with the micro-batch's compute. Where the profile says
+each phase's collectives overlap that phase's compute only (the forward's gathers the forward, the backward's gathers
+and reduce-scatters the backward and, under full recompute, its re-run forward), and the first gather is exposed.
+Where the profile says
 communication does not overlap compute (gloo on the CPU cores that compute), every collective adds to
 the step, and each FSDP2 unit adds host_overheads.sharded_unit_s per micro-batch. Every step also
 all-reduces the loss for logging over all ranks, and under ZeRO-2/3 the gradient norm for clipping.
@@ -136,9 +138,17 @@ def data_parallel_s(model: ModelNumbers, cand: Candidates, cluster: ClusterSpec,
     gather_bytes = np.where(cand.weight_compress > 0,
                             weight_gather_bytes_per_element(cand, elem) * params_gpu / units, unit_bytes)
     gather = all_gather_s(gather_bytes, dp, t, cluster)
-    comm_per_mb = units * (gathers_per_step / m * gather + reduce_scatter_s(unit_bytes, dp, t, cluster))
+    # Each phase hides its own collectives only: the forward's gathers behind the forward, the backward's gathers
+    # and reduce-scatters behind the backward (with full recompute, the re-run forward is part of the backward).
+    forward_share = 1.0 / (1.0 + BACKWARD_OVER_FORWARD + (cand.recompute == 2))
+    gathers_in_forward = np.where(z == 3, 1.0, 1.0 / m)  # stage 2: once a step, in the first forward
+    gathers_in_backward = np.where(z == 3, 1.0, 0.0)
+    forward_comm = units * gathers_in_forward * gather
+    backward_comm = units * (gathers_in_backward * gather + reduce_scatter_s(unit_bytes, dp, t, cluster))
     first_gather = gather  # the first unit's gather cannot overlap
-    exposed_mb = np.maximum(0.0, comm_per_mb - compute_mb) + first_gather / m if overlap else comm_per_mb
+    exposed_mb = (np.maximum(0.0, forward_comm - forward_share * compute_mb)
+                  + np.maximum(0.0, backward_comm - (1.0 - forward_share) * compute_mb) + first_gather / m
+                  if overlap else forward_comm + backward_comm)
     stage23 = m * (exposed_mb + units * cluster.host_overheads.sharded_unit_s)
     stage23 = stage23 + gathers_per_step * units * weight_codec_s(params_gpu / units, cand, cluster, elem)
     # Every step: the logged loss all-reduced over all ranks; ZeRO 2-3 also all-reduce the gradient norm.

@@ -90,3 +90,25 @@ def test_stage_load_puts_the_head_where_it_fits_best():
     # a head worth 1.5 blocks: 12 everywhere leaves 10.5 + head on one stage (95 < 96 blocks), so the
     # bottleneck is 13: seven stages of 13 and the head stage with 11 blocks + 1.5
     assert stage_blocks_equivalent(model, cand, np.array([1.5]))[0] == pytest.approx(13.0)
+
+
+
+def test_zero3_hides_each_phases_collectives_behind_that_phase_only():
+    """dp = 8 in one node, ZeRO-3, full recompute, two FSDP units (the block and the root) of 0.5 GB each: a unit's
+    gather or reduce-scatter takes g = 7/8 * 0.5e9 / NVLink + 7 latencies. With a micro-batch of 3 * 2 g of compute,
+    all collectives together (2 gathers forward, 2 gathers + 2 reduce-scatters backward = 6 g) would just hide;
+    phase by phase, the forward (a quarter of the compute with the re-run forward in the backward: 1.5 g) leaves
+    2 g - 1.5 g exposed, the backward (4.5 g against 4 g) none. Plus the first gather / m, the logged loss and the
+    gradient norm (two 4-byte all-reduces)."""
+    from zplan.planner.cost.step import data_parallel_s
+
+    model = ModelNumbers(num_blocks=1, hidden=64, heads=1, ffn_hidden=256, vocab=64, seq_len=64, params=5e8,
+                         embed_params=0.0, embed_fwd_flops=0.0, head_params=0.0, head_fwd_flops=0.0,
+                         block_params=5e8, block_fwd_flops=0.0, block_act_bytes=0.0, embed_act_bytes=0.0,
+                         head_act_bytes=0.0)
+    cand = Candidates.single(tp=1, pp=1, dp=8, micro_batch=1, zero=3, recompute=2, sp=0, interleave=1, offload=0)
+    g = 7 / 8 * 0.5e9 / NV + 7 * A100.intra_node_latency_s
+    m = 4.0
+    got = data_parallel_s(model, cand, A100, np.array([5e8]), 2, np.array([6 * g]), np.array([m]))[0]
+    scalars = 2 * (2 * 7 / 8 * 4.0 / NV + 2 * 7 * A100.intra_node_latency_s)
+    assert got == pytest.approx(m * (2 * g - 1.5 * g + g / m) + scalars)
