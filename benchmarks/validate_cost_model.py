@@ -53,9 +53,10 @@ STACK_HIDES = {"megatron-core": ("tensor_parallel", "data_parallel")}
 ATTENTION_FACTORS = [round(0.5 + 0.1 * i, 1) for i in range(16)]  # 0.5 .. 2.0
 
 
-def predict(run: ReferenceRun) -> tuple[float, float, float]:
-    """(iteration seconds of the run's configuration on zplan's profile, those seconds less what its stack hides, the
-    attention core's seconds in them). The attention seconds are what the step gains when the profile's flash efficiency is
+def predict(run: ReferenceRun) -> dict:
+    """step_s: iteration seconds of the run's configuration on zplan's profile; predicted_s: those seconds less what
+    its stack hides; attention_s: the attention core's seconds in them; fits: whether zplan's memory model fits the
+    configuration in the GPU's memory. The attention seconds are what the step gains when the profile's flash efficiency is
     halved, the configuration held (micro-batch and recompute pinned to the first estimate's): the step is linear in
     1 / efficiency.attention. Profiles with no flash figure (the GEMM curve) give 0."""
     request = prepare(run.spec, run.gpus, run.cluster, run.global_batch, None, run.precision, run.pins)
@@ -63,15 +64,16 @@ def predict(run: ReferenceRun) -> tuple[float, float, float]:
     hidden = sum(estimate["time_breakdown"][part] for part in STACK_HIDES.get(run.stack, ()))
     flash = request.cluster.efficiency.attention
     step = estimate["step_time_s"]
+    result = {"step_s": step, "predicted_s": step - hidden, "attention_s": 0.0, "fits": estimate["feasible"]}
     if flash is None:
-        return step, step - hidden, 0.0
+        return result
     chosen = estimate["config"]
     slower = replace(
         request, pins=request.pins.model_copy(update={"micro_batch": chosen["micro_batch"],
                                                       "recompute": chosen["recompute"]}),
         cluster=request.cluster.model_copy(
             update={"efficiency": request.cluster.efficiency.model_copy(update={"attention": flash / 2})}))
-    return step, step - hidden, estimate_config(slower)["step_time_s"] - step
+    return {**result, "attention_s": estimate_config(slower)["step_time_s"] - step}
 
 
 def stack_seconds(row: dict, factor: float) -> float:
@@ -118,17 +120,18 @@ def validate(reference: Path, picks: bool = False) -> dict:
     rows = []
     for run in runs:
         try:
-            step, predicted, attention = predict(run)
+            predicted = predict(run)
         except ZplanError as error:
             refused[run.label] = f"zplan refuses the layout: {str(error).splitlines()[0]}"
             continue
         row = {"label": run.label, "source": run.source, "stack": run.stack, "cluster": run.cluster,
-               "precision": run.precision, "gpus": run.gpus, "measured_s": run.measured_s, "predicted_s": predicted,
-               "attention_s": attention}
+               "precision": run.precision, "gpus": run.gpus, "measured_s": run.measured_s,
+               "predicted_s": predicted["predicted_s"], "attention_s": predicted["attention_s"],
+               "fits_in_zplans_memory_model": predicted["fits"]}
         if picks:
             chosen = compile_plan(prepare(run.spec, run.gpus, run.cluster, run.global_batch, None, run.precision,
                                           Pins()))
-            row["zplan_pick_over_published"] = chosen.prediction.step_time_s / step  # both zplan's runtime
+            row["zplan_pick_over_published"] = chosen.prediction.step_time_s / predicted["step_s"]  # both zplan's
         rows.append(row)
 
     in_sample = stack_efficiencies(rows)
@@ -145,9 +148,14 @@ def validate(reference: Path, picks: bool = False) -> dict:
     for row in rows:
         row["error"] = relative_error(row, in_sample)
         row["raw_error"] = relative_error(row, {})
+    ratios = sorted(r["zplan_pick_over_published"] for r in rows if "zplan_pick_over_published" in r)
     return {
         "rows": rows,
         "refused": refused,
+        "picks": {"rows": len(ratios), "median_pick_over_published": ratios[len(ratios) // 2],
+                  "pick_faster_by_5pct": sum(x < 0.95 for x in ratios), "pick_slower": sum(x > 1.001 for x in ratios),
+                  "published_layout_over_memory": sum(not r["fits_in_zplans_memory_model"] for r in rows)}
+        if ratios else None,
         "coverage": len(rows) / total,
         "expressible_rows": len(rows),
         "all_rows": total,
@@ -188,6 +196,12 @@ def main() -> None:
               f"{figures['mean_abs_error']:6.1%} | {figures['raw_mean_abs_error']:6.1%}")
     print("\nstack efficiencies (all rows): "
           + ", ".join(f"{k} {e:.2f} (attention x{f:.1f})" for k, (e, f) in sorted(result["stack_efficiencies"].items())))
+    if result["picks"]:
+        p = result["picks"]
+        print(f"zplan's pick over the published layout, both predicted (not measured): median "
+              f"{p['median_pick_over_published']:.2f} over {p['rows']} rows; faster by > 5 % on "
+              f"{p['pick_faster_by_5pct']}, slower on {p['pick_slower']} (the published layout is over zplan's "
+              f"memory model on {p['published_layout_over_memory']}: the search may not pick it)")
     print(f"coverage {result['coverage']:.0%} ({result['expressible_rows']} of {result['all_rows']} rows); "
           f"mean |error| leave-one-source-out {result['loso_mean_abs_error']:.1%}, "
           f"in sample {result['mean_abs_error']:.1%}, raw {result['raw_mean_abs_error']:.1%}")
