@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from zplan.planner.cost.compute import BACKWARD_OVER_FORWARD, BLOCK_OPS, STREAMED_PER_SAVED_BYTE
+from zplan.planner.cost.compute import (
+    BACKWARD_OVER_FORWARD,
+    BLOCK_OPS,
+    FP8_CAST_BYTES_PER_ELEMENT,
+    STREAMED_PER_SAVED_BYTE,
+)
 from zplan.planner.cost.memory import (
     ADAM_BYTES,
     DDP_BUCKET_BYTES,
@@ -16,7 +21,7 @@ from zplan.planner.cost.step import ADAM_BYTES_PER_PARAM
 from zplan.schemas.cluster import ClusterSpec
 from zplan.schemas.model import ModelSummary
 from zplan.schemas.plan import Assumption
-from zplan.schemas.spec import TrainSpec
+from zplan.schemas.spec import TrainSpec, compute_dtype
 
 GB = 1e9
 
@@ -24,9 +29,15 @@ GB = 1e9
 def assumptions(cluster: ClusterSpec, summary: ModelSummary, train: TrainSpec) -> list[Assumption]:
     gpu, eff, host = cluster.gpu, cluster.efficiency, cluster.host_overheads
     src = cluster.source
+    dtype = compute_dtype(train.precision)  # of everything but fp8's GEMMs
     rows = [
         ("GPU", f"{gpu.name}, {cluster.gpus_per_node} per node", src),
-        (f"peak {train.precision} FLOP/s", f"{cluster.peak_flops(train.precision) / 1e12:.1f} TFLOP/s", src),
+        (f"peak {dtype} FLOP/s", f"{cluster.peak_flops(train.precision) / 1e12:.1f} TFLOP/s", src),
+        *([("fp8 training", f"the blocks' Linear GEMMs at the fp8 peak, {gpu.peak_fp8_flops / 1e12:.0f} TFLOP/s, on "
+                            "the GEMM curve; each operand cast twice with dynamic scaling, "
+                            f"{FP8_CAST_BYTES_PER_ELEMENT:.0f} B an element of X, W and G streamed; attention, "
+                            "head, parameters, gradients and activations as bf16; MFU against the bf16 peak",
+            f"{src}; torchao float8 (runtime/float8.py)")] if train.precision == "fp8" else []),
         ("HBM capacity", f"{gpu.hbm_bytes / GB:.0f} GB", src),
         ("HBM bandwidth", f"{gpu.hbm_bandwidth_Bps / GB:.0f} GB/s", src),
         ("intra-node link", f"{cluster.intra_node_bandwidth_Bps / GB:.1f} GB/s per GPU per direction", src),
@@ -66,17 +77,17 @@ def assumptions(cluster: ClusterSpec, summary: ModelSummary, train: TrainSpec) -
          "count of a Megatron GPT block's elementwise traffic (planner/cost/compute.py)"),
         ("activation memory", "per-block saved bytes split replicated (10sbh) / tp-sharded",
          "Korthikanti et al. MLSys'23 Table 2"),
-        ("logits and loss", f"{LOSS_BYTES_PER_LOGIT[train.precision]:.0f} B per logit (b, s, V) on the last stage, "
+        ("logits and loss", f"{LOSS_BYTES_PER_LOGIT[dtype]:.0f} B per logit (b, s, V) on the last stage, "
                             "whole on every tp rank: embedding and head are replicated over tp, not vocab-parallel",
          "measured: benchmarks/loss_memory.py; runtime/tensor_parallel.py"),
-        ("model states", (f"ZeRO 0/1: 2 B {train.precision} weight + 2 B {train.precision} gradient + "
+        ("model states", (f"ZeRO 0/1: 2 B {dtype} weight + 2 B {dtype} gradient + "
                           f"{MASTER_BYTES + ADAM_BYTES:.0f} B fp32 master and Adam moments per parameter; ZeRO 2/3: "
                           if train.precision != "fp32" else "") +
          f"{PARAM_BYTES:.0f} B fp32 weight + {GRAD_BYTES:.0f} B fp32 gradient + {ADAM_BYTES:.0f} B Adam moments"
          f"{'' if train.precision == 'fp32' else ' (FSDP2 casts transient 16-bit copies for compute)'}; sharded by "
          "ZeRO stage", "zplan's runtime (schemas/model_states.py); partitioning: Rajbhandari et al. SC'20"),
         ("gradient accumulation and reduction", (
-            f"ZeRO 0/1 in {train.precision} (DDP buckets of {DDP_BUCKET_BYTES // 2**20} MiB, reduced once a step), "
+            f"ZeRO 0/1 in {dtype} (DDP buckets of {DDP_BUCKET_BYTES // 2**20} MiB, reduced once a step), "
             "ZeRO 2/3 in fp32 (reduce-scattered every micro-batch)" if train.precision != "fp32" else
             f"in fp32, DDP buckets of {DDP_BUCKET_BYTES // 2**20} MiB") + (
             ", overlapped with the backward" if cluster.overlaps_comm_with_compute
