@@ -3,12 +3,14 @@
     runs, refused = load_reference_runs(reference_dir)   # ReferenceRun each, and {row label: reason} for the rest
 
 A row is expressible when zplan can state its configuration: a built-in profile for its GPU, a precision the cost
-model prices (bf16 / fp16 mixed, fp8 in any of its scalings; not fp4 yet), no context parallelism, the parallel layout and global batch
-printed (dp = gpus / (tp * pp)), and a measured time: the iteration time, else tokens/s per GPU, else TFLOP/s per GPU
-with the FLOPs formula the source names (Narayanan et al. SC'21 Eq. 3 for Megatron 2021 and DeepSpeed: counts the
-recomputed forward; Megatron-LM's README counts model FLOPs, 72 B s l h^2 (1 + s/(6h) + V/(12 h l)), Korthikanti
-et al. 2023). Each row's software stack (the `stack` key) is named from its source and data-parallel column; the
-validation fits one efficiency per stack (benchmarks/validate_cost_model.py), nothing per row.
+model prices (bf16 / fp16 mixed, fp8 in any of its scalings; not fp4 yet), no context parallelism, interleaved stages
+that split the blocks evenly, the parallel layout and global batch printed (dp = gpus / (tp * pp)), and a measured
+time: the iteration time, else tokens/s per GPU, else TFLOP/s per GPU with the FLOPs formula the source names
+(Narayanan et al. SC'21 Eq. 3 for Megatron 2021 and DeepSpeed: counts the recomputed forward; Megatron-LM's README
+counts model FLOPs, 72 B s l h^2 (1 + s/(6h) + V/(12 h l)), Korthikanti et al. 2023). Each row's software stack (the
+`stack` key) is named from its source and data-parallel column; the validation fits a few constants per stack
+(benchmarks/validate_cost_model.py), nothing per row. NeMo's virtual pipeline size (VP=N in the notes) is pinned as
+the interleave.
 """
 
 from __future__ import annotations

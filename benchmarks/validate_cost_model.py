@@ -56,9 +56,9 @@ ATTENTION_FACTORS = [round(0.5 + 0.1 * i, 1) for i in range(16)]  # 0.5 .. 2.0
 def predict(run: ReferenceRun) -> dict:
     """step_s: iteration seconds of the run's configuration on zplan's profile; predicted_s: those seconds less what
     its stack hides; attention_s: the attention core's seconds in them; fits: whether zplan's memory model fits the
-    configuration in the GPU's memory. The attention seconds are what the step gains when the profile's flash efficiency is
-    halved, the configuration held (micro-batch and recompute pinned to the first estimate's): the step is linear in
-    1 / efficiency.attention. Profiles with no flash figure (the GEMM curve) give 0."""
+    configuration in the GPU's memory. The attention seconds are what the step gains when the profile's flash
+    efficiency is halved, the configuration held (micro-batch and recompute pinned to the first estimate's): the step
+    is linear in 1 / efficiency.attention. Profiles with no flash figure (the GEMM curve) give 0."""
     request = prepare(run.spec, run.gpus, run.cluster, run.global_batch, None, run.precision, run.pins)
     estimate = estimate_config(request)
     hidden = sum(estimate["time_breakdown"][part] for part in STACK_HIDES.get(run.stack, ()))
@@ -195,7 +195,8 @@ def main() -> None:
         print(f"  {source[:50]:50s} {figures['rows']:4d} rows  {figures['loso_mean_abs_error']:6.1%} | "
               f"{figures['mean_abs_error']:6.1%} | {figures['raw_mean_abs_error']:6.1%}")
     print("\nstack efficiencies (all rows): "
-          + ", ".join(f"{k} {e:.2f} (attention x{f:.1f})" for k, (e, f) in sorted(result["stack_efficiencies"].items())))
+          + ", ".join(f"{stack} {e:.2f} (attention x{f:.1f})"
+                      for stack, (e, f) in sorted(result["stack_efficiencies"].items())))
     if result["picks"]:
         p = result["picks"]
         print(f"zplan's pick over the published layout, both predicted (not measured): median "

@@ -72,7 +72,8 @@ def _precision_blocks(plan: Plan) -> dict[str, Any]:
     if precision == "fp16":  # dynamic loss scaling, DeepSpeed's recommended settings
         fp16.update({"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
                      "min_loss_scale": 1})
-    return {"bf16": {"enabled": compute_dtype(precision) == "bf16"}, "fp16": fp16}  # fp8 GEMMs: not in DeepSpeed's config
+    # fp8 plans: bf16 here; DeepSpeed's config has no fp8 GEMMs
+    return {"bf16": {"enabled": compute_dtype(precision) == "bf16"}, "fp16": fp16}
 
 
 def deepspeed_config(plan: Plan) -> dict[str, Any]:

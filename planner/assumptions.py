@@ -66,8 +66,10 @@ def assumptions(cluster: ClusterSpec, summary: ModelSummary, train: TrainSpec) -
          "cluster profile (assumption)"),
         ("link efficiency", f"NVLink {eff.intra_node_link:.2f}, network {eff.inter_node_link:.2f}, "
                             f"PCIe {eff.host_link:.2f}", "cluster profile (assumption)"),
-        *([("communication overlap", "none: collectives share the cores that compute (gloo on CPU), so each "
-                                     "adds to the step", src)] if not cluster.overlaps_comm_with_compute else []),
+        ("communication overlap", "none: collectives share the cores that compute (gloo on CPU), so each adds to "
+                                  "the step" if not cluster.overlaps_comm_with_compute else
+         f"data-parallel / ZeRO collectives hide behind {eff.comm_overlap:.0%} of their phase's compute (forward, "
+         "backward); tensor-parallel and pipeline sends do not overlap", src),
         *([("host overhead", f"{host.op_s * 1e6:.1f} us per aten op ({BLOCK_OPS} per block per micro-batch), "
                              f"{host.sharded_unit_s * 1e3:.2f} ms per FSDP2 unit per micro-batch",
             f"{src}; op counts of examples/gpt.py (planner/cost/compute.py)")]

@@ -15,8 +15,9 @@ of the plan pinned), and the profile's parameters that the runs can inform are f
 meaning: an efficiency is at most 1). Parameters (FITTED): the GEMM efficiency curve's maximum, the fraction of
 HBM bandwidth the activation ops reach, the host time per aten op and per FSDP2 unit (profiles with host costs),
 and the collectives' bandwidth and latency (per collective type where the profile measures them, else the links'
-efficiencies and latencies), each fitted as one factor on the base profile's value(s). Coordinate descent with a
-golden-section search per parameter in log space, SWEEPS times.
+efficiencies and latencies), and the share of each phase's compute the data-parallel collectives hide behind
+(profiles whose collectives overlap compute), each fitted as one factor on the base profile's value(s). Coordinate
+descent with a golden-section search per parameter in log space, SWEEPS times.
 """
 
 from __future__ import annotations
@@ -154,6 +155,8 @@ FITTED: dict[str, Parameter] = {
     "collective_bandwidth": (_bandwidth, lambda c: RANGE if c.collectives is not None else
                              1.0 / max(c.efficiency.intra_node_link, c.efficiency.inter_node_link)),
     "collective_latency": (_latency, lambda c: RANGE),
+    "comm_overlap": (lambda c, f: _efficiency(c, comm_overlap=min(1.0, c.efficiency.comm_overlap * f)),
+                     lambda c: 1.0 / c.efficiency.comm_overlap),
 }
 
 
@@ -162,6 +165,7 @@ def fitted_parameters(cluster: ClusterSpec) -> list[str]:
     host = cluster.host_overheads
     absent = {"host_op_s"} if host.op_s == 0 else set()
     absent |= {"sharded_unit_s"} if host.sharded_unit_s == 0 else set()
+    absent |= {"comm_overlap"} if not cluster.overlaps_comm_with_compute else set()  # every collective is exposed
     return [name for name in FITTED if name not in absent]
 
 

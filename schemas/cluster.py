@@ -86,6 +86,11 @@ class EfficiencySpec(_Frozen):
     intra_node_link: float = Field(gt=0, le=1, description="Fraction of NVLink bandwidth collectives achieve.")
     inter_node_link: float = Field(gt=0, le=1, description="Fraction of network bandwidth collectives achieve.")
     host_link: float = Field(gt=0, le=1, description="Fraction of PCIe bandwidth host<->device copies achieve.")
+    comm_overlap: float = Field(
+        default=1.0, gt=0, le=1,
+        description="Fraction of a phase's compute (the forward, the backward) that data-parallel / ZeRO collectives "
+                    "can hide behind where they overlap compute: 1 hides them whenever they are shorter; less where "
+                    "they slow the compute they run beside or start late (fitted by zplan calibrate).")
 
 
 class CollectiveCost(_Frozen):

@@ -153,8 +153,9 @@ def compile(
         None, "--precision",
         help="Training: compute precision bf16|fp16|fp32 (default: the device's fastest of them: bf16 on "
              "data-centre GPUs, fp32 on cpu-local), or fp8: the blocks' Linear GEMMs in fp8 with dynamic scaling "
-             "(torchao float8; needs fp8 tensor cores), all else bf16. Inference: weight precision (default: that compute precision; "
-             "int8/int4 weight-only quantization is chosen only when nothing unquantized fits, or when pinned here)."),
+             "(torchao float8; needs fp8 tensor cores), all else bf16. Inference: weight precision (default: that "
+             "compute precision; int8/int4 weight-only quantization is chosen only when nothing unquantized fits, or "
+             "when pinned here)."),
     tp: Optional[int] = TP, pp: Optional[int] = PP, dp: Optional[int] = DP,
     zero: Optional[int] = ZERO,
     offload: Optional[Offload] = typer.Option(

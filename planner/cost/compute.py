@@ -107,7 +107,8 @@ def fp8_cast_bytes(model: ModelNumbers, micro_batch: np.ndarray, tp: np.ndarray)
     """HBM bytes one block's fp8 casts stream per micro-batch, per GPU: X and G of b * s tokens
     (FP8_CAST_TOKEN_ELEMENTS_PER_PARAM_H elements per parameter per token / h) and the weights, each tp-split, at
     FP8_CAST_BYTES_PER_ELEMENT."""
-    token_elements = micro_batch * model.seq_len * FP8_CAST_TOKEN_ELEMENTS_PER_PARAM_H * model.block_params / model.hidden
+    per_token = FP8_CAST_TOKEN_ELEMENTS_PER_PARAM_H * model.block_params / model.hidden
+    token_elements = micro_batch * model.seq_len * per_token
     return FP8_CAST_BYTES_PER_ELEMENT * (token_elements + model.block_params) / tp
 
 
@@ -141,6 +142,7 @@ def edge_time_s(
     b = cand.micro_batch
     gemm_flops = 2.0 * b * model.seq_len * model.hidden * model.vocab  # the head's logits GEMM, FLOPs per GPU
     eff = gemm_efficiency(gemm_flops, cluster)
-    streamed = b * model.seq_len * model.vocab * LOSS_STREAMED_BYTES_PER_LOGIT[compute_dtype(precision)] if loss else 0.0
+    per_logit = LOSS_STREAMED_BYTES_PER_LOGIT[compute_dtype(precision)]
+    streamed = b * model.seq_len * model.vocab * per_logit if loss else 0.0
     return (b * (1.0 + BACKWARD_OVER_FORWARD) * fwd_flops / (peak * eff) + streamed / activation_ops_Bps(cluster)
             + ops * cluster.host_overheads.op_s)

@@ -15,7 +15,8 @@ unit per block plus the root) reduce-scatter each unit's gradients in every micr
 stage 3 all-gathers a unit's weights before its forward and again before its backward in every
 micro-batch, stage 2 once per step (runtime.train_loop keeps them gathered until the last backward);
 each phase's collectives overlap that phase's compute only (the forward's gathers the forward, the backward's gathers
-and reduce-scatters the backward and, under full recompute, its re-run forward), and the first gather is exposed.
+and reduce-scatters the backward and, under full recompute, its re-run forward; of each, the profile's
+efficiency.comm_overlap share), and the first gather is exposed.
 Where the profile says
 communication does not overlap compute (gloo on the CPU cores that compute), every collective adds to
 the step, and each FSDP2 unit adds host_overheads.sharded_unit_s per micro-batch. Every step also
@@ -118,7 +119,8 @@ def data_parallel_s(model: ModelNumbers, cand: Candidates, cluster: ClusterSpec,
     one = np.ones_like(t)
     # ZeRO 0-1: one gradient all-reduce per step, hidden behind the last backward where comm overlaps.
     reduce_once = all_reduce_s(grads_bytes, dp, t, cluster)
-    backward_window = compute_mb * BACKWARD_OVER_FORWARD / (1.0 + BACKWARD_OVER_FORWARD)
+    hides = cluster.efficiency.comm_overlap  # the share of each phase's compute the collectives can hide behind
+    backward_window = hides * compute_mb * BACKWARD_OVER_FORWARD / (1.0 + BACKWARD_OVER_FORWARD)
     reduce_exposed = np.maximum(0.0, reduce_once - backward_window) if overlap else reduce_once
     # Compressed gradients instead: the runtime's synchronous compressed all-reduce, per DDP bucket of fp32
     # gradients (int8) or once (1-bit), not hidden.
@@ -146,8 +148,8 @@ def data_parallel_s(model: ModelNumbers, cand: Candidates, cluster: ClusterSpec,
     forward_comm = units * gathers_in_forward * gather
     backward_comm = units * (gathers_in_backward * gather + reduce_scatter_s(unit_bytes, dp, t, cluster))
     first_gather = gather  # the first unit's gather cannot overlap
-    exposed_mb = (np.maximum(0.0, forward_comm - forward_share * compute_mb)
-                  + np.maximum(0.0, backward_comm - (1.0 - forward_share) * compute_mb) + first_gather / m
+    exposed_mb = (np.maximum(0.0, forward_comm - hides * forward_share * compute_mb)
+                  + np.maximum(0.0, backward_comm - hides * (1.0 - forward_share) * compute_mb) + first_gather / m
                   if overlap else forward_comm + backward_comm)
     stage23 = m * (exposed_mb + units * cluster.host_overheads.sharded_unit_s)
     stage23 = stage23 + gathers_per_step * units * weight_codec_s(params_gpu / units, cand, cluster, elem)
