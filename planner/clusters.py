@@ -190,7 +190,7 @@ GB300_NVL72 = GB200_NVL72.model_copy(
                        "800 Gb/s ConnectX-8 a GPU",
         "source": "NVIDIA GB300 NVL72 data sheet (2025): HBM3e 20.7 TB at 576 TB/s, LPDDR5X 17 TB at 14 TB/s, "
                   "FP8 720 PFLOP/s and BF16 360 PFLOP/s sparse a rack; per GPU = rack / 72, dense = sparse / 2",
-        "gpu": GB200_NVL72.gpu.model_copy(update={"name": "B300-288GB (GB300)", "hbm_bytes": 288 * GB}),
+        "gpu": GB200_NVL72.gpu.model_copy(update={"name": "B300-288GB (GB300)", "hbm_bytes": int(288 * GB)}),
         "inter_node_bandwidth_Bps": 800e9 / 8,  # one 800 Gb/s ConnectX-8 port per GPU = 100 GB/s
         "cpu_memory_bandwidth_Bps": 14 * TB / 18,  # 14 TB/s a rack / 18 trays
     }
