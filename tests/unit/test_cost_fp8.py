@@ -91,3 +91,14 @@ def test_an_fp8_plan_prices_faster_than_bf16_and_says_what_it_assumes():
     assert fp8.prediction.memory.total == pytest.approx(bf16.prediction.memory.total)
     rows = {a.name: a.value for a in fp8.assumptions}
     assert "1979 TFLOP/s" in rows["fp8 training"] and "peak bf16 FLOP/s" in rows
+
+
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("name", sorted(BUILTIN_CLUSTERS))
+def test_every_built_in_profile_is_a_valid_profile_file(name):
+    """What `zplan clusters --json` prints for a profile reads back as the same profile (a model_copy skips
+    validation: a float where the schema says int would write a file that does not)."""
+    from zplan.schemas.cluster import ClusterSpec
+
+    cluster = BUILTIN_CLUSTERS[name]
+    assert ClusterSpec.model_validate_json(cluster.model_dump_json()) == cluster
