@@ -31,7 +31,9 @@ def assumptions(cluster: ClusterSpec, summary: ModelSummary, train: TrainSpec) -
     src = cluster.source
     dtype = compute_dtype(train.precision)  # of everything but fp8's GEMMs
     rows = [
-        ("GPU", f"{gpu.name}, {cluster.gpus_per_node} per node", src),
+        ("GPU", f"{gpu.name}, {cluster.gpus_per_node} per node" + (
+            f", {cluster.link_domain()} per NVLink domain" if cluster.link_domain() != cluster.gpus_per_node else ""),
+         src),
         (f"peak {dtype} FLOP/s", f"{cluster.peak_flops(train.precision) / 1e12:.1f} TFLOP/s", src),
         *([("fp8 training", f"the blocks' Linear GEMMs at the fp8 peak, {gpu.peak_fp8_flops / 1e12:.0f} TFLOP/s, on "
                             "the GEMM curve; each operand cast twice with dynamic scaling, "
