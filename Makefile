@@ -7,7 +7,7 @@ VENV    := .venv/.installed
 $(VENV): pyproject.toml
 	test -d .venv || python3 -m venv .venv
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,hf]'
+	$(PY) -m pip install -q -e '.[dev,hf,fp8]'
 	DS_BUILD_OPS=0 $(PY) -m pip install -q deepspeed  # only its config parser is used (tests)
 	touch $(VENV)
 

@@ -19,7 +19,7 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from zplan.runtime.plan_origin import plan_digest
 from zplan.schemas.model_states import parameters_in_compute_dtype
 from zplan.schemas.plan import Plan
-from zplan.schemas.spec import ADAMW_DEFAULTS, GRAD_CLIP
+from zplan.schemas.spec import ADAMW_DEFAULTS, GRAD_CLIP, compute_dtype
 
 TEMPLATES_DIR = Path(__file__).parent / "templates"
 LINE_WIDTH = 100  # wrap long literals in train.py at this width
@@ -84,11 +84,14 @@ def precision_row(plan: Plan) -> str:
     p, precision = plan.parallel, plan.train.precision
     if precision == "fp32":
         return "fp32 throughout"
+    dtype = compute_dtype(precision)  # fp8: bf16 but for the blocks' Linear GEMMs (runtime/float8.py)
+    fp8 = ("; the blocks' Linear GEMMs in fp8 (torchao Float8Linear, tensorwise dynamic scaling), the head in bf16"
+           if precision == "fp8" else "")
     if parameters_in_compute_dtype(p.zero_stage, precision, p.compression.grad):
-        return (f"{precision} parameters and gradients (accumulated and reduced in {precision}), fp32 master weights "
-                "and Adam moments in the optimizer")
-    return (f"{precision} compute on copies of fp32 parameters (the masters), fp32 gradients (accumulated and "
-            "reduced in fp32), fp32 Adam moments")
+        return (f"{dtype} parameters and gradients (accumulated and reduced in {dtype}), fp32 master weights "
+                f"and Adam moments in the optimizer{fp8}")
+    return (f"{dtype} compute on copies of fp32 parameters (the masters), fp32 gradients (accumulated and "
+            f"reduced in fp32), fp32 Adam moments{fp8}")
 
 
 def plan_review(plan: Plan) -> Code:

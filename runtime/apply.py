@@ -17,8 +17,16 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from zplan.schemas.model_states import parameters_in_compute_dtype
+from zplan.schemas.spec import compute_dtype as compute_dtype_name
 
+# the dtype of parameters' compute copies and activations by plan precision; fp8 is bf16's (its fp8 GEMMs are the
+# blocks' Float8Linears: runtime.float8)
 _COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def compute_torch_dtype(precision: str) -> torch.dtype | None:
+    """torch dtype of the mixed-precision compute for `precision` (None: fp32, no mixed precision)."""
+    return _COMPUTE_DTYPES.get(compute_dtype_name(precision))
 
 
 def transformer_blocks(model: nn.Module, block_prefix: str) -> list[nn.Module]:
@@ -73,7 +81,8 @@ def _save_only_matmuls(ctx, op, *args, **kwargs):
     """
     from torch.utils.checkpoint import CheckpointPolicy
 
-    saved = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+    # _scaled_mm: an fp8 block's GEMM (runtime.float8 on fp8 tensor cores; emulated, torchao runs aten.mm)
+    saved = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten._scaled_mm.default)
     return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -173,7 +182,8 @@ def apply_data_parallel(
     in bf16/fp16, gradients reduced in fp32); under ZeRO 0/1 the parameters themselves are cast to the compute dtype
     (cast_parameters: 16-bit gradients, reduced in 16 bits, accumulated over micro-batches in 16 bits) and the
     optimizer keeps the fp32 masters (runtime.zero1; schemas.model_states.parameters_in_compute_dtype), except
-    with 1-bit Adam, which steps fp32 parameters, with torch.autocast around the forward.
+    with 1-bit Adam, which steps fp32 parameters, with torch.autocast around the forward. fp8 is bf16 here: its
+    fp8 GEMMs are the blocks' torchao Float8Linears, converted before tensor parallel (runtime.float8).
     offload='cpu' or 'nvme' (ZeRO 2/3), as the plan's placement puts the parameters (`parameters_on_host`; None:
     on the host whenever offload is not 'none'): parameters on the host (and so their gradients: placement cpu or
     nvme), FSDP2's CPUOffloadPolicy keeps the sharded parameters, gradients and the optimizer step there
@@ -198,9 +208,9 @@ def apply_data_parallel(
     if grad_compression != "none" and zero_stage > 1:
         raise NotImplementedError(f"{grad_compression} gradient compression runs with ZeRO 0 and 1 (DDP's "
                                   f"reduction), not ZeRO {zero_stage}")
-    compute_dtype = _COMPUTE_DTYPES.get(precision)
-    if precision != "fp32" and compute_dtype is None:
-        raise ValueError(f"precision must be bf16, fp16 or fp32, got {precision!r}")
+    if precision not in ("bf16", "fp16", "fp32", "fp8"):
+        raise ValueError(f"precision must be bf16, fp16, fp32 or fp8, got {precision!r}")
+    compute_dtype = compute_torch_dtype(precision)  # fp8: bf16 (runtime.float8 converted the blocks' Linears)
     device = next(model.parameters()).device
     if zero_stage in (0, 1):
         if offload != "none" and zero_stage == 0:  # nothing is sharded: every rank would step everything

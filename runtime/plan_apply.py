@@ -8,8 +8,9 @@
     train(model, optimizer, data, model_file.loss_fn, train_config(plan, steps=steps, ...), ctx)
 
 parallelize is the fixed order (torchtitan's parallelize_llama is the model: a short ordered function, the
-sharding plans as data): tensor parallel -> activation recompute -> pipeline split -> no generation cache -> data
-parallel (ZeRO stage, mixed precision, offload, compression), with the weights made before data parallelism
+sharding plans as data): fp8 GEMMs in the blocks' Linears (precision fp8, runtime.float8) -> tensor parallel ->
+activation recompute -> pipeline split -> no generation cache -> data parallel (ZeRO stage, mixed precision,
+offload, compression), with the weights made before data parallelism
 under ZeRO 0/1 (DDP needs real tensors) and after it under ZeRO 2/3 (only FSDP2's shards are made). Every
 setting comes from the plan that check_plan validated, so an edit to plan.json is either checked and run, or
 refused. Offload follows the placement: under ZeRO 2/3 the parameter (and gradient) shards go to the host only where
@@ -35,6 +36,7 @@ from zplan.runtime.apply import (
     disable_generation_cache,
 )
 from zplan.runtime.checkpoint import CheckpointConfig
+from zplan.runtime.float8 import check_float8_plan, convert_blocks_to_float8, on_fake_tensors
 from zplan.runtime.fused_layout import FusedLayout
 from zplan.runtime.materialize import MaterializeReport, materialize_weights
 from zplan.runtime.mesh import build_mesh
@@ -57,7 +59,12 @@ def parallelize(model: nn.Module, weights, mesh: DeviceMesh, plan: Plan, model_f
     fused = {rule.module: FusedLayout(parts=rule.parts, groups=rule.groups) for rule in rules if rule.parts}
     # The structural steps work on the meta model, outside any fake mode (the dry run's, runtime.fake_world: a fake
     # mode that saw the meta parameters keeps weakrefs to them, and the weights' swap_tensors refuses such tensors).
+    fake = on_fake_tensors()  # the dry run (runtime.fake_world)
     with unset_fake_temporarily():
+        if precision == "fp8":  # the blocks' Linears to fp8 GEMMs first: torchao converts before TP and FSDP2
+            check_float8_plan(p.tp)
+            # said once by rank 0 of a real run; the dry run's output is its own (zplan dryrun --json)
+            convert_blocks_to_float8(model, prefix, device, say=(lambda message: None) if fake else _say_once)
         model = apply_tensor_parallel(model, mesh["tp"], {rule.module: rule.style for rule in rules}, prefix,
                                       p.sequence_parallel, fused, stage_starts(plan))
         model = apply_recompute(model, p.recompute, prefix)
@@ -80,6 +87,14 @@ def parallelize(model: nn.Module, weights, mesh: DeviceMesh, plan: Plan, model_f
     if not replicated:
         materialized = materialize_weights(model, weights, device)
     return model, materialized
+
+
+def _say_once(message: str) -> None:
+    """Print on rank 0 only (every rank says the same)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)
 
 
 def stage_starts(plan: Plan) -> tuple[int, ...]:

@@ -93,7 +93,28 @@ HOST_GRAD_BUFFER_BYTES = 4.0
 # with a TorchDispatchMode on fake tensors (torch 2.13, CPU), and the same in the dry run (zplan dryrun):
 #     .venv/bin/python benchmarks/loss_memory.py --json
 # which prints 12.0 bytes per logit (within 0.2 %) for several (B, T, V) in every precision.
-LOSS_BYTES_PER_LOGIT = {"fp32": 12.0, "bf16": 12.0, "fp16": 12.0}
+LOSS_BYTES_PER_LOGIT = {"fp32": 12.0, "bf16": 12.0, "fp16": 12.0}  # fp8: bf16's (compute_dtype), the head is bf16
+
+
+# fp8 (runtime/float8.py, torchao's Float8Linear in eager mode): its activations are bf16's (torchao saves the bf16
+# input and weight for backward and casts them again there), but each cast to fp8 makes fp32 temporaries of the tensor
+# it casts (x.float() * scale, clamped, then the 1-byte copy), live during one Linear's backward at a time. The largest
+# is an MLP projection's (b, s, ffn) input or output gradient. Measured with the dry run (zplan dryrun, fake tensors,
+# torch._scaled_mm's meta kernel) on tiny Llamas (b 4, s 256; h 256 / 512, ffn 1024 / 2048, 2 or 4 layers; ZeRO 1
+# and 3, recompute none / full), the fp8 peak less the same plan's bf16 peak: 6.25 to 7.5 bytes per (b, s, ffn)
+# element where the backward binds, independent of the number of layers; budgeted at the most. With it the 12 plans'
+# fp8 predictions err as their bf16 twins' do (within 1.5 points, or above); without it up to 10 % under the dry run
+# (tests/unit/test_float8_plan.py checks one).
+FP8_CAST_TEMPORARY_BYTES_PER_ELEMENT = 7.5
+
+
+def fp8_cast_bytes(model: ModelNumbers, cand: Candidates, precision: str) -> np.ndarray:
+    """fp8's cast temporaries in a block Linear's backward (FP8_CAST_TEMPORARY_BYTES_PER_ELEMENT), 0 in other
+    precisions."""
+    if precision != "fp8":
+        return np.zeros(len(cand))
+    widest = max(model.ffn_hidden, model.hidden)  # the MLP's (b, s, ffn) tensors, split by tp
+    return FP8_CAST_TEMPORARY_BYTES_PER_ELEMENT * cand.micro_batch.astype(float) * model.seq_len * widest / cand.tp
 
 
 def element_bytes(precision: str) -> int:
@@ -318,6 +339,7 @@ def memory_per_gpu(
     one_bit_errors = one_bit_errors + np.where(z == 1, ADAM_BYTES / 2 * params_gpu, 0.0)  # ZeRO-1: whole momentum
 
     first_loss = np.where(single, logits, 0.0)
+    fp8_casts = fp8_cast_bytes(model, cand, precision)  # in a block's backward (fp8 only), part of comm_buffers
 
     def peak(weights, grads, optim, acts, copies, buffers, loss, tied_sum, root_in_backward, root_after,
              root_grads=0.0) -> tuple[np.ndarray, np.ndarray]:
@@ -332,9 +354,10 @@ def memory_per_gpu(
         micro-batch's backward (`root_grads`). Measured this way by the dry run (zplan dryrun, runtime.live_memory)."""
         early = np.where(persistent_grads, grads, 0.0)
         parts = (weights + grads + optim + acts + copies + buffers + standing + tied_sum + table_grad + root_in_backward
-                 + root_after + root_grads)
+                 + root_after + root_grads + fp8_casts)
         # the root unit reduces once the blocks' reductions are done: its buffers and theirs are not live together
-        backward = grads - early + np.maximum(buffers, root_in_backward) + live_block + table_grad + root_grads
+        backward = (grads - early + np.maximum(buffers, root_in_backward) + live_block + table_grad + root_grads
+                    + fp8_casts)
         during = weights + optim + acts - loss - live_block + copies + early + np.maximum(loss, backward)
         after = weights + grads + optim + np.maximum(tied_sum, root_after)
         at_peak = standing + np.maximum(during, after)
@@ -370,8 +393,8 @@ def memory_per_gpu(
         weights, grads, optim, acts, buffers, slack, total = (
             np.where(use_first, a, c) for a, c in
             ((w1, w2), (g1, g2), (o1, o2), (first_act, last_act),
-             (buffers1 + first_copies + standing + tied_sum + table_grad + root_in_backward + root_after,
-              buffers2 + last_copies + standing + tied_sum + table_grad + root_reduce_last + root_grads),
+             (buffers1 + first_copies + standing + tied_sum + table_grad + root_in_backward + root_after + fp8_casts,
+              buffers2 + last_copies + standing + tied_sum + table_grad + root_reduce_last + root_grads + fp8_casts),
              (slack1, slack2), (peak1, peak2)))
         return weights, grads, optim, acts, buffers, slack, total + reserve, np.where(use_first, first_params,
                                                                                  last_params)

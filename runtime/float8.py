@@ -1,0 +1,138 @@
+"""fp8 training of the blocks' Linears (plan.train.precision 'fp8'): torchao's float8 training, tensorwise dynamic
+scaling (torchao.float8.convert_to_float8_training with its default Float8LinearConfig).
+
+    model = convert_blocks_to_float8(model, plan.model.block_prefix, device)   # first step of parallelize
+
+What changes: every nn.Linear under `block_prefix` whose in and out features are multiples of 16 (the fp8 GEMM's
+requirement, torchao's own auto filter) becomes a torchao Float8Linear, the same Parameter objects (names, init
+replay and state dicts unchanged): its forward casts the input and the weight to float8_e4m3fn with one scale per
+tensor (448 / amax: e4m3's largest value over the tensor's), its backward the output gradient to float8_e5m2, and
+the three GEMMs (output, input gradient, weight gradient) run as torch._scaled_mm. Everything else is bf16 mixed
+precision (schemas.spec.compute_dtype): parameters, gradients, fp32 master weights, attention, norms, the embedding
+and the head (torchtitan filters the output layer out too), which stay outside `block_prefix`.
+
+Memory: torchao's matmul_with_hp_or_float8_args saves the high-precision (bf16) input and weight for backward
+(torchao/float8/float8_linear.py, ctx.save_for_backward(input_hp, weight_hp_t)) and casts them to fp8 again in
+backward, so what backward keeps is bf16's; the casts' fp32 temporaries and fp8 copies are transient, one Linear's
+at a time (planner.cost.memory.FP8_CAST_TEMPORARY_BYTES_PER_ELEMENT: 7.5 bytes per (b, s, ffn) element, measured by
+the dry run, which runs this code on fake tensors).
+
+Order (torchao's README: convert before FSDP2's fully_shard and before tensor parallel): this runs first, on the
+meta model, before tensor parallel, recompute, the pipeline split and DDP / ZeRO-1 / FSDP2. With tp > 1 the run is
+refused (torchao's Float8ColwiseParallel / Float8RowwiseParallel are not wired into runtime.tensor_parallel's
+styles yet). The device decides how the GEMMs run: a CUDA device of compute capability 8.9 or more (Ada, Hopper,
+Blackwell: fp8 tensor cores) runs torch._scaled_mm on them; the CPU runs the same code path through torch 2.13's
+CPU _scaled_mm kernel (tests; the dry run's fake tensors through its meta kernel), so what CPU tests and the dry run
+check is what a GPU runs; an older GPU is refused. torchao's emulation (emulate=True: each GEMM on the dequantized
+tensors) is there for the tests that compare it with _scaled_mm.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zplan.errors import PlanMismatchError
+
+FP8_DIM_MULTIPLE = 16  # torch._scaled_mm needs both GEMM dims divisible by 16 (torchao _auto_filter_for_tensorwise)
+FP8_MIN_CAPABILITY = (8, 9)  # sm_89 (Ada) and later have fp8 tensor cores
+
+
+def on_fake_tensors() -> bool:
+    """True inside a FakeTensorMode (the dry run: runtime.fake_world)."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+
+
+def float8_emulated(device: torch.device) -> bool:
+    """Whether torchao emulates the fp8 GEMMs (emulate=True: a GEMM on the dequantized tensors) rather than running
+    torch._scaled_mm. False on a CUDA device of capability 8.9 or more (fp8 tensor cores) and on the CPU, where
+    torch 2.13 has a _scaled_mm kernel (correct, no faster than bf16): the CPU then runs the GPU's code path (the
+    same casts, scales and saved tensors; on fake tensors, the dry run, its meta kernel). An older GPU or another
+    device raises PlanMismatchError (compile refuses fp8 for a cluster without fp8 tensor cores)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return False
+    if device.type != "cuda":
+        raise PlanMismatchError(f"the plan trains in fp8, which runs on CUDA GPUs (or the CPU), not on "
+                                f"{device.type}: recompile with --precision bf16")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_MIN_CAPABILITY:
+        raise PlanMismatchError(
+            f"the plan trains in fp8, but {torch.cuda.get_device_name(device)} (compute capability "
+            f"{capability[0]}.{capability[1]}) has no fp8 tensor cores (8.9 or more: L40S, H100, H200, B200): "
+            "recompile for this cluster with --precision bf16")
+    return False
+
+
+def check_float8_plan(tp: int) -> None:
+    """fp8 with tensor parallel is not run yet (module docstring): refused before anything is built."""
+    if tp > 1:
+        raise PlanMismatchError(f"the plan trains in fp8 with tensor parallel (tp={tp}), which zplan's runtime does "
+                                "not run yet (fp8 runs with tp = 1): recompile with --tp 1, or --precision bf16")
+
+
+def fp8_convertible(module: nn.Module) -> bool:
+    """An nn.Linear whose (out, in) features are both multiples of 16."""
+    return (isinstance(module, nn.Linear) and module.in_features % FP8_DIM_MULTIPLE == 0
+            and module.out_features % FP8_DIM_MULTIPLE == 0)
+
+
+def _torchao_float8():
+    """torchao's float8 entry points, imported lazily (only fp8 runs import torchao), without the warnings its
+    import logs on a machine without CUDA (its CUDA kernel libraries do not load there; float8 training does not
+    use them). transformers imports torchao itself when it is installed (its quantizers), warnings and all, before
+    this runs for a Hugging Face model."""
+    import logging
+
+    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.ERROR)
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as error:
+        raise PlanMismatchError(f"the plan trains in fp8, which needs torchao ({error}): pip install 'zplan[fp8]' "
+                                "(torchao 0.18.0), or recompile with --precision bf16") from error
+    finally:
+        for logger, level in zip(quiet, levels, strict=True):
+            logger.setLevel(level)
+    return Float8LinearConfig, convert_to_float8_training
+
+
+def convert_blocks_to_float8(model: nn.Module, block_prefix: str, device: torch.device | str,
+                             say=print, emulate: bool | None = None) -> list[str]:
+    """Swap the fp8-convertible Linears under `block_prefix` (e.g. 'model.layers', 'blocks') for torchao
+    Float8Linears, in place; returns their module paths. Linears with a dim not a multiple of 16 stay bf16 (named
+    in one line through `say`); a model none of whose block Linears converts is refused (the plan priced its block
+    GEMMs at the fp8 peak). Linears outside the blocks (the head) are never converted. `emulate` None: as the device
+    runs them (float8_emulated); True: torchao's emulation (tests compare the two)."""
+    emulate = float8_emulated(device) if emulate is None else emulate
+    Float8LinearConfig, convert_to_float8_training = _torchao_float8()
+
+    blocks = model.get_submodule(block_prefix)
+    converted, skipped = [], []
+
+    def keep(module: nn.Module, fqn: str) -> bool:  # torchao's module_filter_fn: (module, path in `blocks`)
+        if not isinstance(module, nn.Linear) or type(module).__name__ == "Float8Linear":
+            return False
+        path, convert = f"{block_prefix}.{fqn}", fp8_convertible(module)
+        if convert:
+            converted.append(path)
+        else:
+            skipped.append(f"{path} ({module.in_features} -> {module.out_features})")
+        return convert
+
+    convert_to_float8_training(blocks, module_filter_fn=keep, config=Float8LinearConfig(emulate=emulate))
+    if not converted:
+        raise PlanMismatchError(
+            f"the plan trains in fp8 but no Linear under {block_prefix} has in and out features that are multiples of "
+            f"{FP8_DIM_MULTIPLE} (fp8 GEMMs need them): recompile with --precision bf16")
+    how = ("emulated: fp8 casts, GEMMs on the dequantized tensors" if emulate
+           else "torch._scaled_mm on fp8 tensor cores" if torch.device(device).type == "cuda"
+           else "torch._scaled_mm's CPU kernel: the GPU's code path, correct but no faster than bf16")
+    say(f"zplan: fp8 GEMMs in {len(converted)} block Linears (torchao Float8Linear, tensorwise dynamic scaling; "
+        f"{how}); bf16 elsewhere")
+    if skipped:
+        say(f"zplan: kept in bf16 (a dim not a multiple of {FP8_DIM_MULTIPLE}): {', '.join(skipped[:4])}"
+            + (f" and {len(skipped) - 4} more" if len(skipped) > 4 else ""))
+    return converted
