@@ -38,6 +38,8 @@ GRAD_CLIP = 1.0
 _PRELOAD = ["torch", "torch.distributed.tensor.parallel", "torch.distributed.fsdp",
             "zplan.runtime.apply", "zplan.runtime.checkpoint",
             "zplan.runtime.pipeline", "zplan.runtime.train_loop", "rich.progress",
+            # what a Hugging Face model's build imports (with torchao installed, transformers' quantizers import it)
+            "transformers.quantizers.auto", "transformers.models.llama.modeling_llama",
             __name__]  # this module: each rank unpickles _rank_main from it
 
 
