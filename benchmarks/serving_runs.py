@@ -12,13 +12,17 @@ and input / output lengths, and the measured metric:
   (condition 'max load', the engine's largest batch as printed, 8192, and the number of requests from the notes,
   all of the same printed lengths (stdev 0); metric total output tokens/s).
 
-Numerics: FP16 rows are what zplan's own engine runs (fp16 weights, KV cache and GEMMs). FP8 rows are
-TensorRT-LLM's FP8 (W8A8: fp8 GEMMs at the GPU's fp8 peak, fp8 weights at 1 byte with per-tensor scales, fp8 KV
-cache, the lm_head left at 16 bit as NVIDIA's ModelOpt FP8 checkpoints do), stated here as that *engine's*
-condition (TRTLLM_FP8): zplan's engine does not run fp8 and its planner does not offer it. The fp8 KV cache is
-implied by the v0.9.0 rows themselves: Llama 2 7B at batch 896 with 128 + 128 tokens needs 117 GB of 16-bit KV
-cache on an 80 GB H100, 59 GB at 1 byte; the current rows' nvidia/*-FP8 checkpoints quantize the KV cache too
-(kv_cache_quant_algo FP8). A row whose GPU has no fp8 peak in its profile, or no built-in profile, is refused.
+Numerics: FP16 rows are what zplan's own engine runs (fp16 weights, KV cache and GEMMs). FP8 rows run on zplan's
+own fp8 numerics (throughput.numerics_for("fp8", "bf16"): W8A8 block Linears, fp8 weights at 1 byte plus one fp32
+scale per output channel, activations cast per token, the block GEMMs at the GPU's fp8 peak; attention, the lm_head,
+activations and the other GEMMs in bf16 -- what runtime/inference/fp8.py runs and planner/inference/cost.py
+prices), with what zplan's engine does not do stated as TensorRT-LLM's condition (TRTLLM_FP8_KV): an fp8 KV cache,
+1 byte per element, and the fp8 attention kernels that read it (FP8 context FMHA, XQA), attention at the fp8 peak.
+The fp8 KV cache is implied by the v0.9.0 rows themselves: Llama 2 7B at batch 896 with
+128 + 128 tokens needs 117 GB of 16-bit KV cache on an 80 GB H100, 59 GB at 1 byte; the current rows'
+nvidia/*-FP8 checkpoints quantize the KV cache too (kv_cache_quant_algo FP8). (TensorRT-LLM scales its fp8
+weights per tensor, zplan per output channel: 4 bytes per row more, under 0.1 % of the weight bytes.) A row whose
+GPU has no fp8 peak in its profile, or no built-in profile, is refused.
 
 Each row's engine (the `engine` key: TensorRT-LLM v0.9.0, TensorRT-LLM 1.0 PyTorch backend) and condition are
 named so the validation (benchmarks/validate_serving.py) can fit a small set of named efficiencies; nothing per row.
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 import csv
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from zplan.planner.clusters import load_cluster
@@ -53,7 +57,9 @@ GPU_CLUSTERS = [  # (pattern in gpu_type, built-in profile)
     (r"^H200", "dgx-h200"),
     (r"^L40S", "l40s-8"),
 ]
-TRTLLM_FP8 = "TensorRT-LLM fp8 (W8A8, fp8 KV cache)"
+# the part of the FP8 rows zplan's engine does not run: the fp8 KV cache, and the fp8 attention kernels that read it
+# (TensorRT-LLM's FP8 context FMHA and XQA generation kernels run on an fp8 KV cache)
+TRTLLM_FP8_KV = "TensorRT-LLM's fp8 KV cache and fp8 attention"
 MAX_LOAD_BATCH = re.compile(r"batch up to (\d+)")
 REQUESTS = re.compile(r"(\d+) requests")
 
@@ -66,7 +72,7 @@ class ServingRun:
     spec: str  # family spec (planner/family.py)
     cluster: str
     tp: int
-    precision: str  # 'fp16' (zplan's engine runs it) | 'fp8' (TensorRT-LLM's W8A8, TRTLLM_FP8)
+    precision: str  # 'fp16' | 'fp8' (zplan's fp8 W8A8, with TensorRT-LLM's fp8 KV cache: TRTLLM_FP8_KV)
     condition: str  # 'static' | 'max load' | 'ttft'
     batch: int  # static batch B; max load: the engine's largest batch; ttft: 1
     requests: int  # max load: requests sent (all at once, fixed lengths); else the batch
@@ -81,14 +87,15 @@ class ServingRun:
     def numerics(self) -> Numerics:
         cluster = load_cluster(self.cluster)
         if self.precision == "fp8":
-            return trtllm_fp8_numerics(cluster)
+            return fp8_numerics(self.model(), self.tp, cluster)
         return numerics_for(self.precision, self.precision, self.model(), self.tp, cluster)
 
 
-def trtllm_fp8_numerics(cluster) -> Numerics:
-    """TensorRT-LLM's FP8 (module docstring): not what zplan's engine runs."""
-    return Numerics(name=TRTLLM_FP8, block_weight_bytes=1.0, head_weight_bytes=2.0, other_bytes=2.0, kv_bytes=1.0,
-                    activation_bytes=2.0, gemm_peak_flops=cluster.gpu.peak_fp8_flops)
+def fp8_numerics(model: InferenceModel, tp: int, cluster) -> Numerics:
+    """zplan's fp8 W8A8 (bf16 compute) with TensorRT-LLM's fp8 KV cache (module docstring)."""
+    own = numerics_for("fp8", "bf16", model, tp, cluster)
+    return replace(own, name=f"{own.name}; {TRTLLM_FP8_KV}", kv_bytes=1.0,
+                   attention_peak_flops=cluster.gpu.peak_fp8_flops)
 
 
 def _first(patterns, text: str) -> str | None:

@@ -6,8 +6,9 @@ Every row zplan can express (benchmarks/serving_runs.py: the others are listed w
 planner/inference/throughput.py on the built-in profile of its GPU: static batching (v0.9.0 "Peak Throughput":
 output tokens/s), in-flight batching at maximum load (current: output tokens/s) and batch-1 time to first token
 (v0.9.0 "Low Latency"). The max-load rows send R requests of one fixed length at once, so they run as waves of N
-requests (throughput.max_load_waves, N from the KV cache left after the weights). FP8 rows run on TensorRT-LLM's
-FP8 numerics as that engine's condition (serving_runs.py), not on zplan's engine, which has no fp8.
+requests (throughput.max_load_waves, N from the KV cache left after the weights). FP8 rows run on zplan's own fp8
+numerics (W8A8 block Linears at the fp8 peak, attention and the head in bf16: what runtime/inference/fp8.py runs),
+with TensorRT-LLM's fp8 KV cache, which zplan's engine does not build, as that engine's condition (serving_runs.py).
 
 The profiles describe zplan's assumptions (GEMM efficiency curve, achieved memory bandwidth). TensorRT-LLM is matched
 through two named efficiencies shared by both its versions -- `compute`, the factor on the FLOPs time's achieved

@@ -126,7 +126,8 @@ def inference_report_context(plan: InferencePlan) -> dict[str, Any]:
         "replicas": par.replicas,
         "weight_precision": par.weight_precision,
         "quantization": (f"weight-only {par.weight_precision}, one scale per {par.quant_group_size} inputs"
-                         if quantized else "not quantized"),
+                         if quantized else "W8A8 e4m3: one scale per output channel, activations per token; fp8 GEMMs"
+                         if par.weight_precision == "fp8" else "not quantized"),
         "compute_dtype": par.compute_dtype,
         "weight_tier": TIER_TEXT[par.weight_tier] + (f", {par.prefetch_layers} layer(s) prefetched"
                                                      if par.weight_tier != "gpu" else ""),

@@ -34,7 +34,7 @@ def plan_constants_code(plan: InferencePlan, model_path_for_script: str | None) 
         ("REPLICAS", str(p.replicas), f"copies of the model over the plan's {plan.fingerprint.world_size} GPU(s); "
                                       "this program runs one"),
         ("WEIGHT_PRECISION", py_literal(p.weight_precision), "the blocks' Linear weights (int8/int4: weight-only, "
-                                                             "group-wise)"),
+                                                             "group-wise; fp8: W8A8, per-channel scales)"),
         ("QUANT_GROUP_SIZE", str(p.quant_group_size), "input features per int8/int4 scale"),
         ("COMPUTE_DTYPE", py_literal(p.compute_dtype), "activations and KV cache (fp32 on a machine without CUDA)"),
         ("WEIGHT_TIER", py_literal(p.weight_tier), "where block weights live: gpu (resident), cpu or nvme (streamed)"),

@@ -2,8 +2,9 @@
 (planner.inference) and the emitted generate.py / serve.py (runtime.inference).
 
 Serving splits the GPUs into `replicas` independent copies of the model, each tensor parallel over
-`tp` GPUs; requests go to one replica. Weights are quantized weight-only (int8/int4, group-wise) or
-kept at the compute precision, and live on the GPU or, when they do not fit, in host memory or NVMe
+`tp` GPUs; requests go to one replica. Weights are quantized weight-only (int8/int4, group-wise), to fp8
+(W8A8: e4m3 weights with per-channel scales, activations cast per token, fp8 GEMMs) or kept at the compute
+precision, and live on the GPU or, when they do not fit, in host memory or NVMe
 files streamed to the GPU layer by layer (ZeRO-Inference, Aminabadi et al. 2022, Sec. 6).
 """
 
@@ -19,7 +20,7 @@ from zplan.schemas.plan import Assumption, Fingerprint
 
 INFERENCE_PLAN_SCHEMA_VERSION = 1
 Target = Literal["latency", "throughput"]
-WeightPrecision = Literal["fp32", "bf16", "fp16", "int8", "int4"]
+WeightPrecision = Literal["fp32", "bf16", "fp16", "int8", "int4", "fp8"]
 ComputeDtype = Literal["fp32", "bf16", "fp16"]
 WeightTier = Literal["gpu", "cpu", "nvme"]
 
@@ -56,8 +57,11 @@ class InferenceParallel(_Frozen):
     weight_precision: WeightPrecision = Field(description="Storage of the block Linears' weights; int8/int4 are "
                                               "weight-only, group-wise symmetric (fp32 scales), dequantized inside "
                                               "the matmul, and quantize the head's vocabulary x hidden matrix too "
-                                              "(the token table when tied to it). Other embeddings and the norms "
-                                              "stay at compute_dtype.")
+                                              "(the token table when tied to it). fp8 is W8A8: e4m3 weights with one "
+                                              "fp32 scale per output channel, each Linear's input cast to e4m3 per "
+                                              "token, the GEMM on fp8 tensor cores (torch._scaled_mm); its head stays "
+                                              "at compute_dtype. Other embeddings and the norms stay at "
+                                              "compute_dtype.")
     quant_group_size: int = Field(default=128, gt=0, description="Input features per quantization scale "
                                   "(int8/int4): the largest power of two up to 128 that divides every quantized "
                                   "Linear's input width on one GPU.")

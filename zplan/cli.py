@@ -155,7 +155,8 @@ def compile(
              "data-centre GPUs, fp32 on cpu-local), or fp8: the blocks' Linear GEMMs in fp8 with dynamic scaling "
              "(torchao float8; needs fp8 tensor cores), all else bf16. Inference: weight precision (default: that "
              "compute precision; int8/int4 weight-only quantization is chosen only when nothing unquantized fits, or "
-             "when pinned here)."),
+             "when pinned here), or fp8: W8A8 block Linears on fp8 tensor cores (per-channel weight and per-token "
+             "activation scales; GPUs with an fp8 peak only; chosen only when pinned here)."),
     tp: Optional[int] = TP, pp: Optional[int] = PP, dp: Optional[int] = DP,
     zero: Optional[int] = ZERO,
     offload: Optional[Offload] = typer.Option(

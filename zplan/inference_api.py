@@ -22,6 +22,7 @@ from zplan.planner.inference.cost import (
 )
 from zplan.planner.inference.infeasible import raise_infeasible
 from zplan.planner.inference.search import (
+    AUTO_QUANTIZED,
     QUANTIZED,
     SearchSpace,
     auto_batches,
@@ -76,6 +77,10 @@ class InferenceRequest:
 
 
 def compute_dtype_for(precision: str | None, cluster: ClusterSpec) -> str:
+    if precision == "fp8" and cluster.gpu.peak_fp8_flops <= 0:
+        raise SpecError(f"--precision fp8 needs fp8 tensor cores, and {cluster.gpu.name} ({cluster.name}) has none "
+                        "(its profile's peak_fp8_flops is 0; zplan's fp8 engine needs CUDA capability 8.9 or newer: "
+                        "L40S, H100, H200, B200): pass --precision int8 for 1-byte weights, or a cluster with fp8.")
     if precision is None or precision in QUANTIZED:
         return default_compute_dtype(cluster)
     if cluster.peak_flops(precision) <= 0:
@@ -140,7 +145,8 @@ def prepare(model_ref: str, gpus: int, cluster: str, target: str = "latency", ba
 def search_space(req: InferenceRequest) -> SearchSpace:
     pins = req.pins
     tps = (pins.tp,) if pins.tp else tuple(legal_tps(req.model, req.gpus, req.cluster))
-    precisions = (pins.precision,) if pins.precision else (req.compute_dtype, *QUANTIZED)
+    # fp8 only when pinned (planner/inference/search.py's docstring says why)
+    precisions = (pins.precision,) if pins.precision else (req.compute_dtype, *AUTO_QUANTIZED)
     tiers = (pins.offload,) if pins.offload else WEIGHT_TIERS
     batches = (req.batch,) if req.batch is not None else auto_batches()
     return SearchSpace(tps=tps, precisions=precisions, tiers=tiers, batches=batches)
@@ -179,7 +185,7 @@ def compile_inference_plan(req: InferenceRequest) -> InferencePlan:
         pins=req.pins, parallel=parallel, prediction=prediction(est, chosen, capacity),
         reason=reason(scored, chosen, req.target, order, req.pins, req.batch is None, req.gpus, capacity),
         candidates_evaluated=len(cand), alternatives=alternatives,
-        assumptions=inference_assumptions(cluster, req.summary, model, work),
+        assumptions=inference_assumptions(cluster, req.summary, model, work, fp8="fp8" in space.precisions),
     )
 
 

@@ -18,7 +18,8 @@ GB = 1e9
 
 
 def inference_assumptions(cluster: ClusterSpec, summary: ModelSummary, model: InferenceModel,
-                          work: Workload) -> list[Assumption]:
+                          work: Workload, fp8: bool = False) -> list[Assumption]:
+    """Every number the prediction assumed; fp8: the search scored fp8 weights (pinned), so their row too."""
     gpu, eff, src = cluster.gpu, cluster.efficiency, cluster.source
     dtype = work.compute_dtype
     rows = [
@@ -44,12 +45,17 @@ def inference_assumptions(cluster: ClusterSpec, summary: ModelSummary, model: In
         ("framework reserve", f"{cluster.framework_reserve_bytes / 2**30:.1f} GiB per GPU", src),
         ("weights", f"block Linears split over tp at the weight precision; embeddings, norms, biases and the head "
                     f"({model.replicated_params:,.0f} parameters) replicated at {dtype}, the head's "
-                    "vocabulary x hidden matrix at the weight precision when int8/int4",
+                    "vocabulary x hidden matrix at the weight precision when int8/int4 (at the compute dtype for fp8)",
          "zplan's inference engine (runtime.inference)"),
         ("quantization", f"weight-only, group-wise symmetric: int8 1 byte, int4 0.5 byte per weight, plus one "
                          f"fp32 scale per group of at most {QUANT_GROUP_SIZE} inputs (the largest power of two "
                          "dividing every quantized input width on one GPU)",
          "Frantar et al. 2023 (GPTQ) / Dettmers et al. 2022 (LLM.int8()) group-wise format"),
+        *([("fp8", "W8A8 (e4m3): 1 byte per block Linear weight plus one fp32 scale per output channel, activations "
+                   "cast per token; the block GEMMs at the fp8 peak "
+                   f"({cluster.gpu.peak_fp8_flops / 1e12:,.0f} TFLOP/s), attention and the head at the compute "
+                   "dtype's", "Micikevicius et al. 2022 (FP8 formats for deep learning); runtime/inference/fp8.py")]
+          if fp8 else []),
         ("KV cache", f"2 * layers * max_batch * max_seq_len * ceil(kv_heads / tp) * head_dim * bytes, preallocated "
                      f"for max_seq_len = {work.max_seq_len}", "Kwon et al. 2023 (PagedAttention) Sec. 2"),
         ("decode context", f"prompt + gen / 2 = {work.mean_decode_context:g} tokens (the mean over the decode steps)",

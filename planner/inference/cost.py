@@ -7,15 +7,19 @@ weights per block, t tensor-parallel degree, B sequences per replica, P prompt t
   memory  block Linear weights are split over t and stored at the weight precision (int8: 1 byte, int4: 1/2,
           plus one fp32 scale per group of quant_group_size inputs); embeddings, norms, biases and the head
           are replicated at the compute dtype, except that int8/int4 quantize the head's V x h matrix too (one
-          table when tied to the token embedding), as the engine does. KV cache 2 * L * B * S * ceil(a_kv / t) * d
-          * bytes (Kwon et al. 2023, "Efficient Memory Management for LLM Serving with PagedAttention", Sec. 2;
-          preallocated for S = P + G, no paging).
+          table when tied to the token embedding), as the engine does. fp8 (W8A8, e4m3): 1 byte a weight plus one
+          fp32 scale per output channel of each block Linear; the head stays at the compute dtype. KV cache
+          2 * L * B * S * ceil(a_kv / t) * d * bytes (Kwon et al. 2023, "Efficient Memory Management for LLM
+          Serving with PagedAttention", Sec. 2; preallocated for S = P + G, no paging).
   prefill compute bound (Pope et al. 2022, "Efficiently Scaling Transformer Inference", Sec. 2-3):
           2 * W * L * B * P FLOPs + causal attention 2 * L * B * P^2 * h (QK^T and AV, 2 P^2 h each in full,
           halved by the mask) over t, plus the logits of the last position 2 * h * V * B (replicated head),
           at the cluster's GEMM efficiency curve (planner/cost/compute.py); at least one read of the weights
           (a short prompt is memory bound, Pope et al. Sec. 3.1). Two all-reduces of B * P * h per block
-          (Megatron tensor parallelism, Shoeybi et al. 2019, Sec. 3).
+          (Megatron tensor parallelism, Shoeybi et al. 2019, Sec. 3). fp8 runs the block Linears' 2 W FLOPs per
+          token at the GPU's fp8 peak (peak_fp8_flops), attention and the logits at the compute dtype's; the
+          per-token cast of each Linear's input to fp8 (elementwise, O(tokens * width) against the GEMM's
+          O(tokens * width^2)) is not priced.
   decode  one step reads every resident weight byte once and the KV cache at the mean context
           c = P + G / 2 (Pope et al. Sec. 3.1: small-batch decode is memory-bandwidth bound), at
           hbm_bandwidth * efficiency.memory_bound; where B makes the FLOPs (2 W L B + 4 L B c h) / t + 2 h V B
@@ -43,12 +47,13 @@ from zplan.planner.cost.memory import HOST_USABLE_FRACTION
 from zplan.schemas.cluster import ClusterSpec
 from zplan.schemas.model import ModelSummary
 
-WEIGHT_PRECISIONS = ("fp32", "bf16", "fp16", "int8", "int4")
+WEIGHT_PRECISIONS = ("fp32", "bf16", "fp16", "int8", "int4", "fp8")
 WEIGHT_TIERS = ("gpu", "cpu", "nvme")
 FLOAT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0}
 QUANT_BYTES = {"int8": 1.0, "int4": 0.5}  # bytes per weight, before the scales
 QUANT_GROUP_SIZE = 128  # input features per scale, at most (quant_group_size: smaller where widths need it)
-SCALE_BYTES = 4.0  # zplan.cuda.weight_quant keeps one fp32 scale per group
+SCALE_BYTES = 4.0  # zplan.cuda.weight_quant keeps one fp32 scale per group; fp8 one per output channel
+FP8_BYTES = 1.0  # float8_e4m3fn weights (W8A8: runtime/inference/fp8.py), before the per-channel scales
 PREFETCH_LAYERS = 1  # streamed tiers: layers loaded ahead of the one computing
 # Host dispatch per forward pass (0 s on GPUs, where launches run ahead of the device; a CPU profile's op_s):
 # 39 aten ops per block forward, as counted for planner/cost/compute.py's BLOCK_OPS (39 forward + 93 backward),
@@ -172,26 +177,46 @@ def quant_group_size(model: InferenceModel, tp: np.ndarray) -> np.ndarray:
     return group
 
 
-def weight_bytes_per_param(precision: np.ndarray, group: np.ndarray | int = QUANT_GROUP_SIZE) -> np.ndarray:
+def weight_bytes_per_param(precision: np.ndarray, group: np.ndarray | int = QUANT_GROUP_SIZE,
+                           fp8_scales: np.ndarray | float = 0.0) -> np.ndarray:
     """Stored bytes per Linear weight: 4 / 2 unquantized; int8 1 and int4 0.5 plus one fp32 scale per `group`
-    inputs."""
+    inputs; fp8 1 plus one fp32 scale per output channel, `fp8_scales` channels per weight (fp8_scales_per_weight)."""
     quant = np.array([QUANT_BYTES.get(p, 0.0) for p in WEIGHT_PRECISIONS])[precision]
     floats = np.array([FLOAT_BYTES.get(p, 0.0) for p in WEIGHT_PRECISIONS])[precision]
-    return np.where(quant > 0, quant + SCALE_BYTES / group, floats)
+    return np.where(is_fp8(precision), FP8_BYTES + SCALE_BYTES * np.asarray(fp8_scales, dtype=float),
+                    np.where(quant > 0, quant + SCALE_BYTES / group, floats))
 
 
 def is_quantized(precision: np.ndarray) -> np.ndarray:
+    """int8/int4: group-wise weight-only, the head quantized too."""
     return np.isin(precision, [WEIGHT_PRECISIONS.index(p) for p in QUANT_BYTES])
+
+
+def is_fp8(precision: np.ndarray) -> np.ndarray:
+    """fp8: W8A8 block Linears (fp8 GEMMs), the head at the compute dtype."""
+    return np.asarray(precision) == WEIGHT_PRECISIONS.index("fp8")
+
+
+def fp8_scales_per_weight(model: InferenceModel, tp: np.ndarray) -> np.ndarray:
+    """fp8 scales (one per output channel) per block Linear weight on one GPU. A block's Linears whose input is
+    h (q/k/v, up and gate: column-parallel) have (W - a d h - f h) / h output rows, split over t; o (input a d)
+    and down (input f) are row-parallel, h output rows on every GPU. So (W - a d h - f h) / (h t) + 2 h channels
+    for W / t weights."""
+    h, W, t = float(model.hidden), model.block_linear_params, np.asarray(tp, dtype=float)
+    colwise_rows = (W - model.heads * model.head_dim * h - model.ffn * h) / h
+    return (colwise_rows / t + 2.0 * h) / (W / t)
 
 
 def block_weight_bytes(model: InferenceModel, cand: InferenceCandidates) -> np.ndarray:
     """Block Linear weight bytes per GPU, all L blocks: L * W / t * bytes per weight."""
     group = quant_group_size(model, cand.tp)
-    return model.layers * model.block_linear_params / cand.tp * weight_bytes_per_param(cand.precision, group)
+    per_weight = weight_bytes_per_param(cand.precision, group, fp8_scales_per_weight(model, cand.tp))
+    return model.layers * model.block_linear_params / cand.tp * per_weight
 
 
 def head_bytes(model: InferenceModel, cand: InferenceCandidates, compute_dtype: str) -> np.ndarray:
-    """The head's V x h matrix (replicated): at the compute dtype, or quantized with the blocks (int8/int4)."""
+    """The head's V x h matrix (replicated): at the compute dtype (fp8 too), or quantized with the blocks
+    (int8/int4)."""
     per_param = np.where(is_quantized(cand.precision),
                          weight_bytes_per_param(cand.precision, quant_group_size(model, cand.tp)),
                          FLOAT_BYTES[compute_dtype])
@@ -259,15 +284,19 @@ def estimate(model: InferenceModel, cand: InferenceCandidates, cluster: ClusterS
             & (nvme_node <= HOST_USABLE_FRACTION * cluster.nvme_bytes))
 
     peak = cluster.peak_flops(dtype)
+    # the block Linears' GEMMs: at the fp8 peak for fp8 weights (W8A8), else at the compute dtype's
+    fp8_peak = cluster.gpu.peak_fp8_flops if cluster.gpu.peak_fp8_flops > 0 else peak  # no fp8: refused upstream
+    gemm_peak = np.where(is_fp8(cand.precision), fp8_peak, peak)
     hbm = cluster.gpu.hbm_bandwidth_Bps * cluster.efficiency.memory_bound
     host_s = (BLOCK_FORWARD_OPS * L + EDGE_FORWARD_OPS) * cluster.host_overheads.op_s
     read_b = blocks_b + (model.decode_read_params - V * h) * cbytes + head_b  # weight bytes a pass reads
 
     # Prefill (Pope et al. 2022, Sec. 3): compute bound, and at least one read of the weights.
-    prefill_flops = ((2.0 * model.block_linear_params * L * B * P + 2.0 * L * B * P * P * h) / t
-                     + 2.0 * h * V * B)
+    prefill_gemm_flops = 2.0 * model.block_linear_params * L * B * P / t
+    prefill_other_flops = 2.0 * L * B * P * P * h / t + 2.0 * h * V * B  # attention, logits: compute dtype
     prefill_eff = gemm_efficiency(2.0 * B * P * h * f / t, cluster)
-    prefill_compute = np.maximum(prefill_flops / (peak * prefill_eff), read_b / hbm) + host_s
+    prefill_flops_s = (prefill_gemm_flops / gemm_peak + prefill_other_flops / peak) / prefill_eff
+    prefill_compute = np.maximum(prefill_flops_s, read_b / hbm) + host_s
     ones = np.ones(len(cand), dtype=np.int64)
     prefill_tp = 2.0 * L * all_reduce_s(B * P * h * cbytes, cand.tp, ones, cluster)
 
@@ -275,8 +304,10 @@ def estimate(model: InferenceModel, cand: InferenceCandidates, cluster: ClusterS
     c = work.mean_decode_context
     weights_s = read_b / hbm
     kv_s = kv_cache_bytes(model, t, B, 1, dtype) * c / hbm
-    decode_flops = (2.0 * model.block_linear_params * L * B + 4.0 * L * B * c * h) / t + 2.0 * h * V * B
-    flops_s = decode_flops / (peak * gemm_efficiency(2.0 * B * h * f / t, cluster))
+    decode_gemm_flops = 2.0 * model.block_linear_params * L * B / t
+    decode_other_flops = 4.0 * L * B * c * h / t + 2.0 * h * V * B
+    flops_s = ((decode_gemm_flops / gemm_peak + decode_other_flops / peak)
+               / gemm_efficiency(2.0 * B * h * f / t, cluster))
     compute_bound = flops_s > weights_s + kv_s
     decode_weights = np.where(compute_bound, 0.0, weights_s)
     decode_kv = np.where(compute_bound, 0.0, kv_s)

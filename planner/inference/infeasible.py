@@ -10,7 +10,7 @@ import numpy as np
 
 from zplan.errors import InfeasibleError
 from zplan.planner.inference.cost import InferenceModel, Workload
-from zplan.planner.inference.search import QUANTIZED, GiB, SearchSpace, describe, legal_tps, score
+from zplan.planner.inference.search import GiB, SearchSpace, describe, legal_tps, quantized_for, score
 from zplan.schemas.cluster import ClusterSpec
 
 
@@ -29,9 +29,11 @@ def fewest_gpus(model: InferenceModel, cluster: ClusterSpec, work: Workload, spa
     return None
 
 
-def relaxations(space: SearchSpace) -> dict[str, SearchSpace]:
-    """Option -> the search space with that one request relaxed (only requests the space excludes)."""
-    out = {f"--precision {p}": replace(space, precisions=(p,)) for p in QUANTIZED if p not in space.precisions}
+def relaxations(space: SearchSpace, cluster: ClusterSpec) -> dict[str, SearchSpace]:
+    """Option -> the search space with that one request relaxed (only requests the space excludes; fp8 only where
+    the cluster runs it)."""
+    out = {f"--precision {p}": replace(space, precisions=(p,)) for p in quantized_for(cluster)
+           if p not in space.precisions}
     out.update({f"--offload {t}": replace(space, tiers=(t,)) for t in ("cpu", "nvme") if t not in space.tiers})
     return out
 
@@ -63,7 +65,7 @@ def raise_infeasible(model: InferenceModel, cluster: ClusterSpec, work: Workload
     else:
         where = (f"fits the GPU but not the node's host memory or NVMe ({est.cpu_bytes_per_node[closest] / GiB:.0f} "
                  f"GiB host, {est.nvme_bytes_per_node[closest] / GiB:.0f} GiB NVMe per node)")
-    found = [flag for flag, wider in relaxations(space).items() if fits(model, cluster, work, wider)]
+    found = [flag for flag, wider in relaxations(space, cluster).items() if fits(model, cluster, work, wider)]
     batch = largest_batch_that_fits(model, cluster, work, space)
     if batch is not None:
         found.append(f"--batch {batch}")

@@ -3,7 +3,12 @@ with planner.inference.cost, pick one, and say why.
 
 Preference before speed: quantization changes the outputs and streaming is slow, so a configuration of a
 later class in PREFERENCE is chosen only when no earlier class fits (or a pin asks for it):
-unquantized resident, int8 resident, int4 resident, then streamed from host memory or NVMe (unquantized first).
+unquantized resident, int8 resident, fp8 resident, int4 resident, then streamed from host memory or NVMe
+(unquantized first). fp8 (W8A8, only on GPUs with an fp8 peak) is chosen only when pinned (--precision fp8), not
+by int8's rule: it stores the same byte a weight as int8 (its per-channel scales save only int8's group scales, 3 %
+at groups of 128), so it rescues next to no configuration int8 cannot, while it rounds the activations too
+(logits further from the model's than int8's); its gain is the fp8 GEMMs' speed, which the user asks for with the
+pin. Its place in PREFERENCE (after int8) only orders a pinned fp8's tiers.
 Within the first class that fits: target latency takes the smallest time per output token (then time to first
 token); target throughput the most tokens/s, each configuration at its best batch when the batch is not given.
 """
@@ -28,12 +33,19 @@ from zplan.schemas.inference import InferencePins
 
 GiB = 1024**3
 MAX_AUTO_BATCH = 256  # throughput without --batch: powers of two up to this
-QUANTIZED = ("int8", "int4")
+QUANTIZED = ("int8", "fp8", "int4")  # in preference order
+AUTO_QUANTIZED = ("int8", "int4")  # what the search may choose unpinned (module docstring: fp8 only when pinned)
 # (quantized precision or None for the compute dtype, tier), most preferred first.
 PREFERENCE: tuple[tuple[str | None, str], ...] = (
-    (None, "gpu"), ("int8", "gpu"), ("int4", "gpu"),
-    (None, "cpu"), (None, "nvme"), ("int8", "cpu"), ("int8", "nvme"), ("int4", "cpu"), ("int4", "nvme"),
+    (None, "gpu"), ("int8", "gpu"), ("fp8", "gpu"), ("int4", "gpu"),
+    (None, "cpu"), (None, "nvme"), ("int8", "cpu"), ("int8", "nvme"), ("fp8", "cpu"), ("fp8", "nvme"),
+    ("int4", "cpu"), ("int4", "nvme"),
 )
+
+
+def quantized_for(cluster: ClusterSpec) -> tuple[str, ...]:
+    """The quantized precisions the cluster's GPUs run: fp8 only with an fp8 peak (fp8 tensor cores)."""
+    return tuple(p for p in QUANTIZED if p != "fp8" or cluster.gpu.peak_fp8_flops > 0)
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,12 @@ mean context. A server's tokens/s also depends on how it batches requests. This 
 cost.py, and composes steps into the two policies serving benchmarks measure:
 
   step    a forward pass over D decode tokens (one per running sequence, at context c) and Q prefill tokens
-          (n_p prompts of P tokens): GEMM FLOPs 2 * W * L * (D + Q) / t, attention FLOPs 2 * L * n_p * P^2 * h / t
-          (causal, Pope et al. 2022 Sec. 2) + 4 * L * D * c * h / t, logits 2 * h * V per sequence; bytes: every
+          (n_p prompts of P tokens): GEMM FLOPs 2 * W * L * (D + Q) / t (at the numerics' GEMM peak: fp8's for
+          fp8 weights), attention FLOPs 2 * L * n_p * P^2 * h / t
+          (causal, Pope et al. 2022 Sec. 2) + 4 * L * D * c * h / t, logits 2 * h * V per sequence (both at the
+          compute dtype's peak); bytes: every
           resident weight once and the KV cache of the D decoding sequences, 2 * L * D * c * ceil(a_kv / t) * d
-          * kv_bytes (Kwon et al. 2023 Sec. 2). The step takes the longer of FLOPs / (peak * GEMM efficiency at
+          * kv_bytes (Kwon et al. 2023 Sec. 2). The step takes the longer of FLOPs / (peaks * GEMM efficiency at
           the MLP GEMM of D + Q tokens) and bytes / (HBM bandwidth * memory_bound) -- the roofline, as cost.py's
           decode (compute bound where the FLOPs take longer) and prefill (at least one read of the weights) --
           plus two tensor-parallel all-reduces of (D + Q) * h activations per block (Shoeybi et al. 2019 Sec. 3).
@@ -33,9 +35,10 @@ cost.py, and composes steps into the two policies serving benchmarks measure:
             time = floor(R / N) * static(N) + static(R mod N),  output tokens/s = R * O / time.
 
 Numerics says what the step's numbers are stored and computed in: weight bytes per block Linear weight and per head
-weight, KV-cache bytes per element, activation bytes (the all-reduce payload) and the GEMM peak. numerics_for()
-gives zplan's own engine's (the precisions planner/inference/cost.py prices); a benchmark may state another
-engine's numerics (e.g. fp8 W8A8 with an fp8 KV cache) explicitly, as that engine's condition. EngineEfficiency
+weight, KV-cache bytes per element, activation bytes (the all-reduce payload), the block GEMMs' peak and the peak
+of the rest (attention, logits). numerics_for() gives zplan's own engine's (the precisions planner/inference/cost.py
+prices, fp8 W8A8 included); a benchmark may state where another engine differs (e.g. an fp8 KV cache) explicitly,
+as that engine's condition. EngineEfficiency
 scales a step's FLOPs and bytes times for an engine faster or slower than the profile assumes (1, 1: zplan's).
 benchmarks/validate_serving.py checks these formulas against published TensorRT-LLM runs; `zplan compile --mode
 inference` does not call this module yet (its plan reports cost.py's static-batch tokens/s).
@@ -53,6 +56,8 @@ from zplan.planner.inference.cost import (
     FLOAT_BYTES,
     WEIGHT_PRECISIONS,
     InferenceModel,
+    fp8_scales_per_weight,
+    is_fp8,
     is_quantized,
     quant_group_size,
     weight_bytes_per_param,
@@ -74,19 +79,29 @@ class Numerics:
     kv_bytes: float  # per KV-cache element
     activation_bytes: float  # per activation element (the tensor-parallel all-reduce payload)
     gemm_peak_flops: float  # the peak the block GEMMs run against
+    other_peak_flops: float = 0.0  # the peak attention and the logits run against; 0: gemm_peak_flops
+    attention_peak_flops: float = 0.0  # attention's own peak where it differs from the logits'; 0: other_peak_flops
 
 
 def numerics_for(precision: str, compute_dtype: str, model: InferenceModel, tp: int, cluster: ClusterSpec
                  ) -> Numerics:
     """zplan's own engine (runtime.inference), as planner/inference/cost.py prices it: weights at `precision`
-    (int8/int4 weight-only with fp32 group scales, the head quantized too), KV cache, activations and GEMMs at the
-    compute dtype."""
+    (int8/int4 weight-only with fp32 group scales, the head quantized too; fp8 W8A8 with fp32 per-channel scales,
+    its block GEMMs at the fp8 peak, the head at the compute dtype), KV cache, activations and the other GEMMs at
+    the compute dtype."""
     index = np.array([WEIGHT_PRECISIONS.index(precision)])
-    per_weight = float(weight_bytes_per_param(index, quant_group_size(model, np.array([tp])))[0])
+    tps = np.array([tp])
+    group, scales = quant_group_size(model, tps), fp8_scales_per_weight(model, tps)
+    per_weight = float(weight_bytes_per_param(index, group, scales)[0])
     cbytes = FLOAT_BYTES[compute_dtype]
-    return Numerics(name=f"zplan {precision} weights, {compute_dtype} compute", block_weight_bytes=per_weight,
+    peak = cluster.peak_flops(compute_dtype)
+    fp8 = bool(is_fp8(index)[0])
+    name = (f"zplan fp8 W8A8 (per-channel weight, per-token activation scales), {compute_dtype} compute" if fp8
+            else f"zplan {precision} weights, {compute_dtype} compute")
+    return Numerics(name=name, block_weight_bytes=per_weight,
                     head_weight_bytes=per_weight if bool(is_quantized(index)[0]) else cbytes, other_bytes=cbytes,
-                    kv_bytes=cbytes, activation_bytes=cbytes, gemm_peak_flops=cluster.peak_flops(compute_dtype))
+                    kv_bytes=cbytes, activation_bytes=cbytes,
+                    gemm_peak_flops=cluster.gpu.peak_fp8_flops if fp8 else peak, other_peak_flops=peak)
 
 
 def weight_bytes_per_gpu(model: InferenceModel, tp: int, num: Numerics) -> float:
@@ -141,10 +156,14 @@ def steps(model: InferenceModel, cluster: ClusterSpec, tp: int, num: Numerics, d
     D, c, n_p, P, count = np.broadcast_arrays(D, c, n_p, P, np.asarray(count, dtype=float))
     L, h, f, V = model.layers, model.hidden, model.ffn, model.vocab
     tokens = D + n_p * P
-    flops = ((2.0 * model.block_linear_params * L * tokens + 2.0 * L * n_p * P * P * h + 4.0 * L * D * c * h) / tp
-             + 2.0 * h * V * (D + n_p))
+    gemm_flops = 2.0 * model.block_linear_params * L * tokens / tp
+    attention_flops = (2.0 * L * n_p * P * P * h + 4.0 * L * D * c * h) / tp
+    logits_flops = 2.0 * h * V * (D + n_p)
     eff = gemm_efficiency(2.0 * tokens * h * f / tp, cluster)
-    compute = flops / (num.gemm_peak_flops * np.maximum(eff, 1e-12))
+    other_peak = num.other_peak_flops or num.gemm_peak_flops
+    attention_peak = num.attention_peak_flops or other_peak
+    compute = (gemm_flops / num.gemm_peak_flops + attention_flops / attention_peak
+               + logits_flops / other_peak) / np.maximum(eff, 1e-12)
     hbm = cluster.gpu.hbm_bandwidth_Bps * cluster.efficiency.memory_bound
     not_read = (model.replicated_params - model.decode_read_params) * num.other_bytes  # the token table's unread rows
     read = weight_bytes_per_gpu(model, tp, num) - not_read + kv_bytes_per_token(model, tp, num) * D * c

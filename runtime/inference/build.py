@@ -36,7 +36,7 @@ class EngineSettings:
     """The plan's engine choices (InferencePlan.parallel); the emitted scripts state them as constants."""
 
     tp: int  # tensor-parallel degree: processes of this replica
-    weight_precision: str  # fp32 | bf16 | fp16 | int8 | int4 (block Linears' weights)
+    weight_precision: str  # fp32 | bf16 | fp16 | int8 | int4 | fp8 (block Linears' weights; fp8: W8A8)
     group_size: int  # input features per quantization scale (int8/int4)
     compute_dtype: str  # fp32 | bf16 | fp16 (activations, KV cache)
     weight_tier: str  # gpu (resident) | cpu | nvme (streamed layer by layer)
@@ -181,7 +181,8 @@ def _info(ctx: RunContext, message: str) -> None:
 
 def runnable_settings(settings: EngineSettings, device: torch.device) -> tuple[EngineSettings, str | None]:
     """The settings this device can run, and a note when they differ from the plan's: without CUDA, fp32
-    activations and weights (bf16/fp16 matmuls on a CPU are slow or missing); int8/int4 weights stay."""
+    activations and weights (bf16/fp16 matmuls on a CPU are slow or missing); int8/int4 and fp8 weights stay (fp8
+    on torch's CPU _scaled_mm, fp32 out)."""
     if device.type == "cuda" or settings.compute_dtype == "fp32":
         return settings, None
     weights = "fp32" if settings.weight_precision in ("bf16", "fp16") else settings.weight_precision

@@ -15,7 +15,8 @@ there (engine.py), not silently mis-run.
 
 Packed layer (a flat dict, the unit a WeightStore moves): names below, each Linear either "<name>.weight"
 (out, in) -- or oneDNN-packed on the CPU -- or "<name>.qweight" + "<name>.scales" (weight-only int8/int4,
-zplan.cuda.weight_quant layout), plus "<name>.bias" when it has one:
+zplan.cuda.weight_quant layout), or "<name>.fp8_weight" + "<name>.fp8_scale" (fp8 W8A8: e4m3 (out, in) and one
+fp32 scale per output row, runtime/inference/fp8.py), plus "<name>.bias" when it has one:
 
     norm1.weight [norm1.bias]  qkv (q, k, v rows stacked)  o  norm2.weight [norm2.bias]  up | gate_up  down
 
@@ -36,6 +37,7 @@ from zplan.cuda.fused_norm_rope import rms_norm
 from zplan.cuda.weight_only_matmul import weight_only_linear
 from zplan.cuda.weight_quant import QuantizedWeight, quantize_groupwise
 from zplan.errors import ZplanError
+from zplan.runtime.inference import fp8
 from zplan.schemas.model import ModelSummary
 
 ROLE_NAMES = {  # role -> child names it goes by in common model files
@@ -283,6 +285,13 @@ def quantize_linear(layer: dict[str, torch.Tensor], name: str, bits: int, group_
     layer[f"{name}.qweight"], layer[f"{name}.scales"] = qw.qweight, qw.scales
 
 
+def quantize_linear_fp8(layer: dict[str, torch.Tensor], name: str, device: torch.device) -> None:
+    """Replace layer[name.weight] with name.fp8_weight (e4m3) / name.fp8_scale (fp32, one per output row)."""
+    w = layer.pop(f"{name}.weight")
+    fp8.check_shape(name, w.shape[0], w.shape[1], device)
+    layer[f"{name}.fp8_weight"], layer[f"{name}.fp8_scale"] = fp8.quantize_weight(w)
+
+
 LINEARS = ("qkv", "o", "up", "gate_up", "down")
 
 
@@ -309,10 +318,12 @@ def quantized(layer: dict[str, torch.Tensor], name: str) -> QuantizedWeight:
 
 def linear(layer: dict[str, torch.Tensor], name: str, x: torch.Tensor, *, bias: bool = True,
            gelu: str | None = None) -> torch.Tensor:
-    """x (..., in) -> (..., out) with layer's Linear `name` (dense, oneDNN-packed or quantized), then GELU when
-    `gelu` is its approximation ("tanh" | "none")."""
+    """x (..., in) -> (..., out) with layer's Linear `name` (dense, oneDNN-packed, quantized weight-only or fp8
+    W8A8), then GELU when `gelu` is its approximation ("tanh" | "none")."""
     b = layer.get(f"{name}.bias") if bias else None
-    if f"{name}.qweight" in layer:
+    if f"{name}.fp8_weight" in layer:
+        y = fp8.fp8_linear(x, layer[f"{name}.fp8_weight"], layer[f"{name}.fp8_scale"], b)
+    elif f"{name}.qweight" in layer:
         y = weight_only_linear(x, quantized(layer, name), b)
     else:
         w = layer[f"{name}.weight"]

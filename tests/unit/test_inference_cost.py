@@ -53,8 +53,9 @@ def run(prompt=100, gen=20, gpus=1, **kw):
 
 
 def test_weight_bytes_per_param():
-    idx = np.arange(len(WEIGHT_PRECISIONS))  # fp32, bf16, fp16, int8, int4; one fp32 scale per group
-    assert weight_bytes_per_param(idx, 128).tolist() == pytest.approx([4, 2, 2, 1 + 4 / 128, 0.5 + 4 / 128])
+    idx = np.arange(len(WEIGHT_PRECISIONS))  # fp32, bf16, fp16, int8, int4 (one fp32 scale per group), fp8 (scales
+    # per output channel: none given here)
+    assert weight_bytes_per_param(idx, 128).tolist() == pytest.approx([4, 2, 2, 1 + 4 / 128, 0.5 + 4 / 128, 1])
     assert weight_bytes_per_param(idx, 64)[3] == pytest.approx(1 + 4 / 64)
 
 
