@@ -18,16 +18,30 @@ at a time (planner.cost.memory.FP8_CAST_TEMPORARY_BYTES_PER_ELEMENT: 7.5 bytes p
 the dry run, which runs this code on fake tensors).
 
 Order (torchao's README: convert before FSDP2's fully_shard and before tensor parallel): this runs first, on the
-meta model, before tensor parallel, recompute, the pipeline split and DDP / ZeRO-1 / FSDP2. With tp > 1 the run is
-refused (torchao's Float8ColwiseParallel / Float8RowwiseParallel are not wired into runtime.tensor_parallel's
-styles yet). The device decides how the GEMMs run: a CUDA device of compute capability 8.9 or more (Ada, Hopper,
-Blackwell: fp8 tensor cores) runs torch._scaled_mm on them; the CPU runs the same code path through torch 2.13's
-CPU _scaled_mm kernel (tests; the dry run's fake tensors through its meta kernel), so what CPU tests and the dry run
-check is what a GPU runs; an older GPU is refused. torchao's emulation (emulate=True: each GEMM on the dequantized
-tensors) is there for the tests that compare it with _scaled_mm.
+meta model, before tensor parallel, recompute, the pipeline split and DDP / ZeRO-1 / FSDP2. The device decides how
+the GEMMs run: a CUDA device of compute capability 8.9 or more (Ada, Hopper, Blackwell: fp8 tensor cores) runs
+torch._scaled_mm on them; the CPU runs the same code path through torch 2.13's CPU _scaled_mm kernel (tests; the dry
+run's fake tensors through its meta kernel), so what CPU tests and the dry run check is what a GPU runs; an older
+GPU is refused. torchao's emulation (emulate=True: each GEMM on the dequantized tensors) is there for the tests that
+compare it with _scaled_mm.
+
+Tensor parallel (tp > 1): a Linear converts when its dims on each rank are multiples of 16 (a colwise split divides
+its out features by tp, a rowwise split its in features: the GEMMs run on the shards), and runtime.tensor_parallel
+gives each Float8Linear torchao's Float8ColwiseParallel / Float8RowwiseParallel (float8_parallel_styles; a Linear
+left in bf16 keeps the plain style; fused projections, runtime/fused_layout.py, split and reorder as in bf16). Every
+cast is tensorwise over the whole tensor: the amax of a sharded weight, input or gradient is all-reduced (MAX, one
+scalar, DTensor's reduction), so each rank casts with the scale one process would use. What crosses the tp ranks is
+what bf16 tensor parallel sends, in bf16 (all-reduces, or under sequence parallel all-gathers and reduce-scatters
+of (b, s, h)), the casts running after each gather: torchao's styles (and torchtitan) all-gather in fp8 instead,
+which halves the gathered bytes but which gloo cannot send (no float8 all-gather: the CPU tests). On top come the
+amax all-reduces, one scalar each: per block and micro-batch, forward one per split weight and per rowwise input,
+backward one per split weight (recast) and per colwise output gradient. With tp > 1 a Float8Linear saves its input
+for backward as the fp8 tensor the style cast (1 byte an element), not bf16.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -64,24 +78,29 @@ def float8_emulated(device: torch.device) -> bool:
     return False
 
 
-def check_float8_plan(tp: int) -> None:
-    """fp8 with tensor parallel is not run yet (module docstring): refused before anything is built."""
-    if tp > 1:
-        raise PlanMismatchError(f"the plan trains in fp8 with tensor parallel (tp={tp}), which zplan's runtime does "
-                                "not run yet (fp8 runs with tp = 1): recompile with --tp 1, or --precision bf16")
+def local_features(module: nn.Linear, style: str | None, tp: int) -> tuple[int, int]:
+    """(in, out) features of the GEMMs `module` runs on one tp rank: a colwise split divides out by tp, a rowwise
+    split in; unsplit (style None, or tp 1) the module's own."""
+    inner, outer = module.in_features, module.out_features
+    if tp > 1 and style == "colwise":
+        outer //= tp
+    elif tp > 1 and style == "rowwise":
+        inner //= tp
+    return inner, outer
 
 
-def fp8_convertible(module: nn.Module) -> bool:
-    """An nn.Linear whose (out, in) features are both multiples of 16."""
-    return (isinstance(module, nn.Linear) and module.in_features % FP8_DIM_MULTIPLE == 0
-            and module.out_features % FP8_DIM_MULTIPLE == 0)
+def fp8_convertible(module: nn.Module, style: str | None = None, tp: int = 1) -> bool:
+    """An nn.Linear whose (in, out) features are both multiples of 16 on each tp rank (local_features: `style`, the
+    plan's split of it, 'colwise' or 'rowwise', None when not split)."""
+    return isinstance(module, nn.Linear) and all(
+        features % FP8_DIM_MULTIPLE == 0 for features in local_features(module, style, tp))
 
 
-def _torchao_float8():
-    """torchao's float8 entry points, imported lazily (only fp8 runs import torchao), without the warnings its
-    import logs on a machine without CUDA (its CUDA kernel libraries do not load there; float8 training does not
-    use them). transformers imports torchao itself when it is installed (its quantizers), warnings and all, before
-    this runs for a Hugging Face model."""
+def _quiet_torchao_import(load):
+    """`load()` (an import of torchao's float8 modules) without the warnings torchao's import logs on a machine
+    without CUDA (its CUDA kernel libraries do not load there; float8 training does not use them). transformers
+    imports torchao itself when it is installed (its quantizers), warnings and all, before this runs for a Hugging
+    Face model."""
     import logging
 
     quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
@@ -89,25 +108,86 @@ def _torchao_float8():
     for logger in quiet:
         logger.setLevel(logging.ERROR)
     try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        return load()
     except ImportError as error:
         raise PlanMismatchError(f"the plan trains in fp8, which needs torchao ({error}): pip install 'zplan[fp8]' "
                                 "(torchao 0.18.0), or recompile with --precision bf16") from error
     finally:
         for logger, level in zip(quiet, levels, strict=True):
             logger.setLevel(level)
-    return Float8LinearConfig, convert_to_float8_training
+
+
+def _torchao_float8():
+    """torchao's float8 entry points, imported lazily (only fp8 runs import torchao)."""
+    def load():
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        return Float8LinearConfig, convert_to_float8_training
+
+    return _quiet_torchao_import(load)
+
+
+@functools.cache
+def float8_parallel_styles() -> tuple[type, type]:
+    """(colwise, rowwise): the ParallelStyles runtime.tensor_parallel gives a Float8Linear, torchao's
+    Float8ColwiseParallel and Float8RowwiseParallel (the sharding of ColwiseParallel / RowwiseParallel; the input
+    cast to fp8 as a DTensor, the output gradient cast in backward) with the sequence-parallel collectives moved to
+    the bf16 side of the casts (module docstring):
+
+        colwise, input sharded on the sequence: all-gather the bf16 input, then cast (torchao: cast, then gather fp8)
+        rowwise, output reduce-scattered: the gradient all-gathered in bf16, then cast (torchao: cast, gather fp8)
+
+    Both casts are tensorwise with the amax of the whole tensor (DTensor reduces it over the ranks), so the fp8
+    values are torchao's; only the bytes gathered double (1 -> 2 an element), which is what planner.cost.step
+    prices, and gloo (the CPU tests) has no float8 all-gather at all."""
+    def load():
+        from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+        return Float8ColwiseParallel, Float8RowwiseParallel
+
+    colwise, rowwise = _quiet_torchao_import(load)
+
+    class Float8Colwise(colwise):
+        @staticmethod
+        def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+            from torch.distributed.tensor import DTensor
+
+            tensor = inputs[0]
+            if not isinstance(tensor, DTensor):
+                tensor = DTensor.from_local(tensor, device_mesh, input_layouts, run_check=False)
+            if tensor.placements != tuple(desired_input_layouts):
+                tensor = tensor.redistribute(placements=desired_input_layouts)  # bf16 all-gather
+            return colwise._prepare_input_fn(desired_input_layouts, desired_input_layouts, mod, (tensor,),
+                                             device_mesh)  # the cast, on the gathered input
+
+    class Float8Rowwise(rowwise):
+        @staticmethod
+        def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+            from torchao.float8.float8_scaling_utils import NoopFwToFloat8BwDynamic
+
+            # backward: the cast runs after the redistribute's own backward (the bf16 all-gather under sequence
+            # parallel), on the gathered gradient
+            outputs = NoopFwToFloat8BwDynamic.apply(outputs, mod.linear_mm_config,
+                                                    mod.config.cast_config_grad_output.target_dtype)
+            if outputs.placements != tuple(output_layouts):
+                outputs = outputs.redistribute(placements=output_layouts)  # all-reduce or reduce-scatter, bf16
+            return outputs.to_local() if use_local_output else outputs
+
+    return Float8Colwise, Float8Rowwise
 
 
 def convert_blocks_to_float8(model: nn.Module, block_prefix: str, device: torch.device | str,
-                             say=print, emulate: bool | None = None) -> list[str]:
+                             say=print, emulate: bool | None = None, tp: int = 1,
+                             tp_plan: dict[str, str] | None = None) -> list[str]:
     """Swap the fp8-convertible Linears under `block_prefix` (e.g. 'model.layers', 'blocks') for torchao
-    Float8Linears, in place; returns their module paths. Linears with a dim not a multiple of 16 stay bf16 (named
-    in one line through `say`); a model none of whose block Linears converts is refused (the plan priced its block
-    GEMMs at the fp8 peak). Linears outside the blocks (the head) are never converted. `emulate` None: as the device
-    runs them (float8_emulated); True: torchao's emulation (tests compare the two)."""
+    Float8Linears, in place; returns their module paths. Linears with a dim not a multiple of 16 (with tensor
+    parallel: a dim of the rank's share, `tp_plan` giving each split Linear's style by its path inside a block) stay
+    bf16 (named in one line through `say`); a model none of whose block Linears converts is refused (the plan priced
+    its block GEMMs at the fp8 peak). Linears outside the blocks (the head) are never converted. `emulate` None: as
+    the device runs them (float8_emulated); True: torchao's emulation (tests compare the two)."""
     emulate = float8_emulated(device) if emulate is None else emulate
     Float8LinearConfig, convert_to_float8_training = _torchao_float8()
+    tp_plan = tp_plan or {}
 
     blocks = model.get_submodule(block_prefix)
     converted, skipped = [], []
@@ -115,24 +195,30 @@ def convert_blocks_to_float8(model: nn.Module, block_prefix: str, device: torch.
     def keep(module: nn.Module, fqn: str) -> bool:  # torchao's module_filter_fn: (module, path in `blocks`)
         if not isinstance(module, nn.Linear) or type(module).__name__ == "Float8Linear":
             return False
-        path, convert = f"{block_prefix}.{fqn}", fp8_convertible(module)
+        style = tp_plan.get(fqn.partition(".")[2])  # fqn: '<block index>.<path inside the block>'
+        path, convert = f"{block_prefix}.{fqn}", fp8_convertible(module, style, tp)
         if convert:
             converted.append(path)
         else:
-            skipped.append(f"{path} ({module.in_features} -> {module.out_features})")
+            inner, outer = local_features(module, style, tp)
+            share = f", {inner} -> {outer} on each of tp={tp} ranks" if (inner, outer) != (
+                module.in_features, module.out_features) else ""
+            skipped.append(f"{path} ({module.in_features} -> {module.out_features}{share})")
         return convert
 
     convert_to_float8_training(blocks, module_filter_fn=keep, config=Float8LinearConfig(emulate=emulate))
     if not converted:
         raise PlanMismatchError(
             f"the plan trains in fp8 but no Linear under {block_prefix} has in and out features that are multiples of "
-            f"{FP8_DIM_MULTIPLE} (fp8 GEMMs need them): recompile with --precision bf16")
+            f"{FP8_DIM_MULTIPLE}" + (f" on each of tp={tp} ranks" if tp > 1 else "")
+            + " (fp8 GEMMs need them): recompile with --precision bf16" + (" or a smaller --tp" if tp > 1 else ""))
     how = ("emulated: fp8 casts, GEMMs on the dequantized tensors" if emulate
            else "torch._scaled_mm on fp8 tensor cores" if torch.device(device).type == "cuda"
            else "torch._scaled_mm's CPU kernel: the GPU's code path, correct but no faster than bf16")
     say(f"zplan: fp8 GEMMs in {len(converted)} block Linears (torchao Float8Linear, tensorwise dynamic scaling; "
         f"{how}); bf16 elsewhere")
     if skipped:
-        say(f"zplan: kept in bf16 (a dim not a multiple of {FP8_DIM_MULTIPLE}): {', '.join(skipped[:4])}"
+        say(f"zplan: kept in bf16 (a dim not a multiple of {FP8_DIM_MULTIPLE}{' on a tp rank' if tp > 1 else ''}): "
+            f"{', '.join(skipped[:4])}"
             + (f" and {len(skipped) - 4} more" if len(skipped) > 4 else ""))
     return converted

@@ -36,7 +36,7 @@ from zplan.runtime.apply import (
     disable_generation_cache,
 )
 from zplan.runtime.checkpoint import CheckpointConfig
-from zplan.runtime.float8 import check_float8_plan, convert_blocks_to_float8, on_fake_tensors
+from zplan.runtime.float8 import convert_blocks_to_float8, on_fake_tensors
 from zplan.runtime.fused_layout import FusedLayout
 from zplan.runtime.materialize import MaterializeReport, materialize_weights
 from zplan.runtime.mesh import build_mesh
@@ -61,12 +61,13 @@ def parallelize(model: nn.Module, weights, mesh: DeviceMesh, plan: Plan, model_f
     # mode that saw the meta parameters keeps weakrefs to them, and the weights' swap_tensors refuses such tensors).
     fake = on_fake_tensors()  # the dry run (runtime.fake_world)
     with unset_fake_temporarily():
+        tp_plan = {rule.module: rule.style for rule in rules}
         if precision == "fp8":  # the blocks' Linears to fp8 GEMMs first: torchao converts before TP and FSDP2
-            check_float8_plan(p.tp)
             # said once by rank 0 of a real run; the dry run's output is its own (zplan dryrun --json)
-            convert_blocks_to_float8(model, prefix, device, say=(lambda message: None) if fake else _say_once)
-        model = apply_tensor_parallel(model, mesh["tp"], {rule.module: rule.style for rule in rules}, prefix,
-                                      p.sequence_parallel, fused, stage_starts(plan))
+            convert_blocks_to_float8(model, prefix, device, say=(lambda message: None) if fake else _say_once,
+                                     tp=p.tp, tp_plan=tp_plan)
+        model = apply_tensor_parallel(model, mesh["tp"], tp_plan, prefix, p.sequence_parallel, fused,
+                                      stage_starts(plan))
         model = apply_recompute(model, p.recompute, prefix)
         model = apply_pipeline(model, mesh["pp"], [stage.layer_names for stage in plan.stages], p.schedule,
                                units=plan.model.layers, num_micro_batches=p.num_micro_batches,

@@ -43,6 +43,10 @@ module slicing it has its head counts made this rank's (localize_head_counts: Ph
 config.num_attention_heads, GPT-2 split_size). transformers' Conv1D (GPT-2: weight (in, out)) is split by
 Conv1DColwise / Conv1DRowwise, its forward running on DTensors.
 
+fp8 (plan.train.precision 'fp8'): the blocks' Linears are torchao Float8Linears before this runs (runtime.float8);
+each gets torchao's Float8ColwiseParallel / Float8RowwiseParallel instead of the plain style (same sharding, the
+casts to fp8 on whole DTensors, so with the one-process scales), the collectives above unchanged and in bf16.
+
 Not done yet: vocabulary-parallel embedding and head (with loss_parallel); parameterised modules inside
 a module that holds split Linears other than those Linears (e.g. a per-head q/k norm) are refused.
 """
@@ -110,20 +114,28 @@ class Conv1DRowwise(RowwiseParallel):
 
 
 def block_styles(tp_plan: dict[str, str], sequence_parallel: bool, norm_paths: list[str],
-                 conv1d_paths: frozenset[str] = frozenset()) -> dict[str, ParallelStyle]:
-    """The ParallelStyle of each planned Linear (Conv1D: `conv1d_paths`) and, with sequence parallel, of each norm
-    of one block.
+                 conv1d_paths: frozenset[str] = frozenset(),
+                 float8_paths: frozenset[str] = frozenset()) -> dict[str, ParallelStyle]:
+    """The ParallelStyle of each planned Linear (Conv1D: `conv1d_paths`; torchao Float8Linear, precision fp8:
+    `float8_paths`) and, with sequence parallel, of each norm of one block.
 
     Without sequence parallel both styles take and give plain tensors (use_local_output=True).
     With it, rowwise output is reduce-scattered over the sequence; a colwise Linear directly in the block
     all-gathers its own input (one held by a sub-module gets it gathered by that sub-module's pre-hook).
+    A Float8Linear gets torchao's Float8ColwiseParallel / Float8RowwiseParallel (the same sharding; runtime.float8
+    float8_parallel_styles says what they add); a Linear fp8 skipped keeps the plain style.
     """
     styles: dict[str, ParallelStyle] = {}
     for path, style in tp_plan.items():
         if style not in STYLES:
             raise PlanMismatchError(f"tensor-parallel style of {path!r} is {style!r}; expected one of {STYLES}")
         conv1d = path in conv1d_paths
-        colwise, rowwise = (Conv1DColwise, Conv1DRowwise) if conv1d else (ColwiseParallel, RowwiseParallel)
+        if path in float8_paths:
+            from zplan.runtime.float8 import float8_parallel_styles
+
+            colwise, rowwise = float8_parallel_styles()
+        else:
+            colwise, rowwise = (Conv1DColwise, Conv1DRowwise) if conv1d else (ColwiseParallel, RowwiseParallel)
         if style == "colwise":
             gathers_itself = sequence_parallel and not parent_path(path)
             styles[path] = colwise(input_layouts=Shard(SEQUENCE_DIM)) if gathers_itself else colwise()
@@ -136,6 +148,11 @@ def block_styles(tp_plan: dict[str, str], sequence_parallel: bool, norm_paths: l
 
 
 # ---- checks before anything is sharded ---------------------------------------------------------------
+
+
+def is_float8_linear(module: nn.Module) -> bool:
+    """A torchao Float8Linear (runtime.float8 converted it: precision fp8), by class name: no torchao import."""
+    return type(module).__name__ == "Float8Linear"
 
 
 def projection_features(module: nn.Module) -> tuple[int, int] | None:
@@ -394,7 +411,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[s
         for path, layout in fused.items():  # grouped before the split, so that each rank's slice is whole groups
             mark_fused(block.get_submodule(path), layout)
         conv1d = frozenset(path for path in tp_plan if is_conv1d(block.get_submodule(path)))
-        parallelize_module(block, tp_mesh, block_styles(tp_plan, sequence_parallel, norms, conv1d))
+        float8 = frozenset(path for path in tp_plan if is_float8_linear(block.get_submodule(path)))
+        parallelize_module(block, tp_mesh, block_styles(tp_plan, sequence_parallel, norms, conv1d, float8))
         for path, layout in fused.items():
             give_output_in_file_order(block.get_submodule(path), tp)
             localize_head_counts(block.get_submodule(parent_path(path)) if parent_path(path) else block, layout, tp)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import os
 from dataclasses import dataclass
@@ -196,22 +195,9 @@ def deepest_tier(placement: Placement) -> str:
     return "nvme" if "nvme" in tiers else "cpu" if "cpu" in tiers else "none"
 
 
-def fp8_search_pins(req: Request) -> Pins:
-    """The pins the search runs with: fp8 trains with tp = 1 (runtime/float8.py: torchao's fp8 tensor-parallel
-    styles are not wired into the runtime's tensor parallel yet), so an fp8 request pinning tp > 1 is refused and an
-    unpinned one searches tp = 1 only. estimate_config is not limited (it prices published fp8 runs at any tp)."""
-    if req.train.precision != "fp8":
-        return req.pins
-    if req.pins.tp is not None and req.pins.tp > 1:
-        raise SpecError(f"--precision fp8 runs with tensor parallel 1 only (zplan's runtime has no fp8 tensor "
-                        f"parallel yet): pass --tp 1, or --precision bf16 for --tp {req.pins.tp}.")
-    return req.pins.model_copy(update={"tp": 1})
-
-
 def compile_plan(req: Request) -> Plan:
     """Search, refine and assemble the Plan (no files written)."""
     user_pins = req.pins
-    req = dataclasses.replace(req, pins=fp8_search_pins(req))  # fp8: tp 1 (plan.pins keeps what was pinned)
     scored = score(req.summary, req.cluster, req.gpus, req.train, req.pins)
     choice, refined = choose(req.summary, req.cluster, req.gpus, req.train, req.pins, scored)
     cand, est = choice.candidate, choice.estimate
@@ -274,7 +260,6 @@ def estimate_config(req: Request) -> dict:
         "memory_per_gpu_bytes": pred.memory.total, "memory_breakdown": pred.memory.model_dump(),
         "time_breakdown": pred.time.model_dump(), "candidates_evaluated": len(cand),
         "compression": compression.model_dump() if compression is not None else None,
-        "runtime_runs_it": not (req.train.precision == "fp8" and cfg.tp > 1),  # fp8_search_pins
     }
 
 

@@ -1,15 +1,18 @@
 """Compile-time rules of --precision fp8: refused on clusters without fp8 tensor cores (the profile's
-gpu.peak_fp8_flops is 0: A100, V100, this machine's cpu-local) and with tensor parallel (runtime/float8.py runs fp8
-with tp 1 only: pinned tp > 1 is refused, an unpinned search keeps tp 1); train.py's review says what runs in fp8."""
+gpu.peak_fp8_flops is 0: A100, V100, this machine's cpu-local); searched and pinned at any tensor parallel
+(runtime/float8.py runs fp8 under tp > 1 with torchao's float8 tensor-parallel styles); train.py's review says what
+runs in fp8. The runtime's fp8 choice under tensor parallel: a Linear converts when its dims on each rank are
+multiples of 16, and a converted one gets the float8 style."""
 
 import pytest
+from torch import nn
 
 from zplan.api import compile_plan, prepare
 from zplan.codegen.script import precision_row
-from zplan.errors import PlanMismatchError, SpecError
+from zplan.errors import SpecError
 from zplan.schemas.spec import Pins
 
-# Llama-3 70B's shape: in bf16 on 64 H100s the search picks tp 2 (checked below, so the tp-1 check can fail)
+# Llama-3 70B's shape: in bf16 on 64 H100s the search picks tp 2 (checked below: a search that covers tp > 1)
 LLAMA_70B = "llama:layers=80,hidden=8192,heads=64,kv_heads=8,ffn=28672,seq=4096,vocab=128256"
 GPT_SMALL = "gpt:layers=4,hidden=256,heads=4,seq=128,vocab=1024"
 
@@ -20,28 +23,49 @@ def test_fp8_refused_without_fp8_tensor_cores(cluster):
         prepare(GPT_SMALL, 8 if cluster != "cpu-local" else 2, cluster, 8, None, "fp8", Pins())
 
 
-def test_fp8_with_pinned_tensor_parallel_is_refused():
-    request = prepare(GPT_SMALL, 8, "dgx-h100", 8, None, "fp8", Pins(tp=2))
-    with pytest.raises(SpecError, match=r"fp8 runs with tensor parallel 1 only.*--tp 1"):
-        compile_plan(request)
+def test_fp8_with_pinned_tensor_parallel_compiles():
+    plan = compile_plan(prepare(GPT_SMALL, 8, "dgx-h100", 8, None, "fp8", Pins(tp=2)))
+    assert (plan.train.precision, plan.parallel.tp, plan.pins.tp) == ("fp8", 2, 2)
 
 
-def test_fp8_search_keeps_tensor_parallel_1():
+def test_fp8_search_covers_tensor_parallel():
     bf16 = compile_plan(prepare(LLAMA_70B, 64, "dgx-h100", 64, None, "bf16", Pins()))
     fp8 = compile_plan(prepare(LLAMA_70B, 64, "dgx-h100", 64, None, "fp8", Pins()))
-    assert bf16.parallel.tp > 1  # else this test would not test the rule
-    assert (fp8.train.precision, fp8.parallel.tp) == ("fp8", 1)
-    assert fp8.pins.tp is None  # plan.pins records what was pinned, not the rule
+    assert bf16.parallel.tp > 1
+    assert fp8.train.precision == "fp8" and fp8.pins.tp is None
+    assert fp8.candidates_evaluated == bf16.candidates_evaluated  # the same layouts, tp > 1 among them
     row = precision_row(fp8)
     assert row.startswith("bf16 compute") and "Linear GEMMs in fp8" in row and "head in bf16" in row
 
 
-def test_runtime_refuses_fp8_with_tensor_parallel():
-    from zplan.runtime.float8 import check_float8_plan
+@pytest.mark.parametrize(("features", "style", "tp", "convertible"), [
+    ((64, 32), None, 1, True),
+    ((64, 32), "colwise", 2, True),  # 64 -> 16 on a rank
+    ((64, 32), "colwise", 4, False),  # 64 -> 8: the rank's GEMM has 8 output features
+    ((32, 64), "rowwise", 2, True),  # 32 -> 64 on a rank: in 16
+    ((32, 64), "rowwise", 4, False),  # in 8
+    ((32, 64), None, 4, True),  # not split: its own dims
+    ((24, 64), None, 1, False),
+])
+def test_fp8_convertible_counts_the_rank_share(features, style, tp, convertible):
+    from zplan.runtime.float8 import fp8_convertible
 
-    check_float8_plan(1)
-    with pytest.raises(PlanMismatchError, match=r"fp8 with tensor parallel \(tp=2\)"):
-        check_float8_plan(2)
+    assert fp8_convertible(nn.Linear(*features), style, tp) is convertible
+
+
+def test_float8_linears_get_the_float8_styles():
+    pytest.importorskip("torchao")
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from zplan.runtime.float8 import float8_parallel_styles
+    from zplan.runtime.tensor_parallel import block_styles
+
+    plan = {"attn.q": "colwise", "attn.o": "rowwise", "mlp.up": "colwise", "mlp.down": "rowwise"}
+    styles = block_styles(plan, False, [], float8_paths=frozenset({"attn.q", "attn.o"}))
+    float8_colwise, float8_rowwise = float8_parallel_styles()
+    assert type(styles["attn.q"]) is float8_colwise and type(styles["attn.o"]) is float8_rowwise
+    assert type(styles["mlp.up"]) is ColwiseParallel and type(styles["mlp.down"]) is RowwiseParallel  # left bf16
+    assert float8_colwise.__mro__[1].__name__ == "Float8ColwiseParallel"  # torchao's styles, collectives moved
 
 
 FP8_MEMORY_MODEL = '''"""A Llama whose MLP (b, s, ffn) tensors make fp8's cast temporaries bind the peak."""
