@@ -35,8 +35,9 @@ what bf16 tensor parallel sends, in bf16 (all-reduces, or under sequence paralle
 of (b, s, h)), the casts running after each gather: torchao's styles (and torchtitan) all-gather in fp8 instead,
 which halves the gathered bytes but which gloo cannot send (no float8 all-gather: the CPU tests). On top come the
 amax all-reduces, one scalar each: per block and micro-batch, forward one per split weight and per rowwise input,
-backward one per split weight (recast) and per colwise output gradient. With tp > 1 a Float8Linear saves its input
-for backward as the fp8 tensor the style cast (1 byte an element), not bf16.
+backward one per split weight (recast) and per colwise output gradient (planner.cost.step.fp8_amax_reduces prices
+them). With tp > 1 a Float8Linear saves its input for backward as the fp8 tensor the style cast (1 byte an element),
+not bf16 (the memory model counts bf16: an over-count).
 """
 
 from __future__ import annotations

@@ -85,6 +85,8 @@ class ModelNumbers:
     block_gemm_out_bytes: float = 0.0  # the block's projection outputs, per sample (selective recompute keeps them)
     block_attention_core_bytes: float = 0.0  # of block_act_bytes, an unfused attention core's (s, s) bytes per sample
     head_shared_params: float = 0.0  # parameters the head reads that the embedding owns (tied): the last stage's copy
+    block_colwise_linears: int = 0  # a block's Linears split by output features under tp (its tp_rules)
+    block_rowwise_linears: int = 0  # and by input features
 
     @staticmethod
     def from_summary(summary: ModelSummary) -> ModelNumbers:
@@ -111,4 +113,6 @@ class ModelNumbers:
             block_attention_core_bytes=float(np.mean([u.attention_core_bytes for u in blocks])),
             embed_act_bytes=float(sum(u.act_bytes for u in pre)),
             head_act_bytes=float(sum(u.act_bytes for u in post)),
+            block_colwise_linears=sum(rule.style == "colwise" for rule in summary.tp_rules),
+            block_rowwise_linears=sum(rule.style == "rowwise" for rule in summary.tp_rules),
         )

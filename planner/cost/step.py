@@ -6,7 +6,8 @@ where t_stage is one micro-batch's forward+backward on the slowest stage. Interl
 stage-to-stage sends by v; sends use the scatter/gather optimisation (b*s*h/tp bytes, Sec. 4.1).
 Tensor parallel (Megatron, Shoeybi et al. 2019): 2 all-reduces of b*s*h in the forward and 2 in the
 backward per block (+2 for a full recompute); with sequence parallel the same volume as
-all-gather + reduce-scatter (Korthikanti et al. Sec. 4.2.2). Not overlapped.
+all-gather + reduce-scatter (Korthikanti et al. Sec. 4.2.2); under fp8, one 8-byte amax all-reduce per cast of a
+split tensor (fp8_amax_reduces). Not overlapped.
 Data parallel / ZeRO (Rajbhandari et al. SC'20, Sec. 7), as zplan's runtime runs them: stages 0-1
 all-reduce the gradients once per step, overlapped with the last micro-batch's backward (DDP buckets),
 and stage 1 then all-gathers the updated weights (runtime/zero1.py: buckets of DDP_BUCKET_BYTES, one
@@ -68,6 +69,16 @@ ADAM_BYTES_PER_PARAM = 30.0  # reads fp32 w, g, m, v (16) + writes w, m, v (12) 
 # zero_grad (2); counted with a TorchDispatchMode on torch 2.13, independent of the parameter count.
 OPTIMIZER_STEP_OPS = 14
 SCALAR_BYTES = 4.0  # one fp32 scalar: the logged loss, the gradient norm
+AMAX_BYTES = 8.0  # torchao's amax all-reduce under tensor parallel: one float64
+
+
+def fp8_amax_reduces(model: ModelNumbers, recompute: np.ndarray) -> np.ndarray:
+    """Amax all-reduces over tp a block's fp8 casts make per micro-batch (runtime/float8.py's tensor-parallel styles:
+    a split tensor's scale is the whole tensor's): forward, every split weight and each row-split Linear's input
+    (c + 2r); backward, every split weight again and each column-split Linear's output gradient (2c + r); a full
+    recompute re-runs the forward's. c, r: the block's column- and row-split Linears."""
+    c, r = model.block_colwise_linears, model.block_rowwise_linears
+    return 3.0 * (c + r) + np.where(recompute == 2, c + 2.0 * r, 0.0)
 
 
 @dataclass(frozen=True)
@@ -190,6 +201,9 @@ def estimate_step(
     tp_collectives = 4.0 + 2.0 * (cand.recompute == 2)
     one = np.ones_like(t)
     block_tp_s = tp_collectives * all_reduce_s(b * s * h * elem, t, one, cluster)
+    if precision == "fp8":  # each cast of a tp-split tensor all-reduces its amax over tp (runtime/float8.py)
+        block_tp_s = block_tp_s + fp8_amax_reduces(model, cand.recompute) * all_reduce_s(
+            AMAX_BYTES * one, t, one, cluster)
     compute_mb = load * block_s
     tp_mb = np.floor(load) * block_tp_s
     stage_s = compute_mb + tp_mb

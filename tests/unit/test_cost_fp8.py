@@ -102,3 +102,22 @@ def test_every_built_in_profile_is_a_valid_profile_file(name):
 
     cluster = BUILTIN_CLUSTERS[name]
     assert ClusterSpec.model_validate_json(cluster.model_dump_json()) == cluster
+
+
+def test_fp8_tensor_parallel_adds_an_amax_all_reduce_per_cast_of_a_split_tensor():
+    """A Llama block (q, k, v, gate, up column-split; o, down row-split) at tp 2: forward 7 weights + 2 row inputs,
+    backward 7 weights + 5 column output gradients = 21 eight-byte all-reduces per block and micro-batch (+9 with full
+    recompute), on 4 blocks and 8 micro-batches (a 16-token vocabulary keeps the head under one block's time)."""
+    from dataclasses import replace
+
+    from zplan.planner.cost.comm import all_reduce_s
+    from zplan.planner.cost.step import estimate_step
+
+    llama = replace(model(), vocab=16, head_fwd_flops=2.0 * S * H * 16, block_colwise_linears=5,
+                    block_rowwise_linears=2)
+    one_reduce = all_reduce_s(np.array([8.0]), np.array([2]), np.array([1]), H100)[0]
+    for recompute, casts in ((0, 21), (2, 30)):
+        cand = one(recompute)
+        fp8 = estimate_step(llama, cand, H100, "fp8", global_batch=8 * B)
+        bf16 = estimate_step(llama, cand, H100, "bf16", global_batch=8 * B)
+        assert fp8.tensor_parallel_s[0] - bf16.tensor_parallel_s[0] == pytest.approx(8 * 4 * casts * one_reduce)
