@@ -7,17 +7,18 @@ planner/inference/throughput.py on the built-in profile of its GPU: static batch
 output tokens/s), in-flight batching at maximum load (current: output tokens/s) and batch-1 time to first token
 (v0.9.0 "Low Latency"). The max-load rows send R requests of one fixed length at once, so they run as waves of N
 requests (throughput.max_load_waves, N from the KV cache left after the weights). FP8 rows run on zplan's own fp8
-numerics (W8A8 block Linears at the fp8 peak, attention and the head in bf16: what runtime/inference/fp8.py runs),
-with TensorRT-LLM's fp8 KV cache, which zplan's engine does not build, as that engine's condition (serving_runs.py).
+numerics (W8A8 block Linears at the fp8 peak, the head in bf16: what runtime/inference/fp8.py runs), with TensorRT-LLM's
+fp8 KV cache and fp8 attention, which zplan's engine does not build, as that engine's condition (serving_runs.py).
 
 The profiles describe zplan's assumptions (GEMM efficiency curve, achieved memory bandwidth). TensorRT-LLM is matched
-through two named efficiencies shared by both its versions -- `compute`, the factor on the FLOPs time's achieved
-rate, and `memory`, on the bytes time's (throughput.EngineEfficiency) -- fitted by a grid search for the smallest
-mean |relative error| over the rows they are fitted on; nothing per row:
+through three named constants shared by both its versions -- `compute`, the factor on the FLOPs time's achieved
+rate, `memory`, on the bytes time's, and `pass_overhead_s`, a fixed cost per forward pass (launches, scheduling,
+sampling) (throughput.EngineEfficiency) -- fitted by a grid search for the smallest mean |relative error| over the
+rows they are fitted on; nothing per row:
 - in sample (key serving_mean_abs_error): fitted on every row;
 - leave one source out (key serving_loso_mean_abs_error, the headline): each source predicted with the
-  efficiencies fitted on the other source only;
-- raw (key serving_raw_mean_abs_error): the profiles as they are, efficiencies (1, 1).
+  constants fitted on the other source only;
+- raw (key serving_raw_mean_abs_error): the profiles as they are, efficiencies (1, 1), no overhead.
 The error of a row is predicted / measured - 1 of its metric (tokens/s, or seconds to the first token).
 coverage: expressible rows over all rows.
 """
@@ -51,6 +52,7 @@ from zplan.planner.inference.throughput import (  # noqa: E402
 DEFAULT_REFERENCE = REPO.parent / "shared" / "reference"
 RATIOS = np.geomspace(0.05, 20.0, 241)  # memory / compute efficiency
 MEMORY = np.geomspace(0.1, 2.0, 241)  # memory efficiency
+PASS_OVERHEAD_S = np.array([0.0, 0.25e-3, 0.5e-3, 1e-3, 2e-3, 3e-3, 5e-3, 8e-3, 12e-3, 20e-3])  # per forward pass
 
 
 @dataclass(frozen=True)
@@ -68,11 +70,13 @@ class Priced:
         return seconds if self.numerator is None else self.numerator / seconds
 
     def predict_grid(self) -> np.ndarray:
-        """The metric over RATIOS x MEMORY: max(c / e_c, m / e_m) = max(c * r, m) / e_m with r = e_m / e_c."""
+        """The metric over RATIOS x MEMORY x PASS_OVERHEAD_S: max(c / e_c, m / e_m) = max(c * r, m) / e_m with
+        r = e_m / e_c, plus the overhead times the passes."""
         s = self.steps
         shape = np.sum(s.count[:, None] * np.maximum(s.compute_s[:, None] * RATIOS[None, :], s.memory_s[:, None]),
                        axis=0)
         seconds = shape[:, None] / MEMORY[None, :] + float(np.sum(s.count * s.comm_s))
+        seconds = seconds[:, :, None] + PASS_OVERHEAD_S[None, None, :] * float(np.sum(s.count))
         return seconds if self.numerator is None else self.numerator / seconds
 
 
@@ -96,10 +100,16 @@ def price(run: ServingRun) -> Priced | str:
 
 
 def fit(priced: list[Priced]) -> EngineEfficiency:
-    """The (compute, memory) efficiencies of the grid with the smallest mean |relative error| over `priced`."""
+    """The (compute, memory, per-pass overhead) of the grid with the smallest mean |relative error| over `priced`."""
     errors = np.mean([np.abs(p.predict_grid() / p.run.measured - 1.0) for p in priced], axis=0)
-    i, j = np.unravel_index(int(np.argmin(errors)), errors.shape)
-    return EngineEfficiency(compute=float(MEMORY[j] / RATIOS[i]), memory=float(MEMORY[j]))
+    i, j, k = np.unravel_index(int(np.argmin(errors)), errors.shape)
+    return EngineEfficiency(compute=float(MEMORY[j] / RATIOS[i]), memory=float(MEMORY[j]),
+                            pass_overhead_s=float(PASS_OVERHEAD_S[k]))
+
+
+def named(eff: EngineEfficiency) -> dict[str, float]:
+    return {"tensorrt-llm compute": eff.compute, "tensorrt-llm memory": eff.memory,
+            "tensorrt-llm pass overhead s": eff.pass_overhead_s}
 
 
 def mean(values) -> float:
@@ -152,13 +162,12 @@ def validate(reference: Path) -> dict:
         "coverage": len(rows) / total,
         "expressible_rows": len(rows),
         "all_rows": total,
-        "engine_efficiencies": {"tensorrt-llm compute": in_sample.compute, "tensorrt-llm memory": in_sample.memory},
+        "engine_efficiencies": named(in_sample),
         "serving_mean_abs_error": mean(abs(r["error"]) for r in rows),
         "serving_loso_mean_abs_error": mean(abs(r["loso_error"]) for r in rows),
         "serving_raw_mean_abs_error": mean(abs(r["raw_error"]) for r in rows),
         "by_source": {source: {**summary([r for r in rows if r["source"] == source]),
-                               "efficiencies_used": {"tensorrt-llm compute": loso[source].compute,
-                                                     "tensorrt-llm memory": loso[source].memory}}
+                               "efficiencies_used": named(loso[source])}
                       for source in by_source},
         "by_condition": {name: summary(selected) for name, selected in conditions.items()},
     }
@@ -193,13 +202,13 @@ def main() -> None:
         used = f["efficiencies_used"]
         print(f"  {source[:45]:45s} {f['rows']:4d} rows  {f['loso_mean_abs_error']:6.1%} | {f['mean_abs_error']:6.1%}"
               f" | {f['raw_mean_abs_error']:6.1%}   compute {used['tensorrt-llm compute']:.2f}, memory "
-              f"{used['tensorrt-llm memory']:.2f}")
+              f"{used['tensorrt-llm memory']:.2f}, {used['tensorrt-llm pass overhead s'] * 1e3:.2f} ms a pass")
     print("by condition:")
     for name, f in result["by_condition"].items():
         print(f"  {name:45s} {f['rows']:4d} rows  {f['loso_mean_abs_error']:6.1%} | {f['mean_abs_error']:6.1%}"
               f" | {f['raw_mean_abs_error']:6.1%}")
     eff = result["engine_efficiencies"]
-    print("\nengine efficiencies (all rows): " + ", ".join(f"{k} {v:.2f}" for k, v in eff.items()))
+    print("\nengine constants (all rows): " + ", ".join(f"{k} {v:.4g}" for k, v in eff.items()))
     print(f"coverage {result['coverage']:.0%} ({result['expressible_rows']} of {result['all_rows']} rows); "
           f"mean |error| leave-one-source-out {result['serving_loso_mean_abs_error']:.1%}, "
           f"in sample {result['serving_mean_abs_error']:.1%}, raw {result['serving_raw_mean_abs_error']:.1%}")

@@ -121,10 +121,11 @@ class EngineEfficiency:
     """A serving engine's achieved fraction of the profile's compute and memory rooflines, relative to what the
     profile already assumes (its GEMM efficiency curve and memory_bound fraction): (1, 1) prices zplan's engine
     on the profile as is; another engine's (a benchmark's fit) scales the FLOPs time by 1 / compute and the bytes
-    time by 1 / memory."""
+    time by 1 / memory, and adds a fixed pass_overhead_s to every forward pass."""
 
     compute: float = 1.0
     memory: float = 1.0
+    pass_overhead_s: float = 0.0  # fixed seconds per forward pass (launches, scheduling, sampling) beyond the roofline
 
 
 ZPLAN_ENGINE = EngineEfficiency()
@@ -140,8 +141,10 @@ class Steps:
     comm_s: np.ndarray  # tensor-parallel all-reduces
 
     def seconds(self, eff: EngineEfficiency = ZPLAN_ENGINE) -> float:
-        """The roofline of each pass -- the longer of its FLOPs and its bytes -- plus its all-reduces, summed."""
-        per_pass = np.maximum(self.compute_s / eff.compute, self.memory_s / eff.memory) + self.comm_s
+        """The roofline of each pass -- the longer of its FLOPs and its bytes -- plus its all-reduces and the engine's
+        fixed cost per pass, summed."""
+        roofline = np.maximum(self.compute_s / eff.compute, self.memory_s / eff.memory)
+        per_pass = roofline + self.comm_s + eff.pass_overhead_s
         return float(np.sum(self.count * per_pass))
 
 
