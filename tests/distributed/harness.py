@@ -196,12 +196,16 @@ def run_emitted_script(plan: Plan, model_path: Path, out_dir: Path, *, steps: in
 
 def train_single_process(build_model: Callable[[], torch.nn.Module], *, steps: int, seed: int, lr: float,
                          global_batch: int, vocab: int, seq_len: int, device: str = "cpu",
-                         dtype: torch.dtype = torch.float32) -> tuple[list[float], dict[str, torch.Tensor]]:
+                         dtype: torch.dtype = torch.float32, parts: int = 1
+                         ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """What the emitted script must reproduce: one process, the whole global batch at once, plain torch
     AdamW (fused, as the runtime uses) under the same LR schedule and clipping, on `device`;
     (losses, final weights on the CPU). `dtype` bf16/fp16: mixed precision as the ZeRO paper has it, written here
     from scratch: the model's parameters in `dtype`, an fp32 master copy of each that AdamW steps on the gradient
-    upcast, the parameter then rounded from it; the loss in fp32 on the 16-bit logits; the masters returned."""
+    upcast, the parameter then rounded from it; the loss in fp32 on the 16-bit logits; the masters returned.
+    `parts` > 1: each step's batch runs as that many consecutive slices whose gradients accumulate (each loss /
+    parts; the step's loss is their sum), so that an op that depends on its whole input (fp8's per-tensor scale)
+    sees the rows one data-parallel rank of `parts` sees."""
     torch.manual_seed(seed)
     model = build_model().to(device)
     params = list(model.parameters())
@@ -220,9 +224,12 @@ def train_single_process(build_model: Callable[[], torch.nn.Module], *, steps: i
         for group in optimizer.param_groups:
             group["lr"] = schedule(step)
         tokens = synthetic_token_batch(vocab, seq_len, global_batch, seed, step).to(device)  # (B, T)
-        logits = model(tokens)  # (B, T, V)
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), tokens[:, 1:].reshape(-1))
-        loss.backward()
+        loss = 0.0
+        for part in tokens.chunk(parts):  # (B / parts, T)
+            logits = model(part)  # (B / parts, T, V)
+            part_loss = F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), part[:, 1:].reshape(-1)) / parts
+            part_loss.backward()
+            loss = loss + part_loss.detach()
         for p, master in zip(params, masters, strict=True):
             if master is not p:
                 master.grad = p.grad.float()

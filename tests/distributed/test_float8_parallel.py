@@ -9,13 +9,14 @@ compute copies).
 
 The reference is independent of zplan's runtime: one process, the model's block Linears converted by torchao
 directly (convert_to_float8_training, the same dims filter), bf16 parameters with fp32 masters stepped by torch's
-fused AdamW, each step's global batch run as two halves whose gradients accumulate (train_in_halves): fp8's
-tensorwise scales are per GEMM call, so each GEMM then scales by the amax of the same rows as on the data-parallel
-rank holding that half. Measured on this machine (4 steps, losses ~4.85, near ln 128 as the tiny model starts):
-step 1's loss (the same fp8 forward) within 2.4e-7 of the reference for ZeRO-1 and ZeRO-3, while the same model in
-bf16 is 1.4e-5 away, so FIRST_LOSS_TOLERANCE tells an fp8 run from a bf16 one (the fixture checks it); later steps
-within 3.0e-4 (ZeRO-1: its bf16 gradients are averaged over the ranks in bf16, the reference adds them in bf16 in
-another order, and AdamW magnifies such differences in near-zero gradients) and 8.5e-5 (ZeRO-3: fp32 gradients).
+fused AdamW, each step's global batch run as two halves whose gradients accumulate (harness.train_single_process,
+parts=2): fp8's tensorwise scales are per GEMM call, so each GEMM then scales by the amax of the same rows as on the
+data-parallel rank holding that half. Measured on this machine (4 steps, losses ~4.85, near ln 128 as the tiny model
+starts): step 1's loss (the same fp8 forward) within 2.4e-7 of the reference for ZeRO-1 and ZeRO-3, while the same
+model in bf16 is 1.4e-5 away, so FIRST_LOSS_TOLERANCE tells an fp8 run from a bf16 one (the fixture checks it);
+later steps within 3.0e-4 (ZeRO-1: its bf16 gradients are averaged over the ranks in bf16, the reference adds them
+in bf16 in another order, and AdamW magnifies such differences in near-zero gradients) and 8.5e-5 (ZeRO-3: fp32
+gradients).
 
 Tensor parallel (tp 2 on the 2 processes, dp 1, sequence parallel; without it measured the same): a tiny Llama of
 hidden 64 (TP_LLAMA: the zoo's hidden 32 leaves k_proj and v_proj 8 output features a rank, which stay bf16 under tp
@@ -43,7 +44,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.harness import Ranks, import_file, max_loss_diff, run_emitted_script
+from tests.distributed.harness import Ranks, import_file, max_loss_diff, run_emitted_script, train_single_process
 from tests.hf_zoo import deterministic_decoder_sources
 from zplan.schemas import Pins
 
@@ -108,48 +109,10 @@ class LogitsOf(torch.nn.Module):
         return self.model(input_ids=tokens, use_cache=False).logits
 
 
-def train_in_halves(build_model, *, steps: int, seed: int, lr: float, parts: int) -> list[float]:
-    """train_single_process's loop (bf16 parameters, fp32 masters stepped by torch's fused AdamW, the same schedule,
-    clipping and synthetic batches) with each step's global batch run as `parts` consecutive slices whose gradients
-    accumulate (each loss / parts): every fp8 GEMM then sees, and scales by the amax of, the same rows as on the
-    data-parallel rank that holds that slice. Returns each step's mean loss."""
-    import torch.nn.functional as F
-
-    from tests.distributed.harness import GRAD_CLIP, WEIGHT_DECAY
-    from zplan.runtime.data import synthetic_token_batch
-    from zplan.runtime.train_loop import WarmupCosine
-
-    torch.manual_seed(seed)
-    model = build_model()
-    params = list(model.parameters())
-    masters = [p.detach().clone() for p in params]  # fp32: the weights as built
-    for p in params:
-        p.data = p.data.to(torch.bfloat16)
-    optimizer = torch.optim.AdamW(
-        [{"params": [m for m in masters if m.dim() >= 2], "weight_decay": WEIGHT_DECAY},
-         {"params": [m for m in masters if m.dim() < 2], "weight_decay": 0.0}], lr=lr, fused=True)
-    schedule = WarmupCosine(max_lr=lr, warmup_steps=max(1, steps // 10), total_steps=steps)
-    losses = []
-    for step in range(steps):
-        for group in optimizer.param_groups:
-            group["lr"] = schedule(step)
-        tokens = synthetic_token_batch(VOCAB, SEQ_LEN, GLOBAL_BATCH, seed, step)  # (B, T)
-        total = 0.0
-        for part in tokens.chunk(parts):  # (B / parts, T)
-            logits = model(part)  # (B / parts, T, V)
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB).float(), part[:, 1:].reshape(-1)) / parts
-            loss.backward()
-            total += loss.item()
-        for p, master in zip(params, masters, strict=True):
-            master.grad = p.grad.float()
-        torch.nn.utils.clip_grad_norm_(masters, GRAD_CLIP)
-        optimizer.step()
-        optimizer.zero_grad()
-        model.zero_grad()
-        with torch.no_grad():
-            for p, master in zip(params, masters, strict=True):
-                p.copy_(master)
-        losses.append(total)
+def train_in_parts(build_model, parts: int) -> list[float]:
+    """The single-process reference in bf16 with fp32 masters, each step's batch in `parts` slices (harness)."""
+    losses, _ = train_single_process(build_model, steps=STEPS, seed=SEED, lr=LR, global_batch=GLOBAL_BATCH,
+                                     vocab=VOCAB, seq_len=SEQ_LEN, dtype=torch.bfloat16, parts=parts)
     return losses
 
 
@@ -157,8 +120,8 @@ def train_in_halves(build_model, *, steps: int, seed: int, lr: float, parts: int
 def reference(tmp_path_factory):
     model = llama_file(tmp_path_factory.mktemp("zoo"))
     build = import_file(model, "fp8_reference_llama").build_model
-    fp8 = train_in_halves(fp8_reference_model(build), steps=STEPS, seed=SEED, lr=LR, parts=WORLD)
-    bf16 = train_in_halves(lambda: LogitsOf(build()), steps=STEPS, seed=SEED, lr=LR, parts=WORLD)
+    fp8 = train_in_parts(fp8_reference_model(build), WORLD)
+    bf16 = train_in_parts(lambda: LogitsOf(build()), WORLD)
     print(f"fp8 reference {fp8}, bf16 {bf16}: max diff {max_loss_diff(fp8, bf16):.2e}")
     assert abs(fp8[0] - bf16[0]) > 5 * FIRST_LOSS_TOLERANCE  # step 1's tolerance tells an fp8 run from a bf16 one
     return model, fp8
@@ -186,8 +149,8 @@ def tp_reference(tmp_path_factory):
     model = tmp_path_factory.mktemp("zoo") / "hf_llama64.py"
     model.write_text(TP_LLAMA)
     build = import_file(model, "fp8_reference_llama64").build_model
-    fp8 = train_in_halves(fp8_reference_model(build), steps=STEPS, seed=SEED, lr=LR, parts=1)
-    bf16 = train_in_halves(lambda: LogitsOf(build()), steps=STEPS, seed=SEED, lr=LR, parts=1)
+    fp8 = train_in_parts(fp8_reference_model(build), 1)
+    bf16 = train_in_parts(lambda: LogitsOf(build()), 1)
     print(f"fp8 reference {fp8}, bf16 {bf16}: max diff {max_loss_diff(fp8, bf16):.2e}")
     assert abs(fp8[0] - bf16[0]) > 1.5 * TP_FIRST_LOSS_TOLERANCE  # step 1's tolerance tells fp8 from bf16
     return model, fp8, bf16
