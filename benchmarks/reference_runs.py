@@ -143,7 +143,7 @@ def training_run(row: dict, label: str) -> ReferenceRun | str:
     mode = "full" if recompute.startswith("full") else "selective" if "selective" in recompute else "none"
     micro = _int(row["micro_batch"])
     dp = gpus // (tp * pp)
-    virtual = re.search(r"\bVP=(\d+)", row["notes"])  # NeMo's virtual pipeline size: model chunks per stage
+    virtual = re.search(r"\bVP=([1-9]\d*)", row["notes"])  # NeMo's virtual pipeline size: model chunks per stage
     if virtual and pp > 1 and int(row["layers"]) % (pp * int(virtual.group(1))):
         return (f"uneven interleaved stages: {row['layers']} blocks in pp {pp} x VP {virtual.group(1)} chunks "
                 "(zplan's interleaved schedule splits them evenly)")

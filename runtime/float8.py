@@ -48,8 +48,8 @@ import torch
 from torch import nn
 
 from zplan.errors import PlanMismatchError
+from zplan.schemas.capability import FP8_DIM_MULTIPLE
 
-FP8_DIM_MULTIPLE = 16  # torch._scaled_mm needs both GEMM dims divisible by 16 (torchao _auto_filter_for_tensorwise)
 FP8_MIN_CAPABILITY = (8, 9)  # sm_89 (Ada) and later have fp8 tensor cores
 
 

@@ -157,7 +157,7 @@ def check_plan(plan: Plan, model_path: str | Path | None, world_size: int) -> No
         )
     problems += [f"the runtime does not run {gap}" for gap in runtime_gaps(plan)]
     problems += capability_problems(plan.model.traits, p.tp, p.pp, p.sequence_parallel,
-                                    block_tokens=plan.model.block_tokens)
+                                    block_tokens=plan.model.block_tokens, fp8=plan.train.precision == "fp8")
     missing = missing_torch_features(plan)
     if missing:
         import torch

@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-Capability = Literal["tensor_parallel", "sequence_parallel", "pipeline"]
+Capability = Literal["tensor_parallel", "sequence_parallel", "pipeline", "fp8"]
 CAPABILITIES: tuple[str, ...] = Capability.__args__
 
 TraitKind = Literal[
@@ -25,7 +25,9 @@ TraitKind = Literal[
     "forward_not_split_by_heads",
     "forward_not_split_by_stages",
     "several_block_stacks",
+    "no_fp8_linears",
 ]
+FP8_DIM_MULTIPLE = 16  # an fp8 GEMM (torch._scaled_mm) needs both of a Linear's widths divisible by 16
 
 
 class ModelTrait(BaseModel):
@@ -73,14 +75,19 @@ RULES: dict[str, Rule] = {
     "several_block_stacks": Rule(
         blocks=("pipeline",),
         why="the model runs more than one stack of blocks (an encoder and a decoder), and a pipeline cuts one"),
+    "no_fp8_linears": Rule(
+        blocks=("fp8",),
+        why=f"fp8 training converts the blocks' nn.Linear modules whose widths are multiples of {FP8_DIM_MULTIPLE} "
+            "(runtime/float8.py), and a block has none"),
 }
 
 # The pin that asks for each capability, and the plan.json field that holds it.
-PIN_OF: dict[str, str] = {"tensor_parallel": "--tp", "sequence_parallel": "--sequence-parallel", "pipeline": "--pp"}
+PIN_OF: dict[str, str] = {"tensor_parallel": "--tp", "sequence_parallel": "--sequence-parallel", "pipeline": "--pp",
+                          "fp8": "--precision fp8"}
 FIELD_OF: dict[str, str] = {"tensor_parallel": "parallel.tp", "sequence_parallel": "parallel.sequence_parallel",
-                            "pipeline": "parallel.pp"}
+                            "pipeline": "parallel.pp", "fp8": "train.precision"}
 FIX_OF: dict[str, str] = {"tensor_parallel": "--tp 1", "sequence_parallel": "no --sequence-parallel",
-                          "pipeline": "--pp 1"}
+                          "pipeline": "--pp 1", "fp8": "--precision bf16"}
 
 
 def blocking(traits: list[ModelTrait], capability: str) -> list[ModelTrait]:
@@ -107,11 +114,12 @@ def sequence_parallel_fits(block_tokens: int | None, tp):
 
 
 def capability_problems(traits: list[ModelTrait], tp: int, pp: int, sequence_parallel: bool,
-                        names: dict[str, str] = FIELD_OF, block_tokens: int | None = None) -> list[str]:
-    """What in a configuration (tp, pp, sequence_parallel) the runtime cannot run on a model with `traits`, one
-    message per capability naming what asked for it (`names`: the plan field, or PIN_OF for the pin), the module
-    and the fix; empty when it runs."""
-    asked = {"tensor_parallel": tp > 1, "sequence_parallel": sequence_parallel, "pipeline": pp > 1}
+                        names: dict[str, str] = FIELD_OF, block_tokens: int | None = None,
+                        fp8: bool = False) -> list[str]:
+    """What in a configuration (tp, pp, sequence_parallel, fp8 training) the runtime cannot run on a model with
+    `traits`, one message per capability naming what asked for it (`names`: the plan field, or PIN_OF for the pin),
+    the module and the fix; empty when it runs."""
+    asked = {"tensor_parallel": tp > 1, "sequence_parallel": sequence_parallel, "pipeline": pp > 1, "fp8": fp8}
     problems = [f"{names[c]}: the runtime cannot run {c.replace('_', ' ')} on this model: {explain(traits, c)}; "
                 f"use {FIX_OF[c]}" for c, wanted in asked.items() if wanted and not allows(traits, c)]
     if sequence_parallel and allows(traits, "sequence_parallel") and not sequence_parallel_fits(block_tokens, tp):

@@ -66,7 +66,7 @@ def prepare(model_ref: str, gpus: int, cluster: str, global_batch: int | None, s
     check_delayed_update(delayed_update, pins)
     check_compression(pins.compress, pins, gpus, delayed_update)
     _, summary = summarize_model(model_ref, seq_len, compute_dtype(precision))
-    check_pins_against_model(pins, summary)
+    check_pins_against_model(pins, summary, precision)
     check_model_for_compression(pins.compress, summary)
     batch = global_batch if global_batch is not None else default_global_batch(gpus)
     dp = pins.dp or (gpus // (pins.tp * pins.pp) if pins.tp and pins.pp else None)
@@ -125,11 +125,11 @@ def check_pins(gpus: int, pins: Pins) -> None:
                         "or 3.")
 
 
-def check_pins_against_model(pins: Pins, summary: ModelSummary) -> None:
+def check_pins_against_model(pins: Pins, summary: ModelSummary, precision: str = "bf16") -> None:
     """A pin asking for a parallelism the runtime cannot run on this model fails here, naming the module and the
     pin to change (schemas.capability)."""
     problems = capability_problems(summary.traits, pins.tp or 1, pins.pp or 1, bool(pins.sequence_parallel),
-                                   names=PIN_OF, block_tokens=summary.block_tokens)
+                                   names=PIN_OF, block_tokens=summary.block_tokens, fp8=precision == "fp8")
     if problems:
         raise SpecError("; ".join(problems) + ".")
 

@@ -33,11 +33,12 @@ from functools import cache
 import torch
 
 from zplan.errors import ZplanError
+from zplan.runtime.float8 import FP8_MIN_CAPABILITY
+from zplan.schemas.capability import FP8_DIM_MULTIPLE
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 MIN_SCALE = 1e-12  # an all-zero row keeps a positive scale (its fp8 values are 0)
-MIN_CUDA_CAPABILITY = (8, 9)  # fp8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell (10.x)
 KERNELS = ("rowwise", "tensorwise", "reference")
 
 
@@ -96,7 +97,7 @@ def check_device(device: torch.device) -> str:
     device = torch.device(device)
     if device.type == "cuda":
         capability = torch.cuda.get_device_capability(device)
-        if capability < MIN_CUDA_CAPABILITY:
+        if capability < FP8_MIN_CAPABILITY:
             name = torch.cuda.get_device_name(device)
             raise ZplanError(
                 f"weight precision fp8 needs fp8 tensor cores (CUDA capability 8.9 or newer: L40S, H100, H200, B200); "
@@ -106,8 +107,8 @@ def check_device(device: torch.device) -> str:
 
 
 def check_shape(name: str, out_features: int, in_features: int, device: torch.device) -> None:
-    """_scaled_mm on CUDA needs both widths of the weight to be multiples of 16."""
-    if torch.device(device).type == "cuda" and (out_features % 16 or in_features % 16):
+    """_scaled_mm on CUDA needs both widths of the weight to be multiples of FP8_DIM_MULTIPLE."""
+    if torch.device(device).type == "cuda" and (out_features % FP8_DIM_MULTIPLE or in_features % FP8_DIM_MULTIPLE):
         raise ZplanError(f"{name} is {out_features} x {in_features} on this tensor-parallel rank: fp8 GEMMs on CUDA "
                          "need both widths to be multiples of 16; use --precision int8 or bf16 for this model.")
 

@@ -101,3 +101,28 @@ def test_fp8_memory_prediction_covers_the_dry_run(tmp_path):
     print(f"fp8 peak: measured {rank.measured_peak_bytes} B, predicted {rank.predicted_peak_bytes:.0f} B "
           f"({error:+.1%})")
     assert 0 <= error < 0.15
+
+
+def test_compile_refuses_fp8_for_a_model_whose_blocks_have_no_fp8_linear(tmp_path):
+    """GPT-2's projections are transformers' Conv1D, not nn.Linear: fp8 would convert nothing (the runtime refuses it
+    after the launch), so compile refuses --precision fp8 naming the block (schemas.capability 'no_fp8_linears');
+    bf16 compiles, and a Llama of the same size (nn.Linear, widths multiples of 16: hidden 32 -> 64 features)
+    compiles in fp8."""
+    pytest.importorskip("transformers")
+    from tests.hf_zoo import write_model_files
+
+    files = write_model_files(tmp_path)
+    with pytest.raises(SpecError, match=r"--precision fp8: .*transformer\.h\.0 .*use --precision bf16"):
+        prepare(str(files["gpt2"]), 8, "dgx-h100", 8, None, "fp8", Pins())
+    assert prepare(str(files["gpt2"]), 8, "dgx-h100", 8, None, "bf16", Pins()).train.precision == "bf16"
+    assert prepare(str(files["llama"]), 8, "dgx-h100", 8, None, "fp8", Pins()).train.precision == "fp8"
+
+
+def test_train_py_refuses_an_fp8_plan_json_for_such_a_model():
+    """The emitted program's check (runtime.plan_check through schemas.capability) names train.precision."""
+    from zplan.schemas.capability import ModelTrait, capability_problems
+
+    trait = ModelTrait(kind="no_fp8_linears", module="blocks.0", detail="no nn.Linear")
+    assert capability_problems([trait], 1, 1, False) == []
+    [problem] = capability_problems([trait], 1, 1, False, fp8=True)
+    assert problem.startswith("train.precision: the runtime cannot run fp8 on this model: blocks.0 (no nn.Linear)")
