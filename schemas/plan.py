@@ -31,7 +31,10 @@ class Fingerprint(_Frozen):
 class ParallelConfig(_Frozen):
     tp: int = Field(gt=0, description="Tensor-parallel degree (innermost mesh dim).")
     pp: int = Field(gt=0, description="Pipeline stages.")
-    dp: int = Field(gt=0, description="Data-parallel replicas (mesh order pp, dp, tp: tp innermost).")
+    dp: int = Field(gt=0, description="Data-parallel replicas (mesh order pp, dp, cp, tp: tp innermost).")
+    cp: int = Field(default=1, gt=0, description="Context-parallel degree: each sequence split over cp GPUs (2 * cp "
+                                                  "chunks, rank r holding chunks r and 2cp-1-r); the gradients are "
+                                                  "reduced and ZeRO shards over dp * cp.")
     micro_batch: int = Field(gt=0, description="Sequences per micro-batch per data-parallel rank.")
     num_micro_batches: int = Field(gt=0, description="Micro-batches per step (gradient accumulation).")
     zero_stage: Literal[0, 1, 2, 3] = Field(description="ZeRO stage over the data-parallel dim.")
