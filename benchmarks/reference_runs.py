@@ -3,14 +3,15 @@
     runs, refused = load_reference_runs(reference_dir)   # ReferenceRun each, and {row label: reason} for the rest
 
 A row is expressible when zplan can state its configuration: a built-in profile for its GPU, a precision the cost
-model prices (bf16 / fp16 mixed, fp8 in any of its scalings; not fp4 yet), no context parallelism, interleaved stages
-that split the blocks evenly, the parallel layout and global batch printed (dp = gpus / (tp * pp)), and a measured
-time: the iteration time, else tokens/s per GPU, else TFLOP/s per GPU with the FLOPs formula the source names
+model prices (bf16 / fp16 mixed, fp8 in any of its scalings; not fp4 yet), no context parallelism, the parallel
+layout and global batch printed (dp = gpus / (tp * pp)), and a measured time: the iteration time, else tokens/s per
+GPU, else TFLOP/s per GPU with the FLOPs formula the source names
 (Narayanan et al. SC'21 Eq. 3 for Megatron 2021 and DeepSpeed: counts the recomputed forward; Megatron-LM's README
 counts model FLOPs, 72 B s l h^2 (1 + s/(6h) + V/(12 h l)), Korthikanti et al. 2023). Each row's software stack (the
 `stack` key) is named from its source and data-parallel column; the validation fits a few constants per stack
 (benchmarks/validate_cost_model.py), nothing per row. NeMo's virtual pipeline size (VP=N in the notes) is pinned as
-the interleave.
+the interleave; where it does not split the blocks evenly (Llama 3.1 405B's 126 blocks), zplan counts the embedding
+and the head as a block each, as Megatron-Core's recipes do (planner.search.interleaved_partition).
 """
 
 from __future__ import annotations
@@ -144,9 +145,6 @@ def training_run(row: dict, label: str) -> ReferenceRun | str:
     micro = _int(row["micro_batch"])
     dp = gpus // (tp * pp)
     virtual = re.search(r"\bVP=([1-9]\d*)", row["notes"])  # NeMo's virtual pipeline size: model chunks per stage
-    if virtual and pp > 1 and int(row["layers"]) % (pp * int(virtual.group(1))):
-        return (f"uneven interleaved stages: {row['layers']} blocks in pp {pp} x VP {virtual.group(1)} chunks "
-                "(zplan's interleaved schedule splits them evenly)")
     pins = Pins(tp=tp, pp=pp, dp=dp, zero=zero if dp > 1 else 0, offload=offload, micro_batch=micro,
                 recompute=mode, sequence_parallel=False if tp == 1 else None,
                 interleave=int(virtual.group(1)) if virtual and pp > 1 else None)

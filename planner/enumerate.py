@@ -1,8 +1,9 @@
 """All legal configurations as numpy arrays (DESIGN.md decision 3: enumerate, then prune).
 
 Legality (the rules of ``_grid``, each named with the pins it constrains): dp * tp * pp = gpus; heads and kv_heads
-divisible by tp (a pinned tp too); at least one block per pipeline chunk (pp * v <= blocks) and, when
-interleaved, blocks divisible by pp * v and micro-batches by pp (Megatron's interleaved schedule); a pipeline
+divisible by tp (a pinned tp too); at least one block per pipeline stage (pp <= blocks) and, when
+interleaved, one block, the embedding or the head per chunk (pp * v <= blocks + 2; Megatron-Core's split that counts
+the embedding and the head as a block each where the blocks do not divide) and micro-batches divisible by pp; a pipeline
 runs at least pp micro-batches (1F1B's warm-up fills every stage); tp > 1, sequence parallel and pp > 1 only
 where the runtime runs them on this model (schemas.capability, from the traits the tracer found); the global
 batch divisible by dp * micro_batch; sequence parallel only with tp > 1; offload (CPU or NVMe) only with
@@ -121,9 +122,10 @@ def _grid(model: ModelSummary, cluster: ClusterSpec, gpus: int, global_batch: in
         Rule(f"NVMe offload needs a cluster with NVMe, and {cluster.name} has none", ("offload",),
              (off < 2) | (cluster.nvme_bytes > 0)),
         Rule("interleave > 1 needs a pipeline (pp > 1)", ("interleave", "pp"), (v == 1) | (p > 1)),
-        Rule(f"pp * interleave <= the {blocks} blocks, and divides them when interleaved (Megatron's "
-             "interleaved schedule)", ("pp", "interleave"),
-             (p * v <= blocks) & ((v == 1) | (blocks % (p * v) == 0))),
+        Rule(f"pp <= the {blocks} blocks, and pp * interleave <= the blocks + 2 when interleaved (the embedding "
+             "and the head count as a block each where the blocks do not divide: planner.search."
+             "interleaved_partition)", ("pp", "interleave"),
+             (p <= blocks) & ((v == 1) | (p * v <= blocks + 2))),
         Rule(f"a pipeline gets at least pp micro-batches: the global batch {global_batch} >= dp * micro-batch * "
              "pp (1F1B fills every stage)", ("pp", "micro_batch", "dp", "tp"),
              (p == 1) | (micro_batches >= p)),
@@ -192,6 +194,7 @@ def explain_no_candidates(model: ModelSummary, cluster: ClusterSpec, gpus: int, 
             if len(enumerate_candidates(model, cluster, gpus, global_batch, pins.model_copy(update={f: None})))]
     if drop:
         return f"{head}: the pins conflict with each other; dropping any one of {', '.join(drop)} leaves legal ones."
-    return (f"{head}: check that tp divides the {model.heads} heads, pp * interleave <= {model.num_blocks} blocks, "
+    return (f"{head}: check that tp divides the {model.heads} heads, "
+            f"pp * interleave <= {model.num_blocks + 2} (the blocks, the embedding and the head), "
             f"dp*tp*pp = {gpus}, the global batch {global_batch} divides by dp*micro_batch, and a pipeline gets at "
             "least pp micro-batches (global batch >= dp * micro_batch * pp).")

@@ -68,13 +68,22 @@ def partition_for(summary: ModelSummary, cand: Candidates, cluster: ClusterSpec,
 
 
 def interleaved_partition(summary: ModelSummary, unit_time_s: np.ndarray, chunks: int) -> PartitionResult:
-    """Megatron's interleaved layout: blocks split evenly over the chunks (enumeration made them
-    divide), units before the blocks join the first chunk and units after them the last."""
+    """Megatron's interleaved layout. When the blocks divide by the chunks: an equal share each, the units before
+    the blocks joining the first chunk and those after them the last. Otherwise the embedding and the head count
+    as one block each (Megatron-Core's account_for_embedding_in_pipeline_split and
+    account_for_loss_in_pipeline_split): the L + 2 positions are split as evenly as they go, so the first chunk
+    gives up a block for the embedding (or holds only it) and the last one for the head."""
     kinds = [u.kind for u in summary.layers]
     first = kinds.index("block")
     last = len(kinds) - 1 - kinds[::-1].index("block")
-    bounds = [(first + a, first + b) for a, b in uniform_partition(last - first + 1, chunks)]
-    bounds[0], bounds[-1] = (0, bounds[0][1]), (bounds[-1][0], len(kinds) - 1)
+    blocks = last - first + 1
+    if blocks % chunks == 0:
+        bounds = [(first + a, first + b) for a, b in uniform_partition(blocks, chunks)]
+        bounds[0], bounds[-1] = (0, bounds[0][1]), (bounds[-1][0], len(kinds) - 1)
+    else:  # positions: the units before the blocks (one), each block, the units after them (one)
+        positions = ([(0, first - 1)] if first else []) + [(u, u) for u in range(first, last + 1)] + (
+            [(last + 1, len(kinds) - 1)] if last < len(kinds) - 1 else [])
+        bounds = [(positions[a][0], positions[b][1]) for a, b in uniform_partition(len(positions), chunks)]
     costs = [float(unit_time_s[a:b + 1].sum()) for a, b in bounds]
     return PartitionResult(boundaries=bounds, stage_cost_s=costs, stage_bytes=[], max_cost_s=max(costs),
                            optimal=False, feasible=True, solver="uniform-interleaved")

@@ -2,7 +2,8 @@
 
 Distributed (slow): examples/tiny.py with 4 blocks (tied output head, learned position embedding) trains
 3 AdamW steps with active gradient clipping, pp=2 under GPipe, 1F1B and interleaved 1F1B (2 chunks per
-rank, 4 stages), dp=2 x pp=2 with DDP (ZeRO 0; 1F1B and interleaved) and FSDP2 (ZeRO 3; interleaved)
+rank, 4 stages; and 3 chunks per rank, 6 stages, the first holding only the embedding and the last only the
+head), dp=2 x pp=2 with DDP (ZeRO 0; 1F1B and interleaved) and FSDP2 (ZeRO 3; interleaved)
 over the dp sub-mesh, and pp=4 (1F1B, the tied head on the first and last of 4 ranks). The loss and
 gradient norm of every step and the final parameters must equal one process training the same model on
 the same global batch, in plain torch, within 1e-5. The workers are this file run as a script.
@@ -42,9 +43,13 @@ UNITS = [  # as the tracer reports examples/tiny.py's units (schemas LayerCost: 
 TWO_STAGES = [["embedding", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "head"]]  # plan Stage.layer_names
 # interleaved on 2 ranks: stage s is chunk s // 2 of rank s % 2; with pp=4, one stage per rank
 FOUR_STAGES = [["embedding", "blocks.0"], ["blocks.1"], ["blocks.2"], ["blocks.3", "head"]]
+# uneven interleaved (3 chunks a rank for 4 blocks: planner.search.interleaved_partition counts the embedding and the
+# head as a block each): a chunk of the embedding alone and one of the head alone
+SIX_STAGES = [["embedding"], ["blocks.0"], ["blocks.1"], ["blocks.2"], ["blocks.3"], ["head"]]
 RUNS = {  # world size -> run name -> (dp, schedule, ZeRO stage over dp, stages); pp = world // dp
     2: {"gpipe": (1, "gpipe", 0, TWO_STAGES), "1f1b": (1, "1f1b", 0, TWO_STAGES),
-        "interleaved-1f1b": (1, "interleaved-1f1b", 0, FOUR_STAGES)},
+        "interleaved-1f1b": (1, "interleaved-1f1b", 0, FOUR_STAGES),
+        "interleaved-uneven": (1, "interleaved-1f1b", 0, SIX_STAGES)},
     4: {"dp2-ddp-1f1b": (2, "1f1b", 0, TWO_STAGES), "dp2-ddp-interleaved": (2, "interleaved-1f1b", 0, FOUR_STAGES),
         "dp2-fsdp-interleaved": (2, "interleaved-1f1b", 3, FOUR_STAGES),
         # the tied head on ranks 0 and 3 only: the middle ranks hold no copy
@@ -212,7 +217,7 @@ def _compare(name: str, got: dict, ref: dict) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b", "interleaved-uneven"])
 def test_pipeline_matches_single_process(schedule, pipelined_runs):
     _compare(f"pp=2 {schedule}", pipelined_runs[schedule], reference_run(dp=1))
 

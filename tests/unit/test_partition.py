@@ -264,3 +264,32 @@ def test_cp_sat_time_limit_still_returns_the_exact_split():
     assert rushed.feasible and rushed.optimal
     assert rushed.boundaries == exact.boundaries
     assert rushed.solver.startswith("dp+cp-sat")  # the DP's split, whatever CP-SAT managed in 1 ms
+
+
+def test_interleaved_chunks_count_the_embedding_and_head_as_a_block_each_where_the_blocks_do_not_divide():
+    """Megatron-Core's split of Llama 3.1 405B (126 blocks) over pp 8 x VP 4 and pp 16 x VP 8, by hand: 128
+    positions, 4 (or 1) a chunk, so the first chunk gives up a block to the embedding and the last to the head;
+    80 blocks over 20 chunks divide, and keep 4 blocks a chunk with the embedding and head on top."""
+    from zplan.planner.family import family_summary
+    from zplan.planner.search import interleaved_partition
+
+    summary = family_summary("llama:layers=126,hidden=256,heads=8,seq=64,vocab=512,ffn=512,kv_heads=2")
+    kinds = [unit.kind for unit in summary.layers]
+    first = kinds.index("block")
+    n = len(kinds)
+    time_s = np.ones(n)
+    def blocks_in(a: int, b: int) -> int:
+        return kinds[a:b + 1].count("block")
+
+    part = interleaved_partition(summary, time_s, 32)
+    assert [blocks_in(a, b) for a, b in part.boundaries] == [3] + [4] * 30 + [3]
+    assert part.boundaries[0][0] == 0 and part.boundaries[-1][1] == n - 1
+    assert kinds[part.boundaries[1][0]] == "block"
+    part = interleaved_partition(summary, time_s, 128)
+    assert [blocks_in(a, b) for a, b in part.boundaries] == [0] + [1] * 126 + [0]
+    assert part.boundaries[0] == (0, first - 1)  # the embedding alone
+    even = family_summary("llama:layers=80,hidden=256,heads=8,seq=64,vocab=512,ffn=512,kv_heads=2")
+    kinds = [unit.kind for unit in even.layers]
+    part = interleaved_partition(even, np.ones(len(kinds)), 20)
+    assert [kinds[a:b + 1].count("block") for a, b in part.boundaries] == [4] * 20
+    assert part.boundaries[0][0] == 0 and part.boundaries[-1][1] == len(kinds) - 1
