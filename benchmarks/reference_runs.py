@@ -3,11 +3,12 @@
     runs, refused = load_reference_runs(reference_dir)   # ReferenceRun each, and {row label: reason} for the rest
 
 A row is expressible when zplan can state its configuration: a built-in profile for its GPU, a precision the cost
-model prices (bf16 / fp16 mixed, fp8 in any of its scalings; not fp4 yet), no context parallelism, the parallel
-layout and global batch printed (dp = gpus / (tp * pp)), and a measured time: the iteration time, else tokens/s per
+model prices (bf16 / fp16 mixed, fp8 in any of its scalings; not fp4 yet), the parallel layout and global batch
+printed (dp = gpus / (tp * pp * cp)), and a measured time: the iteration time, else tokens/s per
 GPU, else TFLOP/s per GPU with the FLOPs formula the source names
 (Narayanan et al. SC'21 Eq. 3 for Megatron 2021 and DeepSpeed: counts the recomputed forward; Megatron-LM's README
-counts model FLOPs, 72 B s l h^2 (1 + s/(6h) + V/(12 h l)), Korthikanti et al. 2023). Each row's software stack (the
+counts model FLOPs, 72 B s l h^2 (1 + s/(6h) + V/(12 h l)), Korthikanti et al. 2023; NeMo's Llama rows count
+B s L h^2 (12 + 12 G/A + 18 F/h + 12 s/h + 6 V/(L h)), its nemo/utils/flops_formulas.py). Each row's software stack (the
 `stack` key) is named from its source and data-parallel column; the validation fits a few constants per stack
 (benchmarks/validate_cost_model.py), nothing per row. NeMo's virtual pipeline size (VP=N in the notes) is pinned as
 the interleave; where it does not split the blocks evenly (Llama 3.1 405B's 126 blocks), zplan counts the embedding
@@ -104,6 +105,10 @@ def measured_seconds(row: dict, gpus: int, batch: int) -> float | None:
         flops = 96 * batch * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))  # Narayanan SC'21 Eq. 3
     elif row["source"] == "NVIDIA/Megatron-LM":
         flops = 72 * batch * s * L * h * h * (1 + s / (6 * h) + V / (12 * h * L))  # model FLOPs
+    elif "NeMo" in row["source"] and row.get("kv_heads", "").strip():  # NeMo's Llama model FLOPs
+        # nemo/utils/flops_formulas.py llama2 / llama3: B s L h^2 (12 + 12 G/A + 18 F/h + 12 s/h + 6 V/(L h))
+        groups, heads, ffn = int(row["kv_heads"]), int(row["heads"]), int(row["ffn"])
+        flops = batch * s * L * h * h * (12 + 12 * groups / heads + 18 * ffn / h + 12 * s / h + 6 * V / (L * h))
     else:
         return None
     return flops / (float(row["tflops_per_gpu"]) * 1e12 * gpus)
@@ -124,18 +129,19 @@ def training_run(row: dict, label: str) -> ReferenceRun | str:
     fp8 = "fp8" in precision  # FP8 delayed/current scaling (Transformer Engine), MXFP8 (Blackwell): fp8 GEMMs
     if not fp8 and not any(p and p in precision for p in PRICED_PRECISIONS[:3]) and precision not in PRICED_PRECISIONS:
         return f"precision {row['precision']}"
-    if (_int(row.get("cp", "")) or 1) > 1:
-        return "context parallelism (not built)"
     if "lora" in row["model"].lower():
         return "LoRA fine-tuning (not pre-training)"
     if not all(row[key].strip() for key in ("layers", "hidden", "heads", "seq_len")):
         return "model shape not printed"
     gpus = int(row["gpus"])
     tp, pp, batch = _int(row["tp"]), _int(row["pp"]), _int(row["global_batch"])
+    cp = _int(row.get("cp", "")) or 1
     if tp is None or pp is None or batch is None:
         return "layout or global batch not printed"
-    if gpus % (tp * pp) or batch % (gpus // (tp * pp)):
+    if gpus % (tp * pp * cp) or batch % (gpus // (tp * pp * cp)):
         return "layout inconsistent with the GPU count or batch"
+    if cp > 1 and pp > 1:
+        return "context parallel with a pipeline (zplan's runtime runs cp with pp 1)"
     measured = measured_seconds(row, gpus, batch)
     if measured is None:
         return "no measured time basis"
@@ -143,9 +149,9 @@ def training_run(row: dict, label: str) -> ReferenceRun | str:
     recompute = row["recompute"].lower()
     mode = "full" if recompute.startswith("full") else "selective" if "selective" in recompute else "none"
     micro = _int(row["micro_batch"])
-    dp = gpus // (tp * pp)
+    dp = gpus // (tp * pp * cp)
     virtual = re.search(r"\bVP=([1-9]\d*)", row["notes"])  # NeMo's virtual pipeline size: model chunks per stage
-    pins = Pins(tp=tp, pp=pp, dp=dp, zero=zero if dp > 1 else 0, offload=offload, micro_batch=micro,
+    pins = Pins(tp=tp, pp=pp, dp=dp, cp=cp, zero=zero if dp > 1 else 0, offload=offload, micro_batch=micro,
                 recompute=mode, sequence_parallel=False if tp == 1 else None,
                 interleave=int(virtual.group(1)) if virtual and pp > 1 else None)
     dtype = "fp16" if cluster == "dgx2-v100" else "fp8" if fp8 else "bf16"

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/validate_cost_model.py [--json] [--picks] [--reference DIR]
 
 Every row zplan can express (benchmarks/reference_runs.py: the others are listed with the reason) is predicted by
-`zplan estimate` of its published configuration (model, GPUs, tp, pp, dp, global batch, micro-batch, recompute,
+`zplan estimate` of its published configuration (model, GPUs, tp, pp, cp, dp, global batch, micro-batch, recompute,
 ZeRO stage) on the built-in profile of its GPU. The built-in profiles describe zplan's own runtime; a run of another
 software stack (Megatron 2021, Megatron-Core, DeepSpeed, FSDP1, FSDP2) is matched through one efficiency per stack,
 the geometric mean of measured / predicted over the rows it is fitted on (no per-row correction), after what the stack
@@ -42,9 +42,10 @@ DEFAULT_REFERENCE = REPO.parent / "shared" / "reference"
 # Communication a stack hides behind compute where zplan's runtime does not: Megatron-Core overlaps the tensor-parallel
 # all-gathers / reduce-scatters with the GEMMs (Transformer Engine userbuffers, --tp-comm-overlap) and the
 # data-parallel gradient reduce-scatter and parameter all-gather with backward and forward (--overlap-grad-reduce,
-# --overlap-param-gather), all on in NeMo's and Megatron-LM's performance recipes. Their predicted seconds
-# (time_breakdown) are taken off the step; nothing is fitted.
-STACK_HIDES = {"megatron-core": ("tensor_parallel", "data_parallel")}
+# --overlap-param-gather), all on in NeMo's and Megatron-LM's performance recipes, and runs context parallel as a
+# ring of K/V point-to-point sends overlapped with each attention step (Transformer Engine's cp_comm_type p2p). Their
+# predicted seconds (time_breakdown) are taken off the step; nothing is fitted.
+STACK_HIDES = {"megatron-core": ("tensor_parallel", "context_parallel", "data_parallel")}
 
 
 # A stack's attention kernel against the profile's flash figure (cuDNN / Transformer Engine's fused attention in

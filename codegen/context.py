@@ -31,6 +31,7 @@ MEMORY_PARTS: tuple[tuple[str, str], ...] = (
 TIME_PARTS: tuple[tuple[str, str], ...] = (
     ("compute", "Compute (forward, backward, recompute)"),
     ("tensor_parallel", "Tensor-parallel collectives"),
+    ("context_parallel", "Context-parallel K/V gathers"),
     ("pipeline_bubble", "Pipeline bubble"),
     ("pipeline_p2p", "Pipeline point-to-point"),
     ("data_parallel", "Data-parallel / ZeRO collectives"),
@@ -138,7 +139,8 @@ def plan_context(plan: Plan) -> dict[str, Any]:
         "tp": parallel.tp,
         "pp": parallel.pp,
         "dp": parallel.dp,
-        "mesh_display": f"dp {parallel.dp} x pp {parallel.pp} x tp {parallel.tp} = {world} GPUs",
+        "mesh_display": f"dp {parallel.dp} x pp {parallel.pp}{f' x cp {parallel.cp}' if parallel.cp > 1 else ''} x tp "
+                        f"{parallel.tp} = {world} GPUs",
         "micro_batch": parallel.micro_batch,
         "num_micro_batches": parallel.num_micro_batches,
         "zero_stage": parallel.zero_stage,

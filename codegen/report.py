@@ -208,6 +208,8 @@ def timeline_as_text(timeline: PipelineTimeline) -> list[str]:
 def describe_config(parallel: ParallelConfig) -> str:
     parts = [f"tp={parallel.tp}", f"pp={parallel.pp}", f"dp={parallel.dp}", f"mb={parallel.micro_batch}",
              f"ZeRO-{parallel.zero_stage}", f"recompute={parallel.recompute}"]
+    if parallel.cp > 1:
+        parts.insert(3, f"cp={parallel.cp}")
     if parallel.sequence_parallel:
         parts.append("SP")
     if parallel.interleave > 1:

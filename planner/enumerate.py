@@ -36,6 +36,9 @@ from zplan.schemas.spec import CompressionConfig, Pins
 
 INTERLEAVE_CHOICES = (1, 2, 3, 4)
 MAX_MICRO_BATCH = 64
+# Unpinned, context parallel is searched only where each GPU keeps at least this many tokens of a sequence: below it a
+# sequence's attention is a small share of the block and splitting it only adds K/V gathers (a pin overrides it).
+CP_MIN_TOKENS_PER_GPU = 4096
 
 
 def divisors(n: int) -> list[int]:
@@ -62,6 +65,7 @@ class _Grid:
     tp: np.ndarray
     pp: np.ndarray
     dp: np.ndarray
+    cp: np.ndarray
     micro_batch: np.ndarray
     zero: np.ndarray
     recompute: np.ndarray
@@ -84,7 +88,11 @@ def _grid(model: ModelSummary, cluster: ClusterSpec, gpus: int, global_batch: in
                    and features % t == 0 and (t == 1 or can_split)], pins.tp)
     can_pipeline = allows(model.traits, "pipeline")
     pps = _pinned([p for p in divisors(gpus) if p <= model.num_blocks and (p == 1 or can_pipeline)], pins.pp)
-    layouts = [(t, p, gpus // (t * p)) for t in tps for p in pps if gpus % (t * p) == 0]
+    seq = model.seq_len
+    can_split_context = allows(model.traits, "context_parallel")
+    cps = _pinned([c for c in divisors(gpus) if c == 1 or (can_split_context and seq % (2 * c) == 0
+                                                           and seq // c >= CP_MIN_TOKENS_PER_GPU)], pins.cp)
+    layouts = [(t, p, c, gpus // (t * p * c)) for t in tps for p in pps for c in cps if gpus % (t * p * c) == 0]
     micro = _pinned([b for b in divisors(global_batch) if b <= MAX_MICRO_BATCH], pins.micro_batch)
     zeros = _pinned([0, 1, 2, 3], pins.zero)
     recompute = _pinned([0, 1, 2], None if pins.recompute is None else RECOMPUTE_MODES.index(pins.recompute))
@@ -96,10 +104,10 @@ def _grid(model: ModelSummary, cluster: ClusterSpec, gpus: int, global_batch: in
         tiers = [x for x in tiers if x != 2]
     if not layouts:
         return None
-    layout = np.array(layouts, dtype=np.int64)  # (n_layouts, 3)
+    layout = np.array(layouts, dtype=np.int64)  # (n_layouts, 4): tp, pp, cp, dp
     axes = [np.arange(len(layouts)), micro, zeros, recompute, sps, inter, tiers]
     grid = [g.ravel() for g in np.meshgrid(*[np.asarray(a, dtype=np.int64) for a in axes], indexing="ij")]
-    t, p, d = (layout[grid[0], i] for i in range(3))
+    t, p, c, d = (layout[grid[0], i] for i in range(4))
     b, z, r, sp, v, off = grid[1:]
     per_replica = global_batch // d
     micro_batches = per_replica // np.maximum(b, 1)
@@ -110,13 +118,20 @@ def _grid(model: ModelSummary, cluster: ClusterSpec, gpus: int, global_batch: in
              (model.heads % t == 0) & (model.kv_heads % t == 0)),
         Rule(f"tp divides {features} (the FFN's features and every fused projection's groups)", ("tp",),
              features % t == 0),
-        Rule(f"dp * tp * pp = {gpus} GPUs, with tp from {tps} and pp from {pps} (what divides the heads, at most "
-             f"the {blocks} blocks and runs on this model)", ("dp", "tp", "pp"),
-             d == pins.dp if pins.dp is not None else d > 0),
+        Rule(f"dp * tp * pp * cp = {gpus} GPUs, with tp from {tps}, pp from {pps} and cp from {cps} (what divides "
+             f"the heads, at most the {blocks} blocks, splits the {seq} tokens and runs on this model)",
+             ("dp", "tp", "pp", "cp"), d == pins.dp if pins.dp is not None else d > 0),
+        Rule(f"context parallel splits each sequence in 2 cp chunks (2 cp divides the {seq} tokens) and runs on this "
+             "model (schemas.capability)", ("cp",),
+             (c == 1) | ((seq % (2 * c) == 0) & can_split_context)),
+        Rule("context parallel runs without offload, compression or a pipeline (runtime/context_parallel.py)",
+             ("cp", "offload", "compress", "pp"),
+             (c == 1) | ((off == 0) & (p == 1) & (not compression.enabled))),
         Rule(f"the global batch {global_batch} divides by dp * micro-batch", ("micro_batch", "dp", "tp", "pp"),
              global_batch % (d * b) == 0),
-        Rule(f"sequence parallel needs tp > 1 that divides the {model.block_tokens} tokens a block sees",
-             ("sequence_parallel", "tp"), (sp == 0) | ((t > 1) & sequence_parallel_fits(model.block_tokens, t))),
+        Rule(f"sequence parallel needs tp > 1 that divides the {model.block_tokens} tokens a block sees (/ cp)",
+             ("sequence_parallel", "tp", "cp"),
+             (sp == 0) | ((t > 1) & sequence_parallel_fits(model.block_tokens, t * c))),
         Rule("CPU or NVMe offload needs ZeRO >= 1 (each rank steps its own optimizer shard)", ("offload", "zero"),
              (off == 0) | (z >= 1)),
         Rule(f"NVMe offload needs a cluster with NVMe, and {cluster.name} has none", ("offload",),
@@ -136,7 +151,7 @@ def _grid(model: ModelSummary, cluster: ClusterSpec, gpus: int, global_batch: in
              "act=int8: pp > 1)", ("compress", "zero", "tp", "pp", "offload"),
              supported_mask(compression, t, p, z, off)),
     ]
-    return _Grid(tp=t, pp=p, dp=d, micro_batch=b, zero=z, recompute=r, sp=sp, interleave=v, offload=off,
+    return _Grid(tp=t, pp=p, dp=d, cp=c, micro_batch=b, zero=z, recompute=r, sp=sp, interleave=v, offload=off,
                  rules=rules)
 
 
@@ -153,7 +168,7 @@ def enumerate_candidates(
     idx = np.nonzero(legal)[0]
     return Candidates(tp=g.tp[idx], pp=g.pp[idx], dp=g.dp[idx], micro_batch=g.micro_batch[idx], zero=g.zero[idx],
                       recompute=g.recompute[idx], sp=g.sp[idx], interleave=g.interleave[idx],
-                      offload=g.offload[idx]).with_compression(
+                      offload=g.offload[idx], cp=g.cp[idx]).with_compression(
                           compression.grad, compression.weights, compression.activations)
 
 

@@ -24,7 +24,7 @@ def parallel_config(cand: Candidates, i: int, num_micro_batches: float) -> Paral
     pp, v = int(cand.pp[i]), int(cand.interleave[i])
     schedule = "none" if pp == 1 else ("interleaved-1f1b" if v > 1 else "1f1b")
     return ParallelConfig(
-        tp=int(cand.tp[i]), pp=pp, dp=int(cand.dp[i]), micro_batch=int(cand.micro_batch[i]),
+        tp=int(cand.tp[i]), pp=pp, dp=int(cand.dp[i]), cp=int(cand.cp[i]), micro_batch=int(cand.micro_batch[i]),
         num_micro_batches=int(round(num_micro_batches)), zero_stage=int(cand.zero[i]),
         recompute=RECOMPUTE_MODES[int(cand.recompute[i])], sequence_parallel=bool(cand.sp[i]),
         interleave=v, schedule=schedule, offload=OFFLOAD_TIERS[int(cand.offload[i])],
@@ -98,8 +98,8 @@ def _families(cand: Candidates, cluster: ClusterSpec) -> dict[str, np.ndarray]:
 def _parts(est: StepEstimate, i: int) -> dict[str, float]:
     return {
         "compute": float(est.compute_s[i]),
-        "communication": float(est.tensor_parallel_s[i] + est.data_parallel_s[i] + est.offload_s[i]
-                               + est.optimizer_s[i]),
+        "communication": float(est.tensor_parallel_s[i] + est.context_parallel_s[i] + est.data_parallel_s[i]
+                               + est.offload_s[i] + est.optimizer_s[i]),
         "bubble": float(est.pipeline_bubble_s[i] + est.pipeline_p2p_s[i]),
     }
 
@@ -143,12 +143,13 @@ def rejected_families(scored: Scored, choice: Choice, summary: ModelSummary, clu
 
 
 def _short(cand: Candidates, i: int) -> str:
-    return (f"tp{cand.tp[i]}/pp{cand.pp[i]}/dp{cand.dp[i]} mb{cand.micro_batch[i]} ZeRO-{cand.zero[i]} "
+    cp = f"/cp{cand.cp[i]}" if cand.cp[i] > 1 else ""
+    return (f"tp{cand.tp[i]}/pp{cand.pp[i]}/dp{cand.dp[i]}{cp} mb{cand.micro_batch[i]} ZeRO-{cand.zero[i]} "
             f"{RECOMPUTE_MODES[cand.recompute[i]]}")
 
 
 def _index_of(cand: Candidates, one: Candidates) -> int:
     match = np.ones(len(cand), dtype=bool)
-    for field in ("tp", "pp", "dp", "micro_batch", "zero", "recompute", "sp", "interleave", "offload"):
+    for field in ("tp", "pp", "dp", "cp", "micro_batch", "zero", "recompute", "sp", "interleave", "offload"):
         match &= getattr(cand, field) == getattr(one, field)[0]
     return int(np.flatnonzero(match)[0])

@@ -23,7 +23,7 @@ MAX_GPU_MULTIPLE = 64
 
 
 def describe(cand: Candidates, i: int) -> str:
-    return (f"tp={cand.tp[i]} pp={cand.pp[i]} dp={cand.dp[i]} micro_batch={cand.micro_batch[i]} "
+    return (f"tp={cand.tp[i]} pp={cand.pp[i]} dp={cand.dp[i]} cp={cand.cp[i]} micro_batch={cand.micro_batch[i]} "
             f"ZeRO-{cand.zero[i]} recompute={RECOMPUTE_MODES[cand.recompute[i]]} "
             f"offload={OFFLOAD_TIERS[cand.offload[i]]}")
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zplan.errors import SpecError
-from zplan.planner.cost.inputs import OFFLOAD_TIERS, Candidates
+from zplan.planner.cost.inputs import OFFLOAD_TIERS, Candidates, gradient_group
 from zplan.planner.cost.memory import (
     HOST_GRAD_BUFFER_BYTES,
     HOST_OPTIMIZER_BYTES,
@@ -67,7 +67,7 @@ def place(cand: Candidates, est: StepEstimate, cluster: ClusterSpec, train: Trai
           pinned: bool = False) -> PlacedStates:
     """Place candidate 0's model states; `pinned`: its offload tier is the user's --offload pin (the optimizer
     states go there) rather than the search's allowance (module docstring)."""
-    mem, z, dp = est.memory, int(cand.zero[0]), int(cand.dp[0])
+    mem, z, dp = est.memory, int(cand.zero[0]), int(gradient_group(cand)[0])  # ZeRO shards over dp * cp
     params_gpu = float(mem.peak_stage_params[0])  # the states beside the activations memory_per_gpu priced
     elem = element_bytes(train.precision)
     # As the runtime holds them (cost.memory: fp32 weights and gradients, Adam's m and v; or 16-bit weights and
@@ -131,7 +131,8 @@ def decide_delayed_update(requested: str, zero_stage: int, placed: PlacedStates,
     """(on?, the decision with its numbers and reason) for the chosen plan (candidate 0 of `est`), as the
     module docstring says. `requested`: 'auto', 'on' or 'off'. Raises SpecError when 'on' cannot apply."""
     cpu_step = placed.placement.cpu_optimizer_s
-    window = float(est.compute_s[0] + est.tensor_parallel_s[0] + est.pipeline_bubble_s[0] + est.pipeline_p2p_s[0])
+    window = float(est.compute_s[0] + est.tensor_parallel_s[0] + est.context_parallel_s[0] + est.pipeline_bubble_s[0]
+                   + est.pipeline_p2p_s[0])
     step = float(est.step_time_s[0] - est.offload_s[0] - est.optimizer_s[0]) + placed.offload_s + placed.optimizer_s
     optimizer_tier = placed.placement.optimizer
     if optimizer_tier != "cpu" or zero_stage != 1:

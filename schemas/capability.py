@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-Capability = Literal["tensor_parallel", "sequence_parallel", "pipeline", "fp8"]
+Capability = Literal["tensor_parallel", "sequence_parallel", "pipeline", "fp8", "context_parallel"]
 CAPABILITIES: tuple[str, ...] = Capability.__args__
 
 TraitKind = Literal[
@@ -83,11 +83,11 @@ RULES: dict[str, Rule] = {
 
 # The pin that asks for each capability, and the plan.json field that holds it.
 PIN_OF: dict[str, str] = {"tensor_parallel": "--tp", "sequence_parallel": "--sequence-parallel", "pipeline": "--pp",
-                          "fp8": "--precision fp8"}
+                          "fp8": "--precision fp8", "context_parallel": "--cp"}
 FIELD_OF: dict[str, str] = {"tensor_parallel": "parallel.tp", "sequence_parallel": "parallel.sequence_parallel",
-                            "pipeline": "parallel.pp", "fp8": "train.precision"}
+                            "pipeline": "parallel.pp", "fp8": "train.precision", "context_parallel": "parallel.cp"}
 FIX_OF: dict[str, str] = {"tensor_parallel": "--tp 1", "sequence_parallel": "no --sequence-parallel",
-                          "pipeline": "--pp 1", "fp8": "--precision bf16"}
+                          "pipeline": "--pp 1", "fp8": "--precision bf16", "context_parallel": "--cp 1"}
 
 
 def blocking(traits: list[ModelTrait], capability: str) -> list[ModelTrait]:
@@ -115,11 +115,12 @@ def sequence_parallel_fits(block_tokens: int | None, tp):
 
 def capability_problems(traits: list[ModelTrait], tp: int, pp: int, sequence_parallel: bool,
                         names: dict[str, str] = FIELD_OF, block_tokens: int | None = None,
-                        fp8: bool = False) -> list[str]:
-    """What in a configuration (tp, pp, sequence_parallel, fp8 training) the runtime cannot run on a model with
+                        fp8: bool = False, cp: int = 1) -> list[str]:
+    """What in a configuration (tp, pp, sequence_parallel, fp8 training, cp) the runtime cannot run on a model with
     `traits`, one message per capability naming what asked for it (`names`: the plan field, or PIN_OF for the pin),
     the module and the fix; empty when it runs."""
-    asked = {"tensor_parallel": tp > 1, "sequence_parallel": sequence_parallel, "pipeline": pp > 1, "fp8": fp8}
+    asked = {"tensor_parallel": tp > 1, "sequence_parallel": sequence_parallel, "pipeline": pp > 1, "fp8": fp8,
+             "context_parallel": cp > 1}
     problems = [f"{names[c]}: the runtime cannot run {c.replace('_', ' ')} on this model: {explain(traits, c)}; "
                 f"use {FIX_OF[c]}" for c, wanted in asked.items() if wanted and not allows(traits, c)]
     if sequence_parallel and allows(traits, "sequence_parallel") and not sequence_parallel_fits(block_tokens, tp):

@@ -144,6 +144,8 @@ class TimeBreakdown(_Frozen):
 
     compute: float = Field(description="Forward, backward and recompute on the slowest stage.")
     tensor_parallel: float = Field(description="Tensor-parallel collectives, not overlapped.")
+    context_parallel: float = Field(default=0.0, description="Context-parallel K/V all-gathers and gradient "
+                                    "reduce-scatters, not overlapped (0 when cp = 1).")
     pipeline_bubble: float = Field(description="Pipeline fill and drain.")
     pipeline_p2p: float = Field(description="Stage-to-stage activation transfers (with act=int8 compression: "
                                 "the compressed bytes plus quantizing and dequantizing them).")

@@ -69,7 +69,7 @@ def prepare(model_ref: str, gpus: int, cluster: str, global_batch: int | None, s
     check_pins_against_model(pins, summary, precision)
     check_model_for_compression(pins.compress, summary)
     batch = global_batch if global_batch is not None else default_global_batch(gpus)
-    dp = pins.dp or (gpus // (pins.tp * pins.pp) if pins.tp and pins.pp else None)
+    dp = pins.dp or (gpus // (pins.tp * pins.pp * (pins.cp or 1)) if pins.tp and pins.pp else None)
     if dp is not None and batch % dp:
         raise SpecError(f"global batch {batch} does not divide by the data-parallel degree {dp}: pass "
                         f"--global-batch {(batch // dp + 1) * dp} (a multiple of {dp}).")
@@ -109,12 +109,12 @@ def check_gpus(gpus: int, cluster: ClusterSpec) -> None:
 
 def check_pins(gpus: int, pins: Pins) -> None:
     """Contradicting pins fail here, before any search, with the fix."""
-    tp, pp, dp = pins.tp or 1, pins.pp or 1, pins.dp or 1
-    if gpus % (tp * pp * dp):
-        raise SpecError(f"pins tp={tp} x pp={pp} x dp={dp} do not divide {gpus} GPUs: choose degrees whose "
+    tp, pp, dp, cp = pins.tp or 1, pins.pp or 1, pins.dp or 1, pins.cp or 1
+    if gpus % (tp * pp * dp * cp):
+        raise SpecError(f"pins tp={tp} x pp={pp} x dp={dp} x cp={cp} do not divide {gpus} GPUs: choose degrees whose "
                         f"product divides {gpus}.")
-    if pins.tp and pins.pp and pins.dp and tp * pp * dp != gpus:
-        raise SpecError(f"tp*pp*dp = {tp * pp * dp} but --gpus is {gpus}: drop one pin or make the product "
+    if pins.tp and pins.pp and pins.dp and tp * pp * dp * cp != gpus:
+        raise SpecError(f"tp*pp*dp*cp = {tp * pp * dp * cp} but --gpus is {gpus}: drop one pin or make the product "
                         f"{gpus}.")
     if pins.sequence_parallel and pins.tp == 1:
         raise SpecError("--sequence-parallel needs tensor parallelism: drop it or pin --tp > 1.")
@@ -129,7 +129,8 @@ def check_pins_against_model(pins: Pins, summary: ModelSummary, precision: str =
     """A pin asking for a parallelism the runtime cannot run on this model fails here, naming the module and the
     pin to change (schemas.capability)."""
     problems = capability_problems(summary.traits, pins.tp or 1, pins.pp or 1, bool(pins.sequence_parallel),
-                                   names=PIN_OF, block_tokens=summary.block_tokens, fp8=precision == "fp8")
+                                   names=PIN_OF, block_tokens=summary.block_tokens, fp8=precision == "fp8",
+                                   cp=pins.cp or 1)
     if problems:
         raise SpecError("; ".join(problems) + ".")
 
@@ -184,6 +185,7 @@ def prediction(est: StepEstimate, cluster: ClusterSpec, placed: PlacedStates | N
                                **states),
         time=TimeBreakdown(
             compute=float(est.compute_s[0]), tensor_parallel=float(est.tensor_parallel_s[0]),
+            context_parallel=float(est.context_parallel_s[0]),
             pipeline_bubble=float(est.pipeline_bubble_s[0]), pipeline_p2p=float(est.pipeline_p2p_s[0]),
             data_parallel=float(est.data_parallel_s[0]), offload=offload_s, optimizer=optimizer_s),
     )

@@ -78,14 +78,15 @@ MODEL_HELP = ("A Python file defining build_model() (zplan executes it), or a fa
               "gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200")
 
 
-def _pins(tp, pp, dp, zero, offload, micro_batch, recompute, sequence_parallel, interleave, compress=None) -> Pins:
+def _pins(tp, pp, dp, zero, offload, micro_batch, recompute, sequence_parallel, interleave, compress=None,
+          cp=None) -> Pins:
     from zplan.planner.compression import parse_compress
 
     if zero is not None and zero not in (0, 1, 2, 3):
         raise ZplanError(f"--zero must be 0, 1, 2 or 3 (got {zero}).")
     compression = parse_compress(compress) if compress is not None else None
     try:
-        return Pins(tp=tp, pp=pp, dp=dp, zero=zero, offload=offload.value if offload else None,
+        return Pins(tp=tp, pp=pp, dp=dp, cp=cp, zero=zero, offload=offload.value if offload else None,
                     micro_batch=micro_batch, recompute=recompute.value if recompute else None,
                     sequence_parallel=sequence_parallel, interleave=interleave, compress=compression)
     except ValidationError as exc:
@@ -108,6 +109,8 @@ PRECISION = typer.Option(None, "--precision", help="Compute precision (default: 
 TP = typer.Option(None, "--tp", help="Pin the tensor-parallel degree.")
 PP = typer.Option(None, "--pp", help="Pin the pipeline-parallel degree.")
 DP = typer.Option(None, "--dp", help="Pin the data-parallel degree.")
+CP = typer.Option(None, "--cp", help="Pin the context-parallel degree: each sequence split over cp GPUs (default: "
+                                     "searched where each GPU keeps at least 4096 tokens of a sequence).")
 ZERO = typer.Option(None, "--zero", help="Pin the ZeRO stage (0-3).")
 OFFLOAD = typer.Option(None, "--offload", help="Pin where optimizer states live: none (the GPU), cpu or nvme (these "
                                                 "need ZeRO >= 1; default: the search's choice).")
@@ -127,7 +130,7 @@ COMPRESS = typer.Option(
 
 def _check_mode_options(mode: Mode, given: dict[str, bool]) -> None:
     """Options of the other mode are errors naming the option (given: option -> whether it was passed)."""
-    training_only = ("--global-batch", "--seq", "--pp", "--dp", "--zero", "--micro-batch", "--recompute",
+    training_only = ("--global-batch", "--seq", "--pp", "--dp", "--cp", "--zero", "--micro-batch", "--recompute",
                      "--sequence-parallel", "--interleave", "--delayed-update", "--compress")
     inference_only = ("--target", "--batch", "--prompt-len", "--gen-len", "--precision int8", "--precision int4")
     other, kind, fix = ((training_only, "training", "drop {} with --mode inference (inference takes "
@@ -157,7 +160,7 @@ def compile(
              "compute precision; int8/int4 weight-only quantization is chosen only when nothing unquantized fits, or "
              "when pinned here), or fp8: W8A8 block Linears on fp8 tensor cores (per-channel weight and per-token "
              "activation scales; GPUs with an fp8 peak only; chosen only when pinned here)."),
-    tp: Optional[int] = TP, pp: Optional[int] = PP, dp: Optional[int] = DP,
+    tp: Optional[int] = TP, pp: Optional[int] = PP, dp: Optional[int] = DP, cp: Optional[int] = CP,
     zero: Optional[int] = ZERO,
     offload: Optional[Offload] = typer.Option(
         None, "--offload", help="Training: pin where optimizer states live: none (the GPU), cpu or nvme (needs ZeRO "
@@ -198,7 +201,8 @@ def compile(
     """Trace MODEL, search the plan, write plan.json, train.py, launch/, report.md/html, ds_config.json
     (--mode inference: plan.json, generate.py, serve.py, launch/, report.md/html)."""
     given = {"--global-batch": global_batch is not None, "--seq": seq is not None, "--pp": pp is not None,
-             "--dp": dp is not None, "--zero": zero is not None, "--micro-batch": micro_batch is not None,
+             "--dp": dp is not None, "--cp": cp is not None, "--zero": zero is not None,
+             "--micro-batch": micro_batch is not None,
              "--recompute": recompute is not None, "--sequence-parallel": sequence_parallel is not None,
              "--interleave": interleave is not None, "--delayed-update": delayed_update is not None,
              "--compress": compress is not None, "--target": target is not None, "--batch": batch is not None,
@@ -224,7 +228,7 @@ def compile(
 
     delayed_update = delayed_update or DelayedUpdate.auto
     try:
-        pins = _pins(tp, pp, dp, zero, offload, micro_batch, recompute, sequence_parallel, interleave, compress)
+        pins = _pins(tp, pp, dp, zero, offload, micro_batch, recompute, sequence_parallel, interleave, compress, cp)
         with err.status("tracing the model", spinner="dots") as status:
             req = prepare(model, gpus, cluster, global_batch, seq, precision.value if precision else None, pins,
                           delayed_update.value)
@@ -298,6 +302,7 @@ def estimate(
     gpus: int = GPUS, cluster: str = CLUSTER, global_batch: Optional[int] = BATCH, seq: Optional[int] = SEQ,
     precision: Optional[Precision] = PRECISION, tp: int = typer.Option(..., "--tp", help="Tensor-parallel degree."),
     pp: int = typer.Option(..., "--pp", help="Pipeline-parallel degree."), dp: Optional[int] = DP,
+    cp: Optional[int] = CP,
     zero: Optional[int] = ZERO, offload: Optional[Offload] = OFFLOAD, micro_batch: Optional[int] = MICRO,
     recompute: Optional[Recompute] = RECOMPUTE, sequence_parallel: Optional[bool] = SP,
     interleave: Optional[int] = INTERLEAVE, compress: Optional[str] = COMPRESS, as_json: bool = JSON,
@@ -307,7 +312,7 @@ def estimate(
     from zplan.cli_render import print_estimate
 
     try:
-        pins = _pins(tp, pp, dp, zero, offload, micro_batch, recompute, sequence_parallel, interleave, compress)
+        pins = _pins(tp, pp, dp, zero, offload, micro_batch, recompute, sequence_parallel, interleave, compress, cp)
         req = prepare(model, gpus, cluster, global_batch, seq, precision.value if precision else None, pins)
         result = estimate_config(req)
     except ZplanError as exc:

@@ -57,7 +57,8 @@ def _count(n: float) -> str:
 
 def _config_line(p) -> str:
     sp = " +SP" if p.sequence_parallel else ""
-    return (f"tp={p.tp} pp={p.pp} dp={p.dp} micro-batch={p.micro_batch} x{p.num_micro_batches} "
+    cp = f" cp={p.cp}" if p.cp > 1 else ""
+    return (f"tp={p.tp} pp={p.pp} dp={p.dp}{cp} micro-batch={p.micro_batch} x{p.num_micro_batches} "
             f"ZeRO-{p.zero_stage} recompute={p.recompute}{sp} schedule={p.schedule}"
             f"{f' v={p.interleave}' if p.interleave > 1 else ''} offload={p.offload}")
 

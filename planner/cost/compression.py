@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from zplan.planner.cost.comm import all_gather_s, all_to_all_s
-from zplan.planner.cost.inputs import Candidates
+from zplan.planner.cost.inputs import Candidates, gpu_sequences
 from zplan.schemas.cluster import ClusterSpec
 
 BLOCK = 256  # elements per fp32 scale (runtime.compression.grad_compression INT8_BLOCK, ONE_BIT_BLOCK)
@@ -134,7 +134,7 @@ def wire_bytes_per_step(cand: Candidates, params_gpu: np.ndarray, num_micro_batc
     gradients = np.where(cand.zero <= 1, 2.0 * share * gradient_bytes_per_element(cand, elem) * params_gpu, 0.0)
     weights = np.where(cand.zero == 3, 2.0 * m * share * weight_gather_bytes_per_element(cand, elem) * params_gpu,
                        0.0)
-    elements = cand.micro_batch * seq_len * hidden / cand.tp
+    elements = gpu_sequences(cand) * seq_len * hidden / cand.tp
     activations = np.where(cand.pp > 1, 2.0 * v * m * elements * activation_bytes_per_element(cand, hidden, elem),
                            0.0)
     return WireBytes(gradients=gradients, weights=weights, activations=activations)

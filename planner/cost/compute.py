@@ -14,6 +14,9 @@ Megatron's fused kernels gives about 76*s*b*h + 13*a*s^2*b bytes in the forward 
 34*s*b*h + 5*a*s^2*b bytes saved for backward (Korthikanti Table 2): about STREAMED_PER_SAVED_BYTE = 2.5
 bytes streamed per byte saved (of what the block saves: a flash kernel saves no (s, s) bytes, an unfused one
 does); the backward streams twice the forward.
+Context parallel (cp GPUs share each sequence, 2 cp chunks with rank r holding chunks r and 2cp-1-r: Megatron-LM's
+load balancing under the causal mask) gives each GPU the GEMMs, attention, bytes and host work of b / cp sequences
+(planner.cost.inputs.gpu_sequences); its K/V all-gathers are planner.cost.step's.
 Backward costs twice the forward (Narayanan et al. SC'21, Sec. 5.1: 3x forward for fwd+bwd).
 Recompute adds a forward pass (full) or the attention core (selective; Korthikanti et al. 2022,
 Sec. 5: softmax/dropout/QK^T/AV are re-run).
@@ -32,7 +35,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from zplan.planner.cost.inputs import Candidates, ModelNumbers
+from zplan.planner.cost.inputs import Candidates, ModelNumbers, gpu_sequences
 from zplan.planner.cost.memory import block_activation_bytes
 from zplan.schemas.cluster import ClusterSpec
 from zplan.schemas.spec import compute_dtype
@@ -83,7 +86,7 @@ def block_time_s(
     """Forward + backward (+ recompute) seconds of one block for one micro-batch, per GPU."""
     peak = cluster.peak_flops(precision)
     gemm_peak = cluster.gemm_peak_flops(precision)  # the Linears' GEMMs: fp8 under fp8 training
-    b, t = cand.micro_batch, cand.tp
+    b, t = gpu_sequences(cand), cand.tp  # context parallel: b / cp sequences' worth of tokens and attention
     gemm_flops = 2.0 * b * model.seq_len * model.hidden * model.ffn_hidden / t
     eff = gemm_efficiency(gemm_flops, cluster)
     # The attention core runs forward and backward, and again in backward under either recompute mode.
@@ -139,7 +142,7 @@ def edge_time_s(
     (per sample), the logits GEMM is the whole (b*s, h) x (h, V) and the loss runs on all the logits: nothing is
     divided by tp."""
     peak = cluster.peak_flops(precision)
-    b = cand.micro_batch
+    b = gpu_sequences(cand)
     gemm_flops = 2.0 * b * model.seq_len * model.hidden * model.vocab  # the head's logits GEMM, FLOPs per GPU
     eff = gemm_efficiency(gemm_flops, cluster)
     per_logit = LOSS_STREAMED_BYTES_PER_LOGIT[compute_dtype(precision)]

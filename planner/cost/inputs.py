@@ -22,7 +22,8 @@ ACTIVATION_COMPRESSION = ("none", "int8")
 @dataclass(frozen=True)
 class Candidates:
     """One configuration per index; every field is an int64 array of the same length. The compression fields
-    (one setting for all candidates of a search: the --compress pin) default to none."""
+    (one setting for all candidates of a search: the --compress pin) default to none, the context-parallel degree to
+    1. GPUs = tp * pp * dp * cp; dp is the number of replicas the global batch is split over."""
 
     tp: np.ndarray
     pp: np.ndarray
@@ -36,11 +37,14 @@ class Candidates:
     grad_compress: np.ndarray = field(default=None)  # index into GRAD_COMPRESSION
     weight_compress: np.ndarray = field(default=None)  # index into WEIGHT_COMPRESSION
     act_compress: np.ndarray = field(default=None)  # index into ACTIVATION_COMPRESSION
+    cp: np.ndarray = field(default=None)  # context-parallel degree: each sequence split over cp GPUs
 
     def __post_init__(self) -> None:
         for name in ("grad_compress", "weight_compress", "act_compress"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, np.zeros_like(self.tp))
+        if self.cp is None:
+            object.__setattr__(self, "cp", np.ones_like(self.tp))
 
     def __len__(self) -> int:
         return len(self.tp)
@@ -60,6 +64,19 @@ class Candidates:
     @staticmethod
     def single(**values: int) -> Candidates:
         return Candidates(**{k: np.asarray([v], dtype=np.int64) for k, v in values.items()})
+
+
+def gpu_sequences(cand: Candidates) -> np.ndarray:
+    """Sequences' worth of tokens one GPU holds of a micro-batch: b / cp (context parallel gives each GPU s / cp
+    tokens of each of the b sequences, balanced under the causal mask, so its GEMMs, attention, activations and
+    hidden-state messages are those of b / cp whole sequences)."""
+    return cand.micro_batch / cand.cp
+
+
+def gradient_group(cand: Candidates) -> np.ndarray:
+    """Ranks that hold the same parameters and average their gradients (ZeRO shards over them): dp * cp, consecutive
+    tp groups apart (the mesh is pp, dp, cp, tp)."""
+    return cand.dp * cand.cp
 
 
 @dataclass(frozen=True)
@@ -87,6 +104,7 @@ class ModelNumbers:
     head_shared_params: float = 0.0  # parameters the head reads that the embedding owns (tied): the last stage's copy
     block_colwise_linears: int = 0  # a block's Linears split by output features under tp (its tp_rules)
     block_rowwise_linears: int = 0  # and by input features
+    kv_heads: int = 0  # key/value heads (GQA); 0: as many as the query heads
 
     @staticmethod
     def from_summary(summary: ModelSummary) -> ModelNumbers:
@@ -115,4 +133,5 @@ class ModelNumbers:
             head_act_bytes=float(sum(u.act_bytes for u in post)),
             block_colwise_linears=sum(rule.style == "colwise" for rule in summary.tp_rules),
             block_rowwise_linears=sum(rule.style == "rowwise" for rule in summary.tp_rules),
+            kv_heads=summary.kv_heads,
         )

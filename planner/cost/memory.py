@@ -65,7 +65,7 @@ from zplan.planner.cost.compression import (
     ONE_BIT_ERROR_BYTES_PER_PARAM,
     ONE_BIT_STEP_BYTES_PER_PARAM,
 )
-from zplan.planner.cost.inputs import Candidates, ModelNumbers
+from zplan.planner.cost.inputs import Candidates, ModelNumbers, gpu_sequences, gradient_group
 from zplan.schemas.cluster import ClusterSpec
 from zplan.schemas.spec import compute_dtype
 
@@ -114,7 +114,7 @@ def fp8_cast_bytes(model: ModelNumbers, cand: Candidates, precision: str) -> np.
     if precision != "fp8":
         return np.zeros(len(cand))
     widest = max(model.ffn_hidden, model.hidden)  # the MLP's (b, s, ffn) tensors, split by tp
-    return FP8_CAST_TEMPORARY_BYTES_PER_ELEMENT * cand.micro_batch.astype(float) * model.seq_len * widest / cand.tp
+    return FP8_CAST_TEMPORARY_BYTES_PER_ELEMENT * gpu_sequences(cand) * model.seq_len * widest / cand.tp
 
 
 def element_bytes(precision: str) -> int:
@@ -190,10 +190,20 @@ def inflight_microbatches(cand: Candidates, num_micro_batches: np.ndarray) -> np
     return np.where(v > 1, base * (1.0 + (p - 1.0) / (p * v)), base)
 
 
+def gathered_kv_bytes(model: ModelNumbers, cand: Candidates, precision: str) -> np.ndarray:
+    """Bytes a block saves beyond its own tokens' under context parallel without recompute: the keys and values
+    all-gathered from the other cp - 1 ranks (runtime/context_parallel.py), which the attention keeps for its
+    backward; (b/cp, s, kv features / tp) each of K and V from every other rank. Recompute (selective keeps only the
+    projections' outputs) gathers them again in the backward."""
+    kv_features = model.hidden * (model.kv_heads or model.heads) / model.heads
+    elem = element_bytes(precision)
+    return (cand.cp - 1.0) * 2.0 * gpu_sequences(cand) * model.seq_len * kv_features * elem / cand.tp
+
+
 def block_activation_bytes(model: ModelNumbers, cand: Candidates, precision: str) -> np.ndarray:
     """Saved bytes of one block for one micro-batch on one GPU, by recompute mode."""
     elem = element_bytes(precision)
-    b, t, sp = cand.micro_batch.astype(float), cand.tp.astype(float), cand.sp.astype(bool)
+    b, t, sp = gpu_sequences(cand), cand.tp.astype(float), cand.sp.astype(bool)
     s, h = model.seq_len, model.hidden
     total = b * model.block_act_bytes
     replicated = np.minimum(total, 5.0 * s * h * elem * b)  # 10*s*b*h at 16-bit
@@ -203,6 +213,7 @@ def block_activation_bytes(model: ModelNumbers, cand: Candidates, precision: str
     # them in backward instead); measured by the dry run.
     gathered = np.minimum(replicated, 2.0 * s * h * elem * b)
     none = sharded / t + np.where(sp, (replicated - gathered) / t + gathered, replicated)
+    none = none + gathered_kv_bytes(model, cand, precision)  # selective and full recompute re-gather them
     block_input = np.where(sp, s * b * h * elem / t, s * b * h * elem)
     # Selective: the runtime keeps the projections' outputs and recomputes everything else (runtime.apply's
     # policy: aten.mm / addmm saved), plus the block input the checkpoint keeps. Under tp the column-parallel outputs
@@ -226,7 +237,7 @@ def pipeline_receive_buffer_bytes(model: ModelNumbers, cand: Candidates, num_mic
     receives back (every stage but the last), (b, s, h) each, whole (the runtime gathers a sequence-parallel hidden
     state at stage edges), in the compute dtype or as int8 rows (H bytes and a 4-byte scale) under --compress
     act=int8. Pipeline rank 0 (and the last) hold v chunks: 2v - 1 kinds of buffer, m of each."""
-    p, v, b = cand.pp, cand.interleave.astype(float), cand.micro_batch.astype(float)
+    p, v, b = cand.pp, cand.interleave.astype(float), gpu_sequences(cand)
     s, h = model.seq_len, model.hidden
     per_element = np.where(cand.act_compress > 0, 1.0 + 4.0 / h, float(element_bytes(precision)))
     buffers = (2.0 * v - 1.0) * np.asarray(num_micro_batches, dtype=float)
@@ -257,8 +268,9 @@ def memory_per_gpu(
     """Bytes per GPU of every candidate (module docstring). `end_stage_blocks`: the blocks the first and the last
     pipeline stage hold, from a partition (default: the uniform split's most, blocks_per_stage)."""
     elem = element_bytes(precision)
-    t, p, dp, z = (cand.tp.astype(float), cand.pp, cand.dp.astype(float), cand.zero)
-    b = cand.micro_batch.astype(float)
+    # dp: the ranks ZeRO shards over (dp * cp); b: one GPU's share of a micro-batch (b / cp sequences)
+    t, p, dp, z = (cand.tp.astype(float), cand.pp, gradient_group(cand).astype(float), cand.zero)
+    b = gpu_sequences(cand)
     s, h = model.seq_len, model.hidden
     offloaded = cand.offload > 0
 

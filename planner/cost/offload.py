@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from zplan.planner.cost.inputs import Candidates
+from zplan.planner.cost.inputs import Candidates, gradient_group
 from zplan.planner.cost.memory import (
     ADAM_BYTES,
     GRAD_BYTES,
@@ -53,7 +53,7 @@ def offload_time_s(cand: Candidates, params_gpu: np.ndarray, num_micro_batches: 
     """Seconds per step of each candidate's offload (module docstring); `parameters_offloaded`: the ZeRO 2/3
     candidates whose parameter shards are on the host (planner.cost.memory's; default: every ZeRO 2/3 one)."""
     elem = element_bytes(precision)
-    z, dp, m = cand.zero, cand.dp.astype(float), num_micro_batches
+    z, dp, m = cand.zero, gradient_group(cand).astype(float), num_micro_batches  # ZeRO shards over dp * cp
     params_off = z >= 2 if parameters_offloaded is None else np.asarray(parameters_offloaded, dtype=bool)
     beside_device = (z >= 2) & ~params_off  # ZeRO 2/3, the optimizer alone on the host (sharded_cpu_adam)
     shard = params_gpu / np.where(z >= 1, dp, 1.0)

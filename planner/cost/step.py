@@ -8,6 +8,10 @@ Tensor parallel (Megatron, Shoeybi et al. 2019): 2 all-reduces of b*s*h in the f
 backward per block (+2 for a full recompute); with sequence parallel the same volume as
 all-gather + reduce-scatter (Korthikanti et al. Sec. 4.2.2); under fp8, one 8-byte amax all-reduce per cast of a
 split tensor (fp8_amax_reduces). Not overlapped.
+Context parallel (cp GPUs share each sequence): each GPU computes b / cp sequences' worth of tokens
+(planner.cost.inputs.gpu_sequences), and each block all-gathers K and V over the cp group in the forward (again under
+recompute) and reduce-scatters their gradients in the backward (context_parallel_block_s). Not overlapped. The
+gradients are averaged, and ZeRO shards, over dp * cp (gradient_group).
 Data parallel / ZeRO (Rajbhandari et al. SC'20, Sec. 7), as zplan's runtime runs them: stages 0-1
 all-reduce the gradients once per step, overlapped with the last micro-batch's backward (DDP buckets),
 and stage 1 then all-gathers the updated weights (runtime/zero1.py: buckets of DDP_BUCKET_BYTES, one
@@ -52,7 +56,7 @@ from zplan.planner.cost.compute import (
     block_time_s,
     edge_time_s,
 )
-from zplan.planner.cost.inputs import Candidates, ModelNumbers
+from zplan.planner.cost.inputs import Candidates, ModelNumbers, gpu_sequences, gradient_group
 from zplan.planner.cost.memory import (
     DDP_BUCKET_BYTES,
     GRAD_BYTES,
@@ -81,6 +85,18 @@ def fp8_amax_reduces(model: ModelNumbers, recompute: np.ndarray) -> np.ndarray:
     return 3.0 * (c + r) + np.where(recompute == 2, c + 2.0 * r, 0.0)
 
 
+def context_parallel_block_s(model: ModelNumbers, cand: Candidates, cluster: ClusterSpec, elem: int) -> np.ndarray:
+    """Seconds of one block's context-parallel collectives per micro-batch (runtime/context_parallel.py, the
+    all-gather form of Llama 3, Sec. 3.3.2): the forward all-gathers K and V over the cp group (b/cp of the sequences'
+    worth of tokens a rank, (b, s, kv features / tp) gathered each), the backward reduce-scatters their gradients, and
+    a recompute (selective or full) gathers them again; not overlapped with the attention. 0 when cp = 1."""
+    kv_features = model.hidden * (model.kv_heads or model.heads) / model.heads
+    gathered = 2.0 * cand.micro_batch * model.seq_len * kv_features * elem / cand.tp  # K and V, whole sequences
+    gathers = 1.0 + (cand.recompute > 0)
+    return (gathers * all_gather_s(gathered, cand.cp, cand.tp, cluster)
+            + reduce_scatter_s(gathered, cand.cp, cand.tp, cluster))
+
+
 @dataclass(frozen=True)
 class StepEstimate:
     """Per-candidate arrays; the time parts add up to step_time_s."""
@@ -88,6 +104,7 @@ class StepEstimate:
     num_micro_batches: np.ndarray
     compute_s: np.ndarray
     tensor_parallel_s: np.ndarray
+    context_parallel_s: np.ndarray
     pipeline_bubble_s: np.ndarray
     pipeline_p2p_s: np.ndarray
     data_parallel_s: np.ndarray
@@ -124,7 +141,7 @@ def data_parallel_s(model: ModelNumbers, cand: Candidates, cluster: ClusterSpec,
     """Seconds per step of data-parallel / ZeRO collectives (and FSDP2 host work) not hidden behind compute.
     `params_gpu`: this stage's parameters per GPU (its gradients and gathered weights are `elem` bytes each);
     `compute_mb`: one micro-batch's compute on the stage; `m`: micro-batches per step."""
-    t, p, dp, z = cand.tp, cand.pp, cand.dp, cand.zero
+    t, p, dp, z = cand.tp, cand.pp, gradient_group(cand), cand.zero  # dp: every rank holding these parameters
     grads_bytes = elem * params_gpu
     overlap = cluster.overlaps_comm_with_compute
     one = np.ones_like(t)
@@ -165,7 +182,7 @@ def data_parallel_s(model: ModelNumbers, cand: Candidates, cluster: ClusterSpec,
     stage23 = m * (exposed_mb + units * cluster.host_overheads.sharded_unit_s)
     stage23 = stage23 + gathers_per_step * units * weight_codec_s(params_gpu / units, cand, cluster, elem)
     # Every step: the logged loss all-reduced over all ranks; ZeRO 2-3 also all-reduce the gradient norm.
-    scalars = (all_reduce_s(SCALAR_BYTES * one, t * p * dp, one, cluster)
+    scalars = (all_reduce_s(SCALAR_BYTES * one, t * p * dp, one, cluster)  # dp * cp: all the ranks
                + np.where(z >= 2, all_reduce_s(SCALAR_BYTES * one, dp, t, cluster), 0.0))
     return np.where(dp > 1, np.where(z <= 1, stage01, stage23), 0.0) + scalars
 
@@ -189,9 +206,9 @@ def estimate_step(
     the blocks the first and last pipeline stage hold (memory_per_gpu), both from a partition."""
     elem = element_bytes(precision)
     t, p, dp, z, v = cand.tp, cand.pp, cand.dp, cand.zero, cand.interleave.astype(float)
-    b = cand.micro_batch.astype(float)
+    m = global_batch / (dp * cand.micro_batch)
+    b = gpu_sequences(cand)  # one GPU's share of a micro-batch: its tokens' hidden states below
     s, h = model.seq_len, model.hidden
-    m = global_batch / (dp * b)
 
     # One micro-batch on the slowest stage.
     block_s = block_time_s(model, cand, cluster, precision)
@@ -206,10 +223,11 @@ def estimate_step(
             AMAX_BYTES * one, t, one, cluster)
     compute_mb = load * block_s
     tp_mb = np.floor(load) * block_tp_s
-    stage_s = compute_mb + tp_mb
+    cp_mb = np.floor(load) * context_parallel_block_s(model, cand, cluster, elem)
+    stage_s = compute_mb + tp_mb + cp_mb
 
     bubble = (p - 1) / v * stage_s
-    crosses_node = t * dp >= cluster.link_domain()
+    crosses_node = t * cand.cp * dp >= cluster.link_domain()
     p2p = np.where(p > 1, 2.0 * v * m * p2p_s(b * s * h * elem / t, crosses_node, cluster), 0.0)
     # int8 activations: each crossing sends the compressed bytes and is encoded and decoded on the way.
     act_elements = b * s * h / t
@@ -222,18 +240,20 @@ def estimate_step(
     params_gpu = memory.stage_params
     dp_s = data_parallel_s(model, cand, cluster, params_gpu, elem, compute_mb, m)
 
-    shard = params_gpu / np.where(z >= 1, dp, 1)
+    shard = params_gpu / np.where(z >= 1, gradient_group(cand), 1)
     offload_s = offload_time_s(cand, params_gpu, m, cluster, precision, memory.parameters_offloaded)
     optimizer_s = np.where(cand.offload == 0, gpu_adam_step_s(shard, cluster), 0.0)
     optimizer_s = optimizer_s + OPTIMIZER_STEP_OPS * cluster.host_overheads.op_s
 
     compute_s = m * compute_mb
     tp_s = m * tp_mb
-    step = compute_s + tp_s + bubble + p2p + dp_s + offload_s + optimizer_s
+    cp_s = m * cp_mb
+    step = compute_s + tp_s + cp_s + bubble + p2p + dp_s + offload_s + optimizer_s
     flops = model_flops_per_sample(model) * global_batch
-    gpus = t * p * dp
+    gpus = t * p * dp * cand.cp
     return StepEstimate(
-        num_micro_batches=m, compute_s=compute_s, tensor_parallel_s=tp_s, pipeline_bubble_s=bubble,
+        num_micro_batches=m, compute_s=compute_s, tensor_parallel_s=tp_s, context_parallel_s=cp_s,
+        pipeline_bubble_s=bubble,
         pipeline_p2p_s=p2p, data_parallel_s=dp_s, offload_s=offload_s, optimizer_s=optimizer_s,
         step_time_s=step, tokens_per_s=global_batch * s / step,
         mfu=flops / (step * gpus * cluster.peak_flops(precision)), model_flops_per_step=flops, memory=memory,

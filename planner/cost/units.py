@@ -14,7 +14,7 @@ import numpy as np
 
 from zplan.planner.cost.comm import all_reduce_s
 from zplan.planner.cost.compute import EMBEDDING_OPS, HEAD_OPS, block_time_s, edge_time_s
-from zplan.planner.cost.inputs import Candidates, ModelNumbers
+from zplan.planner.cost.inputs import Candidates, ModelNumbers, gpu_sequences, gradient_group
 from zplan.planner.cost.memory import (
     block_activation_bytes,
     element_bytes,
@@ -22,6 +22,7 @@ from zplan.planner.cost.memory import (
     sixteen_bit_states,
     state_bytes_per_param,
 )
+from zplan.planner.cost.step import context_parallel_block_s
 from zplan.schemas.cluster import ClusterSpec
 from zplan.schemas.model import ModelSummary
 
@@ -40,12 +41,13 @@ def unit_costs(summary: ModelSummary, cand: Candidates, cluster: ClusterSpec, pr
     assert len(cand) == 1, "unit costs are for one candidate"
     model = ModelNumbers.from_summary(summary)
     elem = element_bytes(precision)
-    t, dp, z, off = int(cand.tp[0]), int(cand.dp[0]), int(cand.zero[0]), int(cand.offload[0])
-    b = int(cand.micro_batch[0])
+    t, dp, z, off = int(cand.tp[0]), int(gradient_group(cand)[0]), int(cand.zero[0]), int(cand.offload[0])
+    b = float(gpu_sequences(cand)[0])  # one GPU's share of a micro-batch (context parallel: b / cp)
     tp_collectives = 4.0 + 2.0 * (cand.recompute[0] == 2)
     block_s = float(block_time_s(model, cand, cluster, precision)[0])
     block_s += float(tp_collectives * all_reduce_s(
         np.array([b * model.seq_len * model.hidden * elem]), cand.tp, np.ones(1), cluster)[0])
+    block_s += float(context_parallel_block_s(model, cand, cluster, elem)[0])
     block_act = float(block_activation_bytes(model, cand, precision)[0])
 
     sixteen_bit = sixteen_bit_states(z, precision, cand.grad_compress[0])

@@ -128,7 +128,7 @@ def test_the_conflict_message_names_the_pins_and_the_rule(pins, cluster, gpus, b
 def test_two_rules_that_each_explain_a_conflict_are_both_named():
     # dp=2 and pp=4 leave tp=1 and 2 micro-batches for 4 stages: relaxing either rule would leave candidates
     message = explain_no_candidates(summary(), A100, 8, 16, Pins(pp=4, micro_batch=4, dp=2))
-    assert "the pins --dp 2 and --pp 4 break the rule: dp * tp * pp = 8 GPUs" in message
+    assert "the pins --dp 2 and --pp 4 break the rule: dp * tp * pp * cp = 8 GPUs" in message
     assert "; or the pins --pp 4 and --micro-batch 4 and --dp 2 break the rule: a pipeline gets" in message
 
 

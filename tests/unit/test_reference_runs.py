@@ -45,11 +45,25 @@ def test_fp8_and_nvl72_rows_map_to_fp8_on_the_rack_profile():
 
 @pytest.mark.parametrize("update, reason", [
     (dict(precision="NVFP4"), "fp4"), (dict(gpu_type="MI300X"), "no built-in profile"),
-    (dict(cp="2"), "context parallelism"), (dict(global_batch=""), "not printed"),
+    (dict(cp="3"), "inconsistent"), (dict(global_batch=""), "not printed"),
     (dict(tokens_per_s_per_gpu=""), "no measured time"), (dict(model="Llama 3 8B (LoRA)"), "LoRA"),
 ])
 def test_rows_zplan_cannot_express_say_why(update, reason):
     assert reason in training_run({**ROW, **update}, "row")
+
+
+def test_context_parallel_is_pinned_and_dp_is_what_is_left():
+    run = training_run({**ROW, "cp": "2", "global_batch": "8"}, "row")
+    assert (run.pins.cp, run.pins.dp, run.pins.tp, run.pins.pp) == (2, 4, 1, 1)
+
+
+def test_nemo_rows_that_print_only_tflops_use_nemos_llama_formula():
+    """nemo/utils/flops_formulas.py llama2/llama3 by hand: B s L h^2 (12 + 12 G/A + 18 F/h + 12 s/h + 6 V/(L h))."""
+    row = {**ROW, "source": "NVIDIA NeMo (Megatron-Core)", "kv_heads": "8", "ffn": "14336", "vocab": "128256",
+           "seq_len": "32768", "tokens_per_s_per_gpu": "", "tflops_per_gpu": "1000"}
+    B, s, L, h = 16, 32768, 32, 4096
+    flops = B * s * L * h * h * (12 + 12 * 8 / 32 + 18 * 14336 / h + 12 * s / h + 6 * 128256 / (L * h))
+    assert measured_seconds(row, 8, B) == pytest.approx(flops / (1000e12 * 8))
 
 
 def test_time_from_tflops_uses_the_formula_the_source_names():
