@@ -166,13 +166,14 @@ def print_inference_explanation(console: Console, plan: InferencePlan) -> None:
 def print_clusters(console: Console, clusters: dict[str, ClusterSpec]) -> None:
     table = Table(title="built-in clusters (per GPU; bandwidths per direction)")
     table.add_column("name", no_wrap=True)
-    for col in ("GPU", "GPUs/node", "NVLink domain", "bf16 TFLOP/s", "fp8 TFLOP/s", "HBM GB", "HBM GB/s",
+    for col in ("GPU", "GPUs/node", "NVLink domain", "bf16 TFLOP/s", "fp8 TFLOP/s", "fp4 TFLOP/s", "HBM GB", "HBM GB/s",
                 "NVLink GB/s", "network GB/s", "PCIe GB/s", "host GB/node", "NVMe TB/node"):
         table.add_column(col)
     for c in clusters.values():
         g = c.gpu
         table.add_row(c.name, g.name, str(c.gpus_per_node), str(c.link_domain()), f"{g.peak_bf16_flops / 1e12:.0f}",
                       f"{g.peak_fp8_flops / 1e12:.0f}" if g.peak_fp8_flops else "-",
+                      f"{g.peak_fp4_flops / 1e12:.0f}" if g.peak_fp4_flops else "-",
                       f"{g.hbm_bytes / 1e9:.0f}", f"{g.hbm_bandwidth_Bps / 1e9:.0f}",
                       f"{c.intra_node_bandwidth_Bps / 1e9:.0f}", f"{c.inter_node_bandwidth_Bps / 1e9:.2f}",
                       f"{c.host_to_device_bandwidth_Bps / 1e9:.0f}", f"{c.cpu_memory_bytes / 1e9:.0f}",
