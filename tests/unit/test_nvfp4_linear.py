@@ -89,3 +89,15 @@ def test_gpus_without_fp4_tensor_cores_are_refused(monkeypatch):
         nvfp4_on_tensor_cores(torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
     assert nvfp4_on_tensor_cores(torch.device("cuda", 0)) and not nvfp4_on_tensor_cores("cpu")
+
+
+def test_the_tensor_core_path_runs_on_torchs_cpu_kernel_as_the_emulation_does():
+    """The GPU's code path (NVFP4Tensor's mm: torch._scaled_mm on float4_e2m1fn_x2 with swizzled e4m3 scales, the
+    per-tensor scales applied after) through torch 2.13's CPU kernel gives the emulation's GEMM: measured equal (fp32
+    operands; an fp32 output). This checks the call, not a Blackwell GPU's kernel."""
+    from zplan.runtime.nvfp4 import nvfp4_mm
+
+    torch.manual_seed(0)
+    a, b = torch.randn(40, 64), torch.randn(48, 64)
+    emulated = nvfp4_mm(a, b, False, torch.float32)
+    assert torch.allclose(nvfp4_mm(a, b, True, torch.float32), emulated, rtol=1e-6, atol=1e-6)

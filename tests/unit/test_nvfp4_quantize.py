@@ -28,8 +28,10 @@ def reference_fake_quantize(x: torch.Tensor) -> torch.Tensor:
     blocks = x.reshape(x.shape[0], -1, 16)
     block_scale = (blocks.abs().amax(-1, keepdim=True) / 6.0 / tensor_scale)
     block_scale = block_scale.clamp(torch.finfo(torch.float8_e4m3fn).tiny, 448.0).to(torch.float8_e4m3fn).float()
-    values = round_to_e2m1((blocks / (tensor_scale * block_scale)).clamp(-6.0, 6.0))
-    return (values * tensor_scale * block_scale).reshape(x.shape)
+    # times the reciprocal of the scales, as NVIDIA's cast kernels do (and torchao after them): x / (a * b) can differ
+    # from x * (1 / a / b) by an ulp, which moves a bf16 value that sits on a tie of the e2m1 grid to its neighbour
+    values = round_to_e2m1((blocks * ((1.0 / tensor_scale) / block_scale)).clamp(-6.0, 6.0))
+    return (values * (tensor_scale * block_scale)).reshape(x.shape)
 
 
 def test_e2m1_values_with_exact_scales_round_trip_exactly():
@@ -60,7 +62,7 @@ def test_random_tensors_match_the_reference(dtype):
     torch.manual_seed(0)
     x = (torch.randn(64, 128) * torch.logspace(-3, 3, 128)).to(dtype)  # blocks of very different magnitudes
     got, want = fake_quantize(x), reference_fake_quantize(x)
-    assert torch.allclose(got, want, rtol=1e-6, atol=0.0)
+    assert torch.equal(got, want)
     error = ((got - x.float()).norm() / x.float().norm()).item()
     assert 0.02 < error < 0.15  # measured 0.08 to 0.10: 4-bit values, 3 bits of each block's e4m3 scale
 
