@@ -276,6 +276,7 @@ def estimate_config(req: Request) -> dict:
         "memory_per_gpu_bytes": pred.memory.total, "memory_breakdown": pred.memory.model_dump(),
         "time_breakdown": pred.time.model_dump(), "candidates_evaluated": len(cand),
         "compression": compression.model_dump() if compression is not None else None,
+        "runtime_runs_it": not (req.train.precision == "nvfp4" and cfg.tp > 1),  # runnable_pins
     }
 
 

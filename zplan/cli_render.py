@@ -92,6 +92,8 @@ def print_estimate(console: Console, result: dict) -> None:
     table.add_row("config", f"tp={c['tp']} pp={c['pp']} dp={c['dp']} micro-batch={c['micro_batch']} "
                             f"ZeRO-{c['zero_stage']} recompute={c['recompute']}")
     table.add_row("feasible", "yes" if result["feasible"] else "NO (does not fit memory)")
+    if not result.get("runtime_runs_it", True):
+        table.add_row("runs on zplan", "NO: a prediction only (nvfp4 runs with tp 1 in zplan's runtime)")
     table.add_row("step time", f"{result['step_time_s']:.3f} s, MFU {result['mfu']:.1%}")
     table.add_row("memory/GPU", f"{result['memory_per_gpu_bytes'] / GiB:.1f} GiB")
     console.print(table)

@@ -103,7 +103,9 @@ def test_nvfp4_compiles_at_tp_1_refuses_a_tp_pin_and_estimates_any_layout():
     assert {alt.parallel.tp for alt in bf16.alternatives} == {1, 2, 4, 8}
     with pytest.raises(SpecError, match="--tp 2 asks for it: pin --tp 1"):
         compile_plan(prepare(LLAMA, 8, "dgx-b200", 64, None, "nvfp4", Pins(tp=2)))
-    assert estimate_config(prepare(LLAMA, 8, "dgx-b200", 64, None, "nvfp4", Pins(tp=2, pp=1)))["config"]["tp"] == 2
+    estimate = estimate_config(prepare(LLAMA, 8, "dgx-b200", 64, None, "nvfp4", Pins(tp=2, pp=1)))
+    assert (estimate["config"]["tp"], estimate["runtime_runs_it"]) == (2, False)
+    assert estimate_config(prepare(LLAMA, 8, "dgx-b200", 64, None, "nvfp4", Pins(tp=1, pp=1)))["runtime_runs_it"]
 
 
 def test_an_nvfp4_plan_prices_faster_than_fp8_and_bf16_and_says_what_it_assumes():
