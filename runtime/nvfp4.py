@@ -18,7 +18,9 @@ bf16's.
 
 Where the GEMM runs: a CUDA device of compute capability 10.0 or more (Blackwell: fp4 tensor cores) runs it as
 torch._scaled_mm on float4_e2m1fn_x2 operands with swizzled e4m3 block scales, through NVFP4Tensor's own mm, the
-per-tensor scales applied to the output. THAT PATH IS UNTESTED: this project has no Blackwell GPU. Everywhere else
+per-tensor scales applied to the output. THAT PATH IS UNTESTED ON A GPU: this project has no Blackwell GPU (the same
+call runs in tests/unit/test_nvfp4_linear.py through torch 2.13's CPU _scaled_mm float4 kernel, which equals the
+emulation; the training run on 2 processes uses the emulation). Everywhere else
 (the CPU: tests and the dry run) the GEMM is EMULATED: the operands are quantised exactly as on the GPU and
 dequantised to fp32, and an fp32 matmul of them gives the GPU's numbers up to the order of fp32 accumulation. The
 emulation prices nothing: it is slower than bf16. A CUDA GPU below 10.0 is refused (compile refuses clusters without

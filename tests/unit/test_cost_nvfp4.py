@@ -129,3 +129,21 @@ def test_train_py_refuses_an_nvfp4_plan_with_tensor_parallel():
     assert not any("nvfp4" in gap for gap in runtime_gaps(nvfp4.model_copy(
         update={"parallel": nvfp4.parallel.model_copy(update={"tp": 1})})))
     assert any(gap.startswith("nvfp4 with tp=2") for gap in runtime_gaps(split))
+
+
+def test_compile_and_train_py_refuse_nvfp4_for_blocks_without_an_nvfp4_linear(tmp_path):
+    """GPT-2's projections are transformers' Conv1D: nvfp4 would convert nothing, so compile refuses it naming the
+    block (schemas.capability 'no_nvfp4_linears'), and so does the emitted program's check of plan.json; the zoo's
+    Llama (nn.Linear, widths multiples of 16) compiles."""
+    pytest.importorskip("transformers")
+    from tests.hf_zoo import write_model_files
+    from zplan.schemas.capability import ModelTrait, capability_problems
+
+    files = write_model_files(tmp_path)
+    with pytest.raises(SpecError, match=r"--precision nvfp4: .*transformer\.h\.0 .*use --precision bf16"):
+        prepare(str(files["gpt2"]), 8, "dgx-b200", 8, None, "nvfp4", Pins())
+    assert prepare(str(files["llama"]), 8, "dgx-b200", 8, None, "nvfp4", Pins()).train.precision == "nvfp4"
+    trait = ModelTrait(kind="no_nvfp4_linears", module="blocks.0", detail="no nn.Linear")
+    assert capability_problems([trait], 1, 1, False, fp8=True) == []
+    [problem] = capability_problems([trait], 1, 1, False, nvfp4=True)
+    assert problem.startswith("train.precision: the runtime cannot run nvfp4 on this model: blocks.0 (no nn.Linear)")
