@@ -3,9 +3,9 @@
     runs, refused = load_reference_runs(reference_dir)   # ReferenceRun each, and {row label: reason} for the rest
 
 A row is expressible when zplan can state its configuration: a built-in profile for its GPU, a precision the cost
-model prices (bf16 / fp16 mixed, fp8 in any of its scalings; not fp4 yet), the parallel layout and global batch
-printed (dp = gpus / (tp * pp * cp)), and a measured time: the iteration time, else tokens/s per
-GPU, else TFLOP/s per GPU with the FLOPs formula the source names
+model prices (bf16 / fp16 mixed, fp8 in any of its scalings, NVFP4), the parallel layout and global batch printed
+(dp = gpus / (tp * pp * cp)), and a measured time: the iteration time, else tokens/s per GPU, else TFLOP/s per GPU
+with the FLOPs formula the source names
 (Narayanan et al. SC'21 Eq. 3 for Megatron 2021 and DeepSpeed: counts the recomputed forward; Megatron-LM's README
 counts model FLOPs, 72 B s l h^2 (1 + s/(6h) + V/(12 h l)), Korthikanti et al. 2023; NeMo's Llama rows count
 B s L h^2 (12 + 12 G/A + 18 F/h + 12 s/h + 6 V/(L h)), its nemo/utils/flops_formulas.py). Each row's software stack (the
@@ -124,10 +124,12 @@ def training_run(row: dict, label: str) -> ReferenceRun | str:
     precision = row["precision"].lower()
     if cluster is None:
         return f"no built-in profile for {row['gpu_type']}"
-    if "fp4" in precision:
-        return f"precision {row['precision']} (fp4 not priced yet)"
+    nvfp4 = precision == "nvfp4"  # NVIDIA's NVFP4 recipe (Transformer Engine): the block GEMMs in NVFP4
+    if "fp4" in precision and not nvfp4:
+        return f"precision {row['precision']} (of the fp4 formats only NVFP4 is priced)"
     fp8 = "fp8" in precision  # FP8 delayed/current scaling (Transformer Engine), MXFP8 (Blackwell): fp8 GEMMs
-    if not fp8 and not any(p and p in precision for p in PRICED_PRECISIONS[:3]) and precision not in PRICED_PRECISIONS:
+    mixed = any(p and p in precision for p in PRICED_PRECISIONS[:3]) or precision in PRICED_PRECISIONS
+    if not (fp8 or nvfp4 or mixed):
         return f"precision {row['precision']}"
     if "lora" in row["model"].lower():
         return "LoRA fine-tuning (not pre-training)"
@@ -154,7 +156,7 @@ def training_run(row: dict, label: str) -> ReferenceRun | str:
     pins = Pins(tp=tp, pp=pp, dp=dp, cp=cp, zero=zero if dp > 1 else 0, offload=offload, micro_batch=micro,
                 recompute=mode, sequence_parallel=False if tp == 1 else None,
                 interleave=int(virtual.group(1)) if virtual and pp > 1 else None)
-    dtype = "fp16" if cluster == "dgx2-v100" else "fp8" if fp8 else "bf16"
+    dtype = "fp16" if cluster == "dgx2-v100" else "fp8" if fp8 else "nvfp4" if nvfp4 else "bf16"
     return ReferenceRun(label, row["source"], stack_of(row["source"], row["zero_or_fsdp"]), family_spec(row), cluster,
                         gpus, batch, dtype, pins, measured)
 

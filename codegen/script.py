@@ -86,7 +86,9 @@ def precision_row(plan: Plan) -> str:
         return "fp32 throughout"
     dtype = compute_dtype(precision)  # fp8: bf16 but for the blocks' Linear GEMMs (runtime/float8.py)
     fp8 = ("; the blocks' Linear GEMMs in fp8 (torchao Float8Linear, tensorwise dynamic scaling), the head in bf16"
-           if precision == "fp8" else "")
+           if precision == "fp8" else
+           "; the blocks' Linear GEMMs in NVFP4 (runtime/nvfp4.py: e2m1 values, e4m3 scales per 16, fp32 per tensor), "
+           "the head in bf16" if precision == "nvfp4" else "")
     if parameters_in_compute_dtype(p.zero_stage, precision, p.compression.grad):
         return (f"{dtype} parameters and gradients (accumulated and reduced in {dtype}), fp32 master weights "
                 f"and Adam moments in the optimizer{fp8}")

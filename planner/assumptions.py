@@ -6,6 +6,7 @@ from zplan.planner.cost.compute import (
     BACKWARD_OVER_FORWARD,
     BLOCK_OPS,
     FP8_CAST_BYTES_PER_ELEMENT,
+    NVFP4_CAST_BYTES_PER_ELEMENT,
     STREAMED_PER_SAVED_BYTE,
 )
 from zplan.planner.cost.memory import (
@@ -15,6 +16,7 @@ from zplan.planner.cost.memory import (
     HOST_USABLE_FRACTION,
     LOSS_BYTES_PER_LOGIT,
     MASTER_BYTES,
+    NVFP4_CAST_TEMPORARY_BYTES_PER_ELEMENT,
     PARAM_BYTES,
 )
 from zplan.planner.cost.step import ADAM_BYTES_PER_PARAM
@@ -29,7 +31,7 @@ GB = 1e9
 def assumptions(cluster: ClusterSpec, summary: ModelSummary, train: TrainSpec) -> list[Assumption]:
     gpu, eff, host = cluster.gpu, cluster.efficiency, cluster.host_overheads
     src = cluster.source
-    dtype = compute_dtype(train.precision)  # of everything but fp8's GEMMs
+    dtype = compute_dtype(train.precision)  # of everything but fp8's / nvfp4's GEMMs
     rows = [
         ("GPU", f"{gpu.name}, {cluster.gpus_per_node} per node" + (
             f", {cluster.link_domain()} per NVLink domain" if cluster.link_domain() != cluster.gpus_per_node else ""),
@@ -40,6 +42,15 @@ def assumptions(cluster: ClusterSpec, summary: ModelSummary, train: TrainSpec) -
                             f"{FP8_CAST_BYTES_PER_ELEMENT:.0f} B an element of X, W and G streamed; attention, "
                             "head, parameters, gradients and activations as bf16; MFU against the bf16 peak",
             f"{src}; torchao float8 (runtime/float8.py)")] if train.precision == "fp8" else []),
+        *([("nvfp4 training", f"the blocks' Linear GEMMs (forward, input and weight gradients) at the fp4 peak, "
+                              f"{gpu.peak_fp4_flops / 1e12:.0f} TFLOP/s, on the GEMM curve; X, W and G each quantised "
+                              "twice (along each GEMM's reduction dim: e2m1 values, an e4m3 scale per 16, fp32 per "
+                              f"tensor), {NVFP4_CAST_BYTES_PER_ELEMENT:.3f} B an element streamed, "
+                              f"{NVFP4_CAST_TEMPORARY_BYTES_PER_ELEMENT:.0f} B per (b, s, ffn) element of temporaries "
+                              "in a Linear's backward; no Hadamard transform or stochastic rounding; attention, head, "
+                              "parameters, gradients and activations as bf16; MFU against the bf16 peak",
+            f"{src}; NVIDIA, Pretraining LLMs with NVFP4 (2025); torchao NVFP4Tensor (runtime/nvfp4.py)")]
+          if train.precision == "nvfp4" else []),
         ("HBM capacity", f"{gpu.hbm_bytes / GB:.0f} GB", src),
         ("HBM bandwidth", f"{gpu.hbm_bandwidth_Bps / GB:.0f} GB/s", src),
         ("intra-node link", f"{cluster.intra_node_bandwidth_Bps / GB:.1f} GB/s per GPU per direction", src),

@@ -123,8 +123,8 @@ DGX_H200 = DGX_H100.model_copy(
 DGX_B200 = ClusterSpec(
     name="dgx-b200",
     description="NVIDIA DGX B200: 8x B200-180GB, NVLink 5 / NVSwitch, 8x NDR 400 Gb/s InfiniBand",
-    source="NVIDIA DGX B200 data sheet (2024): 1440 GB HBM3e and 64 TB/s a node, 72 PFLOP/s FP8 training a node "
-           "(with sparsity; dense is half); B200 bf16 dense 2.25 PFLOP/s",
+    source="NVIDIA DGX B200 data sheet (2024): 1440 GB HBM3e and 64 TB/s a node, 72 PFLOP/s FP8 training and "
+           "144 PFLOP/s FP4 a node (with sparsity; dense is half); B200 bf16 dense 2.25 PFLOP/s",
     gpu=GpuSpec(
         name="B200-180GB",
         hbm_bytes=180 * GB,  # 1440 GB / 8
@@ -133,6 +133,7 @@ DGX_B200 = ClusterSpec(
         peak_fp16_flops=2250 * TB,
         peak_fp32_flops=75 * TB,  # FP32 (non-tensor) per GPU, 600 TFLOP/s a node / 8
         peak_fp8_flops=4500 * TB,  # 72 PFLOP/s sparse a node / 8 / 2
+        peak_fp4_flops=9000 * TB,  # FP4 Tensor Core 144 PFLOP/s sparse a node / 8 / 2
     ),
     gpus_per_node=8,
     intra_node_bandwidth_Bps=1800 * GB / 2,  # NVLink 5: 1.8 TB/s bidirectional per GPU
@@ -151,8 +152,9 @@ DGX_B200 = ClusterSpec(
 # GB200 NVL72: one NVLink domain of 72 Blackwell GPUs in 18 compute trays (nodes) of 4 GPUs and 2 Grace CPUs; every
 # GPU of the rack reaches every other at NVLink bandwidth (link_domain_gpus). Each Grace is joined to its 2 GPUs by
 # NVLink-C2C (900 GB/s bidirectional a superchip).
-# Rack figures from the data sheet (with sparsity where marked; dense is half): FP8 720 PFLOP/s sparse, FP16/BF16
-# 360 PFLOP/s sparse, HBM3e 13.4 TB at 576 TB/s, LPDDR5X 17 TB at 18.4 TB/s, NVLink 130 TB/s.
+# Rack figures from the data sheet (with sparsity where marked; dense is half): FP4 1,440 PFLOP/s sparse, FP8
+# 720 PFLOP/s sparse, FP16/BF16 360 PFLOP/s sparse, HBM3e 13.4 TB at 576 TB/s, LPDDR5X 17 TB at 18.4 TB/s,
+# NVLink 130 TB/s.
 GB200_NVL72 = ClusterSpec(
     name="gb200-nvl72",
     description="NVIDIA GB200 NVL72: 72x B200 (GB200 superchips), one NVLink 5 domain, 400 Gb/s InfiniBand a GPU",
@@ -165,6 +167,7 @@ GB200_NVL72 = ClusterSpec(
         peak_fp16_flops=2500 * TB,
         peak_fp32_flops=80 * TB,  # FP32 5760 TFLOP/s a rack / 72
         peak_fp8_flops=5000 * TB,  # 720 PFLOP/s sparse / 72 / 2
+        peak_fp4_flops=10000 * TB,  # FP4 Tensor Core 1,440 PFLOP/s sparse / 72 / 2
     ),
     gpus_per_node=4,  # a compute tray: 2 GB200 superchips (2 Grace + 4 GPUs)
     link_domain_gpus=72,  # the NVLink domain: 18 trays
@@ -182,15 +185,19 @@ GB200_NVL72 = ClusterSpec(
 )
 
 # GB300 NVL72 (Blackwell Ultra): the GB200 rack with 288 GB of HBM3e a GPU and 800 Gb/s ConnectX-8 a GPU. FP8 and
-# BF16 per GPU as GB200 (720 / 360 PFLOP/s sparse a rack); the dense FP4 gain is not priced (no fp4 precision).
+# BF16 per GPU as GB200 (720 / 360 PFLOP/s sparse a rack). FP4 is where Blackwell Ultra gains: the data sheet gives
+# it as "1,440 | 1,080 PFLOP/s" (with | without sparsity), so its dense FP4 is 1,080 / 72 = 15 PFLOP/s a GPU, not
+# sparse / 2 (sparsity adds a third, not a doubling, on Blackwell Ultra's FP4).
 GB300_NVL72 = GB200_NVL72.model_copy(
     update={
         "name": "gb300-nvl72",
         "description": "NVIDIA GB300 NVL72: 72x Blackwell Ultra (GB300 superchips), one NVLink 5 domain, "
                        "800 Gb/s ConnectX-8 a GPU",
         "source": "NVIDIA GB300 NVL72 data sheet (2025): HBM3e 20.7 TB at 576 TB/s, LPDDR5X 17 TB at 14 TB/s, "
-                  "FP8 720 PFLOP/s and BF16 360 PFLOP/s sparse a rack; per GPU = rack / 72, dense = sparse / 2",
-        "gpu": GB200_NVL72.gpu.model_copy(update={"name": "B300-288GB (GB300)", "hbm_bytes": int(288 * GB)}),
+                  "FP8 720 PFLOP/s and BF16 360 PFLOP/s sparse a rack, FP4 1,080 PFLOP/s dense; per GPU = rack / 72, "
+                  "dense = sparse / 2 where only sparse is given",
+        "gpu": GB200_NVL72.gpu.model_copy(update={"name": "B300-288GB (GB300)", "hbm_bytes": int(288 * GB),
+                                                  "peak_fp4_flops": 15000 * TB}),  # 1,080 PFLOP/s dense / 72
         "inter_node_bandwidth_Bps": 800e9 / 8,  # one 800 Gb/s ConnectX-8 port per GPU = 100 GB/s
         "cpu_memory_bandwidth_Bps": 14 * TB / 18,  # 14 TB/s a rack / 18 trays
     }

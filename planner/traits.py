@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import nn
 
-from zplan.schemas.capability import FP8_DIM_MULTIPLE, ModelTrait
+from zplan.schemas.capability import FP8_DIM_MULTIPLE, NVFP4_DIM_MULTIPLE, ModelTrait
 from zplan.schemas.model import LayerCost, TensorParallelRule
 
 if TYPE_CHECKING:  # runtime/tensor_parallel.py imports this module: no networkx at run time
@@ -80,7 +80,8 @@ def find_traits(model: nn.Module, graph: ModelGraph, tp_rules: list[TensorParall
         problem = _rank_block_problem(model, block, tp_rules, example_call)
         if problem:
             traits.append(ModelTrait(kind="forward_not_split_by_heads", module=f"{prefix}.0", detail=problem))
-    return [*traits, *_pipeline_traits(model, prefix, layers, example_call), *_fp8_traits(block, f"{prefix}.0")]
+    return [*traits, *_pipeline_traits(model, prefix, layers, example_call), *_fp8_traits(block, f"{prefix}.0"),
+            *_nvfp4_traits(block, f"{prefix}.0")]
 
 
 def _fp8_traits(block: nn.Module, block_name: str) -> list[ModelTrait]:
@@ -91,6 +92,16 @@ def _fp8_traits(block: nn.Module, block_name: str) -> list[ModelTrait]:
         return []
     return [ModelTrait(kind="no_fp8_linears", module=block_name,
                        detail=f"no nn.Linear with both widths multiples of {FP8_DIM_MULTIPLE}")]
+
+
+def _nvfp4_traits(block: nn.Module, block_name: str) -> list[ModelTrait]:
+    """A block with no Linear nvfp4 training converts (runtime/nvfp4.py: widths multiples of 16)."""
+    from zplan.runtime.nvfp4 import nvfp4_convertible  # torch only; torchao is imported by the conversion alone
+
+    if any(nvfp4_convertible(module) for module in block.modules()):
+        return []
+    return [ModelTrait(kind="no_nvfp4_linears", module=block_name,
+                       detail=f"no nn.Linear with both widths multiples of {NVFP4_DIM_MULTIPLE}")]
 
 
 # ---- tensor and sequence parallel -----------------------------------------------------------------------------

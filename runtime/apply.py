@@ -208,9 +208,10 @@ def apply_data_parallel(
     if grad_compression != "none" and zero_stage > 1:
         raise NotImplementedError(f"{grad_compression} gradient compression runs with ZeRO 0 and 1 (DDP's "
                                   f"reduction), not ZeRO {zero_stage}")
-    if precision not in ("bf16", "fp16", "fp32", "fp8"):
-        raise ValueError(f"precision must be bf16, fp16, fp32 or fp8, got {precision!r}")
-    compute_dtype = compute_torch_dtype(precision)  # fp8: bf16 (runtime.float8 converted the blocks' Linears)
+    if precision not in ("bf16", "fp16", "fp32", "fp8", "nvfp4"):
+        raise ValueError(f"precision must be bf16, fp16, fp32, fp8 or nvfp4, got {precision!r}")
+    # fp8 / nvfp4: bf16 (runtime.float8 / runtime.nvfp4 converted the blocks' Linears)
+    compute_dtype = compute_torch_dtype(precision)
     device = next(model.parameters()).device
     if zero_stage in (0, 1):
         if offload != "none" and zero_stage == 0:  # nothing is sharded: every rank would step everything

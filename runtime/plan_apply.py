@@ -8,7 +8,8 @@
     train(model, optimizer, data, model_file.loss_fn, train_config(plan, steps=steps, ...), ctx)
 
 parallelize is the fixed order (torchtitan's parallelize_llama is the model: a short ordered function, the
-sharding plans as data): fp8 GEMMs in the blocks' Linears (precision fp8, runtime.float8) -> tensor parallel ->
+sharding plans as data): fp8 or NVFP4 GEMMs in the blocks' Linears (precision fp8, runtime.float8; nvfp4,
+runtime.nvfp4) -> tensor parallel ->
 activation recompute -> pipeline split -> no generation cache -> data parallel (ZeRO stage, mixed precision,
 offload, compression), with the weights made before data parallelism
 under ZeRO 0/1 (DDP needs real tensors) and after it under ZeRO 2/3 (only FSDP2's shards are made). Every
@@ -40,6 +41,7 @@ from zplan.runtime.float8 import convert_blocks_to_float8, on_fake_tensors
 from zplan.runtime.fused_layout import FusedLayout
 from zplan.runtime.materialize import MaterializeReport, materialize_weights
 from zplan.runtime.mesh import build_mesh
+from zplan.runtime.nvfp4 import convert_blocks_to_nvfp4
 from zplan.runtime.train_loop import PlanFigures, TrainConfig
 from zplan.schemas.plan import Plan
 
@@ -66,6 +68,10 @@ def parallelize(model: nn.Module, weights, mesh: DeviceMesh, plan: Plan, model_f
             # said once by rank 0 of a real run; the dry run's output is its own (zplan dryrun --json)
             convert_blocks_to_float8(model, prefix, device, say=(lambda message: None) if fake else _say_once,
                                      tp=p.tp, tp_plan=tp_plan)
+        if precision == "nvfp4":  # likewise, NVFP4 GEMMs (tp 1: runtime.plan_check refuses more); the dry run
+            # measures the GPU's code path (torch._scaled_mm's meta kernel), not the CPU's emulation
+            convert_blocks_to_nvfp4(model, prefix, device, say=(lambda message: None) if fake else _say_once,
+                                    tensor_cores=True if fake else None)
         model = apply_tensor_parallel(model, mesh["tp"], tp_plan, prefix, p.sequence_parallel, fused,
                                       stage_starts(plan))
         model = apply_recompute(model, p.recompute, prefix)

@@ -86,6 +86,9 @@ def runtime_gaps(plan: Plan) -> list[str]:
         gaps.append(f"--compress {p.compression.as_option()} with ZeRO {p.zero_stage}, tp={p.tp}, pp={p.pp}, offload "
                     f"{p.offload} (grad=int8 runs with ZeRO 0/1 and tp 1, grad=1bit with ZeRO 0, tp = pp = 1 and no "
                     "offload, weights=int8 with ZeRO 3, act=int8 with pp > 1): recompile with a --compress that fits")
+    if plan.train.precision == "nvfp4" and p.tp > 1:
+        gaps.append(f"nvfp4 with tp={p.tp} (runtime/nvfp4.py quantises whole tensors on one rank; it has no "
+                    "tensor-parallel styles): pin --tp 1")
     if plan.placement.parameters == "nvme" and p.zero_stage != 3:
         gaps.append(f"parameters on NVMe with ZeRO {p.zero_stage} (only ZeRO 3 shards parameters, and swaps "
                     "them): pin --zero 3")
@@ -157,7 +160,8 @@ def check_plan(plan: Plan, model_path: str | Path | None, world_size: int) -> No
         )
     problems += [f"the runtime does not run {gap}" for gap in runtime_gaps(plan)]
     problems += capability_problems(plan.model.traits, p.tp, p.pp, p.sequence_parallel,
-                                    block_tokens=plan.model.block_tokens, fp8=plan.train.precision == "fp8")
+                                    block_tokens=plan.model.block_tokens, fp8=plan.train.precision == "fp8",
+                                    nvfp4=plan.train.precision == "nvfp4")
     missing = missing_torch_features(plan)
     if missing:
         import torch

@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-Capability = Literal["tensor_parallel", "sequence_parallel", "pipeline", "fp8", "context_parallel"]
+Capability = Literal["tensor_parallel", "sequence_parallel", "pipeline", "fp8", "nvfp4", "context_parallel"]
 CAPABILITIES: tuple[str, ...] = Capability.__args__
 
 TraitKind = Literal[
@@ -26,8 +26,15 @@ TraitKind = Literal[
     "forward_not_split_by_stages",
     "several_block_stacks",
     "no_fp8_linears",
+    "no_nvfp4_linears",
 ]
 FP8_DIM_MULTIPLE = 16  # an fp8 GEMM (torch._scaled_mm) needs both of a Linear's widths divisible by 16
+# An NVFP4 operand is quantised in blocks of 16 along its GEMM's reduction dim, and a Linear's three GEMMs reduce over
+# its in features (forward), its out features (input gradient) and the tokens (weight gradient, padded by
+# runtime/nvfp4.py): both widths divisible by 16, torchao's own filter for NVFP4 Linears (torchao 0.18
+# prototype/mx_formats/inference_workflow.py: K % 16 == 0 and N % 16 == 0; the GEMM's swizzled scale layout pads
+# its (rows, K / 16) scales to (128, 4) tiles itself, torchao's to_blocked).
+NVFP4_DIM_MULTIPLE = 16
 
 
 class ModelTrait(BaseModel):
@@ -79,15 +86,21 @@ RULES: dict[str, Rule] = {
         blocks=("fp8",),
         why=f"fp8 training converts the blocks' nn.Linear modules whose widths are multiples of {FP8_DIM_MULTIPLE} "
             "(runtime/float8.py), and a block has none"),
+    "no_nvfp4_linears": Rule(
+        blocks=("nvfp4",),
+        why=f"nvfp4 training converts the blocks' nn.Linear modules whose widths are multiples of "
+            f"{NVFP4_DIM_MULTIPLE} (runtime/nvfp4.py), and a block has none"),
 }
 
 # The pin that asks for each capability, and the plan.json field that holds it.
 PIN_OF: dict[str, str] = {"tensor_parallel": "--tp", "sequence_parallel": "--sequence-parallel", "pipeline": "--pp",
-                          "fp8": "--precision fp8", "context_parallel": "--cp"}
+                          "fp8": "--precision fp8", "nvfp4": "--precision nvfp4", "context_parallel": "--cp"}
 FIELD_OF: dict[str, str] = {"tensor_parallel": "parallel.tp", "sequence_parallel": "parallel.sequence_parallel",
-                            "pipeline": "parallel.pp", "fp8": "train.precision", "context_parallel": "parallel.cp"}
+                            "pipeline": "parallel.pp", "fp8": "train.precision", "nvfp4": "train.precision",
+                            "context_parallel": "parallel.cp"}
 FIX_OF: dict[str, str] = {"tensor_parallel": "--tp 1", "sequence_parallel": "no --sequence-parallel",
-                          "pipeline": "--pp 1", "fp8": "--precision bf16", "context_parallel": "--cp 1"}
+                          "pipeline": "--pp 1", "fp8": "--precision bf16", "nvfp4": "--precision bf16",
+                          "context_parallel": "--cp 1"}
 
 
 def blocking(traits: list[ModelTrait], capability: str) -> list[ModelTrait]:
@@ -115,12 +128,12 @@ def sequence_parallel_fits(block_tokens: int | None, tp):
 
 def capability_problems(traits: list[ModelTrait], tp: int, pp: int, sequence_parallel: bool,
                         names: dict[str, str] = FIELD_OF, block_tokens: int | None = None,
-                        fp8: bool = False, cp: int = 1) -> list[str]:
-    """What in a configuration (tp, pp, sequence_parallel, fp8 training, cp) the runtime cannot run on a model with
-    `traits`, one message per capability naming what asked for it (`names`: the plan field, or PIN_OF for the pin),
-    the module and the fix; empty when it runs."""
+                        fp8: bool = False, nvfp4: bool = False, cp: int = 1) -> list[str]:
+    """What in a configuration (tp, pp, sequence_parallel, fp8 or nvfp4 training, cp) the runtime cannot run on a
+    model with `traits`, one message per capability naming what asked for it (`names`: the plan field, or PIN_OF for
+    the pin), the module and the fix; empty when it runs."""
     asked = {"tensor_parallel": tp > 1, "sequence_parallel": sequence_parallel, "pipeline": pp > 1, "fp8": fp8,
-             "context_parallel": cp > 1}
+             "nvfp4": nvfp4, "context_parallel": cp > 1}
     problems = [f"{names[c]}: the runtime cannot run {c.replace('_', ' ')} on this model: {explain(traits, c)}; "
                 f"use {FIX_OF[c]}" for c, wanted in asked.items() if wanted and not allows(traits, c)]
     if sequence_parallel and allows(traits, "sequence_parallel") and not sequence_parallel_fits(block_tokens, tp):

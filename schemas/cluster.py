@@ -59,6 +59,8 @@ class GpuSpec(_Frozen):
     peak_fp32_flops: float = Field(gt=0, description="Dense fp32 peak (no TF32), FLOP/s.")
     peak_fp8_flops: float = Field(default=0.0, ge=0, description="Dense fp8 (e4m3/e5m2) tensor-core peak, FLOP/s "
                                                                  "(0: no fp8 tensor cores).")
+    peak_fp4_flops: float = Field(default=0.0, ge=0, description="Dense fp4 (NVFP4: e2m1 with e4m3 block scales) "
+                                                                 "tensor-core peak, FLOP/s (0: no fp4 tensor cores).")
 
 
 class EfficiencySpec(_Frozen):
@@ -188,15 +190,19 @@ class ClusterSpec(_Frozen):
         return self.device_to_host_bandwidth_Bps or self.host_to_device_bandwidth_Bps
 
     def peak_flops(self, precision: str) -> float:
-        """Peak FLOP/s for a training precision ('bf16', 'fp16', 'fp32'; 'fp8': bf16's, the peak of all but the
-        block GEMMs and the MFU denominator, as torchao and NeMo report fp8 MFU)."""
+        """Peak FLOP/s for a training precision ('bf16', 'fp16', 'fp32'; 'fp8' and 'nvfp4': bf16's, the peak of all
+        but the block GEMMs and the MFU denominator, as torchao and NeMo report fp8 and fp4 MFU)."""
         return {
             "bf16": self.gpu.peak_bf16_flops,
             "fp16": self.gpu.peak_fp16_flops,
             "fp32": self.gpu.peak_fp32_flops,
             "fp8": self.gpu.peak_bf16_flops,
+            "nvfp4": self.gpu.peak_bf16_flops,
         }[precision]
 
     def gemm_peak_flops(self, precision: str) -> float:
-        """Peak FLOP/s of the blocks' Linear GEMMs: fp8's under fp8 training, else peak_flops(precision)."""
+        """Peak FLOP/s of the blocks' Linear GEMMs: fp8's under fp8 training, fp4's under nvfp4 training, else
+        peak_flops(precision)."""
+        if precision == "nvfp4":
+            return self.gpu.peak_fp4_flops
         return self.gpu.peak_fp8_flops if precision == "fp8" else self.peak_flops(precision)

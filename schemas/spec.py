@@ -6,7 +6,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-Precision = Literal["bf16", "fp16", "fp32", "fp8"]
+Precision = Literal["bf16", "fp16", "fp32", "fp8", "nvfp4"]
 Recompute = Literal["none", "selective", "full"]
 Tier = Literal["none", "cpu", "nvme"]
 GradCompression = Literal["none", "int8", "1bit"]
@@ -15,10 +15,11 @@ ActivationCompression = Literal["none", "int8"]
 
 
 def compute_dtype(precision: str) -> str:
-    """The floating-point dtype of all but the fp8 GEMMs: fp8 training (torchao float8, Transformer Engine) casts
-    the inputs and weights of the blocks' Linears to fp8 for their GEMMs and keeps everything else (parameters,
-    gradients, activations, attention, the head) as in bf16 mixed precision."""
-    return "bf16" if precision == "fp8" else precision
+    """The floating-point dtype of all but the fp8 / fp4 GEMMs: fp8 training (torchao float8, Transformer Engine)
+    casts the inputs and weights of the blocks' Linears to fp8 for their GEMMs, nvfp4 training (runtime/nvfp4.py)
+    quantises them to NVFP4, and both keep everything else (parameters, gradients, activations, attention, the head)
+    as in bf16 mixed precision."""
+    return "bf16" if precision in ("fp8", "nvfp4") else precision
 
 
 class TrainSpec(BaseModel):
@@ -27,7 +28,9 @@ class TrainSpec(BaseModel):
     global_batch: int = Field(gt=0, description="Sequences per optimizer step, over all data-parallel ranks.")
     seq_len: int = Field(gt=0, description="Tokens per sequence.")
     precision: Precision = Field(description="Compute precision; bf16/fp16 keep fp32 master weights; fp8 runs the "
-                                 "blocks' Linear GEMMs in fp8 with dynamic scaling and all else as bf16.")
+                                 "blocks' Linear GEMMs in fp8 with dynamic scaling and all else as bf16; nvfp4 runs "
+                                 "them in NVFP4 (e2m1, e4m3 scale per 16 elements, fp32 per tensor) and all else as "
+                                 "bf16.")
 
 
 class CompressionConfig(BaseModel):

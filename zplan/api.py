@@ -60,6 +60,9 @@ def prepare(model_ref: str, gpus: int, cluster: str, global_batch: int | None, s
     if spec.gemm_peak_flops(precision) <= 0 and precision == "fp8":
         raise SpecError(f"{spec.gpu.name} has no fp8 tensor cores (H100, L40S and newer do; the profile's "
                         "gpu.peak_fp8_flops is 0): pass --precision bf16.")
+    if spec.gemm_peak_flops(precision) <= 0 and precision == "nvfp4":
+        raise SpecError(f"{spec.gpu.name} has no fp4 tensor cores (Blackwell does: dgx-b200, gb200-nvl72, "
+                        "gb300-nvl72; the profile's gpu.peak_fp4_flops is 0): pass --precision fp8 or bf16.")
     if spec.peak_flops(precision) <= 0:
         raise SpecError(f"{spec.gpu.name} has no {precision} support: pass --precision fp16 (or fp32).")
     check_pins(gpus, pins)
@@ -130,7 +133,7 @@ def check_pins_against_model(pins: Pins, summary: ModelSummary, precision: str =
     pin to change (schemas.capability)."""
     problems = capability_problems(summary.traits, pins.tp or 1, pins.pp or 1, bool(pins.sequence_parallel),
                                    names=PIN_OF, block_tokens=summary.block_tokens, fp8=precision == "fp8",
-                                   cp=pins.cp or 1)
+                                   nvfp4=precision == "nvfp4", cp=pins.cp or 1)
     if problems:
         raise SpecError("; ".join(problems) + ".")
 
@@ -197,11 +200,23 @@ def deepest_tier(placement: Placement) -> str:
     return "nvme" if "nvme" in tiers else "cpu" if "cpu" in tiers else "none"
 
 
+def runnable_pins(req: Request) -> Pins:
+    """The pins the search runs under: the request's, plus tp 1 under nvfp4 (runtime/nvfp4.py runs without tensor
+    parallel; `zplan estimate` still prices a tp > 1 layout, and train.py refuses it, runtime.plan_check)."""
+    if req.train.precision != "nvfp4":
+        return req.pins
+    if (req.pins.tp or 1) > 1:
+        raise SpecError(f"--precision nvfp4 runs with tensor parallel off (runtime/nvfp4.py quantises whole tensors "
+                        f"on one rank), and --tp {req.pins.tp} asks for it: pin --tp 1, or --precision fp8 or bf16.")
+    return req.pins.model_copy(update={"tp": 1})
+
+
 def compile_plan(req: Request) -> Plan:
     """Search, refine and assemble the Plan (no files written)."""
     user_pins = req.pins
-    scored = score(req.summary, req.cluster, req.gpus, req.train, req.pins)
-    choice, refined = choose(req.summary, req.cluster, req.gpus, req.train, req.pins, scored)
+    search_pins = runnable_pins(req)
+    scored = score(req.summary, req.cluster, req.gpus, req.train, search_pins)
+    choice, refined = choose(req.summary, req.cluster, req.gpus, req.train, search_pins, scored)
     cand, est = choice.candidate, choice.estimate
     placed = place(cand, est, req.cluster, req.train, pinned=req.pins.offload is not None)
     layers = req.summary.layers
@@ -262,6 +277,7 @@ def estimate_config(req: Request) -> dict:
         "memory_per_gpu_bytes": pred.memory.total, "memory_breakdown": pred.memory.model_dump(),
         "time_breakdown": pred.time.model_dump(), "candidates_evaluated": len(cand),
         "compression": compression.model_dump() if compression is not None else None,
+        "runtime_runs_it": not (req.train.precision == "nvfp4" and cfg.tp > 1),  # runnable_pins
     }
 
 

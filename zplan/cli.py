@@ -31,6 +31,7 @@ class Precision(str, Enum):
     fp16 = "fp16"
     fp32 = "fp32"
     fp8 = "fp8"
+    nvfp4 = "nvfp4"
 
 
 class WeightPrecision(str, Enum):
@@ -40,6 +41,7 @@ class WeightPrecision(str, Enum):
     fp16 = "fp16"
     fp32 = "fp32"
     fp8 = "fp8"
+    nvfp4 = "nvfp4"
     int8 = "int8"
     int4 = "int4"
 
@@ -105,7 +107,8 @@ BATCH = typer.Option(None, "--global-batch", help="Sequences per optimizer step 
 SEQ = typer.Option(None, "--seq", help="Sequence length (default: the model's).")
 PRECISION = typer.Option(None, "--precision", help="Compute precision (default: the device's fastest of bf16, fp16 "
                                                   "and fp32: bf16 on data-centre GPUs, fp32 on cpu-local); fp8: the "
-                                                  "blocks' Linear GEMMs in fp8 (torchao float8), all else bf16.")
+                                                  "blocks' Linear GEMMs in fp8 (torchao float8), all else bf16; nvfp4: "
+                                                  "those GEMMs in NVFP4 (runtime/nvfp4.py; tp 1), all else bf16.")
 TP = typer.Option(None, "--tp", help="Pin the tensor-parallel degree.")
 PP = typer.Option(None, "--pp", help="Pin the pipeline-parallel degree.")
 DP = typer.Option(None, "--dp", help="Pin the data-parallel degree.")
@@ -156,10 +159,11 @@ def compile(
         None, "--precision",
         help="Training: compute precision bf16|fp16|fp32 (default: the device's fastest of them: bf16 on "
              "data-centre GPUs, fp32 on cpu-local), or fp8: the blocks' Linear GEMMs in fp8 with dynamic scaling "
-             "(torchao float8; needs fp8 tensor cores), all else bf16. Inference: weight precision (default: that "
-             "compute precision; int8/int4 weight-only quantization is chosen only when nothing unquantized fits, or "
-             "when pinned here), or fp8: W8A8 block Linears on fp8 tensor cores (per-channel weight and per-token "
-             "activation scales; GPUs with an fp8 peak only; chosen only when pinned here)."),
+             "(torchao float8; needs fp8 tensor cores), all else bf16, or nvfp4: those GEMMs in NVFP4 (e2m1 with "
+             "e4m3 scales per 16 elements; needs fp4 tensor cores, tp 1), all else bf16. Inference: weight precision "
+             "(default: that compute precision; int8/int4 weight-only quantization is chosen only when nothing "
+             "unquantized fits, or when pinned here), or fp8: W8A8 block Linears on fp8 tensor cores (per-channel "
+             "weight and per-token activation scales; GPUs with an fp8 peak only; chosen only when pinned here)."),
     tp: Optional[int] = TP, pp: Optional[int] = PP, dp: Optional[int] = DP, cp: Optional[int] = CP,
     zero: Optional[int] = ZERO,
     offload: Optional[Offload] = typer.Option(

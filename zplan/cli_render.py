@@ -93,6 +93,8 @@ def print_estimate(console: Console, result: dict) -> None:
     table.add_row("config", f"tp={c['tp']} pp={c['pp']} dp={c['dp']} micro-batch={c['micro_batch']} "
                             f"ZeRO-{c['zero_stage']} recompute={c['recompute']}")
     table.add_row("feasible", "yes" if result["feasible"] else "NO (does not fit memory)")
+    if not result.get("runtime_runs_it", True):
+        table.add_row("runs on zplan", "NO: a prediction only (nvfp4 runs with tp 1 in zplan's runtime)")
     table.add_row("step time", f"{result['step_time_s']:.3f} s, MFU {result['mfu']:.1%}")
     table.add_row("memory/GPU", f"{result['memory_per_gpu_bytes'] / GiB:.1f} GiB")
     console.print(table)
@@ -167,13 +169,14 @@ def print_inference_explanation(console: Console, plan: InferencePlan) -> None:
 def print_clusters(console: Console, clusters: dict[str, ClusterSpec]) -> None:
     table = Table(title="built-in clusters (per GPU; bandwidths per direction)")
     table.add_column("name", no_wrap=True)
-    for col in ("GPU", "GPUs/node", "NVLink domain", "bf16 TFLOP/s", "fp8 TFLOP/s", "HBM GB", "HBM GB/s",
+    for col in ("GPU", "GPUs/node", "NVLink domain", "bf16 TFLOP/s", "fp8 TFLOP/s", "fp4 TFLOP/s", "HBM GB", "HBM GB/s",
                 "NVLink GB/s", "network GB/s", "PCIe GB/s", "host GB/node", "NVMe TB/node"):
         table.add_column(col)
     for c in clusters.values():
         g = c.gpu
         table.add_row(c.name, g.name, str(c.gpus_per_node), str(c.link_domain()), f"{g.peak_bf16_flops / 1e12:.0f}",
                       f"{g.peak_fp8_flops / 1e12:.0f}" if g.peak_fp8_flops else "-",
+                      f"{g.peak_fp4_flops / 1e12:.0f}" if g.peak_fp4_flops else "-",
                       f"{g.hbm_bytes / 1e9:.0f}", f"{g.hbm_bandwidth_Bps / 1e9:.0f}",
                       f"{c.intra_node_bandwidth_Bps / 1e9:.0f}", f"{c.inter_node_bandwidth_Bps / 1e9:.2f}",
                       f"{c.host_to_device_bandwidth_Bps / 1e9:.0f}", f"{c.cpu_memory_bytes / 1e9:.0f}",

@@ -62,6 +62,15 @@ FP8_CAST_BYTES_PER_ELEMENT = 10.0
 # features against sum of in * out. GPT's block (qkv h->3h, proj h->h, fc h->4h, proj 4h->h) has 16 h of in + out for
 # 12 h^2 parameters: 4 / (3 h) a parameter; a Llama block (q, k, v, o, gate, up, down) is within 15 % of it.
 FP8_CAST_TOKEN_ELEMENTS_PER_PARAM_H = 4.0 / 3.0
+# nvfp4 training (runtime/nvfp4.py; NVIDIA, "Pretraining Large Language Models with NVFP4", 2025: fprop, dgrad and
+# wgrad GEMMs all in NVFP4): an NVFP4 operand is blocked along its GEMM's reduction dim, so each of X, W and G is
+# quantised twice, as fp8's operands are cast twice (X along its features for Y = X W^T and along the tokens for
+# dW = G^T X; W along in for Y and along out for dX = G W; G along out for dX and along the tokens for dW). A cast
+# reads the bf16 tensor for its per-tensor amax (2 B), reads it again (2 B) and writes e2m1 values (4 bits: 0.5 B) and
+# one e4m3 block scale per 16 elements (1/16 B): 4.5625 B an element a cast, NVFP4_CAST_BYTES_PER_ELEMENT = 9.125
+# over the two. Not counted: the paper's 16x16 random Hadamard transform of the wgrad inputs (Transformer Engine fuses
+# it into the wgrad cast, the same bytes; runtime/nvfp4.py does not apply it), and the tokens' padding to 16.
+NVFP4_CAST_BYTES_PER_ELEMENT = 2.0 * (2.0 + 2.0 + 0.5 + 1.0 / 16.0)
 
 
 def gemm_efficiency(gemm_flops: np.ndarray, cluster: ClusterSpec) -> np.ndarray:
@@ -100,19 +109,21 @@ def block_time_s(
     core_bytes = b * model.block_attention_core_bytes / t
     recomputed = np.select([cand.recompute == 1, cand.recompute == 2], [core_bytes, saved_fwd], 0.0)
     streamed = STREAMED_PER_SAVED_BYTE * ((1.0 + BACKWARD_OVER_FORWARD) * saved_fwd + recomputed)
-    if precision == "fp8":
-        streamed = streamed + fp8_cast_bytes(model, b, t)
+    if precision in ("fp8", "nvfp4"):
+        streamed = streamed + fp8_cast_bytes(model, b, t, precision)
     return ((flops - core) / t / (gemm_peak * eff) + core / t / (peak * attention_eff)
             + streamed / activation_ops_Bps(cluster) + block_host_s(cand.recompute, cluster))
 
 
-def fp8_cast_bytes(model: ModelNumbers, micro_batch: np.ndarray, tp: np.ndarray) -> np.ndarray:
-    """HBM bytes one block's fp8 casts stream per micro-batch, per GPU: X and G of b * s tokens
+def fp8_cast_bytes(model: ModelNumbers, micro_batch: np.ndarray, tp: np.ndarray, precision: str = "fp8"
+                   ) -> np.ndarray:
+    """HBM bytes one block's fp8 (or nvfp4) casts stream per micro-batch, per GPU: X and G of b * s tokens
     (FP8_CAST_TOKEN_ELEMENTS_PER_PARAM_H elements per parameter per token / h) and the weights, each tp-split, at
-    FP8_CAST_BYTES_PER_ELEMENT."""
+    FP8_CAST_BYTES_PER_ELEMENT (NVFP4_CAST_BYTES_PER_ELEMENT)."""
     per_token = FP8_CAST_TOKEN_ELEMENTS_PER_PARAM_H * model.block_params / model.hidden
     token_elements = micro_batch * model.seq_len * per_token
-    return FP8_CAST_BYTES_PER_ELEMENT * (token_elements + model.block_params) / tp
+    per_element = NVFP4_CAST_BYTES_PER_ELEMENT if precision == "nvfp4" else FP8_CAST_BYTES_PER_ELEMENT
+    return per_element * (token_elements + model.block_params) / tp
 
 
 def activation_ops_Bps(cluster: ClusterSpec) -> float:

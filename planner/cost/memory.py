@@ -106,15 +106,25 @@ LOSS_BYTES_PER_LOGIT = {"fp32": 12.0, "bf16": 12.0, "fp16": 12.0}  # fp8: bf16's
 # fp8 predictions err as their bf16 twins' do (within 1.5 points, or above); without it up to 10 % under the dry run
 # (tests/unit/test_float8_plan.py checks one).
 FP8_CAST_TEMPORARY_BYTES_PER_ELEMENT = 7.5
+# nvfp4 (runtime/nvfp4.py): activations are bf16's likewise (an NVFP4Linear saves its bf16 input and weight), and each
+# quantisation runs torchao 0.18's eager nvfp4_quantize, whose fp32 temporaries (the upcast, |x|, the scaled values,
+# their clamp, the integer bit manipulation of f32_to_f4_unpacked) and the transposed copies the backward's operands
+# need (G^T, X^T blocked along the tokens) are live during one Linear's backward. Measured as fp8's was (the dry run,
+# whose fake tensors run the GPU's code path through torch._scaled_mm's meta kernel; the tiny Llama of
+# tests/unit/test_float8_plan.py, b 4, s 256, h 256, ffn 2048, ZeRO 3, dgx-b200): the nvfp4 peak less the bf16 peak is
+# 29.88 bytes per (b, s, ffn) element with recompute full and none alike; budgeted at 30, the nvfp4 predictions are
+# +4.5 % (full) and +8.0 % (none) over the dry run, their bf16 twins +8.1 % and +13.5 %. Transformer Engine's fused
+# NVFP4 cast kernels make far fewer: this is zplan's runtime, not theirs.
+NVFP4_CAST_TEMPORARY_BYTES_PER_ELEMENT = 30.0
 
 
 def fp8_cast_bytes(model: ModelNumbers, cand: Candidates, precision: str) -> np.ndarray:
-    """fp8's cast temporaries in a block Linear's backward (FP8_CAST_TEMPORARY_BYTES_PER_ELEMENT), 0 in other
-    precisions."""
-    if precision != "fp8":
-        return np.zeros(len(cand))
+    """fp8's (nvfp4's) cast temporaries in a block Linear's backward (FP8_CAST_TEMPORARY_BYTES_PER_ELEMENT,
+    NVFP4_CAST_TEMPORARY_BYTES_PER_ELEMENT), 0 in other precisions."""
+    per_element = {"fp8": FP8_CAST_TEMPORARY_BYTES_PER_ELEMENT,
+                   "nvfp4": NVFP4_CAST_TEMPORARY_BYTES_PER_ELEMENT}.get(precision, 0.0)
     widest = max(model.ffn_hidden, model.hidden)  # the MLP's (b, s, ffn) tensors, split by tp
-    return FP8_CAST_TEMPORARY_BYTES_PER_ELEMENT * gpu_sequences(cand) * model.seq_len * widest / cand.tp
+    return per_element * gpu_sequences(cand) * model.seq_len * widest / cand.tp
 
 
 def element_bytes(precision: str) -> int:
@@ -351,7 +361,7 @@ def memory_per_gpu(
     one_bit_errors = one_bit_errors + np.where(z == 1, ADAM_BYTES / 2 * params_gpu, 0.0)  # ZeRO-1: whole momentum
 
     first_loss = np.where(single, logits, 0.0)
-    fp8_casts = fp8_cast_bytes(model, cand, precision)  # in a block's backward (fp8 only), part of comm_buffers
+    fp8_casts = fp8_cast_bytes(model, cand, precision)  # in a block's backward (fp8, nvfp4), part of comm_buffers
 
     def peak(weights, grads, optim, acts, copies, buffers, loss, tied_sum, root_in_backward, root_after,
              root_grads=0.0) -> tuple[np.ndarray, np.ndarray]:

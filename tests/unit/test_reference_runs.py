@@ -43,8 +43,14 @@ def test_fp8_and_nvl72_rows_map_to_fp8_on_the_rack_profile():
         assert (run.precision, run.cluster) == ("fp8", "gb200-nvl72")
 
 
+def test_nvfp4_rows_map_to_nvfp4_and_other_fp4_formats_are_refused():
+    run = training_run({**ROW, "precision": "NVFP4", "gpu_type": "GB300 (NVL72)"}, "row")
+    assert (run.precision, run.cluster) == ("nvfp4", "gb300-nvl72")
+    assert "only NVFP4" in training_run({**ROW, "precision": "MXFP4", "gpu_type": "GB300 (NVL72)"}, "row")
+
+
 @pytest.mark.parametrize("update, reason", [
-    (dict(precision="NVFP4"), "fp4"), (dict(gpu_type="MI300X"), "no built-in profile"),
+    (dict(precision="MXFP4"), "fp4"), (dict(gpu_type="MI300X"), "no built-in profile"),
     (dict(cp="3"), "inconsistent"), (dict(global_batch=""), "not printed"),
     (dict(tokens_per_s_per_gpu=""), "no measured time"), (dict(model="Llama 3 8B (LoRA)"), "LoRA"),
 ])

@@ -174,8 +174,10 @@ def test_hugging_face_models():
         found[name] = {(t.kind, t.module) for t in summary.traits}
         parts[name] = {rule.module: (rule.parts, rule.groups) for rule in summary.tp_rules if rule.parts}
         styles[name] = {rule.module: rule.style for rule in summary.tp_rules}
-    # GPT-2's Conv1D projections are not nn.Linear: nothing for fp8 training to convert (it splits like Linears)
-    assert found == {"llama": set(), "phi3": set(), "gpt2": {("no_fp8_linears", "transformer.h.0")}}
+    # GPT-2's Conv1D projections are not nn.Linear: nothing for fp8 or nvfp4 training to convert (it splits like
+    # Linears)
+    assert found == {"llama": set(), "phi3": set(), "gpt2": {("no_fp8_linears", "transformer.h.0"),
+                                                             ("no_nvfp4_linears", "transformer.h.0")}}
     # fused projections: q (4 heads of 8), k and v (2 kv heads each) in 2 kv-head groups; gate and up; GPT-2's Conv1D
     assert parts["phi3"] == {"self_attn.qkv_proj": ([H, 16, 16], 2), "mlp.gate_up_proj": ([2 * H, 2 * H], 2 * H)}
     assert parts["gpt2"] == {"attn.c_attn": ([H, H, H], HEADS)}
