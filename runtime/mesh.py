@@ -37,6 +37,6 @@ def build_mesh(pp: int, dp: int, tp: int, device_type: str, cp: int = 1) -> Devi
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The 1-D mesh that shards parameters (ZeRO) and averages gradients: mesh["dp"], or with context parallel
     mesh["dp_cp"] (dp * cp ranks that hold the same parameters)."""
-    if mesh["cp"].size() > 1:
-        return mesh[DATA_PARALLEL_CP]
+    if mesh["cp"].size() > 1:  # build_mesh's flattened dim, as torch keeps it (slicing it from the root is deprecated)
+        return mesh["dp", "cp"]._flatten(DATA_PARALLEL_CP)
     return mesh["dp"]
