@@ -255,9 +255,9 @@ def context_parallel_loss(outputs, batch: ContextParallelBatch) -> torch.Tensor:
 
 
 def accepts_position_ids(forward) -> bool:
-    """Whether a forward takes position_ids (by name or through **kwargs): what context parallel passes it."""
-    parameters = inspect.signature(forward).parameters.values()
-    return any(p.name == "position_ids" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+    """Whether a forward names a position_ids argument, which context parallel passes it: by name only, since a
+    forward that takes **kwargs and numbers its tokens 0..n-1 itself would silently see the wrong positions."""
+    return "position_ids" in inspect.signature(forward).parameters
 
 
 def takes_attention_mask(forward) -> bool:

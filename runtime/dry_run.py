@@ -160,5 +160,5 @@ def dry_run_rank(plan, model_path: Path, rank: int, settings: TrainSettings, ste
     from zplan.runtime.fake_world import fake_world
 
     p = plan.parallel
-    with fake_world(rank, p.tp * p.pp * p.dp, plan.cluster.gpus_per_node) as ctx:
+    with fake_world(rank, p.tp * p.pp * p.dp * p.cp, plan.cluster.gpus_per_node) as ctx:
         return measure_steps(plan, model_path, settings, steps, ctx, say, fake=True)

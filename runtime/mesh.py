@@ -34,9 +34,9 @@ def build_mesh(pp: int, dp: int, tp: int, device_type: str, cp: int = 1) -> Devi
     return mesh
 
 
-def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+def data_parallel_mesh(mesh: DeviceMesh, cp: int) -> DeviceMesh:
     """The 1-D mesh that shards parameters (ZeRO) and averages gradients: mesh["dp"], or with context parallel
-    mesh["dp_cp"] (dp * cp ranks that hold the same parameters)."""
-    if mesh["cp"].size() > 1:  # build_mesh's flattened dim, as torch keeps it (slicing it from the root is deprecated)
+    (cp > 1) the flattened "dp_cp" (dp * cp ranks that hold the same parameters)."""
+    if cp > 1:  # build_mesh's flattened dim, as torch keeps it (slicing it from the root is deprecated)
         return mesh["dp", "cp"]._flatten(DATA_PARALLEL_CP)
     return mesh["dp"]

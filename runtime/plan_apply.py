@@ -85,7 +85,7 @@ def parallelize(model: nn.Module, weights, mesh: DeviceMesh, plan: Plan, model_f
         materialized = materialize_weights(model, weights, device)
     if p.cp > 1:  # the model file's forward gets each token's global position (runtime/context_parallel.py)
         _check_context_parallel_forward(model, p.cp)
-    model = apply_data_parallel(model, data_parallel_mesh(mesh), p.zero_stage, precision, p.offload, prefix,
+    model = apply_data_parallel(model, data_parallel_mesh(mesh, p.cp), p.zero_stage, precision, p.offload, prefix,
                                 grad_compression=p.compression.grad, weight_compression=p.compression.weights,
                                 parameters_on_host=plan.placement.parameters != "gpu",
                                 num_micro_batches=p.num_micro_batches)
@@ -162,7 +162,7 @@ def plan_optimizer(model: nn.Module, mesh: DeviceMesh, plan: Plan, *, lr: float,
         raise PlanMismatchError("the plan offloads the optimizer states to NVMe (parallel.offload = nvme): pass "
                                 "--nvme-path DIR, a folder on a local NVMe drive")
     return build_optimizer(
-        model, data_parallel_mesh(mesh), p.zero_stage, lr=lr, weight_decay=weight_decay, offload=p.offload,
+        model, data_parallel_mesh(mesh, p.cp), p.zero_stage, lr=lr, weight_decay=weight_decay, offload=p.offload,
         precision=plan.train.precision, nvme_path=nvme_path, swap_parameters=plan.placement.parameters == "nvme",
         delayed_update=p.delayed_update, grad_compression=p.compression.grad,
         onebit_warmup_steps=onebit_warmup_steps or min(ONE_BIT_WARMUP_STEPS, max(1, int(0.3 * steps))),

@@ -128,7 +128,7 @@ def load_program(out_dir: Path, model: Path | None = None) -> Program:
                                 f"{error}): recompile the model") from error
     model_path = Path(model) if model else (script.parent / model_file)
     check_plan_origin(plan, planned_for, digest, model_path)
-    world = plan.parallel.tp * plan.parallel.pp * plan.parallel.dp
+    world = plan.parallel.tp * plan.parallel.pp * plan.parallel.dp * plan.parallel.cp
     check_plan(plan, model_path, world)
     from zplan.runtime.dry_run import TrainSettings
 
@@ -152,14 +152,14 @@ def train_script_constants(script: Path) -> dict:
 
 
 def representative_ranks(plan) -> list[tuple[int, int, str]]:
-    """(global rank, stage, role) of one rank per pipeline stage: dp rank 0, tp rank 0 (the mesh is (pp, dp, tp),
-    tp innermost: runtime.mesh)."""
+    """(global rank, stage, role) of one rank per pipeline stage: dp rank 0, cp rank 0, tp rank 0 (the mesh is (pp,
+    dp, cp, tp), tp innermost: runtime.mesh)."""
     p = plan.parallel
     roles = []
     for stage in range(p.pp):
         parts = [name for name, at in (("embedding", 0), ("head and loss", p.pp - 1)) if stage == at]
         role = f"stage {stage} of {p.pp}" + (f" ({', '.join(parts)})" if parts else "")
-        roles.append((stage * p.dp * p.tp, stage, role))
+        roles.append((stage * p.dp * p.cp * p.tp, stage, role))
     return roles
 
 
@@ -187,7 +187,7 @@ def dry_run(program: Program, *, steps: int = DRYRUN_STEPS, stages: list[int] | 
     start = time.perf_counter()
     plan = program.plan
     predicted, predicted_by_category, capacity, host = predicted_memory(plan)
-    world = plan.parallel.tp * plan.parallel.pp * plan.parallel.dp
+    world = plan.parallel.tp * plan.parallel.pp * plan.parallel.dp * plan.parallel.cp
     result = DryRunResult(world_size=world, steps=steps)
     for rank, stage, role in representative_ranks(plan):
         if stages is not None and stage not in stages:

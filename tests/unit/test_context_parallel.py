@@ -121,3 +121,51 @@ def test_mode_intercepts_scaled_dot_product_attention(monkeypatch):
         out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
     assert calls == [3]  # k and v stacked, gathered along the sequence
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, q, q, is_causal=True))
+
+
+# ---- check_plan: what cp > 1 refuses, before any collective ------------------------------------------------
+
+
+def cp_plan(model_file, *, cp: int = 2, dp: int = 1, seq_len: int = 8, **parallel):
+    """A runnable plan for `model_file` on cp * dp processes, edited to context parallel."""
+    import hashlib
+
+    from tests.plan_samples import runnable_plan
+
+    plan = runnable_plan(str(model_file), model_sha256=hashlib.sha256(model_file.read_bytes()).hexdigest(),
+                         units=["blocks.0"], hidden=4, heads=1, vocab=4, seq_len=seq_len, ffn_hidden=4, micro_batch=2,
+                         num_micro_batches=1, dp=cp * dp, zero_stage=0, name="m")
+    return plan.model_copy(update={"parallel": plan.parallel.model_copy(update={"cp": cp, "dp": dp, **parallel})})
+
+
+MODEL = "import torch\n\ndef build_model():\n    return torch.nn.Linear(4, 4)\n"
+
+
+def check(plan, model_file, world):
+    from zplan.runtime.plan_check import check_plan
+
+    check_plan(plan, model_file, world)
+
+
+def test_check_plan_counts_cp_in_the_world_and_refuses_what_cp_cannot_run(tmp_path):
+    model_file = tmp_path / "model.py"
+    model_file.write_text(MODEL)
+    check(cp_plan(model_file), model_file, 2)  # cp 2 x dp 1 on 2 processes runs
+    plan = cp_plan(model_file)  # made for 2 processes, edited to cp 2 x dp 2
+    with pytest.raises(PlanMismatchError, match=r"tp\*pp\*dp\*cp = 4 != its world size 2"):
+        check(plan.model_copy(update={"parallel": plan.parallel.model_copy(update={"dp": 2})}), model_file, 2)
+    with pytest.raises(PlanMismatchError, match="multiple of 4"):
+        check(cp_plan(model_file, seq_len=6), model_file, 2)
+    with pytest.raises(PlanMismatchError, match=r"context parallel \(cp=2\) with pipeline parallel"):
+        check(cp_plan(model_file, pp=2), model_file, 2)
+    with pytest.raises(PlanMismatchError, match="cpu offload"):
+        check(cp_plan(model_file, offload="cpu", zero_stage=3), model_file, 2)
+
+
+def test_check_plan_refuses_a_model_files_own_loss_under_cp(tmp_path):
+    model_file = tmp_path / "model.py"
+    model_file.write_text(MODEL + "\n\ndef loss_fn(outputs, batch):\n    return outputs.sum()\n")
+    with pytest.raises(PlanMismatchError, match="defines its own loss_fn"):
+        check(cp_plan(model_file), model_file, 2)
+    plan = cp_plan(model_file)
+    check(plan.model_copy(update={"parallel": plan.parallel.model_copy(update={"cp": 1, "dp": 2})}), model_file, 2)
