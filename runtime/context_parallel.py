@@ -55,6 +55,7 @@ from torch.overrides import TorchFunctionMode
 from zplan.errors import PlanMismatchError
 
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index: the last position has no next token
+_SDPA = F.scaled_dot_product_attention  # torch's own, whatever ContextParallelAttention sets the attribute to
 
 
 # ---- the batch split -----------------------------------------------------------------------------------
@@ -164,7 +165,8 @@ class _GatherSequence(torch.autograd.Function):
         # reduce_scatter_tensor splits dim 0: move the sequence dim there, (world * n, ...) -> (n, ...)
         moved = grad.movedim(ctx.dim, 0).contiguous()
         out = moved.new_empty((moved.shape[0] // world, *moved.shape[1:]))
-        dist.reduce_scatter_tensor(out, moved, group=ctx.group)  # gloo has it (torch 2.13), NCCL too
+        # gloo has it (torch 2.13), NCCL too; reduce_scatter_single is its newer name
+        getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, moved, group=ctx.group)
         return out.movedim(0, ctx.dim), None, None
 
 
@@ -218,12 +220,20 @@ def context_parallel_attention(query, key, value, attn_mask=None, dropout_p=0.0,
     order = gathered_positions.argsort().to(key.device)  # gathered index of each global position
     key, value = key.index_select(2, order), value.index_select(2, order)  # global order (B, H_kv, s, d)
     mask = positions[:, None] >= torch.arange(order.numel(), device=positions.device)[None, :]  # (s/cp, s)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout_p, scale=scale,
-                                          enable_gqa=enable_gqa)
+    return _SDPA(query, key, value, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
 
 
 class ContextParallelAttention(TorchFunctionMode):
-    """F.scaled_dot_product_attention calls become context_parallel_attention while this mode is entered."""
+    """Scaled dot-product attention calls become context_parallel_attention while this is entered: around a
+    micro-batch's forward and backward (runtime.train_loop).
+
+    Two hooks, because activation recompute (torch.utils.checkpoint) runs the forward again inside the backward,
+    where the autograd engine runs no torch function mode: as a TorchFunctionMode it takes every call in the forward
+    (F.scaled_dot_product_attention however the model named it), and it sets torch.nn.functional's attribute to
+    its own function for the recompute (the model looks it up as F.scaled_dot_product_attention, as Hugging Face
+    does). A model that imported the function under its own name before the run is not reached by the second:
+    its recompute then saves other tensors than its forward, which torch.utils.checkpoint refuses (CheckpointError),
+    so it fails loudly, not silently."""
 
     def __init__(self, positions: torch.Tensor, cp_size: int, group):
         super().__init__()
@@ -232,11 +242,29 @@ class ContextParallelAttention(TorchFunctionMode):
     def _gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         return gather_sequence(x, dim, self.group)
 
+    def _attention(self, *args, **kwargs) -> torch.Tensor:
+        return context_parallel_attention(*args, **kwargs, positions=self.positions, cp_size=self.cp_size,
+                                          gather=self._gather)
+
+    def _by_attribute(self, *args, **kwargs) -> torch.Tensor:
+        """torch.nn.functional.scaled_dot_product_attention while entered: the mode's (forward), or, where no mode
+        runs (a recompute inside the backward), context_parallel_attention itself."""
+        if self in torch.overrides._get_current_function_mode_stack():
+            return _SDPA(*args, **kwargs)  # reaches __torch_function__
+        return self._attention(*args, **kwargs)
+
+    def __enter__(self):
+        F.scaled_dot_product_attention = self._by_attribute
+        return super().__enter__()
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        F.scaled_dot_product_attention = _SDPA
+        return super().__exit__(exc_type, exc_value, traceback)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            return context_parallel_attention(*args, **kwargs, positions=self.positions, cp_size=self.cp_size,
-                                              gather=self._gather)
+        if func is _SDPA:
+            return self._attention(*args, **kwargs)
         return func(*args, **kwargs)
 
 

@@ -169,3 +169,28 @@ def test_check_plan_refuses_a_model_files_own_loss_under_cp(tmp_path):
         check(cp_plan(model_file), model_file, 2)
     plan = cp_plan(model_file)
     check(plan.model_copy(update={"parallel": plan.parallel.model_copy(update={"cp": 1, "dp": 2})}), model_file, 2)
+
+
+def test_activation_recompute_runs_the_same_attention_in_the_backward(monkeypatch):
+    """torch.utils.checkpoint recomputes the forward inside the backward, where no torch function mode runs: the
+    recompute must take the context-parallel attention too (else it saves other tensors: CheckpointError), and the
+    gradients equal those without recompute."""
+    from torch.utils.checkpoint import checkpoint
+
+    import zplan.runtime.context_parallel as cp_module
+
+    monkeypatch.setattr(cp_module, "gather_sequence", lambda x, dim, group: x)  # one rank: the gather is x
+    torch.manual_seed(3)
+    q = torch.randn(1, 2, 8, 4, requires_grad=True)
+
+    def attention(q):  # (B, H, s, d) -> (B, H, s, d), calling F.scaled_dot_product_attention as a model does
+        return F.scaled_dot_product_attention(q, q * 2, q * 3, is_causal=True)
+
+    grads = []
+    for recompute in (False, True):
+        with ContextParallelAttention(torch.arange(8), 1, None):
+            out = checkpoint(attention, q, use_reentrant=False) if recompute else attention(q)
+            (grad,) = torch.autograd.grad(out.square().sum(), q)
+        grads.append(grad)
+    torch.testing.assert_close(grads[1], grads[0])
+    assert F.scaled_dot_product_attention is cp_module._SDPA  # torch's own again after the scope
