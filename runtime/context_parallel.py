@@ -1,9 +1,9 @@
 """Context parallelism (plan.parallel.cp): each sequence split over cp ranks, attention over the whole of it.
 
-Sources: Megatron-LM's context parallelism (megatron/core/transformer/... and its load-balanced sequence split,
-get_batch_on_this_cp_rank) and the Llama 3 paper (Dubey et al. 2024, sec. 3.3.2), whose all-gather variant this
-is: the keys and values of every layer are all-gathered over the cp group and each rank's queries attend to all
-of them (not ring attention's pass-around).
+Sources: Megatron-LM's context parallelism (its load-balanced sequence split, get_batch_on_this_cp_rank in
+megatron/training/utils.py; Transformer Engine's cp_comm_type "all_gather") and the Llama 3 paper (Dubey et al.
+2024, sec. 3.3.2), whose all-gather variant this is: the keys and values of every layer are all-gathered over the cp
+group and each rank's queries attend to all of them (not ring attention's pass-around).
 
 Layout. A sequence of s tokens is cut into 2*cp chunks of c = s / (2*cp) tokens; cp rank r holds chunks r and
 2*cp-1-r, so under the causal mask every rank has the same work (an early chunk sees few keys, a late one many):
@@ -15,7 +15,8 @@ Layout. A sequence of s tokens is cut into 2*cp chunks of c = s / (2*cp) tokens;
                     whole sequence before the split, so no target is lost at a chunk boundary
 
 Attention. While a micro-batch's forward and backward run (ContextParallelBatch.attention()), a TorchFunctionMode
-replaces F.scaled_dot_product_attention(q, k, v): q, k, v (B, H, s/cp, d) are this rank's tokens; k and v are
+(and, for activation recompute, torch.nn.functional's attribute: ContextParallelAttention) replaces
+F.scaled_dot_product_attention(q, k, v): q, k, v (B, H, s/cp, d) are this rank's tokens; k and v are
 all-gathered over the cp group along the sequence (an autograd function whose backward reduce-scatters their
 gradient: the sum over ranks of what each rank's queries sent back), put in global order (B, H, s, d), and the
 local queries attend to them under the causal mask of global positions (query at position i sees keys at <= i):
@@ -36,6 +37,13 @@ Summed over the cp ranks that is cp times the one-process mean; data parallel av
 dp * cp ranks of mesh["dp_cp"], which divides that cp back out: gradients, and the loss the training loop logs (the
 mean over all ranks), equal one process's on the same global batch. Only the default next-token loss can be split
 so (planner.model_file.next_token_loss); a model file's own loss_fn is refused (runtime.plan_check).
+
+What a model needs (checked at run time; the planner may check it at trace time): a forward that names
+position_ids (and uses them: a model that numbers its tokens 0..n-1 itself would see wrong positions), self-attention
+through F.scaled_dot_product_attention (Hugging Face's default "sdpa"; "eager" attention is not reached), causal and
+unpadded (no sliding window), the default next-token loss, token-id batches (a tensor, or a dict of input_ids only).
+What a plan needs: seq_len a multiple of 2*cp, and seq_len / cp a multiple of tp under sequence parallel; pp = 1,
+no offload, no compression, no delayed update (runtime.plan_check.context_parallel_problems).
 
 Memory per rank: activations of s/cp tokens, plus one layer's gathered k and v (2 * B * H_kv * s * d) and the
 (s/cp, s) mask while that layer's attention runs.

@@ -380,7 +380,9 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, data_iter: Iterato
                     state_bytes = model_state_bytes(model, optimizer)
                     tiers = state_bytes_by_tier(model, optimizer, ctx.device)
                 clear_gradients(model, optimizer)
-                dist.all_reduce(loss_sum)  # gloo has no AVG: sum, then divide
+                # gloo has no AVG: sum, then divide; under context parallel each rank holds cp times its share of its
+                # sequences' loss (runtime.context_parallel), so this is the global mean there too
+                dist.all_reduce(loss_sum)
                 loss_value = loss_sum.item() / ctx.world_size
                 step_time_s = time.perf_counter() - start
                 losses.append(loss_value)

@@ -194,3 +194,23 @@ def test_activation_recompute_runs_the_same_attention_in_the_backward(monkeypatc
         grads.append(grad)
     torch.testing.assert_close(grads[1], grads[0])
     assert F.scaled_dot_product_attention is cp_module._SDPA  # torch's own again after the scope
+
+
+def test_dry_run_runs_a_context_parallel_plan(tmp_path):
+    """zplan dryrun: the emitted program's calls on fake tensors in a fake world of pp*dp*cp*tp = 4 ranks (the gather,
+    the reduce-scatter and the dp_cp mesh included); cp 2 x dp 2 under ZeRO-3."""
+    pytest.importorskip("transformers")
+    from tests.hf_zoo import deterministic_decoder_sources
+    from zplan.api import compile_plan, prepare
+    from zplan.dryrun import dry_run_plan
+    from zplan.schemas import Pins
+
+    llama = tmp_path / "hf_llama.py"
+    llama.write_text(deterministic_decoder_sources()["llama"])
+    plan = compile_plan(prepare(str(llama), 4, "dgx-h100", 8, 32, "fp32", Pins(tp=1, pp=1, zero=3, offload="none")))
+    p = plan.parallel
+    parallel = p.model_copy(update={"cp": 2, "dp": 2, "micro_batch": 2 * p.micro_batch})
+    plan = plan.model_copy(update={"parallel": parallel})
+    result = dry_run_plan(plan, str(llama), say=lambda message: None)
+    assert result.world_size == 4 and [r.rank for r in result.ranks] == [0]
+    assert result.ranks[0].measured_peak_bytes > 0
