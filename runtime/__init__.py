@@ -7,7 +7,8 @@
         # order apply_tensor_parallel -> apply_recompute -> apply_pipeline -> apply_data_parallel, weights made
         # before data parallelism (ZeRO 0/1) or after it (ZeRO 2/3)
     optimizer = plan_optimizer(model, mesh, plan, ...)
-    train(model, optimizer, make_data_iter(...), loss_fn, train_config(plan, ...), ctx)
+    train(model, optimizer, plan_data_iter(plan, mesh, make_data_iter(...), model), plan_loss_fn(plan, model_file),
+          train_config(plan, ...), ctx)
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ _EXPORTS = {
                     "zplan.runtime.materialize"),
     "build_mesh": "zplan.runtime.mesh",
     **dict.fromkeys(["check_output_paths", "write_atomically"], "zplan.runtime.outputs"),
-    **dict.fromkeys(["parallelize", "plan_figures", "plan_mesh", "plan_optimizer", "train_config"],
+    **dict.fromkeys(["parallelize", "plan_data_iter", "plan_figures", "plan_loss_fn", "plan_mesh", "plan_optimizer",
+                     "train_config"],
                     "zplan.runtime.plan_apply"),
     **dict.fromkeys(["check_plan", "load_plan", "model_file_sha256"], "zplan.runtime.plan_check"),
     **dict.fromkeys(["PlanFigures", "TrainConfig", "WarmupCosine", "train"], "zplan.runtime.train_loop"),

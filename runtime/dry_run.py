@@ -107,7 +107,7 @@ def measure_steps(plan, model_path: Path, settings: TrainSettings, steps: int, c
     from zplan.runtime.data import make_data_iter
     from zplan.runtime.fake_world import drop_cached_tensors, fake_tensors
     from zplan.runtime.materialize import build_meta_model
-    from zplan.runtime.plan_apply import parallelize, plan_mesh, plan_optimizer
+    from zplan.runtime.plan_apply import parallelize, plan_data_iter, plan_loss_fn, plan_mesh, plan_optimizer
     from zplan.runtime.train_loop import clear_gradients, loss_scaler, optimizer_step
 
     p = plan.parallel
@@ -127,6 +127,7 @@ def measure_steps(plan, model_path: Path, settings: TrainSettings, steps: int, c
         data = make_data_iter(model_file, vocab=plan.model.vocab, seq_len=plan.train.seq_len,
                               micro_batch=p.micro_batch, num_micro_batches=p.num_micro_batches,
                               dp_rank=mesh["dp"].get_local_rank(), dp_size=p.dp, seed=0)
+        data, loss_fn = plan_data_iter(plan, mesh, data, model), plan_loss_fn(plan, model_file)  # cp: a part
         scaler = loss_scaler(model, optimizer, plan.train.precision, ctx.device)
         del weights
         if fake:
@@ -139,7 +140,7 @@ def measure_steps(plan, model_path: Path, settings: TrainSettings, steps: int, c
         say(f"rank {ctx.rank}: built in {time.perf_counter() - start:.1f} s")
         model.train()
         for step in range(steps):
-            optimizer_step(model, optimizer, data, model_file.loss_fn, p.num_micro_batches, settings.grad_clip,
+            optimizer_step(model, optimizer, data, loss_fn, p.num_micro_batches, settings.grad_clip,
                            scaler, ctx.device)
             clear_gradients(model, optimizer)
             if step == 0:  # the optimizer's states exist now (a lazy optimizer makes them in its first step)
@@ -159,5 +160,5 @@ def dry_run_rank(plan, model_path: Path, rank: int, settings: TrainSettings, ste
     from zplan.runtime.fake_world import fake_world
 
     p = plan.parallel
-    with fake_world(rank, p.tp * p.pp * p.dp, plan.cluster.gpus_per_node) as ctx:
+    with fake_world(rank, p.tp * p.pp * p.dp * p.cp, plan.cluster.gpus_per_node) as ctx:
         return measure_steps(plan, model_path, settings, steps, ctx, say, fake=True)

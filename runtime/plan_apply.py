@@ -5,13 +5,15 @@
     model, weights = build_meta_model(model_file.build_model, seed=seed, device=ctx.device)
     model, materialized = parallelize(model, weights, mesh, plan, model_file, ctx.device)
     optimizer = plan_optimizer(model, mesh, plan, lr=lr, weight_decay=weight_decay, steps=steps)
-    train(model, optimizer, data, model_file.loss_fn, train_config(plan, steps=steps, ...), ctx)
+    data = plan_data_iter(plan, mesh, make_data_iter(...), model)   # context parallel: this rank's part of each
+    train(model, optimizer, data, plan_loss_fn(plan, model_file), train_config(plan, steps=steps, ...), ctx)
 
 parallelize is the fixed order (torchtitan's parallelize_llama is the model: a short ordered function, the
 sharding plans as data): fp8 or NVFP4 GEMMs in the blocks' Linears (precision fp8, runtime.float8; nvfp4,
 runtime.nvfp4) -> tensor parallel ->
 activation recompute -> pipeline split -> no generation cache -> data parallel (ZeRO stage, mixed precision,
-offload, compression), with the weights made before data parallelism
+offload, compression; over mesh["dp_cp"] under context parallel: runtime.mesh), with the weights made before data
+parallelism
 under ZeRO 0/1 (DDP needs real tensors) and after it under ZeRO 2/3 (only FSDP2's shards are made). Every
 setting comes from the plan that check_plan validated, so an edit to plan.json is either checked and run, or
 refused. Offload follows the placement: under ZeRO 2/3 the parameter (and gradient) shards go to the host only where
@@ -40,16 +42,16 @@ from zplan.runtime.checkpoint import CheckpointConfig
 from zplan.runtime.float8 import convert_blocks_to_float8, on_fake_tensors
 from zplan.runtime.fused_layout import FusedLayout
 from zplan.runtime.materialize import MaterializeReport, materialize_weights
-from zplan.runtime.mesh import build_mesh
+from zplan.runtime.mesh import build_mesh, data_parallel_mesh
 from zplan.runtime.nvfp4 import convert_blocks_to_nvfp4
 from zplan.runtime.train_loop import PlanFigures, TrainConfig
 from zplan.schemas.plan import Plan
 
 
 def plan_mesh(plan: Plan, device_type: str) -> DeviceMesh:
-    """The (pp, dp, tp) device mesh of the plan, tp innermost."""
+    """The (pp, dp, cp, tp) device mesh of the plan, tp innermost (and its flattened "dp_cp" dim when cp > 1)."""
     p = plan.parallel
-    return build_mesh(pp=p.pp, dp=p.dp, tp=p.tp, device_type=device_type)
+    return build_mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, device_type=device_type)
 
 
 def parallelize(model: nn.Module, weights, mesh: DeviceMesh, plan: Plan, model_file, device: torch.device
@@ -87,13 +89,51 @@ def parallelize(model: nn.Module, weights, mesh: DeviceMesh, plan: Plan, model_f
     replicated = p.zero_stage in (0, 1)
     if replicated:
         materialized = materialize_weights(model, weights, device)
-    model = apply_data_parallel(model, mesh["dp"], p.zero_stage, precision, p.offload, prefix,
+    if p.cp > 1:  # the model file's forward gets each token's global position (runtime/context_parallel.py)
+        _check_context_parallel_forward(model, p.cp)
+    model = apply_data_parallel(model, data_parallel_mesh(mesh, p.cp), p.zero_stage, precision, p.offload, prefix,
                                 grad_compression=p.compression.grad, weight_compression=p.compression.weights,
                                 parameters_on_host=plan.placement.parameters != "gpu",
                                 num_micro_batches=p.num_micro_batches)
     if not replicated:
         materialized = materialize_weights(model, weights, device)
     return model, materialized
+
+
+def _check_context_parallel_forward(model: nn.Module, cp: int) -> None:
+    from zplan.runtime.context_parallel import accepts_position_ids
+
+    if not accepts_position_ids(model.forward):
+        raise PlanMismatchError(f"context parallel (cp={cp}) passes each rank's tokens with their positions, "
+                                f"model(input_ids=..., position_ids=...), and {type(model).__name__}.forward takes no "
+                                "position_ids: add that argument (positions of the tokens in the sequence) or "
+                                "recompile with --cp 1")
+
+
+def plan_data_iter(plan: Plan, mesh: DeviceMesh, batches, model: nn.Module):
+    """The micro-batches this rank runs: `batches` (its data-parallel rank's, whole sequences: make_data_iter) as
+    they are, or under context parallel each split for this cp rank (runtime.context_parallel.shard_batches), with
+    an all-ones attention_mask when `model` (parallelize's) names one."""
+    if plan.parallel.cp == 1:
+        return batches
+    from torch.nn.parallel import DistributedDataParallel
+
+    from zplan.runtime.context_parallel import shard_batches, takes_attention_mask
+
+    cp_mesh = mesh["cp"]
+    forward = (model.module if isinstance(model, DistributedDataParallel) else model).forward
+    return shard_batches(batches, cp_mesh.get_local_rank(), cp_mesh.size(), cp_mesh.get_group(),
+                         attention_mask=takes_attention_mask(forward))
+
+
+def plan_loss_fn(plan: Plan, model_file):
+    """The model file's loss_fn, or under context parallel each rank's share of the next-token loss (check_plan
+    refused a model file with its own loss_fn)."""
+    if plan.parallel.cp == 1:
+        return model_file.loss_fn
+    from zplan.runtime.context_parallel import context_parallel_loss
+
+    return context_parallel_loss
 
 
 def _say_once(message: str) -> None:
@@ -128,7 +168,7 @@ def plan_optimizer(model: nn.Module, mesh: DeviceMesh, plan: Plan, *, lr: float,
         raise PlanMismatchError("the plan offloads the optimizer states to NVMe (parallel.offload = nvme): pass "
                                 "--nvme-path DIR, a folder on a local NVMe drive")
     return build_optimizer(
-        model, mesh["dp"], p.zero_stage, lr=lr, weight_decay=weight_decay, offload=p.offload,
+        model, data_parallel_mesh(mesh, p.cp), p.zero_stage, lr=lr, weight_decay=weight_decay, offload=p.offload,
         precision=plan.train.precision, nvme_path=nvme_path, swap_parameters=plan.placement.parameters == "nvme",
         delayed_update=p.delayed_update, grad_compression=p.compression.grad,
         onebit_warmup_steps=onebit_warmup_steps or min(ONE_BIT_WARMUP_STEPS, max(1, int(0.3 * steps))),

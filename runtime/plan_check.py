@@ -95,6 +95,51 @@ def runtime_gaps(plan: Plan) -> list[str]:
     return gaps
 
 
+def context_parallel_problems(plan: Plan, model_path: str | Path | None) -> list[str]:
+    """What in a plan with cp > 1 the runtime cannot run (runtime/context_parallel.py), each with the fix; empty for
+    cp = 1. The model file is read as text (its top-level names), not run."""
+    p = plan.parallel
+    if p.cp == 1:
+        return []
+    problems, seq = [], plan.train.seq_len
+    if seq % (2 * p.cp):
+        problems.append(f"context parallel over cp={p.cp} with sequences of {seq} tokens: each sequence is cut into "
+                        f"2*cp = {2 * p.cp} equal chunks, so seq_len must be a multiple of {2 * p.cp}")
+    elif p.sequence_parallel and (seq // p.cp) % p.tp:
+        problems.append(f"sequence parallel over tp={p.tp} of the {seq // p.cp} tokens a cp rank holds (seq_len / cp): "
+                        f"it must be a multiple of tp")
+    unsupported = {"pipeline parallel (pp > 1)": p.pp > 1, f"{p.offload} offload": p.offload != "none",
+                   f"--compress {p.compression.as_option()}": p.compression.enabled,
+                   "the delayed parameter update": p.delayed_update}
+    problems += [f"the runtime does not run context parallel (cp={p.cp}) with {what}: recompile with --cp 1 or "
+                 "without it" for what, asked in unsupported.items() if asked]
+    if model_path is not None and Path(model_path).is_file() and "loss_fn" in _top_level_names(Path(model_path)):
+        problems.append(f"context parallel (cp={p.cp}) splits each sequence over ranks and computes the next-token "
+                        f"loss on each part; {Path(model_path).name} defines its own loss_fn, which cannot be split "
+                        "so: remove loss_fn (the default is next-token cross-entropy) or recompile with --cp 1")
+    return problems
+
+
+def _top_level_names(path: Path) -> set[str]:
+    """Names a Python file defines or assigns at module level (parsed, not run)."""
+    import ast
+
+    try:
+        tree = ast.parse(path.read_text())
+    except (SyntaxError, UnicodeDecodeError):
+        return set()
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+    return names
+
+
 def _compression_unsupported(plan: Plan) -> bool:
     import numpy as np
 
@@ -142,8 +187,8 @@ def check_plan(plan: Plan, model_path: str | Path | None, world_size: int) -> No
     """Raise PlanMismatchError naming every way this run differs from what the plan was made for.
 
     Checks: the model is a file (family specs cannot be built), the model file's SHA-256 against the
-    fingerprint, the world size against the fingerprint and tp * pp * dp, what the runtime cannot run
-    yet (runtime_gaps), and the torch features the plan needs. Touches no process group.
+    fingerprint, the world size against the fingerprint and tp * pp * dp * cp, what the runtime cannot run
+    yet (runtime_gaps, context_parallel_problems), and the torch features the plan needs. Touches no process group.
     """
     fp = plan.fingerprint
     problems = model_file_problems(plan.model.source, fp, model_path, "`zplan compile model.py --gpus N`",
@@ -154,11 +199,12 @@ def check_plan(plan: Plan, model_path: str | Path | None, world_size: int) -> No
             f"launch with launch/torchrun.sh or recompile with --gpus {world_size}"
         )
     p = plan.parallel
-    if p.tp * p.pp * p.dp != fp.world_size:
+    if p.tp * p.pp * p.dp * p.cp != fp.world_size:
         problems.append(
-            f"the plan is inconsistent: tp*pp*dp = {p.tp * p.pp * p.dp} != its world size {fp.world_size}"
+            f"the plan is inconsistent: tp*pp*dp*cp = {p.tp * p.pp * p.dp * p.cp} != its world size {fp.world_size}"
         )
     problems += [f"the runtime does not run {gap}" for gap in runtime_gaps(plan)]
+    problems += context_parallel_problems(plan, model_path)
     problems += capability_problems(plan.model.traits, p.tp, p.pp, p.sequence_parallel,
                                     block_tokens=plan.model.block_tokens, fp8=plan.train.precision == "fp8",
                                     nvfp4=plan.train.precision == "nvfp4")

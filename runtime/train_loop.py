@@ -39,6 +39,7 @@ from zplan.runtime.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
+from zplan.runtime.context_parallel import ContextParallelBatch
 from zplan.runtime.distributed import RunContext
 from zplan.runtime.grad_norm import total_norm_fp32
 from zplan.runtime.grad_reduce import gradient_reducer
@@ -67,7 +68,10 @@ class WarmupCosine:
 
 
 def forward_batch(model: nn.Module, batch):
-    """model(batch) for a tensor, model(*batch) for a tuple/list, model(**batch) for a dict."""
+    """model(batch) for a tensor, model(*batch) for a tuple/list, model(**batch) for a dict (and for a context-parallel
+    batch its inputs: runtime.context_parallel)."""
+    if isinstance(batch, ContextParallelBatch):
+        return model(**batch.inputs)
     if isinstance(batch, dict):
         return model(**batch)
     if isinstance(batch, (tuple, list)):
@@ -76,7 +80,7 @@ def forward_batch(model: nn.Module, batch):
 
 
 def _to_device(batch, device: torch.device):
-    if isinstance(batch, torch.Tensor):
+    if isinstance(batch, (torch.Tensor, ContextParallelBatch)):
         return batch.to(device, non_blocking=True)
     if isinstance(batch, dict):
         return {k: _to_device(v, device) for k, v in batch.items()}
@@ -139,6 +143,12 @@ def _grad_sync(model: nn.Module, last_micro_batch: bool):
     return contextlib.nullcontext()
 
 
+def _attention_scope(batch):
+    """Context parallel: its attention over the whole sequence during the forward and backward (which recomputes
+    under activation recompute) of this rank's part of it (runtime.context_parallel); otherwise nothing."""
+    return batch.attention() if isinstance(batch, ContextParallelBatch) else contextlib.nullcontext()
+
+
 def _chunks(model: nn.Module) -> list[nn.Module]:
     return model.chunks if isinstance(model, PipelineRun) else [model]
 
@@ -198,7 +208,7 @@ def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, data_iter
         loss_sum += model.step(micro_batches, loss_scale=scaler.factor if scaler else 1.0)
     for micro in range(0 if pipelined else num_micro_batches):
         batch = _to_device(next(data_iter), device)
-        with _grad_sync(model, last_micro_batch=micro == num_micro_batches - 1):
+        with _grad_sync(model, last_micro_batch=micro == num_micro_batches - 1), _attention_scope(batch):
             loss = loss_fn(forward_batch(model, batch), batch) / num_micro_batches
             (scaler.scale(loss) if scaler else loss).backward()
         loss_sum += loss.detach().float()
@@ -370,7 +380,9 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, data_iter: Iterato
                     state_bytes = model_state_bytes(model, optimizer)
                     tiers = state_bytes_by_tier(model, optimizer, ctx.device)
                 clear_gradients(model, optimizer)
-                dist.all_reduce(loss_sum)  # gloo has no AVG: sum, then divide
+                # gloo has no AVG: sum, then divide; under context parallel each rank holds cp times its share of its
+                # sequences' loss (runtime.context_parallel), so this is the global mean there too
+                dist.all_reduce(loss_sum)
                 loss_value = loss_sum.item() / ctx.world_size
                 step_time_s = time.perf_counter() - start
                 losses.append(loss_value)

@@ -111,7 +111,13 @@ def state_layout(p: torch.Tensor, dp_mesh: DeviceMesh, sharded: bool = True
 
 
 def dp_and_tp_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
-    """The 2-D (dp, tp) mesh of two 1-D slices of one named mesh (runtime.mesh.build_mesh's)."""
+    """The 2-D (dp, tp) mesh of two 1-D slices of one named mesh (runtime.mesh.build_mesh's); `dp_mesh` may be the
+    flattened (dp, cp) dim under context parallel (runtime.mesh.data_parallel_mesh), which torch no longer slices
+    from the root together with another dim: the two are concatenated instead."""
+    from zplan.runtime.mesh import DATA_PARALLEL_CP
+
+    if dp_mesh.mesh_dim_names[0] == DATA_PARALLEL_CP:
+        return DeviceMesh._concatenate([dp_mesh, tp_mesh])
     root = dp_mesh._get_root_mesh()
     return root[(dp_mesh.mesh_dim_names[0], tp_mesh.mesh_dim_names[0])]
 
