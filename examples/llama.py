@@ -22,13 +22,19 @@ SEQ_LEN = 8192
 ROPE_THETA = 500000.0
 
 
-def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, like: torch.Tensor):
-    """cos and sin of RoPE angles (Su et al. 2021), each (T, d), in the dtype and device of `like`."""
+def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, like: torch.Tensor,
+                   position_ids: torch.Tensor | None = None):
+    """cos and sin of RoPE angles (Su et al. 2021), each (T, d) for positions 0..T-1, or (B, 1, T, d) for the given
+    (B, T) position_ids (context parallel hands each rank its tokens' global positions), in the dtype and device of
+    `like`."""
     exponents = torch.arange(0, head_dim, 2, device=like.device, dtype=torch.float32) / head_dim
     inv_freq = 1.0 / (theta**exponents)  # (d/2,)
-    positions = torch.arange(seq_len, device=like.device, dtype=torch.float32)  # (T,)
-    angles = torch.outer(positions, inv_freq)  # (T, d/2)
-    angles = torch.cat((angles, angles), dim=-1)  # (T, d)
+    if position_ids is None:
+        positions = torch.arange(seq_len, device=like.device, dtype=torch.float32)  # (T,)
+        angles = torch.outer(positions, inv_freq)  # (T, d/2)
+    else:
+        angles = (position_ids.float()[..., None] * inv_freq).unsqueeze(1)  # (B, 1, T, d/2)
+    angles = torch.cat((angles, angles), dim=-1)  # (T, d) or (B, 1, T, d)
     return angles.cos().to(like.dtype), angles.sin().to(like.dtype)
 
 
@@ -51,13 +57,13 @@ class Attention(nn.Module):
         self.v = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
         self.o = nn.Linear(heads * self.head_dim, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, T, h)
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:  # x: (B, T, h)
         batch, seq, _ = x.shape
         # view(B, T, -1, head_dim): under tensor parallelism each rank keeps its own heads.
         q = self.q(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)  # (B, a, T, d)
         k = self.k(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)  # (B, a_kv, T, d)
         v = self.v(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)  # (B, a_kv, T, d)
-        cos, sin = rotary_cos_sin(seq, self.head_dim, self.rope_theta, like=x)
+        cos, sin = rotary_cos_sin(seq, self.head_dim, self.rope_theta, like=x, position_ids=position_ids)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, a, T, d)
         y = y.transpose(1, 2).reshape(batch, seq, -1)  # (B, T, a*d)
@@ -85,8 +91,8 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(hidden, eps=1e-5)
         self.mlp = SwiGLU(hidden, ffn_hidden)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, h)
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:  # (B, T, h)
+        x = x + self.attn(self.attn_norm(x), position_ids)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -110,10 +116,11 @@ class Llama(nn.Module):
         """Initialise all weights; call it again after materialising a meta-built model (to_empty)."""
         self.apply(_init_weights)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # idx: (B, T) token ids
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """idx (B, T) token ids -> (B, T, V) logits; position_ids (B, T): the tokens' positions (default 0..T-1)."""
         x = self.embed(idx)  # (B, T, h)
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x) if position_ids is None else layer(x, position_ids)
         return self.lm_head(self.norm(x))  # (B, T, V) logits
 
 

@@ -78,8 +78,9 @@ class TinyGPT(nn.Module):
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # idx: (B, T) token ids
-        positions = torch.arange(idx.size(1), device=idx.device)  # (T,)
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """idx (B, T) token ids -> (B, T, V) logits; position_ids (B, T): the tokens' positions (default 0..T-1)."""
+        positions = torch.arange(idx.size(1), device=idx.device) if position_ids is None else position_ids  # (T,)
         x = self.wte(idx) + self.wpe(positions)  # (B, T, h)
         for block in self.blocks:
             x = block(x)

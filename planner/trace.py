@@ -28,9 +28,10 @@ from torch import nn
 
 from zplan.errors import SpecError, TraceError
 from zplan.planner.graph import ModelGraph
-from zplan.planner.model_file import load_model_file
+from zplan.planner.model_file import load_model_file, next_token_loss
 from zplan.planner.tracers import DROPOUT_OPS, SDPA, TRACER_FUNCTIONS, MetaOpCache, RawTrace, TracedOp, as_call
 from zplan.planner.traits import find_traits, fused_parts, is_conv1d, parent_path
+from zplan.schemas.capability import ModelTrait
 from zplan.schemas.model import LayerCost, ModelSummary, TensorParallelRule
 
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}  # bytes per floating-point element
@@ -87,7 +88,11 @@ def trace_model_file(path: str | Path, seq_len: int | None, precision: str, *,
     model = model_file.build(device="meta", **(build_overrides or {}))
     with torch.device("meta"):
         inputs = model_file.example_inputs(1, seq_len)
-    return trace_module(model, inputs, seq_len, precision, name=model_file.name, tracers=tracers)
+    graph, summary = trace_module(model, inputs, seq_len, precision, name=model_file.name, tracers=tracers)
+    if model_file.loss_fn is not next_token_loss:  # context parallel splits only the default loss
+        own = ModelTrait(kind="own_loss", module="", detail="the model file defines loss_fn")
+        summary = summary.model_copy(update={"traits": [*summary.traits, own]})
+    return graph, summary
 
 
 def trace_module(model: nn.Module, example_inputs: Any, seq_len: int, precision: str, *, name: str = "model",

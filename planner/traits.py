@@ -81,7 +81,47 @@ def find_traits(model: nn.Module, graph: ModelGraph, tp_rules: list[TensorParall
         if problem:
             traits.append(ModelTrait(kind="forward_not_split_by_heads", module=f"{prefix}.0", detail=problem))
     return [*traits, *_pipeline_traits(model, prefix, layers, example_call), *_fp8_traits(block, f"{prefix}.0"),
-            *_nvfp4_traits(block, f"{prefix}.0")]
+            *_nvfp4_traits(block, f"{prefix}.0"), *_context_parallel_traits(model, example_call)]
+
+
+def _context_parallel_traits(model: nn.Module, example_call: tuple[tuple, dict]) -> list[ModelTrait]:
+    """What runtime/context_parallel.py needs of a forward: it takes position_ids, and its attention is causal
+    self-attention through F.scaled_dot_product_attention (the calls of one meta forward are recorded: none, one
+    without a causal flag or mask, one whose queries and keys differ in length, or a config's sliding window)."""
+    from torch.overrides import TorchFunctionMode
+
+    from zplan.runtime.context_parallel import accepts_position_ids
+
+    traits = []
+    if not accepts_position_ids(model.forward):
+        traits.append(ModelTrait(kind="no_position_ids", module="", detail="forward() has no position_ids argument"))
+    calls: list[tuple[bool, bool]] = []  # (causal: is_causal or a mask, same query and key length)
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.nn.functional.scaled_dot_product_attention:
+                q, k = args[0], args[1]
+                masked = kwargs.get("attn_mask", args[3] if len(args) > 3 else None) is not None
+                causal = bool(kwargs.get("is_causal", args[5] if len(args) > 5 else False))
+                calls.append((causal or masked, q.shape[-2] == k.shape[-2]))
+            return func(*args, **kwargs)
+
+    args, kwargs = example_call
+    try:
+        with torch.no_grad(), Record():
+            model(*args, **kwargs)
+    except Exception as error:  # a forward the meta device cannot run: the other traits say so; record nothing here
+        return [*traits, ModelTrait(kind="attention_not_sdpa", module="",
+                                    detail=f"its forward did not run on the meta device ({type(error).__name__})")]
+    window = getattr(getattr(model, "config", None), "sliding_window", None)
+    if not calls:
+        traits.append(ModelTrait(kind="attention_not_sdpa", module="",
+                                 detail="no F.scaled_dot_product_attention call in its forward"))
+    elif not all(causal and square for causal, square in calls) or window:
+        detail = f"a sliding window of {window}" if window else "an attention call that is not causal self-attention"
+        traits.append(ModelTrait(kind="attention_not_causal", module="", detail=detail))
+    return traits
 
 
 def _fp8_traits(block: nn.Module, block_name: str) -> list[ModelTrait]:

@@ -70,8 +70,9 @@ class WarmupCosine:
 def forward_batch(model: nn.Module, batch):
     """model(batch) for a tensor, model(*batch) for a tuple/list, model(**batch) for a dict (and for a context-parallel
     batch its inputs: runtime.context_parallel)."""
-    if isinstance(batch, ContextParallelBatch):
-        return model(**batch.inputs)
+    if isinstance(batch, ContextParallelBatch):  # the token ids first, by position (a model file's `idx` or input_ids)
+        ids, *_ = batch.inputs.values()
+        return model(ids, **{k: v for k, v in batch.inputs.items() if k != "input_ids"})
     if isinstance(batch, dict):
         return model(**batch)
     if isinstance(batch, (tuple, list)):

@@ -27,6 +27,10 @@ TraitKind = Literal[
     "several_block_stacks",
     "no_fp8_linears",
     "no_nvfp4_linears",
+    "no_position_ids",
+    "attention_not_sdpa",
+    "attention_not_causal",
+    "own_loss",
 ]
 FP8_DIM_MULTIPLE = 16  # an fp8 GEMM (torch._scaled_mm) needs both of a Linear's widths divisible by 16
 # An NVFP4 operand is quantised in blocks of 16 along its GEMM's reduction dim, and a Linear's three GEMMs reduce over
@@ -90,6 +94,22 @@ RULES: dict[str, Rule] = {
         blocks=("nvfp4",),
         why=f"nvfp4 training converts the blocks' nn.Linear modules whose widths are multiples of "
             f"{NVFP4_DIM_MULTIPLE} (runtime/nvfp4.py), and a block has none"),
+    "no_position_ids": Rule(
+        blocks=("context_parallel",),
+        why="context parallel gives each rank parts of every sequence and passes their global positions as "
+            "position_ids (runtime/context_parallel.py), which this forward does not take"),
+    "attention_not_sdpa": Rule(
+        blocks=("context_parallel",),
+        why="context parallel gathers keys and values inside F.scaled_dot_product_attention, which this model's "
+            "attention does not call (Hugging Face: attn_implementation='sdpa')"),
+    "attention_not_causal": Rule(
+        blocks=("context_parallel",),
+        why="context parallel masks the gathered keys causally by global position, and this attention is not plain "
+            "causal self-attention (a sliding window, bidirectional or cross-attention)"),
+    "own_loss": Rule(
+        blocks=("context_parallel",),
+        why="context parallel splits the default next-token loss over the ranks' tokens, and the model file defines "
+            "its own loss_fn"),
 }
 
 # The pin that asks for each capability, and the plan.json field that holds it.

@@ -91,7 +91,7 @@ class Decoder(nn.Module):
         self.encoder = nn.ModuleList(Block(**block) for _ in range(layers)) if second_stack else None
         self.head = nn.Linear(H, V)
 
-    def forward(self, idx):
+    def forward(self, idx, position_ids=None):  # no positions: the blocks see none (context parallel passes them)
         x = self.embed(idx)
         if self.encoder is not None:
             for block in self.encoder:
@@ -183,3 +183,44 @@ def test_hugging_face_models():
     assert parts["gpt2"] == {"attn.c_attn": ([H, H, H], HEADS)}
     assert styles["gpt2"] == {"attn.c_attn": "colwise", "attn.c_proj": "rowwise", "mlp.c_fc": "colwise",
                               "mlp.c_proj": "rowwise"}
+
+
+def test_context_parallel_needs_positions_causal_sdpa_and_the_default_loss(tmp_path):
+    """runtime/context_parallel.py passes position_ids, gathers K/V inside F.scaled_dot_product_attention under a
+    causal mask of global positions, and splits the default next-token loss: each missing piece is a trait."""
+    transformers = pytest.importorskip("transformers")
+
+    class NoPositions(Decoder):
+        def forward(self, idx):
+            return super().forward(idx)
+
+    with torch.device("meta"):
+        model = NoPositions()
+    tokens = torch.zeros(1, T, dtype=torch.long, device="meta")
+    assert {t.kind for t in trace_module(model, tokens, T, "fp32")[1].traits} == {"no_position_ids"}
+    common = dict(vocab_size=V, hidden_size=H, intermediate_size=2 * H, num_hidden_layers=2, num_attention_heads=HEADS,
+                  num_key_value_heads=2, max_position_embeddings=64)
+    found = {}
+    for name, config, options in (
+            ("eager", transformers.LlamaConfig(**common), {"attn_implementation": "eager"}),
+            ("mistral", transformers.MistralConfig(**common, sliding_window=16), {}),
+            ("bert", transformers.BertConfig(**common), {})):
+        with torch.device("meta"):
+            built = (transformers.AutoModelForMaskedLM if name == "bert" else transformers.AutoModelForCausalLM
+                     ).from_config(config, **options)
+        _, summary = trace_module(built, torch.zeros(1, T, dtype=torch.long, device="meta"), T, "fp32")
+        found[name] = {t.kind for t in summary.traits if t.kind in
+                       ("no_position_ids", "attention_not_sdpa", "attention_not_causal")}
+    assert found == {"eager": {"attention_not_sdpa"}, "mistral": {"attention_not_causal"},
+                     "bert": {"attention_not_causal"}}
+    own_loss = tmp_path / "own_loss.py"
+    own_loss.write_text((EXAMPLES / "tiny.py").read_text() + "\n\ndef loss_fn(outputs, batch):\n"
+                        "    return outputs.float().mean()\n")
+    assert {t.kind for t in trace_model_file(own_loss, 32, "fp32")[1].traits} == {"own_loss"}
+    from zplan.api import prepare
+    from zplan.errors import SpecError
+    from zplan.schemas.spec import Pins
+
+    with pytest.raises(SpecError, match=r"--cp: the runtime cannot run context parallel on this model: \(the model "
+                                        r"file defines loss_fn\).*use --cp 1"):
+        prepare(str(own_loss), 2, "cpu-local", 8, 32, "fp32", Pins(cp=2))

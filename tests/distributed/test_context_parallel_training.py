@@ -1,9 +1,8 @@
 """Context parallelism (runtime/context_parallel.py) trains a tiny Hugging Face Llama as one process does.
 
 The Llama of tests/hf_zoo.py (dropout 0, GQA: 4 query heads, 2 key/value heads) is compiled in this process as
-`zplan compile MODEL --gpus N --cluster dgx-h100 --precision fp32 --tp 1 --pp 1 --zero Z --global-batch 8 --seq 32`
-and the plan edited to context parallel (the planner's --cp is not there yet): cp = 2 and dp = N / 2, the
-micro-batch grown so that the global batch stays 8 sequences. The emitted train.py then runs on N gloo processes:
+`zplan compile MODEL --gpus N --cluster dgx-h100 --precision fp32 --tp 1 --pp 1 --cp 2 --zero Z --global-batch 8
+--seq 32`: cp = 2 and dp = N / 2. The emitted train.py then runs on N gloo processes:
 cp = 2, dp = 1, ZeRO-1 (its sharded AdamW over the flattened dp_cp mesh) on 2 processes, and cp = 2 x dp = 2,
 ZeRO-3 (FSDP2 over dp_cp) with full activation recompute (the attention recomputed inside the backward) on 4. Each
 rank holds 16 of a sequence's 32 tokens (chunks r and 3-r of 8 tokens).
@@ -78,17 +77,14 @@ def reference(llama) -> list[float]:
 
 
 def context_parallel_plan(llama: Path, world: int, zero: int, recompute: str) -> Plan:
-    """The compiled data-parallel plan for `world` processes, edited to cp = CP, dp = world / CP, the same global
-    batch (micro-batch x num_micro_batches x dp)."""
+    """The plan `zplan compile MODEL --gpus world --cp CP` makes: dp = world / CP, the global batch split over dp."""
     from zplan.api import compile_plan, prepare
 
     plan = compile_plan(prepare(str(llama), world, "dgx-h100", GLOBAL_BATCH, SEQ_LEN, "fp32",
-                                Pins(tp=1, pp=1, zero=zero, offload="none", recompute=recompute)))
+                                Pins(tp=1, pp=1, cp=CP, zero=zero, offload="none", recompute=recompute)))
     p = plan.parallel
-    assert (p.dp, p.tp, p.pp, p.cp, plan.fingerprint.world_size) == (world, 1, 1, 1, world)
-    parallel = p.model_copy(update={"cp": CP, "dp": world // CP, "micro_batch": p.micro_batch * CP})
-    plan = plan.model_copy(update={"parallel": parallel})
-    assert parallel.micro_batch * parallel.num_micro_batches * parallel.dp == GLOBAL_BATCH
+    assert (p.dp, p.tp, p.pp, p.cp, plan.fingerprint.world_size) == (world // CP, 1, 1, CP, world)
+    assert p.micro_batch * p.num_micro_batches * p.dp == GLOBAL_BATCH
     return plan
 
 
