@@ -142,8 +142,6 @@ def training_run(row: dict, label: str) -> ReferenceRun | str:
         return "layout or global batch not printed"
     if gpus % (tp * pp * cp) or batch % (gpus // (tp * pp * cp)):
         return "layout inconsistent with the GPU count or batch"
-    if cp > 1 and pp > 1:
-        return "context parallel with a pipeline (zplan's runtime runs cp with pp 1)"
     measured = measured_seconds(row, gpus, batch)
     if measured is None:
         return "no measured time basis"

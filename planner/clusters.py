@@ -40,6 +40,11 @@ _NVIDIA_EFFICIENCY = EfficiencySpec(
 # (planner/cost/compute.py): x 3 / 3.5.
 FLASH_ATTENTION_A100 = 190e12 * 3.0 / 3.5 / 312e12  # 0.52
 FLASH_ATTENTION_H100 = 330e12 * 3.0 / 3.5 / 989e12  # 0.29
+# Blackwell (B200, and the same chip in GB200 / GB300): FlashAttention-4 (Zadouri, ..., Dao 2026; Together AI's
+# release, March 2026) reaches up to 1605 TFLOP/s forward in BF16 on a B200, 1.3x cuDNN 9.13, the kernel torch's SDPA
+# and Transformer Engine call there: 1605 / 1.3 TFLOP/s forward, x 3 / 3.5 as above. A fraction of each profile's
+# own BF16 peak (FLOP/s, not a fraction: the same chip at 2250 or 2500 TFLOP/s).
+FLASH_ATTENTION_BLACKWELL_FLOPS = 1605e12 / 1.3 * 3.0 / 3.5  # 1.06 PFLOP/s
 
 DGX_A100_80G = ClusterSpec(
     name="dgx-a100-80g",
@@ -146,7 +151,7 @@ DGX_B200 = ClusterSpec(
     nvme_bytes=int(30 * TB),  # 8x 3.84 TB U.2 NVMe
     nvme_bandwidth_Bps=50 * GB,  # 8 PCIe Gen5 drives in RAID-0 (assumed)
     framework_reserve_bytes=2 * GiB,
-    efficiency=_NVIDIA_EFFICIENCY,  # no published flash-attention figure on B200 yet: the GEMM curve
+    efficiency=_NVIDIA_EFFICIENCY.model_copy(update={"attention": FLASH_ATTENTION_BLACKWELL_FLOPS / (2250 * TB)}),
 )
 
 # GB200 NVL72: one NVLink domain of 72 Blackwell GPUs in 18 compute trays (nodes) of 4 GPUs and 2 Grace CPUs; every
@@ -181,7 +186,7 @@ GB200_NVL72 = ClusterSpec(
     nvme_bytes=int(4 * 3.84 * TB),  # 4 E1.S 3.84 TB a tray (assumed, not in the data sheet)
     nvme_bandwidth_Bps=4 * 6 * GB,  # PCIe Gen5 E1.S at ~6 GB/s each (assumed)
     framework_reserve_bytes=2 * GiB,
-    efficiency=_NVIDIA_EFFICIENCY,  # no published flash-attention figure on Blackwell yet: the GEMM curve
+    efficiency=_NVIDIA_EFFICIENCY.model_copy(update={"attention": FLASH_ATTENTION_BLACKWELL_FLOPS / (2500 * TB)}),
 )
 
 # GB300 NVL72 (Blackwell Ultra): the GB200 rack with 288 GB of HBM3e a GPU and 800 Gb/s ConnectX-8 a GPU. FP8 and

@@ -124,9 +124,8 @@ def _grid(model: ModelSummary, cluster: ClusterSpec, gpus: int, global_batch: in
         Rule(f"context parallel splits each sequence in 2 cp chunks (2 cp divides the {seq} tokens) and runs on this "
              "model (schemas.capability)", ("cp",),
              (c == 1) | ((seq % (2 * c) == 0) & can_split_context)),
-        Rule("context parallel runs without offload, compression or a pipeline (runtime/context_parallel.py)",
-             ("cp", "offload", "compress", "pp"),
-             (c == 1) | ((off == 0) & (p == 1) & (not compression.enabled))),
+        Rule("context parallel runs without offload or compression (runtime/context_parallel.py)",
+             ("cp", "offload", "compress"), (c == 1) | ((off == 0) & (not compression.enabled))),
         Rule(f"the global batch {global_batch} divides by dp * micro-batch", ("micro_batch", "dp", "tp", "pp"),
              global_batch % (d * b) == 0),
         Rule(f"sequence parallel needs tp > 1 that divides the {model.block_tokens} tokens a block sees (/ cp)",

@@ -42,7 +42,7 @@ What a model needs (checked at run time; the planner may check it at trace time)
 position_ids (and uses them: a model that numbers its tokens 0..n-1 itself would see wrong positions), self-attention
 through F.scaled_dot_product_attention (Hugging Face's default "sdpa"; "eager" attention is not reached), causal and
 unpadded (no sliding window), the default next-token loss, token-id batches (a tensor, or a dict of input_ids only).
-What a plan needs: seq_len a multiple of 2*cp, and seq_len / cp a multiple of tp under sequence parallel; pp = 1,
+What a plan needs: seq_len a multiple of 2*cp, and seq_len / cp a multiple of tp under sequence parallel;
 no offload, no compression, no delayed update (runtime.plan_check.context_parallel_problems).
 
 Memory per rank: activations of s/cp tokens, plus one layer's gathered k and v (2 * B * H_kv * s * d) and the
@@ -114,15 +114,16 @@ def token_ids_of(batch) -> torch.Tensor:
 
 
 def shard_batch(batch, cp_rank: int, cp_size: int, group: dist.ProcessGroup | None = None,
-                attention_mask: bool = False) -> ContextParallelBatch:
+                attention_mask: bool = False, ids_name: str = "input_ids") -> ContextParallelBatch:
     """This cp rank's part of a micro-batch of whole sequences (B, s) (module docstring). `attention_mask`: pass the
-    forward an all-ones (B, s/cp) attention_mask too (no padding), for Hugging Face models (module docstring)."""
+    forward an all-ones (B, s/cp) attention_mask too (no padding), for Hugging Face models (module docstring);
+    `ids_name`: the forward's argument for the token ids (its first: input_ids, a model file's idx)."""
     ids = token_ids_of(batch)  # (B, s)
     b, s = ids.shape
     positions = chunk_positions(s, cp_rank, cp_size).to(ids.device)  # (s/cp,)
     no_target = torch.full((b, 1), IGNORE_INDEX, dtype=ids.dtype, device=ids.device)
     targets = torch.cat([ids[:, 1:], no_target], dim=1)  # (B, s): the token after each position
-    inputs = {"input_ids": ids[:, positions], "position_ids": positions.expand(b, -1)}
+    inputs = {ids_name: ids[:, positions], "position_ids": positions.expand(b, -1)}
     if attention_mask:
         inputs["attention_mask"] = torch.ones(b, positions.numel(), dtype=torch.long, device=ids.device)
     return ContextParallelBatch(
@@ -133,9 +134,9 @@ def shard_batch(batch, cp_rank: int, cp_size: int, group: dist.ProcessGroup | No
 class _ShardedBatches:
     """An iterator of ContextParallelBatch over one of whole-sequence micro-batches; its state is the inner one's."""
 
-    def __init__(self, batches: Iterator, cp_rank: int, cp_size: int, group, attention_mask: bool):
+    def __init__(self, batches: Iterator, cp_rank: int, cp_size: int, group, attention_mask: bool, ids_name: str):
         self.batches, self.cp_rank, self.cp_size, self.group = batches, cp_rank, cp_size, group
-        self.attention_mask = attention_mask
+        self.attention_mask, self.ids_name = attention_mask, ids_name
         if hasattr(batches, "state_dict") and hasattr(batches, "load_state_dict"):
             self.state_dict, self.load_state_dict = batches.state_dict, batches.load_state_dict
 
@@ -143,14 +144,15 @@ class _ShardedBatches:
         return self
 
     def __next__(self) -> ContextParallelBatch:
-        return shard_batch(next(self.batches), self.cp_rank, self.cp_size, self.group, self.attention_mask)
+        return shard_batch(next(self.batches), self.cp_rank, self.cp_size, self.group, self.attention_mask,
+                           self.ids_name)
 
 
 def shard_batches(batches: Iterator, cp_rank: int, cp_size: int, group: dist.ProcessGroup | None,
-                  attention_mask: bool = False) -> Iterator:
+                  attention_mask: bool = False, ids_name: str = "input_ids") -> Iterator:
     """Each micro-batch of `batches` (whole sequences, the same on every cp rank of a dp rank) split for `cp_rank`
     (shard_batch)."""
-    return _ShardedBatches(iter(batches), cp_rank, cp_size, group, attention_mask)
+    return _ShardedBatches(iter(batches), cp_rank, cp_size, group, attention_mask, ids_name)
 
 
 # ---- the attention -------------------------------------------------------------------------------------
@@ -294,6 +296,11 @@ def accepts_position_ids(forward) -> bool:
     """Whether a forward names a position_ids argument, which context parallel passes it: by name only, since a
     forward that takes **kwargs and numbers its tokens 0..n-1 itself would silently see the wrong positions."""
     return "position_ids" in inspect.signature(forward).parameters
+
+
+def token_ids_name(forward) -> str:
+    """The name of a forward's first argument, which the token ids are passed as (Hugging Face: input_ids)."""
+    return next(name for name in inspect.signature(forward).parameters if name != "self")
 
 
 def takes_attention_mask(forward) -> bool:

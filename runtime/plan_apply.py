@@ -79,7 +79,7 @@ def parallelize(model: nn.Module, weights, mesh: DeviceMesh, plan: Plan, model_f
         model = apply_recompute(model, p.recompute, prefix)
         model = apply_pipeline(model, mesh["pp"], [stage.layer_names for stage in plan.stages], p.schedule,
                                units=plan.model.layers, num_micro_batches=p.num_micro_batches,
-                               loss_fn=model_file.loss_fn,
+                               loss_fn=plan_loss_fn(plan, model_file),
                                example_micro_batch=model_file.example_inputs(p.micro_batch, plan.train.seq_len),
                                activation_compression=p.compression.activations)
         # after the pipeline split, whose check on the meta device runs the forward as the model file builds it:
@@ -100,12 +100,24 @@ def parallelize(model: nn.Module, weights, mesh: DeviceMesh, plan: Plan, model_f
     return model, materialized
 
 
+def model_forward(model: nn.Module):
+    """The forward a batch is given to: the model's, a DDP-wrapped model's, or the one every pipeline stage runs."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from zplan.runtime.pipeline import PipelineRun
+
+    if isinstance(model, PipelineRun):
+        return model.model_forward
+    return (model.module if isinstance(model, DistributedDataParallel) else model).forward
+
+
 def _check_context_parallel_forward(model: nn.Module, cp: int) -> None:
     from zplan.runtime.context_parallel import accepts_position_ids
 
-    if not accepts_position_ids(model.forward):
+    forward = model_forward(model)
+    if not accepts_position_ids(forward):
         raise PlanMismatchError(f"context parallel (cp={cp}) passes each rank's tokens with their positions, "
-                                f"model(input_ids=..., position_ids=...), and {type(model).__name__}.forward takes no "
+                                f"model(input_ids=..., position_ids=...), and {forward.__qualname__} takes no "
                                 "position_ids: add that argument (positions of the tokens in the sequence) or "
                                 "recompile with --cp 1")
 
@@ -116,14 +128,12 @@ def plan_data_iter(plan: Plan, mesh: DeviceMesh, batches, model: nn.Module):
     an all-ones attention_mask when `model` (parallelize's) names one."""
     if plan.parallel.cp == 1:
         return batches
-    from torch.nn.parallel import DistributedDataParallel
-
-    from zplan.runtime.context_parallel import shard_batches, takes_attention_mask
+    from zplan.runtime.context_parallel import shard_batches, takes_attention_mask, token_ids_name
 
     cp_mesh = mesh["cp"]
-    forward = (model.module if isinstance(model, DistributedDataParallel) else model).forward
+    forward = model_forward(model)
     return shard_batches(batches, cp_mesh.get_local_rank(), cp_mesh.size(), cp_mesh.get_group(),
-                         attention_mask=takes_attention_mask(forward))
+                         attention_mask=takes_attention_mask(forward), ids_name=token_ids_name(forward))
 
 
 def plan_loss_fn(plan: Plan, model_file):

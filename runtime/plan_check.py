@@ -108,7 +108,7 @@ def context_parallel_problems(plan: Plan, model_path: str | Path | None) -> list
     elif p.sequence_parallel and (seq // p.cp) % p.tp:
         problems.append(f"sequence parallel over tp={p.tp} of the {seq // p.cp} tokens a cp rank holds (seq_len / cp): "
                         f"it must be a multiple of tp")
-    unsupported = {"pipeline parallel (pp > 1)": p.pp > 1, f"{p.offload} offload": p.offload != "none",
+    unsupported = {f"{p.offload} offload": p.offload != "none",
                    f"--compress {p.compression.as_option()}": p.compression.enabled,
                    "the delayed parameter update": p.delayed_update}
     problems += [f"the runtime does not run context parallel (cp={p.cp}) with {what}: recompile with --cp 1 or "

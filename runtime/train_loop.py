@@ -70,9 +70,8 @@ class WarmupCosine:
 def forward_batch(model: nn.Module, batch):
     """model(batch) for a tensor, model(*batch) for a tuple/list, model(**batch) for a dict (and for a context-parallel
     batch its inputs: runtime.context_parallel)."""
-    if isinstance(batch, ContextParallelBatch):  # the token ids first, by position (a model file's `idx` or input_ids)
-        ids, *_ = batch.inputs.values()
-        return model(ids, **{k: v for k, v in batch.inputs.items() if k != "input_ids"})
+    if isinstance(batch, ContextParallelBatch):
+        return model(**batch.inputs)
     if isinstance(batch, dict):
         return model(**batch)
     if isinstance(batch, (tuple, list)):
@@ -206,7 +205,8 @@ def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, data_iter
     loss_sum = torch.zeros((), device=device)
     if pipelined:  # the schedule runs every micro-batch; the mean loss comes back on every rank
         micro_batches = [_to_device(next(data_iter), device) for _ in range(num_micro_batches)]
-        loss_sum += model.step(micro_batches, loss_scale=scaler.factor if scaler else 1.0)
+        with _attention_scope(micro_batches[0]):  # context parallel: one rank's positions in every micro-batch
+            loss_sum += model.step(micro_batches, loss_scale=scaler.factor if scaler else 1.0)
     for micro in range(0 if pipelined else num_micro_batches):
         batch = _to_device(next(data_iter), device)
         with _grad_sync(model, last_micro_batch=micro == num_micro_batches - 1), _attention_scope(batch):

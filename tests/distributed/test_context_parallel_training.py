@@ -1,23 +1,23 @@
 """Context parallelism (runtime/context_parallel.py) trains a tiny Hugging Face Llama as one process does.
 
 The Llama of tests/hf_zoo.py (dropout 0, GQA: 4 query heads, 2 key/value heads) is compiled in this process as
-`zplan compile MODEL --gpus N --cluster dgx-h100 --precision fp32 --tp 1 --pp 1 --cp 2 --zero Z --global-batch 8
---seq 32`: cp = 2 and dp = N / 2. The emitted train.py then runs on N gloo processes:
-cp = 2, dp = 1, ZeRO-1 (its sharded AdamW over the flattened dp_cp mesh) on 2 processes, and cp = 2 x dp = 2,
-ZeRO-3 (FSDP2 over dp_cp) with full activation recompute (the attention recomputed inside the backward) on 4. Each
-rank holds 16 of a sequence's 32 tokens (chunks r and 3-r of 8 tokens).
+`zplan compile MODEL --gpus N --cluster dgx-h100 --precision fp32 --tp 1 --pp P --cp 2 --zero Z --global-batch 8
+--seq 32`, and the emitted train.py runs on N gloo processes: cp 2, dp 1, ZeRO-1 (its sharded AdamW over the flattened
+dp_cp mesh) on 2; and a 2-stage pipeline, pp 2 x cp 2, ZeRO-3 (FSDP2 over dp_cp) with full activation recompute (the
+attention recomputed inside the backward; every stage runs the model's forward on its rank's tokens and positions)
+on 4. Each rank holds 16 of a sequence's 32 tokens (chunks r and 3-r of 8 tokens).
 
 The reference is independent of the runtime: harness.train_single_process, one process, the whole global batch of
 whole sequences, plain next-token cross-entropy and torch's AdamW. Measured on this machine (4 steps, losses 4.85 ->
-4.72): cp 2 ZeRO-1 and cp 2 x dp 2 ZeRO-3 (recompute full) both within 4.8e-7 of the reference at every step
+4.72): cp 2 ZeRO-1 and pp 2 x cp 2 ZeRO-3 (recompute full) both within 4.8e-7 of the reference at every step
 (relative 1.0e-7). The relative tolerance 1e-5 is 100x above that and 11x below what dropping the target of each
 chunk's last token (a next-token loss taken inside each rank's chunks, the classic mistake) moves step 1's loss:
 4.854666 -> 4.854117, relative 1.1e-4 (test_losing_boundary_targets_would_be_seen); attention over the local keys
 only is further off.
 
-Wall time on 2 cores: ~14 s for cp 2 (with the reference), ~25 s for cp 2 x dp 2. Measured once by hand, not run
-here (another 4-process launch): tp 2 x cp 2 with sequence parallel, ZeRO-1 and full recompute, and tp 2 x cp 2
-ZeRO-0, both within 4.8e-7 of the same reference.
+Wall time on 2 cores: ~13 s for both. Measured once by hand, not run here (more 4-process launches): cp 2 x dp 2
+ZeRO-3 with full recompute, tp 2 x cp 2 with sequence parallel, ZeRO-1 and full recompute, and tp 2 x cp 2 ZeRO-0,
+each within 4.8e-7 of the same reference.
 """
 
 from __future__ import annotations
@@ -76,27 +76,28 @@ def reference(llama) -> list[float]:
     return losses
 
 
-def context_parallel_plan(llama: Path, world: int, zero: int, recompute: str) -> Plan:
-    """The plan `zplan compile MODEL --gpus world --cp CP` makes: dp = world / CP, the global batch split over dp."""
+def context_parallel_plan(llama: Path, world: int, pp: int, zero: int, recompute: str) -> Plan:
+    """The plan `zplan compile MODEL --gpus world --pp pp --cp CP` makes: dp = world / (pp CP), the global batch
+    split over dp."""
     from zplan.api import compile_plan, prepare
 
     plan = compile_plan(prepare(str(llama), world, "dgx-h100", GLOBAL_BATCH, SEQ_LEN, "fp32",
-                                Pins(tp=1, pp=1, cp=CP, zero=zero, offload="none", recompute=recompute)))
+                                Pins(tp=1, pp=pp, cp=CP, zero=zero, offload="none", recompute=recompute)))
     p = plan.parallel
-    assert (p.dp, p.tp, p.pp, p.cp, plan.fingerprint.world_size) == (world // CP, 1, 1, CP, world)
+    assert (p.dp, p.tp, p.pp, p.cp, plan.fingerprint.world_size) == (world // (pp * CP), 1, pp, CP, world)
     assert p.micro_batch * p.num_micro_batches * p.dp == GLOBAL_BATCH
     return plan
 
 
-@pytest.mark.parametrize("world, zero, recompute", [(2, 1, "none"), (4, 3, "full")])
-def test_context_parallel_trains_as_one_process(tmp_path, llama, reference, world, zero, recompute):
-    plan = context_parallel_plan(llama, world, zero, recompute)
+@pytest.mark.parametrize("world, pp, zero, recompute", [(2, 1, 1, "none"), (4, 2, 3, "full")])
+def test_context_parallel_trains_as_one_process(tmp_path, llama, reference, world, pp, zero, recompute):
+    plan = context_parallel_plan(llama, world, pp, zero, recompute)
     assert plan.parallel.recompute == recompute
     records, _ = run_emitted_script(plan, llama, tmp_path / "out", steps=STEPS, seed=SEED, lr=LR)
     losses = [record["loss"] for record in records]
     relative = max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
-    print(f"cp {CP} x dp {world // CP} ZeRO-{zero} recompute {recompute}: losses {losses}, reference {reference}, "
-          f"max diff {max_loss_diff(losses, reference):.2e} (relative {relative:.2e})")
+    print(f"pp {pp} x cp {CP} x dp {world // (pp * CP)} ZeRO-{zero} recompute {recompute}: losses {losses}, "
+          f"reference {reference}, max diff {max_loss_diff(losses, reference):.2e} (relative {relative:.2e})")
     assert relative < RELATIVE_TOLERANCE
     assert losses[-1] < losses[0]  # it trains
 

@@ -82,5 +82,6 @@ def test_the_search_splits_sequences_only_where_a_gpu_keeps_4096_tokens():
     assert cps(4096) == {1}
     assert cps(16384) == {1, 2, 4}
     assert cps(4096, Pins(cp=8)) == {8}  # a pin overrides the threshold
-    assert len(enumerate_candidates(family_summary("llama:layers=4,hidden=256,heads=8,seq=4096,vocab=512,ffn=512,"
-                                                   "kv_heads=2"), H100, 8, 8, Pins(cp=2, pp=2))) == 0
+    model = family_summary("llama:layers=4,hidden=256,heads=8,seq=4096,vocab=512,ffn=512,kv_heads=2")
+    assert len(enumerate_candidates(model, H100, 8, 8, Pins(cp=2, pp=2))) > 0  # with a pipeline
+    assert len(enumerate_candidates(model, H100, 8, 8, Pins(cp=2, offload="cpu"))) == 0  # not with offload
