@@ -1,6 +1,8 @@
 """All legal configurations as numpy arrays (DESIGN.md decision 3: enumerate, then prune).
 
-Legality (the rules of ``_grid``, each named with the pins it constrains): dp * tp * pp = gpus; heads and kv_heads
+Legality (the rules of ``_grid``, each named with the pins it constrains): dp * tp * pp * cp = gpus; context parallel
+(cp > 1) where 2 cp divides the sequence, the runtime runs it on this model, without offload or compression, and
+unpinned only where a GPU keeps CP_MIN_TOKENS_PER_GPU tokens of a sequence; heads and kv_heads
 divisible by tp (a pinned tp too); at least one block per pipeline stage (pp <= blocks) and, when
 interleaved, one block, the embedding or the head per chunk (pp * v <= blocks + 2; Megatron-Core's split that counts
 the embedding and the head as a block each where the blocks do not divide) and micro-batches divisible by pp; a pipeline

@@ -12,6 +12,7 @@ Which to try, in what order, and what the operations cost is zplan.planner.trace
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import logging
 from dataclasses import dataclass, field
@@ -235,7 +236,9 @@ class _CachingInterpreter(torch.fx.Interpreter):
 def _trace_fx(model: nn.Module, args: tuple, kwargs: dict, cache: MetaOpCache) -> list[TracedOp]:
     if kwargs:
         raise TypeError("fx replays positional inputs only; example_inputs returned keywords")
-    module = torch.fx.symbolic_trace(model)
+    # inputs the call leaves at a default of None (a position_ids=None) are traced as None, not as proxies
+    unset = list(inspect.signature(model.forward).parameters.values())[len(args):]
+    module = torch.fx.symbolic_trace(model, concrete_args={p.name: None for p in unset if p.default is None} or None)
     interpreter = _CachingInterpreter(module, cache)
     interpreter.run(*args)
     values, names, ops = interpreter.env, _ParamNames(model), []

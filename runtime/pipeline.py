@@ -535,7 +535,7 @@ class PipelineRun(nn.Module):
         self._num_micro_batches = num_micro_batches
         self._loss_fn = loss_fn
         self._loss_scale = 1.0  # step() sets it: the factor of fp16 loss scaling
-        self._loss_batches: list[Any] = []  # step() sets them: the micro-batches the loss receives
+        self._loss_batches = MicroBatches()  # step() sets them: the micro-batches the loss receives
         self._schedule = None
         self._micro_batches = chunks[0]._micro_batches  # shared by the chunks: what later stages read
         self._last_chunk = tuple(chunk for chunk in chunks if chunk.stage_index == self._num_stages - 1)
@@ -657,7 +657,7 @@ class PipelineRun(nn.Module):
     def _micro_batch_loss(self, output: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         # The schedule hands the loss a slice of `target`; step() passes the micro-batch indices as target,
         # so that loss_fn receives the whole micro-batch (any structure), as in the non-pipelined loop.
-        loss = self._loss_fn(self._last_chunk[0].outputs_for_loss(output), self._loss_batches[int(index)])
+        loss = self._loss_fn(self._last_chunk[0].outputs_for_loss(output), self._loss_batches.get(index))
         return loss * self._loss_scale
 
     def step(self, micro_batches: Sequence[Any], loss_scale: float = 1.0) -> torch.Tensor:
@@ -670,7 +670,7 @@ class PipelineRun(nn.Module):
             raise ValueError(f"expected {self._num_micro_batches} micro-batches, got {len(micro_batches)}")
         # the loss gets each micro-batch as given; the stages its forward inputs (a context-parallel batch's inputs:
         # runtime.context_parallel, whose attention scope the caller holds around step)
-        self._loss_batches = list(micro_batches)
+        self._loss_batches.batches = list(micro_batches)
         micro_batches = [getattr(batch, "inputs", batch) for batch in micro_batches]
         holds_first, holds_last = 0 in self._stage_indices, self._num_stages - 1 in self._stage_indices
         args: tuple = ()
@@ -687,7 +687,7 @@ class PipelineRun(nn.Module):
         losses: list[torch.Tensor] = []
         self._schedule.step(*args, target=target, losses=losses if holds_last else None, return_outputs=False,
                             **{MICRO_BATCH_INDEX: torch.arange(self._num_micro_batches)})  # one index per stage call
-        self._micro_batches.batches, self._loss_batches = [], []
+        self._micro_batches.batches, self._loss_batches.batches = [], []
         for chunk in self.chunks:  # tensor parallel's data-parallel reductions done (DDP waits in its backward)
             reducer = gradient_reducer(chunk)
             if reducer is not None:

@@ -419,10 +419,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[s
         if sequence_parallel:
             for holder in sorted({parent_path(path) for path in tp_plan} - {""}):
                 block.get_submodule(holder).register_forward_pre_hook(_gather_sequence_inputs, with_kwargs=True)
-    if sequence_parallel:
-        for start in (0, *stage_starts):
+    if sequence_parallel:  # once a block: a stage of the embedding alone makes block 0 a stage start too
+        starts = sorted({0, *stage_starts})
+        for start in starts:
             blocks[start].register_forward_pre_hook(_first_arg_hook(_scatter_sequence(tp_mesh)))
-        for end in (*(start - 1 for start in stage_starts), len(blocks) - 1):
+        for end in sorted({start - 1 for start in starts if start > 0} | {len(blocks) - 1}):
             blocks[end].register_forward_hook(_first_output_hook(_gather_sequence(tp_mesh)))
     replicate_remaining_parameters(model, tp_mesh)
     return model
