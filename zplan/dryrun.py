@@ -248,9 +248,10 @@ def pins_of(parallel):
     from zplan.schemas.spec import Pins
 
     p = parallel
-    pins = Pins(tp=p.tp, pp=p.pp, dp=p.dp, zero=p.zero_stage, offload=p.offload, micro_batch=p.micro_batch,
+    pins = Pins(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, zero=p.zero_stage, offload=p.offload, micro_batch=p.micro_batch,
                 recompute=p.recompute, sequence_parallel=p.sequence_parallel, interleave=p.interleave)
-    flags = (f"--tp {p.tp} --pp {p.pp} --dp {p.dp} --zero {p.zero_stage} --offload {p.offload} --micro-batch "
+    cp = f" --cp {p.cp}" if p.cp > 1 else ""
+    flags = (f"--tp {p.tp} --pp {p.pp} --dp {p.dp}{cp} --zero {p.zero_stage} --offload {p.offload} --micro-batch "
              f"{p.micro_batch} --recompute {p.recompute} --{'' if p.sequence_parallel else 'no-'}sequence-parallel "
              f"--interleave {p.interleave}")
     return pins, flags
