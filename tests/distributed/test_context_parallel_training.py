@@ -119,3 +119,23 @@ def test_losing_boundary_targets_would_be_seen(llama, reference):
     assert abs(full.item() - reference[0]) / reference[0] < RELATIVE_TOLERANCE  # the reference's step 1
     print(f"step 1: the whole next-token loss {full.item():.6f}, without the boundary targets {lossy.item():.6f}")
     assert abs(lossy.item() - full.item()) / full.item() > 10 * RELATIVE_TOLERANCE
+
+
+def test_a_bf16_context_parallel_run_resumes_from_its_checkpoint(tmp_path, llama):
+    """cp 2, ZeRO-3, bf16 on 2 processes: 2 steps with a checkpoint, then a resume from it to step 4, gives the
+    losses of 4 steps run straight, to the bit (the data iterator's state and the sharded states come back whole).
+    Measured by hand besides (seed 0, 4 steps): the same model in bf16 under cp 2 ZeRO-1 and under dp 2 ZeRO-1 without
+    cp agree at step 1 to the bit and within 3.3e-5 after (bf16 reductions in another order)."""
+    from zplan.api import compile_plan, prepare
+
+    plan = compile_plan(prepare(str(llama), 2, "cpu-local", GLOBAL_BATCH, SEQ_LEN, "bf16",
+                                Pins(tp=1, pp=1, cp=CP, zero=3, offload="none")))
+    assert (plan.parallel.cp, plan.train.precision) == (CP, "bf16")
+    straight, _ = run_emitted_script(plan, llama, tmp_path / "straight", steps=4, seed=SEED, lr=LR)
+    checkpoints = tmp_path / "ck"
+    run_emitted_script(plan, llama, tmp_path / "first", steps=2, seed=SEED, lr=LR,
+                       extra_args=("--checkpoint-dir", str(checkpoints)))
+    resumed, _ = run_emitted_script(plan, llama, tmp_path / "resumed", steps=4, seed=SEED, lr=LR,
+                                    extra_args=("--checkpoint-dir", str(checkpoints), "--resume"))
+    assert [r["step"] for r in resumed] == [3, 4]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[2:]]
