@@ -64,19 +64,28 @@ def float8_emulated(device: torch.device) -> bool:
     torch 2.13 has a _scaled_mm kernel (correct, no faster than bf16): the CPU then runs the GPU's code path (the
     same casts, scales and saved tensors; on fake tensors, the dry run, its meta kernel). An older GPU or another
     device raises PlanMismatchError (compile refuses fp8 for a cluster without fp8 tensor cores)."""
+    on_tensor_cores(device, "fp8", "fp8", FP8_MIN_CAPABILITY, "8.9 or more: L40S, H100, H200, B200", "bf16")
+    return False
+
+
+def on_tensor_cores(device: torch.device | str, precision: str, cores: str, min_capability: tuple[int, int],
+                    which: str, fallback: str) -> bool:
+    """True on a CUDA device of `min_capability` or more (its `cores` tensor cores run `precision`), False on the CPU;
+    another device, or an older GPU, raises PlanMismatchError naming the GPUs that have them (`which`) and the
+    `fallback` precision to recompile with."""
     device = torch.device(device)
     if device.type == "cpu":
         return False
     if device.type != "cuda":
-        raise PlanMismatchError(f"the plan trains in fp8, which runs on CUDA GPUs (or the CPU), not on "
+        raise PlanMismatchError(f"the plan trains in {precision}, which runs on CUDA GPUs (or the CPU), not on "
                                 f"{device.type}: recompile with --precision bf16")
     capability = torch.cuda.get_device_capability(device)
-    if capability < FP8_MIN_CAPABILITY:
+    if capability < min_capability:
         raise PlanMismatchError(
-            f"the plan trains in fp8, but {torch.cuda.get_device_name(device)} (compute capability "
-            f"{capability[0]}.{capability[1]}) has no fp8 tensor cores (8.9 or more: L40S, H100, H200, B200): "
-            "recompile for this cluster with --precision bf16")
-    return False
+            f"the plan trains in {precision}, but {torch.cuda.get_device_name(device)} (compute capability "
+            f"{capability[0]}.{capability[1]}) has no {cores} tensor cores ({which}): recompile for this cluster "
+            f"with --precision {fallback}")
+    return True
 
 
 def local_features(module: nn.Linear, style: str | None, tp: int) -> tuple[int, int]:

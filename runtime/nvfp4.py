@@ -59,19 +59,10 @@ def nvfp4_convertible(module: nn.Module) -> bool:
 def nvfp4_on_tensor_cores(device: torch.device | str) -> bool:
     """True on a CUDA device of capability 10.0 or more (the GEMMs run on fp4 tensor cores, untested here); False on
     the CPU (emulated GEMMs); an older GPU or another device raises PlanMismatchError."""
-    device = torch.device(device)
-    if device.type == "cpu":
-        return False
-    if device.type != "cuda":
-        raise PlanMismatchError(f"the plan trains in nvfp4, which runs on CUDA GPUs (or emulated on the CPU), not on "
-                                f"{device.type}: recompile with --precision bf16")
-    capability = torch.cuda.get_device_capability(device)
-    if capability < NVFP4_MIN_CAPABILITY:
-        raise PlanMismatchError(
-            f"the plan trains in nvfp4, but {torch.cuda.get_device_name(device)} (compute capability "
-            f"{capability[0]}.{capability[1]}) has no fp4 tensor cores (10.0 or more: B200, GB200, GB300): "
-            "recompile for this cluster with --precision fp8 or bf16")
-    return True
+    from zplan.runtime.float8 import on_tensor_cores
+
+    return on_tensor_cores(device, "nvfp4", "fp4", NVFP4_MIN_CAPABILITY, "10.0 or more: B200, GB200, GB300",
+                           "fp8 or bf16")
 
 
 @functools.cache

@@ -194,6 +194,19 @@ def run_emitted_script(plan: Plan, model_path: Path, out_dir: Path, *, steps: in
 # ---- the single-process reference ----------------------------------------------------------------------
 
 
+class LogitsOf(torch.nn.Module):
+    """A Hugging Face causal LM that returns its logits (B, T, V), as train_single_process calls a model: tokens
+    (B, T) -> logits."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=tokens, use_cache=False).logits
+
+
+
 def train_single_process(build_model: Callable[[], torch.nn.Module], *, steps: int, seed: int, lr: float,
                          global_batch: int, vocab: int, seq_len: int, device: str = "cpu",
                          dtype: torch.dtype = torch.float32, parts: int = 1

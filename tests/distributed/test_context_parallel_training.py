@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch.nn.functional as F
 
-from tests.distributed.harness import import_file, max_loss_diff, run_emitted_script, train_single_process
+from tests.distributed.harness import LogitsOf, import_file, max_loss_diff, run_emitted_script, train_single_process
 from tests.hf_zoo import deterministic_decoder_sources
 from zplan.runtime.data import synthetic_token_batch
 from zplan.schemas import Pins, Plan
@@ -41,26 +41,6 @@ CP = 2
 RELATIVE_TOLERANCE = 1e-5
 
 
-class LogitsOf:
-    """A Hugging Face causal LM called as train_single_process calls a model: tokens (B, T) -> logits (B, T, V)."""
-
-    def __init__(self, build):
-        self.build = build
-
-    def __call__(self):
-        import torch
-
-        class Wrapped(torch.nn.Module):
-            def __init__(self, model):
-                super().__init__()
-                self.model = model
-
-            def forward(self, tokens):
-                return self.model(input_ids=tokens, use_cache=False).logits
-
-        return Wrapped(self.build())
-
-
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("zoo") / "hf_llama.py"
@@ -71,8 +51,8 @@ def llama(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def reference(llama) -> list[float]:
     build = import_file(llama, "cp_reference_llama").build_model
-    losses, _ = train_single_process(LogitsOf(build), steps=STEPS, seed=SEED, lr=LR, global_batch=GLOBAL_BATCH,
-                                     vocab=VOCAB, seq_len=SEQ_LEN)
+    losses, _ = train_single_process(lambda: LogitsOf(build()), steps=STEPS, seed=SEED, lr=LR,
+                                     global_batch=GLOBAL_BATCH, vocab=VOCAB, seq_len=SEQ_LEN)
     return losses
 
 
@@ -108,7 +88,7 @@ def test_losing_boundary_targets_would_be_seen(llama, reference):
     import torch
 
     torch.manual_seed(SEED)  # the weights of the reference's step 1
-    model = LogitsOf(import_file(llama, "cp_boundary_llama").build_model)()
+    model = LogitsOf(import_file(llama, "cp_boundary_llama").build_model())
     tokens = synthetic_token_batch(VOCAB, SEQ_LEN, GLOBAL_BATCH, SEED, 0)  # step 1's batch (B, T)
     with torch.no_grad():
         logits = model(tokens)  # (B, T, V)

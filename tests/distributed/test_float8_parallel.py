@@ -44,7 +44,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.harness import Ranks, import_file, max_loss_diff, run_emitted_script, train_single_process
+from tests.distributed.harness import (
+    LogitsOf,
+    Ranks,
+    import_file,
+    max_loss_diff,
+    run_emitted_script,
+    train_single_process,
+)
 from tests.hf_zoo import deterministic_decoder_sources
 from zplan.schemas import Pins
 
@@ -96,17 +103,6 @@ def fp8_reference_model(build_model):
         return LogitsOf(model)
 
     return build
-
-
-class LogitsOf(torch.nn.Module):
-    """A Hugging Face causal LM that returns its logits (B, T, V), as train_single_process expects."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, tokens):
-        return self.model(input_ids=tokens, use_cache=False).logits
 
 
 def train_in_parts(build_model, parts: int) -> list[float]:

@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.distributed.harness import import_file, max_loss_diff, run_emitted_script, train_single_process
+from tests.distributed.harness import LogitsOf, import_file, max_loss_diff, run_emitted_script, train_single_process
 from tests.hf_zoo import deterministic_decoder_sources
 from tests.unit.test_nvfp4_quantize import reference_fake_quantize as fq
 from zplan.schemas import Pins
@@ -81,17 +81,6 @@ def nvfp4_reference_model(build_model):
         return LogitsOf(model)
 
     return build
-
-
-class LogitsOf(torch.nn.Module):
-    """A Hugging Face causal LM that returns its logits (B, T, V), as train_single_process expects."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, tokens):
-        return self.model(input_ids=tokens, use_cache=False).logits
 
 
 def train_in_parts(build_model, parts: int) -> list[float]:
