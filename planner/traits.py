@@ -81,13 +81,19 @@ def find_traits(model: nn.Module, graph: ModelGraph, tp_rules: list[TensorParall
         if problem:
             traits.append(ModelTrait(kind="forward_not_split_by_heads", module=f"{prefix}.0", detail=problem))
     return [*traits, *_pipeline_traits(model, prefix, layers, example_call), *_fp8_traits(block, f"{prefix}.0"),
-            *_nvfp4_traits(block, f"{prefix}.0"), *_context_parallel_traits(model, example_call)]
+            *_nvfp4_traits(block, f"{prefix}.0"), *_context_parallel_traits(model, block, example_call)]
 
 
-def _context_parallel_traits(model: nn.Module, example_call: tuple[tuple, dict]) -> list[ModelTrait]:
+class _BlockDone(BaseException):  # raised after block 0's forward: the rest of the model need not run
+    pass
+
+
+def _context_parallel_traits(model: nn.Module, block: nn.Module, example_call: tuple[tuple, dict]
+                             ) -> list[ModelTrait]:
     """What runtime/context_parallel.py needs of a forward: it takes position_ids, and its attention is causal
-    self-attention through F.scaled_dot_product_attention (the calls of one meta forward are recorded: none, one
-    without a causal flag or mask, one whose queries and keys differ in length, or a config's sliding window)."""
+    self-attention through F.scaled_dot_product_attention (the calls of the model's forward on meta up to the end of
+    block 0, as every block attends alike, are recorded: none, one without a causal flag or mask, one whose queries
+    and keys differ in length, or a config's sliding window)."""
     from torch.overrides import TorchFunctionMode
 
     from zplan.runtime.context_parallel import accepts_position_ids
@@ -107,17 +113,25 @@ def _context_parallel_traits(model: nn.Module, example_call: tuple[tuple, dict])
                 calls.append((causal or masked, q.shape[-2] == k.shape[-2]))
             return func(*args, **kwargs)
 
+    def done(module, inputs, output):
+        raise _BlockDone
+
     args, kwargs = example_call
+    handle = block.register_forward_hook(done)
     try:
         with torch.no_grad(), Record():
             model(*args, **kwargs)
+    except _BlockDone:
+        pass
     except Exception as error:  # a forward the meta device cannot run: the other traits say so; record nothing here
         return [*traits, ModelTrait(kind="attention_not_sdpa", module="",
                                     detail=f"its forward did not run on the meta device ({type(error).__name__})")]
+    finally:
+        handle.remove()
     window = getattr(getattr(model, "config", None), "sliding_window", None)
     if not calls:
         traits.append(ModelTrait(kind="attention_not_sdpa", module="",
-                                 detail="no F.scaled_dot_product_attention call in its forward"))
+                                 detail="no F.scaled_dot_product_attention call in its first block"))
     elif not all(causal and square for causal, square in calls) or window:
         detail = f"a sliding window of {window}" if window else "an attention call that is not causal self-attention"
         traits.append(ModelTrait(kind="attention_not_causal", module="", detail=detail))

@@ -64,6 +64,7 @@ from torch.utils import _pytree as pytree
 
 from zplan.errors import ZplanError
 from zplan.planner.model_file import logits_of
+from zplan.runtime.context_parallel import ContextParallelBatch
 from zplan.runtime.grad_norm import total_norm_fp32
 from zplan.runtime.grad_reduce import gradient_reducer
 
@@ -671,7 +672,7 @@ class PipelineRun(nn.Module):
         # the loss gets each micro-batch as given; the stages its forward inputs (a context-parallel batch's inputs:
         # runtime.context_parallel, whose attention scope the caller holds around step)
         self._loss_batches.batches = list(micro_batches)
-        micro_batches = [getattr(batch, "inputs", batch) for batch in micro_batches]
+        micro_batches = [batch.inputs if isinstance(batch, ContextParallelBatch) else batch for batch in micro_batches]
         holds_first, holds_last = 0 in self._stage_indices, self._num_stages - 1 in self._stage_indices
         args: tuple = ()
         if holds_first:

@@ -90,7 +90,8 @@ def print_estimate(console: Console, result: dict) -> None:
     table.add_column(style="bold")
     table.add_column()
     c = result["config"]
-    table.add_row("config", f"tp={c['tp']} pp={c['pp']} dp={c['dp']} micro-batch={c['micro_batch']} "
+    cp = f" cp={c['cp']}" if c.get("cp", 1) > 1 else ""
+    table.add_row("config", f"tp={c['tp']} pp={c['pp']} dp={c['dp']}{cp} micro-batch={c['micro_batch']} "
                             f"ZeRO-{c['zero_stage']} recompute={c['recompute']}")
     table.add_row("feasible", "yes" if result["feasible"] else "NO (does not fit memory)")
     if not result.get("runtime_runs_it", True):
