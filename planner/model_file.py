@@ -14,6 +14,7 @@ dict) and what loss_fn receives with the model's outputs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import inspect
@@ -29,10 +30,50 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from zplan.errors import ModelLoadError
 
 _module_counter = itertools.count()
+
+
+def hf_models_see_whole_sequences() -> None:
+    """Tell transformers that the sequences of a forward on meta or fake tensors are neither packed nor padded.
+
+    transformers (5.x) reads values to choose its attention mask: positions that restart mean packed sequences
+    (masking_utils.find_packed_sequence_indices, asked when the model gets no attention mask and no cache, as a
+    model set up for training with use_cache=False is called), an attention mask of all ones means no padding
+    (fast_all, _ignore_bidirectional_mask_sdpa). A meta tensor has no values (the forward fails: "Tensor.item()
+    cannot be called on meta tensors") and a fake tensor none to read either (transformers then takes the sequences
+    for packed and builds a (b, 1, s, s) mask and repeats the grouped key/value heads, bytes the real run never
+    holds). zplan's batches are whole sequences (positions 0..s-1, an attention mask of ones), so on meta and fake
+    tensors the answer is the one their real values give, the one flash attention runs on (is_causal, no mask);
+    on real tensors transformers' own functions answer. Every forward zplan makes of a model built from a model
+    file (trace, traits, dry run, training) comes after this; installing is idempotent.
+    """
+    masking = sys.modules.get("transformers.masking_utils")
+    if masking is None or getattr(masking, "zplan_whole_sequences", False):
+        return
+    answers = {  # function -> its answer when its tensor argument has no values
+        "find_packed_sequence_indices": lambda original, position_ids: None,  # not packed
+        "fast_all": lambda original, tensor: True,  # an attention mask of ones: no padding
+        "_ignore_bidirectional_mask_sdpa": lambda original, padding_mask, *args, **kwargs:
+            original(None, *args, **kwargs),  # no padding mask
+    }
+    for name, answer in answers.items():
+        if callable(getattr(masking, name, None)):
+            setattr(masking, name, _unless_values(getattr(masking, name), answer))
+    masking.zplan_whole_sequences = True
+
+
+def _unless_values(original: Callable, answer: Callable) -> Callable:
+    """original(tensor, ...) where `tensor` holds values, else answer(original, tensor, ...)."""
+    @functools.wraps(original)
+    def call(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(tensor, torch.Tensor) and (tensor.is_meta or is_fake(tensor)):
+            return answer(original, tensor, *args, **kwargs)
+        return original(tensor, *args, **kwargs)
+    return call
 
 
 def default_example_inputs(batch_size: int, seq_len: int) -> torch.Tensor:
@@ -193,13 +234,24 @@ def load_model_file(path: str | Path) -> ModelFile:
         path=file,
         sha256=sha256,
         module=module,
-        build_model=build_model,
+        build_model=_models_see_whole_sequences_after(build_model),
         example_inputs=hooks["example_inputs"] or default_example_inputs,
         loss_fn=hooks["loss_fn"] or next_token_loss,
         user_train_data=hooks["train_data"],
         vocab_size=_int_constant(module, "VOCAB_SIZE", file),
         seq_len=_int_constant(module, "SEQ_LEN", file),
     )
+
+
+def _models_see_whole_sequences_after(build_model: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    """build_model, then hf_models_see_whole_sequences: transformers' modeling code (masking_utils with it) is
+    imported when a model is built, not when the model file is."""
+    @functools.wraps(build_model)
+    def build(*args: Any, **overrides: Any) -> nn.Module:
+        model = build_model(*args, **overrides)
+        hf_models_see_whole_sequences()
+        return model
+    return build
 
 
 def _import_file(file: Path, module_name: str) -> types.ModuleType:

@@ -28,7 +28,7 @@ from torch import nn
 
 from zplan.errors import SpecError, TraceError
 from zplan.planner.graph import ModelGraph
-from zplan.planner.model_file import load_model_file, next_token_loss
+from zplan.planner.model_file import hf_models_see_whole_sequences, load_model_file, next_token_loss
 from zplan.planner.tracers import DROPOUT_OPS, SDPA, TRACER_FUNCTIONS, MetaOpCache, RawTrace, TracedOp, as_call
 from zplan.planner.traits import find_traits, fused_parts, is_conv1d, parent_path
 from zplan.schemas.capability import ModelTrait
@@ -99,6 +99,7 @@ def trace_module(model: nn.Module, example_inputs: Any, seq_len: int, precision:
                  tracers: tuple[str, ...] = TRACERS) -> tuple[ModelGraph, ModelSummary]:
     """Trace `model` (ideally on meta) called with `example_inputs` (a Tensor, tuple or dict of one sample)."""
     element_bytes(precision)
+    hf_models_see_whole_sequences()  # a module handed in directly, not built from a model file
     prefix, num_blocks = find_block_container(model)
     raw = run_tracers(model, example_inputs, tracers)
     graph = _build_graph(raw, model, prefix, num_blocks, seq_len, precision)

@@ -15,10 +15,10 @@ torch 2.13's DeviceMesh computes its coordinates with tensor ops (mesh == rank).
 cannot answer; DeviceMesh.__init__ runs outside the fake mode here (it is bookkeeping on a small real tensor of
 ranks, FSDP2 builds such meshes inside fully_shard too). Exchanges that read values across ranks are answered by
 this rank alone (_pipeline_vote_on_this_rank), and DDP, whose C++ reducer reads values, is FakeRankDDP, which
-holds what the reducer holds. F.rms_norm takes the fused kernel a GPU takes (_rms_norm_as_on_gpu). Hugging Face
-models see unpacked sequences, as on real tensors (_transformers_sees_unpacked_sequences). These patches live only
-inside fake_tensors. After the build, drop_cached_tensors empties FakeTensorMode's dispatch cache, whose keys hold
-the replay's full tensors.
+holds what the reducer holds. F.rms_norm takes the fused kernel a GPU takes (_rms_norm_as_on_gpu). These patches
+live only inside fake_tensors (Hugging Face models see whole sequences on fake tensors as on real ones: the model
+file's loader tells transformers so, planner.model_file.hf_models_see_whole_sequences). After the build,
+drop_cached_tensors empties FakeTensorMode's dispatch cache, whose keys hold the replay's full tensors.
 """
 
 from __future__ import annotations
@@ -248,36 +248,10 @@ def fake_world(rank: int, world_size: int, gpus_per_node: int = GPUS_PER_NODE_DE
 
 
 @contextlib.contextmanager
-def _transformers_sees_unpacked_sequences() -> Iterator[None]:
-    """transformers (5.x) looks for packed sequences in the position ids it makes (masking_utils.
-    find_packed_sequence_indices: positions that restart); it cannot read a fake tensor's values, so it takes them for
-    packed, builds the causal mask as a tensor and repeats the grouped key/value heads for it, where on the real
-    positions (0..s-1 in every row, the runtime's batches are not packed) it hands scaled_dot_product_attention
-    is_causal=True and the grouped heads: (b, 1, s, s) and (b, heads, s, d) bytes a layer that the real run never
-    holds. Here the sequences are unpacked, as they are on real tensors."""
-    import importlib
-    import sys
-
-    try:
-        masking = importlib.import_module("transformers.masking_utils") if "transformers" in sys.modules else None
-    except ImportError:  # a transformers without masking_utils
-        masking = None
-    original = getattr(masking, "find_packed_sequence_indices", None)
-    if original is None:
-        yield
-        return
-    masking.find_packed_sequence_indices = lambda position_ids: None
-    try:
-        yield
-    finally:
-        masking.find_packed_sequence_indices = original
-
-
-@contextlib.contextmanager
 def fake_tensors() -> Iterator[FakeTensorMode]:
     """Every tensor made inside is a fake one (module docstring); meshes made inside (FSDP2's) stay real."""
     with _mesh_outside_fake_mode(), _pipeline_vote_on_this_rank(), _ddp_on_a_fake_rank(), _objects_through_mailbox(), \
-            _rms_norm_as_on_gpu(), _transformers_sees_unpacked_sequences(), \
+            _rms_norm_as_on_gpu(), \
             FakeTensorMode(allow_non_fake_inputs=True) as mode:
         yield mode
         FakeTensorMode.cache_clear()

@@ -24,8 +24,9 @@ tables and attention masks built from the batch and the hidden state's shape, bl
 (Hugging Face's `model.layers`) and called with extra arguments, work after the head (a logit soft-cap).
 Stage 0 gets the micro-batch from the schedule; the others get it by its index (a keyword the schedule
 hands every stage) from the micro-batches step() was given, which every pipeline rank holds. The last
-stage returns the model's output: a tensor, or the logits of an output object (`.logits`, as Hugging
-Face models return), which the loss receives as an object of the same class holding the logits.
+stage sends on the model's output: a tensor, or the logits of an output object (`.logits`, as Hugging
+Face models return); the loss receives that output object itself (with a loss the forward computed from
+the batch's labels).
 
 A model satisfies this contract when:
   1. its forward runs the embedding, then the blocks in order, each called with the hidden state as its
@@ -328,7 +329,7 @@ class PipelineChunk(nn.Module):
         self._outside_units = tuple(
             module for name, module in self._skeleton_of[0].named_modules()
             if not any(name == p or name.startswith(p + ".") for p in roles.all_paths))
-        self._output_class: type | None = None  # the last stage: the class of the model's output, if not a tensor
+        self._output: Any = None  # the last stage: the model's output object of the micro-batch just run
         self._batch_spec: pytree.TreeSpec | None = None  # stage 0: the structure of a batch
 
     @property
@@ -367,7 +368,7 @@ class PipelineChunk(nn.Module):
                 raise PipelineSplitError(f"the forward of {type(skeleton).__name__} returned before reaching the "
                                          f"units of pipeline stage {self._stage_index + 1}")
             x = output if isinstance(output, torch.Tensor) else logits_of(output)
-            self._output_class = None if isinstance(output, torch.Tensor) else type(output)
+            self._output = None if isinstance(output, torch.Tensor) else output
         finally:
             self._received.tensor = None
         if self._int8_out:
@@ -377,16 +378,20 @@ class PipelineChunk(nn.Module):
         return x
 
     def outputs_for_loss(self, logits: torch.Tensor) -> Any:
-        """What the loss receives from the last stage: its tensor, or the model's output class holding it."""
-        kind = self._output_class
-        if kind is None:
+        """What the loss receives from the last stage: its tensor, or the model's own output object of the
+        micro-batch just run (the schedule computes each micro-batch's loss right after its forward) holding
+        `logits`, with what else the forward computed from the batch (a Hugging Face model's .loss from the
+        batch's labels)."""
+        output, self._output = self._output, None
+        if output is None:
             return logits
-        if issubclass(kind, tuple):
-            return (logits,)
-        try:
-            return kind(logits=logits)
-        except TypeError:
-            return {"logits": logits}
+        if isinstance(output, tuple):
+            return (logits, *output[1:])
+        if isinstance(output, dict):  # Hugging Face's ModelOutput is a dict whose items are its attributes
+            output["logits"] = logits
+        else:
+            output.logits = logits
+        return output
 
 
 def batch_leaves(batch: Any) -> tuple[list[torch.Tensor], pytree.TreeSpec]:

@@ -4,7 +4,7 @@ from pathlib import Path
 
 COMMON = "vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4"
 
-DECODER = '''"""A tiny Hugging Face {name}, built from its config."""
+DECODER = '''"""A tiny Hugging Face {name}, built from its config{setup_doc}."""
 from transformers import AutoModelForCausalLM, {config}
 
 VOCAB_SIZE = 128
@@ -12,8 +12,20 @@ SEQ_LEN = 32
 
 
 def build_model():
-    return AutoModelForCausalLM.from_config({config}({args}))
+    return AutoModelForCausalLM.from_config({config}({args}){setup})
 '''
+
+# Each decoder as a training script sets it up: no KV cache, an explicit attention implementation (half of the
+# families eager, half sdpa). deterministic_decoder_sources keeps transformers' defaults instead, so the suite
+# runs both configurations.
+ATTENTION = {"llama": "sdpa", "qwen2": "eager", "mistral": "sdpa", "gemma2": "eager", "phi3": "eager",
+             "mixtral": "sdpa", "gpt2": "eager"}
+
+
+def _training_setup(name: str) -> dict[str, str]:
+    return {"setup_doc": f", set up for training (use_cache=False, {ATTENTION[name]} attention)",
+            "setup": f", attn_implementation={ATTENTION[name]!r}", "cache": ", use_cache=False"}
+
 
 DECODERS = {
     "llama": ("LlamaConfig", COMMON + ", num_key_value_heads=2, max_position_embeddings=64"),
@@ -86,7 +98,6 @@ def loss_fn(outputs, batch):
 
 VIT = '''"""A tiny Hugging Face ViT image classifier, built from its config, on random 32x32 images."""
 import torch
-import torch.nn.functional as F
 from transformers import ViTConfig, ViTForImageClassification
 
 CLASSES = 10
@@ -110,24 +121,74 @@ def train_data(batch_size, seq_len, seed=0):
 
 
 def loss_fn(outputs, batch):
-    return F.cross_entropy(outputs.logits, batch["labels"])
+    return outputs.loss  # the model's own, from the batch's labels
+'''
+
+LLAMA_HOOKS = '''"""A tiny Hugging Face Llama from a config.json saved beside this file (hf_zoo.save_llama_config),
+with a training script's own hooks: batches of input_ids, attention_mask and labels, the model's own loss."""
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+SEQ_LEN = 32
+CONFIG = AutoConfig.from_pretrained(Path(__file__).parent / "llama_config")
+
+
+def build_model():
+    return AutoModelForCausalLM.from_config(CONFIG, attn_implementation="sdpa")
+
+
+def _batch(ids):
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+
+def example_inputs(batch_size, seq_len):
+    return _batch(torch.zeros(batch_size, seq_len, dtype=torch.long))
+
+
+def train_data(batch_size, seq_len, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        yield _batch(torch.randint(0, CONFIG.vocab_size, (batch_size, seq_len), generator=generator))
+
+
+def loss_fn(outputs, batch):
+    return outputs.loss  # transformers' shifted next-token cross-entropy from the labels
 '''
 
 
 def model_sources() -> dict[str, str]:
-    sources = {name: DECODER.format(name=name, config=config, args=args) for name, (config, args) in DECODERS.items()}
-    sources.update(bert=BERT, t5=T5, vit=VIT)
+    """Each family's model file, the decoders set up for training (ATTENTION), and a Llama with its own hooks."""
+    sources = {}
+    for name, (config, args) in DECODERS.items():
+        setup = _training_setup(name)
+        sources[name] = DECODER.format(name=name, config=config, args=args + setup.pop("cache"), **setup)
+    sources.update(bert=BERT, t5=T5, vit=VIT, llama_hooks=LLAMA_HOOKS)
     return sources
 
 
 def deterministic_decoder_sources() -> dict[str, str]:
-    """The model files of DECODERS with every dropout 0 (DROPOUT_FREE), same names and sizes."""
-    return {name: DECODER.format(name=name, config=config, args=f"{args}, {DROPOUT_FREE[name]}")
+    """The model files of DECODERS with every dropout 0 (DROPOUT_FREE), same names and sizes, transformers'
+    defaults otherwise (the KV cache on, the default attention)."""
+    return {name: DECODER.format(name=name, config=config, args=f"{args}, {DROPOUT_FREE[name]}", setup_doc="",
+                                 setup="")
             for name, (config, args) in DECODERS.items()}
+
+
+def save_llama_config(folder: Path) -> Path:
+    """LLAMA_HOOKS's config.json, as save_pretrained writes it, in folder/llama_config."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
+    config.save_pretrained(folder / "llama_config")
+    return folder / "llama_config"
 
 
 def write_model_files(folder: Path) -> dict[str, Path]:
     folder.mkdir(parents=True, exist_ok=True)
+    save_llama_config(folder)
     paths = {}
     for name, source in model_sources().items():
         paths[name] = folder / f"hf_{name}.py"

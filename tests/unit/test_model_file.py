@@ -170,3 +170,37 @@ def test_failed_import_leaves_no_module_behind(tmp_path):
         load_model_file(write(tmp_path, "raise ImportError('x')\n"))
     assert not [name for name in set(sys.modules) - before if name.startswith("zplan_user_model_")]
     assert str(tmp_path.resolve()) not in sys.path
+
+
+HF_LLAMA_FOR_TRAINING = """
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+def build_model():
+    return AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, use_cache=False), attn_implementation="sdpa")
+"""
+
+
+def test_hf_models_see_whole_sequences_on_meta_and_fake_tensors_and_their_own_values_on_real_ones(tmp_path):
+    """A model built from a model file, set up for training (use_cache=False), runs its forward on meta tensors
+    (transformers would read the position ids' values to look for packed sequences); on real tensors transformers'
+    own answers stand: positions that restart are packed, a mask with a zero is padding."""
+    pytest.importorskip("transformers")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = load_model_file(write(tmp_path, HF_LLAMA_FOR_TRAINING)).build(device="meta")
+    ids = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    assert model(ids).logits.shape == (2, 8, 64)
+    assert model(ids, attention_mask=torch.ones_like(ids)).logits.shape == (2, 8, 64)
+
+    from transformers import masking_utils
+
+    packed = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    assert masking_utils.find_packed_sequence_indices(packed).tolist() == [[0, 0, 0, 1, 1, 1]]
+    assert masking_utils.find_packed_sequence_indices(torch.arange(6)[None]) is None
+    assert masking_utils.find_packed_sequence_indices(packed.to("meta")) is None
+    assert not masking_utils.fast_all(torch.tensor([[1, 1, 0]]))
+    assert masking_utils.fast_all(torch.ones(1, 3, device="meta")) is True
+    with FakeTensorMode():
+        assert masking_utils.find_packed_sequence_indices(torch.zeros(1, 6, dtype=torch.long)) is None

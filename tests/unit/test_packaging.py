@@ -1,10 +1,14 @@
 """DESIGN.md 'Layout': the folders install under the zplan.* namespace. Build a wheel, install it into a
-fresh virtual environment, and run the installed `zplan`."""
+fresh virtual environment, and run the installed `zplan`. The installed versions are the lock's
+(constraints.txt, docs/dependencies.md)."""
 
+import os
+import re
 import subprocess
 import sys
 import sysconfig
 import zipfile
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -42,3 +46,36 @@ def test_wheel_installs_and_runs(tmp_path):
                          cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "plan" / "report.html").exists()
+
+
+def locked_versions() -> dict[str, str]:
+    """constraints.txt: normalised package name -> the exact version locked."""
+    lock = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, version = line.split("==")
+            lock[canonical(name)] = version.strip()
+    return lock
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+@pytest.mark.skipif(bool(os.environ.get("UNLOCKED")), reason="`make UNLOCKED=1`: the newest releases, not the lock")
+def test_the_environment_holds_exactly_the_locked_versions():
+    """The Makefile installs through constraints.txt: every locked package is installed at its locked version
+    (torch's local label, +cpu, aside), and the project's dependencies are all locked."""
+    lock = locked_versions()
+    installed = {canonical(d.metadata["Name"]): d.version for d in metadata.distributions()}
+    differ = {name: (version, installed.get(name)) for name, version in lock.items()
+              if installed.get(name, "").split("+")[0] != version}
+    assert not differ, f"locked vs installed: {differ}; `make` reinstalls from the lock, `make lock` rewrites it"
+    requirements = [canonical(re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0]) for r in metadata.requires("zplan")]
+    assert set(requirements) <= set(lock), set(requirements) - set(lock)
+
+
+def test_pyproject_bounds_the_major_versions_of_torch_transformers_and_torchao():
+    requirements = {canonical(re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0]): r for r in metadata.requires("zplan")}
+    for name, bound in (("torch", "<3"), ("transformers", "<6"), ("torchao", "<1")):
+        assert bound in requirements[name], requirements[name]

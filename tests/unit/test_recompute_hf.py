@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.hf_zoo import DECODERS, write_model_files
+from tests.hf_zoo import DECODERS, deterministic_decoder_sources, write_model_files
 from zplan.planner.model_file import load_model_file
 from zplan.runtime.apply import apply_recompute, disable_generation_cache
 
@@ -17,7 +17,11 @@ BLOCKS = {"gpt2": "transformer.h"}  # the others keep their blocks at model.laye
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, Path]:
-    return write_model_files(tmp_path_factory.mktemp("zoo"))
+    folder = tmp_path_factory.mktemp("zoo")
+    files = write_model_files(folder)  # the decoders set up for training: use_cache=False
+    files["llama_cache_on"] = folder / "llama_cache_on.py"  # transformers' default, use_cache=True
+    files["llama_cache_on"].write_text(deterministic_decoder_sources()["llama"])
+    return files
 
 
 def _gradients(files, name: str, mode: str, cache_off: bool = True) -> torch.Tensor:
@@ -42,4 +46,4 @@ def test_recompute_gives_the_gradients_of_no_recompute(files, name):
 
 def test_with_the_generation_cache_on_selective_recompute_fails(files):
     with pytest.raises(RuntimeError, match="encountered during backward"):
-        _gradients(files, "llama", "selective", cache_off=False)
+        _gradients(files, "llama_cache_on", "selective", cache_off=False)
