@@ -26,8 +26,10 @@ import torch.distributed as dist
 
 from zplan.errors import RunLockError
 from zplan.runtime.distributed import RunContext
+from zplan.safe_files import UnsafeFileError, open_regular, read_capped
 
 LOCK_FILE = ".zplan-run.lock"
+MAX_LOCK_BYTES = 4096  # the lock's JSON line: pid, host, start time
 
 
 class RunLock:
@@ -50,28 +52,34 @@ class RunLock:
 def holder(path: Path) -> str:
     """Who holds the lock at `path`, as its file says."""
     try:
-        info = json.loads(path.read_text())
+        info = json.loads(read_capped(path, MAX_LOCK_BYTES, "the run lock"))
         return f"pid {info['pid']} on host {info['host']}, started {info['started']}"
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, UnsafeFileError):
         return "a process whose lock file does not say who"
 
 
 def try_lock(directory: str | Path) -> tuple[RunLock | None, str | None]:
-    """(the lock, None) when taken, (None, why not) when another process holds it or it cannot be made."""
+    """(the lock, None) when taken, (None, why not: "is in use: ..." or "cannot be locked: ...") otherwise. The lock
+    file is opened without following a link (a link planted there would have the pid written through it into
+    another file) and must be a regular file."""
     path = Path(directory) / LOCK_FILE
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        stream = open(path, "a+")
+        stream = os.fdopen(open_regular(path, os.O_RDWR | os.O_CREAT, follow=False), "r+")
+    except UnsafeFileError as error:
+        return None, f"cannot be locked: {error}"
     except OSError as error:
-        return None, f"cannot create {path}: {error.strerror or error}"
+        return None, f"cannot be locked: cannot create {path}: {error.strerror or error}"
     try:
         fcntl.flock(stream, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         stream.close()
-        return None, f"another run holds it ({holder(path)})"
+        return None, (f"is in use: another run holds it ({holder(path)}). Two runs writing one checkpoint folder "
+                      "corrupt each other's checkpoints: wait for the other run to end (or stop it), or pass another "
+                      "--checkpoint-dir")
     except OSError as error:
         stream.close()
-        return None, f"cannot lock {path}: {error.strerror or error}"
+        return None, f"cannot be locked: cannot lock {path}: {error.strerror or error}"
     stream.seek(0)
     stream.truncate()
     stream.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
@@ -91,7 +99,5 @@ def lock_checkpoint_dir(directory: str | Path | None, ctx: RunContext) -> RunLoc
         dist.broadcast_object_list(box, src=0)
         problem = box[0]
     if problem is not None:
-        raise RunLockError(f"--checkpoint-dir {directory} is in use: {problem}. Two runs writing one checkpoint "
-                           "folder corrupt each other's checkpoints: wait for the other run to end (or stop it), or "
-                           "pass another --checkpoint-dir")
+        raise RunLockError(f"--checkpoint-dir {directory} {problem}")
     return lock

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from zplan import __version__
 from zplan.errors import OutputError
+from zplan.safe_files import UnsafeFileError, inside, read_capped
 
 MANIFEST = ".zplan-manifest.json"
 MAX_MANIFEST_BYTES = 1 << 20
@@ -107,15 +108,23 @@ def sha256_file(path: Path) -> str:
 
 def read_manifest(out_dir: Path) -> dict[str, str]:
     """Relative path -> SHA-256 of the files zplan wrote into `out_dir` last time ({} when there is no readable
-    manifest: every existing file then counts as the user's)."""
-    path = out_dir / MANIFEST
+    manifest: every existing file then counts as the user's). Entries whose path would lead out of `out_dir` are
+    dropped: the manifest is data anyone with the folder could have edited, and zplan moves and removes the files it
+    names."""
     try:
-        if path.stat().st_size > MAX_MANIFEST_BYTES:
-            return {}
-        files = json.loads(path.read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError):
+        files = json.loads(read_capped(out_dir / MANIFEST, MAX_MANIFEST_BYTES, "the compile manifest"))["files"]
+    except (OSError, ValueError, KeyError, TypeError, UnsafeFileError):
         return {}
-    return {str(k): str(v) for k, v in files.items()} if isinstance(files, dict) else {}
+    if not isinstance(files, dict):
+        return {}
+    recorded = {}
+    for rel, digest in files.items():
+        try:
+            inside(out_dir, str(rel), MANIFEST)
+        except UnsafeFileError:
+            continue
+        recorded[str(rel)] = str(digest)
+    return recorded
 
 
 def _manifest_text(tmp: Path, written: list[str]) -> str:
@@ -128,11 +137,16 @@ def _problems(out_dir: Path, tmp: Path, written: list[str], recorded: dict[str, 
     problems = []
     for rel in written:
         for parent in reversed(Path(rel).parents[:-1]):  # launch/ of launch/torchrun.sh
-            if (out_dir / parent).exists() and not (out_dir / parent).is_dir():
+            if (out_dir / parent).is_symlink():
+                problems.append(f"{out_dir / parent} is a symbolic link where zplan writes the folder {parent}/ "
+                                "(zplan does not write through links): move it away")
+            elif (out_dir / parent).exists() and not (out_dir / parent).is_dir():
                 problems.append(f"{out_dir / parent} is a file where zplan writes the folder {parent}/: move it away")
         target = out_dir / rel
         if target.is_dir():
             problems.append(f"{target} is a folder where zplan writes a file: move it away")
+        elif target.exists() and not target.is_file():
+            problems.append(f"{target} is a special file where zplan writes a file: move it away")
         elif target.exists() and not force and sha256_file(target) not in (recorded.get(rel), sha256_file(tmp / rel)):
             problems.append(f"{target} was changed since zplan wrote it (or zplan did not write it): move it away, "
                             "or pass --force to overwrite it")
@@ -142,7 +156,8 @@ def _problems(out_dir: Path, tmp: Path, written: list[str], recorded: dict[str, 
 def _stale(out_dir: Path, written: list[str], recorded: dict[str, str]) -> list[str]:
     """Files of the previous compile that this one does not write, unchanged since: removed with the swap."""
     return [rel for rel, digest in recorded.items() if rel not in written and rel != MANIFEST
-            and (out_dir / rel).is_file() and sha256_file(out_dir / rel) == digest]
+            and (out_dir / rel).is_file() and not (out_dir / rel).is_symlink()
+            and sha256_file(out_dir / rel) == digest]
 
 
 def _swap_in(out_dir: Path, tmp: Path, written: list[str], stale: list[str]) -> None:

@@ -112,3 +112,73 @@ def test_switching_to_inference_removes_the_unchanged_training_files_only(tmp_pa
     assert {"generate.py", "serve.py", "launch/serve.sh", "launch/slurm.sbatch"} <= names
     assert not {"train.py", "ds_config.json", "launch/torchrun.sh"} & names  # zplan's, unchanged: gone
     assert "my own job script" in (out / "launch" / "slurm.sbatch").read_text()  # changed: the user's now
+
+
+def hashed_tree(root: Path) -> dict[str, str | None]:
+    """Every path under `root` (links not followed) -> the SHA-256 of its bytes, its link target, or None."""
+    listing = {}
+    for path in root.rglob("*"):
+        rel = path.relative_to(root).as_posix()
+        if path.is_symlink():
+            listing[rel] = f"-> {os.readlink(path)}"
+        else:
+            listing[rel] = out_dir.sha256_file(path) if path.is_file() else None
+    return listing
+
+
+@pytest.mark.parametrize("entry", ["../victim.txt", "../../victim.txt", "/etc/hostname", "sub/../../victim.txt",
+                                   "link/victim.txt"])
+def test_a_manifest_entry_outside_the_folder_is_ignored_and_nothing_outside_changes(tmp_path, entry):
+    """The manifest is data anyone sharing the folder could edit: an entry naming a file outside it (its SHA-256
+    right, so that it looks like a stale output of the last compile) must not have that file removed or moved."""
+    parent = tmp_path / "shared"
+    out = parent / "plan"
+    assert compile_into(out, "--global-batch", 16).exit_code == 0
+    victim = parent / "victim.txt" if entry != "/etc/hostname" else Path(entry)
+    if entry != "/etc/hostname":
+        victim.write_text("precious\n")
+        (parent.parent / "victim.txt").write_text("also precious\n")
+    (out / "link").symlink_to(parent)  # a link inside the folder that leads out of it
+    manifest = json.loads((out / out_dir.MANIFEST).read_text())
+    manifest["files"][entry] = out_dir.sha256_file(victim) if victim.exists() else "0" * 64
+    (out / out_dir.MANIFEST).write_text(json.dumps(manifest))
+    before = hashed_tree(tmp_path)
+    result = compile_into(out, "--global-batch", 16)  # the entry is not written again: stale, if it were inside
+    assert result.exit_code == 0, result.output
+    after = hashed_tree(tmp_path)
+    outside = {rel: digest for rel, digest in before.items() if not rel.startswith("shared/plan/")}
+    assert {rel: after.get(rel) for rel in outside} == outside
+    assert victim.exists()
+
+
+@pytest.mark.parametrize("kind", ["dev-zero", "fifo", "huge"])
+def test_a_manifest_that_is_a_special_file_or_huge_is_read_as_no_manifest(tmp_path, kind):
+    """/dev/zero reads without end and stat says 0 bytes; a FIFO would block the reader: the manifest is read
+    without blocking, refused by kind or by the bytes read, and then counts as absent (every file the user's)."""
+    out = tmp_path / "plan"
+    assert compile_into(out, "--global-batch", 16).exit_code == 0
+    manifest = out / out_dir.MANIFEST
+    manifest.unlink()
+    if kind == "dev-zero":
+        manifest.symlink_to("/dev/zero")
+    elif kind == "fifo":
+        os.mkfifo(manifest)
+    else:
+        manifest.write_text(json.dumps({"files": {"x": "0" * 64}}) + " " * out_dir.MAX_MANIFEST_BYTES)
+    assert out_dir.read_manifest(out) == {}
+    result = compile_into(out, "--global-batch", 16)
+    assert result.exit_code == 0, result.output  # the same outputs again: nothing to refuse
+
+
+def test_a_linked_output_subfolder_is_refused_so_nothing_is_written_through_it(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = tmp_path / "plan"
+    assert compile_into(out, "--global-batch", 16).exit_code == 0
+    os.rename(out / "launch", elsewhere / "launch")
+    (out / "launch").symlink_to(elsewhere / "launch")
+    before = hashed_tree(elsewhere)
+    result = compile_into(out, "--global-batch", 32)
+    assert result.exit_code == 2 and "launch is a symbolic link where zplan writes the folder" in \
+        " ".join(result.output.split()), result.output
+    assert hashed_tree(elsewhere) == before

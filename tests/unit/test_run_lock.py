@@ -111,3 +111,18 @@ def test_a_worker_dies_with_its_launcher(tmp_path):
         launcher.kill()
         if worker_pid is not None and alive(worker_pid):
             os.kill(worker_pid, signal.SIGKILL)
+
+
+def test_a_link_or_a_fifo_in_place_of_the_lock_file_is_refused_and_nothing_is_written_through_it(tmp_path):
+    """A link planted as the lock file would have the lock's pid line written into the file it points to."""
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me\n")
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / LOCK_FILE).symlink_to("../precious.txt")
+    with pytest.raises(RunLockError, match="is a symbolic link"):
+        lock_checkpoint_dir(tmp_path / "ckpt", ONE_PROCESS)
+    assert precious.read_text() == "keep me\n"
+    (tmp_path / "ckpt" / LOCK_FILE).unlink()
+    os.mkfifo(tmp_path / "ckpt" / LOCK_FILE)  # opened without blocking, refused by kind
+    with pytest.raises(RunLockError, match="is a FIFO, not a regular file"):
+        lock_checkpoint_dir(tmp_path / "ckpt", ONE_PROCESS)
