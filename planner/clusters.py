@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from zplan.errors import ClusterError, validation_message
 from zplan.planner.cpu_local import CPU_LOCAL
+from zplan.safe_files import UnsafeFileError, read_capped
 from zplan.schemas.cluster import ClusterSpec, EfficiencySpec, GpuSpec
 
 GiB = 1024**3
@@ -275,18 +276,17 @@ def load_cluster(name_or_path: str) -> ClusterSpec:
     if name_or_path in BUILTIN_CLUSTERS:
         return BUILTIN_CLUSTERS[name_or_path]
     path = Path(name_or_path)
-    if not path.is_file():
+    if not path.exists():  # a folder or a special file is refused by kind below
         known = ", ".join(sorted(BUILTIN_CLUSTERS))
         raise ClusterError(
             f"unknown cluster '{name_or_path}': not a built-in profile ({known}) and not a file. "
             "Pass one of those names or a YAML/JSON file with a ClusterSpec (see `zplan clusters --json`)."
         )
     try:
-        if path.stat().st_size > MAX_CLUSTER_FILE_BYTES:
-            raise ClusterError(f"cluster file {path} is over {MAX_CLUSTER_FILE_BYTES >> 20} MiB: not a cluster profile "
-                               "(see `zplan clusters --json` for one)")
-        text = path.read_text()
+        text = read_capped(path, MAX_CLUSTER_FILE_BYTES, "cluster file").decode()
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except UnsafeFileError as exc:
+        raise ClusterError(f"{exc}: not a cluster profile (see `zplan clusters --json` for one)") from None
     except (OSError, ValueError, RecursionError, yaml.YAMLError) as exc:
         raise ClusterError(f"cluster file {path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: "
                            f"{_first_line(exc)}") from None
