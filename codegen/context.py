@@ -106,6 +106,9 @@ def plan_context(plan: Plan) -> dict[str, Any]:
     parallel, prediction, cluster = plan.parallel, plan.prediction, plan.cluster
     memory, time = prediction.memory, prediction.time
     world = plan.fingerprint.world_size
+    # the mesh's axes as the report names them, cp only where sequences are split (cp > 1)
+    mesh_axes = [("dp", parallel.dp), ("pp", parallel.pp), *([("cp", parallel.cp)] if parallel.cp > 1 else []),
+                 ("tp", parallel.tp)]
     tokens_per_step = plan.train.global_batch * plan.train.seq_len
     peak_flops = cluster.peak_flops(plan.train.precision)
     achieved_flops_per_gpu = share(prediction.model_flops_per_step, prediction.step_time_s * world)
@@ -139,8 +142,9 @@ def plan_context(plan: Plan) -> dict[str, Any]:
         "tp": parallel.tp,
         "pp": parallel.pp,
         "dp": parallel.dp,
-        "mesh_display": f"dp {parallel.dp} x pp {parallel.pp}{f' x cp {parallel.cp}' if parallel.cp > 1 else ''} x tp "
-                        f"{parallel.tp} = {world} GPUs",
+        "cp": parallel.cp,
+        "mesh_axes": mesh_axes,  # (name, size), the report's Mesh card
+        "mesh_display": " x ".join(f"{name} {size}" for name, size in mesh_axes) + f" = {world} GPUs",
         "micro_batch": parallel.micro_batch,
         "num_micro_batches": parallel.num_micro_batches,
         "zero_stage": parallel.zero_stage,

@@ -1,7 +1,10 @@
 """The DeepSpeed config equivalent to a plan, for users who train with DeepSpeed instead of zplan's runtime.
 
 Field names follow DeepSpeed's config reference (https://www.deepspeed.ai/docs/config-json/). The batch
-fields satisfy DeepSpeed's check train_batch_size == micro * accumulation * data-parallel size.
+fields satisfy DeepSpeed's check train_batch_size == micro * accumulation * data-parallel size, where the
+data-parallel size counts the GPUs that hold different sequences: context parallel's cp GPUs share each sequence,
+so a cp > 1 plan sets "sequence_parallel_size" (DeepSpeed-Ulysses), by which DeepSpeedConfig divides the world
+size without an mpu (deepspeed/runtime/config.py, DeepSpeedConfig.__init__, DeepSpeed 0.19).
 What DeepSpeed cannot express from a config (the tensor-parallel layer plan, the pipeline stage
 boundaries, selective recompute) is listed by `deepspeed_config_notes` and printed in the report.
 Compression: 1-bit gradients map to DeepSpeed's 1-bit Adam optimizer ("OneBitAdam", freeze_step = the warm-up;
@@ -98,6 +101,8 @@ def deepspeed_config(plan: Plan) -> dict[str, Any]:
             "synchronize_checkpoint_boundary": False,
             "profile": False,
         }
+    if parallel.cp > 1:  # the cp GPUs of a sequence: one data-parallel rank to the batch arithmetic
+        config["sequence_parallel_size"] = parallel.cp
     if parallel.tp > 1:
         config["tensor_parallel"] = {"autotp_size": parallel.tp}
     if parallel.pp > 1:
@@ -126,6 +131,12 @@ def deepspeed_config_notes(plan: Plan) -> list[str]:
                          f"{parallel.interleave} chunks per stage run as plain 1F1B there.")
         if parallel.zero_stage >= 2:
             notes.append("DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only.")
+    if parallel.cp > 1:
+        notes.append(f"Context parallelism (cp={parallel.cp}) is DeepSpeed's sequence_parallel_size (the batch "
+                     f"fields count the {parallel.cp} GPUs of a sequence once); DeepSpeed-Ulysses splits attention by "
+                     "heads with all-to-alls (deepspeed.runtime.sequence_parallel.ulysses_sp), where zplan gathers K "
+                     "and V: the model needs DeepSpeed's Ulysses attention (UlyssesSPAttentionHF) and a head count "
+                     f"divisible by {parallel.cp}.")
     if parallel.recompute == "selective":
         notes.append("Selective recompute (attention only) has no DeepSpeed config switch; the model's "
                      "checkpointing calls decide what is recomputed.")

@@ -39,6 +39,7 @@ What to know when reading a plan made with it:
 from __future__ import annotations
 
 from zplan.schemas.cluster import (
+    CPU_PROCESS_GPU,
     ClusterSpec,
     CollectiveCost,
     CollectiveCosts,
@@ -54,7 +55,7 @@ CPU_LOCAL = ClusterSpec(
     description="this kind of machine: 2 CPU processes (one core each) as devices, gloo",
     source="measured with zplan.planner.probe.probe_this_machine on a 2-core AMD EPYC VM (see cpu_local.py)",
     gpu=GpuSpec(
-        name="cpu-process",
+        name=CPU_PROCESS_GPU,
         hbm_bytes=8 * GiB,  # 70 % of 23.5 GiB host RAM over 2 processes, whole GiB
         hbm_bandwidth_Bps=5.36e9,  # one process's copy bandwidth (read + write), <= node / 2
         peak_bf16_flops=1.85e9,  # n = 256 bf16 GEMM on one core, slow path (no AVX512-BF16)

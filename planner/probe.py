@@ -74,6 +74,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zplan.schemas.cluster import (
+    CPU_PROCESS_GPU,
     ClusterSpec,
     CollectiveCost,
     CollectiveCosts,
@@ -504,7 +505,7 @@ def probe_this_machine(seconds_budget: float = 10, nvme_path: str | None = None)
         source=f"measured by zplan.planner.probe.probe_this_machine (CPU Adam: {adam_backend}"
                + ("; host-device: pinned copies to GPU 0)" if link else ")"),
         gpu=GpuSpec(
-            name="cpu-process",
+            name=CPU_PROCESS_GPU,
             hbm_bytes=max(device_bytes, GiB),
             hbm_bandwidth_Bps=one["process_copy_Bps"],
             peak_bf16_flops=one["bf16"],

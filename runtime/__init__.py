@@ -1,7 +1,8 @@
 """zplan's runtime: what the emitted train.py calls, in this order (DESIGN.md decision 5).
 
     run_distributed(run): ctx = init_distributed(); run(ctx); close_distributed(), where run does:
-    plan = load_plan(...); check_plan(plan, model_path, ctx.world_size); check_output_paths(ctx, ...)
+    plan = load_plan(...); check_plan(plan, model_path, ctx.world_size); warn_if_other_devices(plan, ctx)
+    check_output_paths(ctx, ...)
     mesh = plan_mesh(plan, device_type); model, weights = build_meta_model(build_fn, seed)
     model, _ = parallelize(model, weights, mesh, plan, model_file, device)   # runtime/plan_apply.py: the fixed
         # order apply_tensor_parallel -> apply_recompute -> apply_pipeline -> apply_data_parallel, weights made
@@ -31,7 +32,7 @@ _EXPORTS = {
     "build_mesh": "zplan.runtime.mesh",
     **dict.fromkeys(["check_output_paths", "write_atomically"], "zplan.runtime.outputs"),
     **dict.fromkeys(["parallelize", "plan_data_iter", "plan_figures", "plan_loss_fn", "plan_mesh", "plan_optimizer",
-                     "train_config"],
+                     "train_config", "warn_if_other_devices"],
                     "zplan.runtime.plan_apply"),
     **dict.fromkeys(["check_plan", "load_plan", "model_file_sha256"], "zplan.runtime.plan_check"),
     **dict.fromkeys(["PlanFigures", "TrainConfig", "WarmupCosine", "train"], "zplan.runtime.train_loop"),

@@ -109,8 +109,8 @@ def fp8_convertible(module: nn.Module, style: str | None = None, tp: int = 1) ->
 def _quiet_torchao_import(load):
     """`load()` (an import of torchao's float8 modules) without the warnings torchao's import logs on a machine
     without CUDA (its CUDA kernel libraries do not load there; float8 training does not use them). transformers
-    imports torchao itself when it is installed (its quantizers), warnings and all, before this runs for a Hugging
-    Face model."""
+    imports torchao itself when it is installed (its quantizers), before this runs for a Hugging Face model: the
+    filters `import zplan` installs (zplan.import_warnings) drop exactly those lines then."""
     import logging
 
     quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]

@@ -22,6 +22,7 @@ plan.placement.parameters says so; otherwise they stay on the device and only th
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -39,13 +40,29 @@ from zplan.runtime.apply import (
     disable_generation_cache,
 )
 from zplan.runtime.checkpoint import CheckpointConfig
+from zplan.runtime.distributed import RunContext
 from zplan.runtime.float8 import convert_blocks_to_float8, on_fake_tensors
 from zplan.runtime.fused_layout import FusedLayout
 from zplan.runtime.materialize import MaterializeReport, materialize_weights
 from zplan.runtime.mesh import build_mesh, data_parallel_mesh
 from zplan.runtime.nvfp4 import convert_blocks_to_nvfp4
+from zplan.runtime.plan_check import device_mismatch
 from zplan.runtime.train_loop import PlanFigures, TrainConfig
 from zplan.schemas.plan import Plan
+
+
+def warn_if_other_devices(plan: Plan, ctx: RunContext) -> str | None:
+    """Rank 0: one warning line on stderr when this run's devices are not those the plan was made for
+    (plan_check.device_mismatch: a GPU plan on CPU processes, a CPU plan on a GPU, another GPU). Returns the warning
+    (every rank), or None."""
+    name, memory = "", 0
+    if ctx.device.type == "cuda":
+        properties = torch.cuda.get_device_properties(ctx.device)
+        name, memory = properties.name, properties.total_memory
+    warning = device_mismatch(plan.cluster, ctx.device.type, name, memory)
+    if warning and ctx.is_main:
+        print(f"zplan: warning: {warning}", file=sys.stderr, flush=True)
+    return warning
 
 
 def plan_mesh(plan: Plan, device_type: str) -> DeviceMesh:

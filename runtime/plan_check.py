@@ -14,7 +14,14 @@ from pydantic import ValidationError
 
 from zplan.errors import PlanMismatchError, validation_message
 from zplan.schemas.capability import capability_problems
+from zplan.schemas.cluster import CPU_PROCESS_GPU, ClusterSpec
 from zplan.schemas.plan import PLAN_SCHEMA_VERSION, Plan
+
+# How far the device memory torch reports may be from the profile's before the GPU counts as another one: torch
+# reports about 6 % more bytes than the data sheets' GB (an A100 80GB: 79.2 GiB = 85.0 GB; an H200 141GB: 139.7 GiB
+# = 150 GB, the total capacity torch's out-of-memory errors name), while one GPU model comes with memories a factor
+# 2 apart (A100 40GB and 80GB).
+DEVICE_MEMORY_TOLERANCE = 0.15
 
 
 def load_plan(path: str | Path) -> Plan:
@@ -181,6 +188,34 @@ def raise_mismatch(problems: list[str]) -> None:
         raise PlanMismatchError(f"plan does not match this run: {problems[0]}.")
     if problems:
         raise PlanMismatchError("plan does not match this run:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def device_mismatch(cluster: ClusterSpec, device_type: str, device_name: str = "", device_bytes: int = 0
+                    ) -> str | None:
+    """Why this run's devices are not those `cluster` (the plan's profile) describes, in one line, or None.
+
+    device_type is the run's ("cuda" with NCCL, "cpu" with gloo: runtime.distributed), device_name and device_bytes
+    the GPU's name and memory as torch reports them. A CPU-process profile (cpu-local, zplan probe's) is for "cpu";
+    a GPU profile is for "cuda" with a device whose name holds the profile's model (A100-SXM4-80GB: "A100") and whose
+    memory is within DEVICE_MEMORY_TOLERANCE of the profile's. The run still runs; its predictions do not hold."""
+    planned_gpu = cluster.gpu.name
+    wrong = "its predicted time and memory do not hold here"
+    on_gpu = "recompile with the --cluster of this GPU (see `zplan clusters`)"
+    if planned_gpu == CPU_PROCESS_GPU:
+        if device_type == "cpu":
+            return None
+        return f"the plan is for CPU processes ({cluster.name}) but this run is on {device_name}: {wrong}; {on_gpu}"
+    planned = f"{cluster.name} ({planned_gpu}, {cluster.gpu.hbm_bytes / 1e9:.0f} GB)"
+    if device_type != "cuda":
+        return (f"the plan is for {planned} but this run has no GPU (CPU processes, gloo): {wrong}; recompile with "
+                "--cluster cpu-local, or a profile of this machine from `zplan probe`")
+    model = (planned_gpu.replace("-", " ").split() or [""])[0]  # "A100" of "A100-SXM4-80GB"
+    other_model = model.lower() not in device_name.lower()
+    other_memory = abs(device_bytes / cluster.gpu.hbm_bytes - 1) > DEVICE_MEMORY_TOLERANCE
+    if other_model or other_memory:
+        return (f"the plan is for {planned} but this run is on {device_name} ({device_bytes / 1e9:.0f} GB): {wrong}; "
+                f"{on_gpu}")
+    return None
 
 
 def check_plan(plan: Plan, model_path: str | Path | None, world_size: int) -> None:

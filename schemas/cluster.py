@@ -21,6 +21,7 @@ RANGE_BY_UNIT = {
 }
 RANGE_BY_NAME = {"gemm_half_flops": (0.0, 1e19, "0 to 1e19 FLOPs")}  # tiny: every GEMM at gemm_max
 GPUS_PER_NODE_MAX = 4096
+CPU_PROCESS_GPU = "cpu-process"  # GpuSpec.name of a profile whose devices are CPU processes (cpu-local, zplan probe)
 FRACTION_MIN = 1e-3  # an efficiency below 0.1 % is a typo
 
 

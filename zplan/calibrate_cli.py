@@ -71,8 +71,10 @@ def calibrate_command(
     log: str = typer.Option("log.jsonl", "--log", help="The log's name in each folder (train.py --log-json)."),
     as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON."),
 ) -> None:
-    """Fit a cluster profile (GEMM efficiency, activation-op bandwidth, host costs, collective bandwidth and
-    latency) to measured runs of emitted scripts; print the prediction error before and after."""
+    """Fit a cluster profile to measured runs of compiled plans.
+
+    Fits the GEMM efficiency, activation-op bandwidth, host costs, collective bandwidth and latency to the runs'
+    logs, and prints the prediction error before and after."""
     import yaml
 
     from zplan.out_dir import check_out_file, write_text_atomically

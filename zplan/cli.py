@@ -20,7 +20,9 @@ from zplan.errors import ClusterError, SpecError, ZplanError, validation_message
 from zplan.reduce_cli import reduce_command
 from zplan.schemas.spec import Pins
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+# rich_markup_mode=None: click's plain help, which wraps each option's text beside its name at any width; rich's
+# seven-column option table leaves compile's help texts about 15 characters at 80 columns and cuts words with "…"
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Plan 3D-parallel + ZeRO training, prove it fits, emit the program that runs it.")
 err = Console(stderr=True)
 out = Console()
@@ -76,8 +78,10 @@ class DelayedUpdate(str, Enum):
 
 MAX_PROBE_SECONDS = 3600.0
 
-MODEL_HELP = ("A Python file defining build_model() (zplan executes it), or a family spec such as "
-              "gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200")
+DEFAULT_CLUSTER = "dgx-a100-80g"  # what --cluster plans for when not given (a note on stderr says so)
+MODEL_METAVAR = "MODEL"  # a model file or a family spec
+MODEL_HELP = ("A Python file that defines build_model() (zplan runs it: only files you trust), or a model family "
+              "with its sizes, e.g. gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200")
 
 
 def _pins(tp, pp, dp, zero, offload, micro_batch, recompute, sequence_parallel, interleave, compress=None,
@@ -101,14 +105,16 @@ def _fail(exc: ZplanError) -> None:
 
 
 # Options shared by compile and estimate.
-GPUS = typer.Option(..., "--gpus", help="Number of GPUs.")
-CLUSTER = typer.Option("dgx-a100-80g", "--cluster", help="Built-in profile (see `zplan clusters`) or YAML/JSON file.")
+GPUS = typer.Option(..., "--gpus", metavar="N", help="Number of GPUs.")
+CLUSTER = typer.Option(None, "--cluster", metavar="NAME|FILE",
+                       help=f"The hardware: a built-in profile (see `zplan clusters`) or a YAML/JSON file "
+                            f"(default: {DEFAULT_CLUSTER}).")
 BATCH = typer.Option(None, "--global-batch", help="Sequences per optimizer step (default: max(8, gpus)).")
 SEQ = typer.Option(None, "--seq", help="Sequence length (default: the model's).")
 PRECISION = typer.Option(None, "--precision", help="Compute precision (default: the device's fastest of bf16, fp16 "
                                                   "and fp32: bf16 on data-centre GPUs, fp32 on cpu-local); fp8: the "
-                                                  "blocks' Linear GEMMs in fp8 (torchao float8), all else bf16; nvfp4: "
-                                                  "those GEMMs in NVFP4 (runtime/nvfp4.py; tp 1), all else bf16.")
+                                                  "layers' matrix multiplies in fp8, all else bf16; nvfp4: those in "
+                                                  "4-bit NVFP4 (tp 1), all else bf16.")
 TP = typer.Option(None, "--tp", help="Pin the tensor-parallel degree.")
 PP = typer.Option(None, "--pp", help="Pin the pipeline-parallel degree.")
 DP = typer.Option(None, "--dp", help="Pin the data-parallel degree.")
@@ -131,6 +137,18 @@ COMPRESS = typer.Option(
          "keeps the configurations that support it.")
 
 
+def _cluster_or_default(cluster: Optional[str]) -> str:
+    """--cluster as given, or DEFAULT_CLUSTER with one line on stderr naming the hardware the plan then assumes."""
+    if cluster is not None:
+        return cluster
+    from zplan.planner.clusters import BUILTIN_CLUSTERS
+
+    spec = BUILTIN_CLUSTERS[DEFAULT_CLUSTER]
+    err.print(f"note: no --cluster given: planned for {DEFAULT_CLUSTER} ({spec.gpus_per_node} x {spec.gpu.name} per "
+              "node); pass --cluster NAME|FILE, see `zplan clusters`", markup=False, highlight=False, soft_wrap=True)
+    return DEFAULT_CLUSTER
+
+
 def _check_mode_options(mode: Mode, given: dict[str, bool]) -> None:
     """Options of the other mode are errors naming the option (given: option -> whether it was passed)."""
     training_only = ("--global-batch", "--seq", "--pp", "--dp", "--cp", "--zero", "--micro-batch", "--recompute",
@@ -150,28 +168,26 @@ def _check_mode_options(mode: Mode, given: dict[str, bool]) -> None:
 
 @app.command()
 def compile(
-    model: str = typer.Argument(..., help=MODEL_HELP),
-    gpus: int = GPUS, cluster: str = CLUSTER,
+    model: str = typer.Argument(..., metavar=MODEL_METAVAR, help=MODEL_HELP),
+    gpus: int = GPUS, cluster: Optional[str] = CLUSTER,
     mode: Mode = typer.Option(Mode.training, "--mode", help="training (train.py) or inference (generate.py, "
                               "serve.py)."),
     global_batch: Optional[int] = BATCH, seq: Optional[int] = SEQ,
     precision: Optional[WeightPrecision] = typer.Option(
         None, "--precision",
-        help="Training: compute precision bf16|fp16|fp32 (default: the device's fastest of them: bf16 on "
-             "data-centre GPUs, fp32 on cpu-local), or fp8: the blocks' Linear GEMMs in fp8 with dynamic scaling "
-             "(torchao float8; needs fp8 tensor cores), all else bf16, or nvfp4: those GEMMs in NVFP4 (e2m1 with "
-             "e4m3 scales per 16 elements; needs fp4 tensor cores, tp 1), all else bf16. Inference: weight precision "
-             "(default: that compute precision; int8/int4 weight-only quantization is chosen only when nothing "
-             "unquantized fits, or when pinned here), or fp8: W8A8 block Linears on fp8 tensor cores (per-channel "
-             "weight and per-token activation scales; GPUs with an fp8 peak only; chosen only when pinned here)."),
+        help="Training: bf16, fp16 or fp32 (default: the device's fastest: bf16 on data-centre GPUs, fp32 on "
+             "cpu-local); fp8: the layers' matrix multiplies in fp8 (GPUs with fp8 tensor cores), all else bf16; "
+             "nvfp4: those in 4-bit NVFP4 (GPUs with fp4 tensor cores; tp 1), all else bf16. Inference: the "
+             "weights' precision (default: the compute precision); int8, int4: weight-only quantization, chosen only "
+             "when nothing else fits or when given here; fp8: weights and activations in fp8 (GPUs with fp8 tensor "
+             "cores; only when given here)."),
     tp: Optional[int] = TP, pp: Optional[int] = PP, dp: Optional[int] = DP, cp: Optional[int] = CP,
     zero: Optional[int] = ZERO,
     offload: Optional[Offload] = typer.Option(
-        None, "--offload", help="Training: pin where optimizer states live: none (the GPU), cpu or nvme (needs ZeRO "
-                                ">= 1), even where they would fit on the GPU; parameters (ZeRO 3) and gradients (ZeRO "
-                                ">= 2) follow only where they do not fit there. Default: the search's choice. "
-                                "Inference: pin where the weights live "
-                                "(none = on the GPU; cpu/nvme: streamed layer by layer; default: the GPU, streaming "
+        None, "--offload", help="Training: where optimizer states live: none (GPU memory), cpu or nvme (needs ZeRO "
+                                ">= 1); parameters (ZeRO 3) and gradients (ZeRO >= 2) follow only where they do not "
+                                "fit on the GPU (default: the search's choice). Inference: where the weights live: "
+                                "none (the GPU), cpu or nvme (streamed layer by layer; default: the GPU, streaming "
                                 "only when nothing fits there)."),
     micro_batch: Optional[int] = MICRO,
     recompute: Optional[Recompute] = RECOMPUTE, sequence_parallel: Optional[bool] = SP,
@@ -193,7 +209,8 @@ def compile(
     gen_len: Optional[int] = typer.Option(
         None, "--gen-len", help="Inference: generated tokens per sequence (default 128, at most a quarter of the "
                                 "model's sequence length)."),
-    out_dir: Optional[Path] = typer.Option(None, "-o", "--out", help="Output folder (default: out/<model>)."),
+    out_dir: Optional[Path] = typer.Option(None, "-o", "--out", metavar="DIR",
+                                           help="Output folder (default: out/<model>)."),
     force: bool = FORCE,
     verify: bool = typer.Option(False, "--verify", help="Training: dry-run the plan's program on fake tensors at "
                                                          "its world size (`zplan dryrun`) before writing it, and "
@@ -202,8 +219,10 @@ def compile(
                                                          "1), naming the next plan it shows fits."),
     as_json: bool = JSON,
 ) -> None:
-    """Trace MODEL, search the plan, write plan.json, train.py, launch/, report.md/html, ds_config.json
-    (--mode inference: plan.json, generate.py, serve.py, launch/, report.md/html)."""
+    """Plan MODEL's training or serving and write its program.
+
+    Traces MODEL, searches the fastest plan that fits and writes plan.json, train.py, launch/, report.md/html and
+    ds_config.json (--mode inference: plan.json, generate.py, serve.py, launch/, report.md/html)."""
     given = {"--global-batch": global_batch is not None, "--seq": seq is not None, "--pp": pp is not None,
              "--dp": dp is not None, "--cp": cp is not None, "--zero": zero is not None,
              "--micro-batch": micro_batch is not None,
@@ -222,6 +241,7 @@ def compile(
         check_out_dir(folder)  # before tracing and searching
     except ZplanError as exc:
         _fail(exc)
+    cluster = _cluster_or_default(cluster)
     if mode is Mode.inference:
         _compile_inference(model, gpus, cluster, target or Target.latency, batch, prompt_len, gen_len,
                            precision.value if precision else None, tp, offload.value if offload else None,
@@ -302,8 +322,8 @@ def _compile_inference(model: str, gpus: int, cluster: str, target: Target, batc
 
 @app.command()
 def estimate(
-    model: str = typer.Argument(..., help=MODEL_HELP),
-    gpus: int = GPUS, cluster: str = CLUSTER, global_batch: Optional[int] = BATCH, seq: Optional[int] = SEQ,
+    model: str = typer.Argument(..., metavar=MODEL_METAVAR, help=MODEL_HELP),
+    gpus: int = GPUS, cluster: Optional[str] = CLUSTER, global_batch: Optional[int] = BATCH, seq: Optional[int] = SEQ,
     precision: Optional[Precision] = PRECISION, tp: int = typer.Option(..., "--tp", help="Tensor-parallel degree."),
     pp: int = typer.Option(..., "--pp", help="Pipeline-parallel degree."), dp: Optional[int] = DP,
     cp: Optional[int] = CP,
@@ -311,10 +331,13 @@ def estimate(
     recompute: Optional[Recompute] = RECOMPUTE, sequence_parallel: Optional[bool] = SP,
     interleave: Optional[int] = INTERLEAVE, compress: Optional[str] = COMPRESS, as_json: bool = JSON,
 ) -> None:
-    """Predict one configuration; unpinned choices (micro-batch, recompute, ...) take their best value."""
+    """Predict the step time and memory of one configuration.
+
+    Choices not pinned (micro-batch, recompute, ...) take their best value."""
     from zplan.api import estimate_config, prepare
     from zplan.cli_render import print_estimate
 
+    cluster = _cluster_or_default(cluster)
     try:
         pins = _pins(tp, pp, dp, zero, offload, micro_batch, recompute, sequence_parallel, interleave, compress, cp)
         req = prepare(model, gpus, cluster, global_batch, seq, precision.value if precision else None, pins)
@@ -329,8 +352,9 @@ def estimate(
 
 @app.command()
 def explain(plan_json: Path = typer.Argument(..., help="A plan.json written by `zplan compile`.")) -> None:
-    """The best alternatives to a plan and why each rejected family lost (an inference plan: its alternatives
-    and the reason for the choice)."""
+    """Show a plan's best alternatives and why the others lost.
+
+    For an inference plan: its alternatives and the reason for the choice."""
     from zplan.cli_render import load_plan_file, print_explanation, print_inference_explanation
     from zplan.schemas.inference import InferencePlan
 
@@ -348,13 +372,18 @@ def explain(plan_json: Path = typer.Argument(..., help="A plan.json written by `
 def export(
     checkpoint: Path = typer.Argument(..., help="A checkpoint folder (step-N) or a folder of them (newest is used)."),
     to: Path = typer.Option(..., "--to", help="The .safetensors file to write."),
+    allow_unverified: bool = typer.Option(
+        False, "--allow-unverified",
+        help="Export a checkpoint that has no MANIFEST.json (its files cannot be checked: damage goes unnoticed)."),
 ) -> None:
-    """Consolidate a sharded training checkpoint into one safetensors file (read chunk by chunk)."""
+    """Merge a sharded training checkpoint into one safetensors file.
+
+    The checkpoint is read chunk by chunk, once its files match its MANIFEST.json."""
     from zplan.export import export_checkpoint
 
     try:
         with err.status(f"exporting {checkpoint}", spinner="dots"):
-            written = export_checkpoint(checkpoint, to)
+            written = export_checkpoint(checkpoint, to, allow_unverified=allow_unverified)
     except ZplanError as exc:
         _fail(exc)
     err.print(f"wrote {written}")
@@ -362,7 +391,7 @@ def export(
 
 @app.command()
 def clusters(as_json: bool = JSON) -> None:
-    """The built-in cluster profiles and their numbers."""
+    """List the built-in cluster profiles and their numbers."""
     from zplan.cli_render import print_clusters
     from zplan.planner.clusters import BUILTIN_CLUSTERS
 
@@ -379,8 +408,10 @@ def probe(
     nvme_path: Optional[Path] = typer.Option(
         None, "--nvme-path", help="Folder offloaded states would be swapped to (default: the temporary folder)."),
 ) -> None:
-    """Measure this machine (matmul FLOP/s, memory, gloo and disk bandwidth, CPU Adam throughput, host-GPU
-    bandwidth where a GPU exists) into a cluster profile file."""
+    """Measure this machine into a cluster profile file.
+
+    It measures matmul FLOP/s, memory, gloo and disk bandwidth, CPU Adam throughput and, where a GPU exists,
+    host-GPU bandwidth."""
     import yaml
 
     from zplan.out_dir import check_out_file, write_text_atomically

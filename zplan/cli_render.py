@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from pydantic import ValidationError
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -55,6 +56,17 @@ def _count(n: float) -> str:
     return f"{n:.0f}"
 
 
+# How the model's numbers were obtained (ModelSummary.tracer), in words
+HOW_COUNTED = {"fx": "traced with torch.fx", "hooks": "traced with module hooks", "export": "traced with torch.export",
+               "closed-form": "counted by the family's formulas"}
+
+
+def _model_line(model) -> str:
+    """Parameters, layers (the repeated blocks the plan splits) and how they were counted."""
+    return (f"{_count(model.params)} parameters, {model.num_blocks} layer{'s' if model.num_blocks != 1 else ''}, "
+            f"{HOW_COUNTED.get(model.tracer, model.tracer)}")
+
+
 def _config_line(p) -> str:
     sp = " +SP" if p.sequence_parallel else ""
     cp = f" cp={p.cp}" if p.cp > 1 else ""
@@ -69,8 +81,7 @@ def print_plan_summary(console: Console, plan: Plan, out_dir: Path, files: list[
                   show_header=False)
     table.add_column(style="bold")
     table.add_column()
-    table.add_row("model", f"{_count(plan.model.params)} parameters, {plan.model.num_blocks} blocks "
-                           f"({plan.model.tracer})")
+    table.add_row("model", _model_line(plan.model))
     table.add_row("batch", f"{plan.train.global_batch} x {plan.train.seq_len} tokens, {plan.train.precision}")
     table.add_row("plan", _config_line(plan.parallel))
     table.add_row("step time", f"{pred.step_time_s:.3f} s  ({pred.tokens_per_s:,.0f} tokens/s, MFU {pred.mfu:.1%})")
@@ -132,8 +143,7 @@ def print_inference_summary(console: Console, plan: InferencePlan, out_dir: Path
                         f"{plan.cluster.gpu.name}", show_header=False)
     table.add_column(style="bold")
     table.add_column()
-    table.add_row("model", f"{_count(plan.model.params)} parameters, {plan.model.num_blocks} blocks "
-                           f"({plan.model.tracer})")
+    table.add_row("model", _model_line(plan.model))
     table.add_row("request", f"target {plan.spec.target}, batch {plan.spec.batch} per replica, prompt "
                              f"{plan.spec.prompt_len} + {plan.spec.gen_len} generated tokens")
     table.add_row("plan", f"{par.replicas} replica(s) x tp={par.tp}, {par.weight_precision} weights on "
@@ -168,18 +178,30 @@ def print_inference_explanation(console: Console, plan: InferencePlan) -> None:
 
 
 def print_clusters(console: Console, clusters: dict[str, ClusterSpec]) -> None:
-    table = Table(title="built-in clusters (per GPU; bandwidths per direction)")
-    table.add_column("name", no_wrap=True)
-    for col in ("GPU", "GPUs/node", "NVLink domain", "bf16 TFLOP/s", "fp8 TFLOP/s", "fp4 TFLOP/s", "HBM GB", "HBM GB/s",
-                "NVLink GB/s", "network GB/s", "PCIe GB/s", "host GB/node", "NVMe TB/node"):
-        table.add_column(col)
+    """Two tables that fit 80 columns (the GPU; the node and its links), two-line headers, no column rules;
+    `zplan clusters --json` has every field."""
+    def table(title: str, headers: tuple[str, ...]) -> Table:
+        made = Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+        made.add_column("cluster", no_wrap=True)
+        for header in headers:
+            made.add_column(header, justify="left" if header == "GPU" else "right", no_wrap=True)
+        return made
+
+    def tflops(flops: float) -> str:  # 2 significant digits below 10 TFLOP/s (a CPU core: 0.0019)
+        return "-" if not flops else f"{flops / 1e12:.0f}" if flops >= 10e12 else f"{flops / 1e12:.2g}"
+
+    gpus = table("built-in clusters: the GPU",
+                 ("GPU", "HBM\nGB", "HBM\nGB/s", "bf16\nTFLOP/s", "fp8\nTFLOP/s", "fp4\nTFLOP/s"))
+    links = table("per node (bandwidths per GPU and direction)",
+                  ("GPUs", "NVLink\ndomain", "NVLink\nGB/s", "network\nGB/s", "PCIe\nGB/s", "host\nGB",
+                   "NVMe\nTB"))
     for c in clusters.values():
         g = c.gpu
-        table.add_row(c.name, g.name, str(c.gpus_per_node), str(c.link_domain()), f"{g.peak_bf16_flops / 1e12:.0f}",
-                      f"{g.peak_fp8_flops / 1e12:.0f}" if g.peak_fp8_flops else "-",
-                      f"{g.peak_fp4_flops / 1e12:.0f}" if g.peak_fp4_flops else "-",
-                      f"{g.hbm_bytes / 1e9:.0f}", f"{g.hbm_bandwidth_Bps / 1e9:.0f}",
-                      f"{c.intra_node_bandwidth_Bps / 1e9:.0f}", f"{c.inter_node_bandwidth_Bps / 1e9:.2f}",
-                      f"{c.host_to_device_bandwidth_Bps / 1e9:.0f}", f"{c.cpu_memory_bytes / 1e9:.0f}",
-                      f"{c.nvme_bytes / 1e12:.0f}")
-    console.print(table)
+        gpus.add_row(c.name, g.name, f"{g.hbm_bytes / 1e9:.0f}", f"{g.hbm_bandwidth_Bps / 1e9:.0f}",
+                     tflops(g.peak_bf16_flops), tflops(g.peak_fp8_flops), tflops(g.peak_fp4_flops))
+        links.add_row(c.name, str(c.gpus_per_node), str(c.link_domain()), f"{c.intra_node_bandwidth_Bps / 1e9:.0f}",
+                      f"{c.inter_node_bandwidth_Bps / 1e9:.2f}", f"{c.host_to_device_bandwidth_Bps / 1e9:.0f}",
+                      f"{c.cpu_memory_bytes / 1e9:.0f}", f"{c.nvme_bytes / 1e12:.0f}")
+    console.print(gpus)
+    console.print()
+    console.print(links)

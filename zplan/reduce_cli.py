@@ -40,7 +40,9 @@ def reduce_command(
     blocks: Optional[str] = typer.Option(
         None, "--blocks", help="Module path of the block container (default: the one the planner finds)."),
 ) -> None:
-    """Keep teacher layers and prune attention heads: write a smaller model file for `zplan compile`."""
+    """Write a smaller model file: fewer layers and attention heads.
+
+    The teacher's layers you keep and the heads you prune make a model file for `zplan compile`."""
     from zplan.out_dir import check_out_file
     from zplan.runtime.compression.model_reduction import write_reduced_model_file
 

@@ -2,6 +2,9 @@
 nothing written; good input writes the outputs and --json parses."""
 
 import json
+import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -279,3 +282,32 @@ def test_inference_that_fits_nowhere_names_what_would_fit(tmp_path):
     text = " ".join(result.output.split())
     assert "Closest" in text and "--offload cpu" in text and "Traceback" not in text
     assert not (tmp_path / "out").exists()
+
+
+def test_compile_without_cluster_says_which_hardware_it_planned_for(tmp_path):
+    result = run("compile", GPT_SMALL, "--gpus", 8, "--global-batch", 16, "-o", tmp_path / "a")
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines()[0] == ("note: no --cluster given: planned for dgx-a100-80g (8 x A100-SXM4-80GB "
+                                             "per node); pass --cluster NAME|FILE, see `zplan clusters`")
+    assert json.loads((tmp_path / "a" / "plan.json").read_text())["cluster"]["name"] == "dgx-a100-80g"
+    assert "4 layers, counted by the family's formulas" in " ".join(result.stdout.split())  # plain words
+    given = run("compile", GPT_SMALL, "--gpus", 8, "--global-batch", 16, "--cluster", "dgx-h100", "-o", tmp_path / "b")
+    assert given.exit_code == 0 and "--cluster" not in given.stderr, given.output
+    estimated = run("estimate", GPT_SMALL, "--gpus", 8, "--tp", 1, "--pp", 1, "--json")
+    assert estimated.exit_code == 0 and "no --cluster given: planned for dgx-a100-80g" in estimated.stderr
+
+
+@pytest.mark.parametrize("args", [["--help"], ["compile", "--help"], ["clusters"]])
+def test_help_and_clusters_fit_80_columns(args):
+    """As a terminal of 80 columns shows them (COLUMNS=80): no line longer, no word cut to "…"."""
+    shown = subprocess.run([sys.executable, "-m", "zplan", *args], capture_output=True, text=True, check=True,
+                           env={**os.environ, "COLUMNS": "80"}, stdin=subprocess.DEVNULL).stdout
+    lines = shown.splitlines()
+    assert len(lines) > 10 and not [line for line in lines if len(line) > 80 or "…" in line], shown
+    if args == ["clusters"]:  # every profile with its GPU, and the numbers whole
+        for name, spec in json.loads(run("clusters", "--json").stdout).items():
+            assert any(line.split()[:2] == [name, spec["gpu"]["name"].split()[0]] for line in lines), name
+        assert "2039" in shown and "1979" in shown  # A100 80GB's HBM GB/s, H100's fp8 TFLOP/s
+    if args == ["compile", "--help"]:  # the argument says what it takes: a model file or a family spec
+        assert lines[0].startswith("Usage:") and "MODEL" in lines[0] and "MODEL_FILE" not in shown
+        assert "build_model()" in shown and "gpt:layers=" in shown

@@ -28,6 +28,17 @@ PLANS = {
 }
 
 
+def context_parallel_plan():
+    """A cp 2 plan compiled as `zplan compile GPT --gpus 8 --cluster dgx-h100 --global-batch 16 --cp 2`: dp 4 x cp 2."""
+    from zplan.api import compile_plan, prepare
+    from zplan.schemas.spec import Pins
+
+    plan = compile_plan(prepare("gpt:layers=4,hidden=256,heads=8,seq=128,vocab=1000", 8, "dgx-h100", 16, None, None,
+                                Pins(cp=2)))
+    assert (plan.parallel.cp, plan.parallel.dp, plan.parallel.tp, plan.parallel.pp) == (2, 4, 1, 1)
+    return plan
+
+
 class DataParallelOnly:
     """The part of Megatron's mpu interface DeepSpeedConfig reads: the data-parallel world size."""
 
@@ -129,3 +140,26 @@ def test_the_optimizer_and_clipping_are_what_train_py_runs(tmp_path, zero_stage)
     params = config["optimizer"]["params"]
     assert (decayed["lr"], list(decayed["betas"]), decayed["eps"], decayed["weight_decay"]) == (
         params["lr"], params["betas"], params["eps"], params["weight_decay"])
+
+
+def test_a_context_parallel_config_counts_the_gpus_of_a_sequence_once(single_process, monkeypatch):
+    """Under cp the cp GPUs of a sequence are one data-parallel rank to the batch: ds_config.json names cp as
+    DeepSpeed's sequence_parallel_size, which DeepSpeed divides its world (8 = dp 4 x cp 2) by without an mpu, and
+    its batch check passes; without the field the same batch numbers fail it at a data-parallel size of 8."""
+    plan = context_parallel_plan()
+    config = deepspeed_config(plan)
+    assert config["sequence_parallel_size"] == 2
+    assert "sequence_parallel_size" not in deepspeed_config(sample_plan("tiny-dp"))  # cp 1
+    monkeypatch.setattr(deepspeed_runtime_config.dist, "get_world_size",
+                        lambda *args, **kwargs: plan.fingerprint.world_size)
+    parsed = deepspeed_runtime_config.DeepSpeedConfig(config)
+    assert parsed.world_size == plan.parallel.dp == 4
+    assert parsed.train_batch_size == plan.train.global_batch == 16
+    assert parsed.train_micro_batch_size_per_gpu * parsed.gradient_accumulation_steps * 4 == 16
+    without_cp = {key: value for key, value in config.items() if key != "sequence_parallel_size"}
+    with pytest.raises(AssertionError, match="train_batch_size"):
+        deepspeed_runtime_config.DeepSpeedConfig(without_cp)
+    parsed = deepspeed_runtime_config.DeepSpeedConfig(config, mpu=DataParallelOnly(plan.parallel.dp))  # Megatron's
+    assert parsed.train_batch_size == plan.train.global_batch
+    notes = " ".join(deepspeed_config_notes(plan))
+    assert "Context parallelism (cp=2) is DeepSpeed's sequence_parallel_size" in notes

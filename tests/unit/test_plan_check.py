@@ -8,12 +8,17 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed.fsdp
 
 from tests.distributed.harness import emit
 from tests.plan_samples import runnable_plan
 from zplan.errors import PlanMismatchError
-from zplan.runtime.plan_check import check_plan, load_plan
+from zplan.planner.clusters import BUILTIN_CLUSTERS
+from zplan.planner.cpu_local import CPU_LOCAL
+from zplan.runtime.distributed import RunContext
+from zplan.runtime.plan_apply import warn_if_other_devices
+from zplan.runtime.plan_check import check_plan, device_mismatch, load_plan
 from zplan.schemas import Plan
 
 MODEL_SOURCE = "import torch\n\ndef build_model():\n    return torch.nn.Linear(4, 4)\n"
@@ -171,3 +176,54 @@ def test_an_invalid_plan_json_names_the_field_and_its_value(model_file, tmp_path
     path.write_text(json.dumps(data))
     with pytest.raises(PlanMismatchError, match=r"parallel\.micro_batch = -3: Input should be greater than 0"):
         load_plan(path)
+
+
+# ---- devices the plan was not made for: one warning, the run goes on --------------------------------------------
+
+A100_80 = BUILTIN_CLUSTERS["dgx-a100-80g"]
+
+
+@pytest.mark.parametrize("cluster, device_type, name, memory", [
+    ("cpu-local", "cpu", "", 0),
+    ("dgx-a100-80g", "cuda", "NVIDIA A100-SXM4-80GB", 85_100_000_000),  # 79.3 GiB, as torch reports it
+    ("dgx-h200", "cuda", "NVIDIA H200", 150_000_000_000),  # 139.7 GiB
+    ("gb200-nvl72", "cuda", "NVIDIA GB200", 197_000_000_000),  # 186 GB + 6 %: its model in the name "GB200"
+])
+def test_the_plans_own_devices_pass(cluster, device_type, name, memory):
+    assert device_mismatch(BUILTIN_CLUSTERS[cluster], device_type, name, memory) is None
+
+
+def test_a_gpu_plan_on_cpu_processes_says_so_and_how_to_plan_for_them():
+    warning = device_mismatch(A100_80, "cpu")
+    assert warning.startswith("the plan is for dgx-a100-80g (A100-SXM4-80GB, 80 GB) but this run has no GPU")
+    assert "--cluster cpu-local" in warning
+
+
+@pytest.mark.parametrize("cluster, name, memory, found", [
+    ("dgx-a100-80g", "NVIDIA A100-SXM4-40GB", 42_400_000_000, "NVIDIA A100-SXM4-40GB (42 GB)"),  # memory
+    ("dgx-h100", "NVIDIA H200", 150_000_000_000, "NVIDIA H200 (150 GB)"),  # name and memory
+    ("dgx-h100", "NVIDIA A100-SXM4-80GB", 85_100_000_000, "NVIDIA A100-SXM4-80GB (85 GB)"),  # name
+])
+def test_another_gpu_is_named_beside_the_plans(cluster, name, memory, found):
+    warning = device_mismatch(BUILTIN_CLUSTERS[cluster], "cuda", name, memory)
+    spec = BUILTIN_CLUSTERS[cluster]
+    assert f"the plan is for {cluster} ({spec.gpu.name}, {spec.gpu.hbm_bytes / 1e9:.0f} GB)" in warning
+    assert f"this run is on {found}" in warning
+
+
+def test_a_cpu_plan_on_a_gpu_says_so():
+    warning = device_mismatch(CPU_LOCAL, "cuda", "NVIDIA H200", 150_000_000_000)
+    assert warning.startswith("the plan is for CPU processes (cpu-local) but this run is on NVIDIA H200")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_rank_0_prints_the_warning_once_on_stderr(model_file, capsys, rank):
+    plan = plan_for(model_file).model_copy(update={"cluster": A100_80})
+    ctx = RunContext(rank=rank, local_rank=rank, world_size=2, device=torch.device("cpu"), backend="gloo")
+    warning = warn_if_other_devices(plan, ctx)
+    assert warning == device_mismatch(A100_80, "cpu")
+    printed = capsys.readouterr()
+    assert printed.out == ""
+    assert printed.err == (f"zplan: warning: {warning}\n" if rank == 0 else "")
+    assert warn_if_other_devices(plan_for(model_file), ctx) is None  # cpu-local on the CPU
+    assert capsys.readouterr().err == ""

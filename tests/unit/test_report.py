@@ -243,3 +243,35 @@ def test_reports_say_how_many_alternatives_are_left_to_plan_json():
     for name in ("report.md", "report.html"):
         assert f"{total - shown} more configurations" in reports[name]
         assert "zplan explain plan.json" in reports[name]
+
+
+MESH_CARD = re.compile(r'<div class="k">Mesh</div><div class="v">([^<]*)</div>\s*<div class="s">([^<]*)</div>')
+
+
+def mesh_card(html: str) -> tuple[list[str], list[str]]:
+    """The Mesh card's sizes and axis names."""
+    sizes, names = MESH_CARD.search(html).groups()
+    return sizes.split(" &times; "), names.split(", ")[0].split(" &times; ")
+
+
+def test_a_context_parallel_plan_shows_cp_in_the_mesh_card_and_the_plan_tables(tmp_path):
+    from typer.testing import CliRunner
+
+    from zplan.cli import app
+
+    out = tmp_path / "cp"
+    result = CliRunner().invoke(app, ["compile", "gpt:layers=4,hidden=256,heads=8,seq=128,vocab=1000", "--gpus", "8",
+                                      "--cluster", "dgx-h100", "--global-batch", "16", "--cp", "2", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    html, markdown = (out / "report.html").read_text(), (out / "report.md").read_text()
+    assert mesh_card(html) == (["4", "1", "2", "1"], ["dp", "pp", "cp", "tp"])  # 4 x 1 x 2 x 1 = 8 GPUs
+    assert "<tr><td>Context parallel</td><td>cp = 2 (each sequence split over 2 GPUs)</td></tr>" in html
+    assert "| Context parallel (cp) | 2 (each sequence split over 2 GPUs) |" in markdown
+    assert "dp 4 x pp 1 x cp 2 x tp 1 = 8 GPUs" in markdown
+    for text in (html, markdown):  # the DeepSpeed batch: micro-batch x accumulation x dp, cp counted once
+        assert "dp 4; the cp 2 GPUs of a sequence count once, as DeepSpeed's sequence_parallel_size" in " ".join(
+            text.split())
+
+    plain = render_reports(sample_plan("tiny-dp"))  # cp 1: no cp anywhere
+    assert mesh_card(plain["report.html"]) == (["2", "1", "1"], ["dp", "pp", "tp"])
+    assert "Context parallel" not in plain["report.html"] and "Context parallel" not in plain["report.md"]
