@@ -10,6 +10,7 @@ can fix (a plan that does not match, a bad prompt file, a prompt too long for th
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -116,9 +117,9 @@ def run_generate(args: argparse.Namespace, plan_path: Path, model_path: Path | N
     if args.batch is not None and not 1 <= args.batch <= settings.max_batch:
         raise SpecError(f"--batch {args.batch}: the engine runs 1 to {settings.max_batch} (the plan's max batch) "
                         "sequences at a time")
-    if not 0.0 < args.top_p <= 1.0 or args.temperature < 0:
-        raise SpecError(f"--temperature {args.temperature} --top-p {args.top_p}: temperature must be >= 0 and "
-                        "0 < top-p <= 1")
+    if not 0.0 < args.top_p <= 1.0 or not 0.0 <= args.temperature < math.inf:  # NaN is never in range
+        raise SpecError(f"--temperature {args.temperature} --top-p {args.top_p}: temperature must be a finite "
+                        "number >= 0 and 0 < top-p <= 1")
     # the plan against the model file and launch, before reading any input (engine_from_plan checks again)
     check_inference_plan(plan, model_path, int(os.environ.get("WORLD_SIZE", "1")), settings.tp)
     prompt_ids = None

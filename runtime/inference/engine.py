@@ -4,14 +4,15 @@ INT8/INT4 or fp8 W8A8 block Linears (runtime/inference/fp8.py), weights resident
 
     engine = InferenceEngine.from_model(model, summary, max_batch=8, max_seq_len=256)
     for step in engine.stream([[1, 2, 3], [4, 5]], max_new_tokens=16):
-        ...  # step: one new token per prompt, None for a sequence that has finished
+        ...  # step: one new token per prompt, None for a sequence that has finished (a SamplingFailure: it failed)
 
 One generation (stream) at a time: prefill runs all prompts in one pass, right-padded to the longest, so with
 causal attention a real token never sees padding; the first token of each sequence comes from its last prompt
 position. Each decode step then feeds every sequence's newest token at its own position (learned position
 embedding or RoPE of that position) and attends to its own cached positions 0..pos only, so a sequence's tokens do
 not depend on the others in the batch (up to float rounding of batched matmuls). Sequences that have finished stay
-in the batch (their rows are computed and ignored) until all have finished.
+in the batch (their rows are computed and ignored) until all have finished. A sequence that cannot be sampled
+(runtime/inference/sampling.py: its logits hold NaN) yields a SamplingFailure and finishes; the others go on.
 
 Under tensor parallelism every rank of the mesh builds the engine from the same model and calls stream with the
 same arguments; tp rank 0 samples and broadcasts the tokens, so all ranks yield the same ones.
@@ -34,7 +35,7 @@ from zplan.errors import ZplanError
 from zplan.runtime.inference import decoder, fp8
 from zplan.runtime.inference.decoder import DecoderSpec, Shards, UnsupportedModelError, linear, norm
 from zplan.runtime.inference.kv_cache import KVCache
-from zplan.runtime.inference.sampling import SamplingParams, make_generators, sample_next
+from zplan.runtime.inference.sampling import FAILED, SamplingFailure, SamplingParams, make_generators, sample_next
 from zplan.runtime.inference.weight_store import ResidentWeights, WeightStore, tensor_bytes
 from zplan.schemas.model import ModelSummary
 
@@ -217,13 +218,19 @@ class InferenceEngine:
         x = self._layers(self._embed(tokens[:, None], positions[:, None]), attend, rotary)  # (B, 1, h)
         return self._logits(x[:, 0])
 
-    def _sample(self, logits: torch.Tensor, params, generators) -> list[int]:
-        """Tokens chosen on tp rank 0 and broadcast, so every rank continues with the same ones."""
+    def _sample(self, logits: torch.Tensor, params, generators) -> list[int | SamplingFailure]:
+        """Tokens chosen on tp rank 0 and broadcast, so every rank continues with the same ones (a failed row
+        travels as FAILED; tp rank 0 keeps its message)."""
+        sampled = sample_next(logits, params, generators)
         if self.tp == 1:
-            return sample_next(logits, params, generators)
-        chosen = torch.tensor(sample_next(logits, params, generators), dtype=torch.int64, device=self.device)
+            return sampled
+        chosen = torch.tensor([t if isinstance(t, int) else FAILED for t in sampled], dtype=torch.int64,
+                              device=self.device)
         torch.distributed.broadcast(chosen, src=torch.distributed.get_global_rank(self._group, 0), group=self._group)
-        return chosen.tolist()
+        if torch.distributed.get_rank(self._group) == 0:
+            return sampled
+        return [SamplingFailure("sampling failed on tensor-parallel rank 0") if t == FAILED else t
+                for t in chosen.tolist()]
 
     # ---- generating ----------------------------------------------------------------------------------------
 
@@ -250,9 +257,11 @@ class InferenceEngine:
         return new, params
 
     def stream(self, prompts: list[list[int]], max_new_tokens: int | list[int],
-               sampling: SamplingParams | list[SamplingParams] = SamplingParams()) -> Iterator[list[int | None]]:
+               sampling: SamplingParams | list[SamplingParams] = SamplingParams()
+               ) -> Iterator[list[int | SamplingFailure | None]]:
         """Yields once per decode step a list of len(prompts): each sequence's new token, None once it has
-        finished (after its stop token or max_new_tokens); ends when all have finished. Checks the request now
+        finished (after its stop token or max_new_tokens), or a SamplingFailure where that sequence could not be
+        sampled (it has then finished; the others go on); ends when all have finished. Checks the request now
         (GenerationError), before the first step."""
         new, params = self._validate(prompts, max_new_tokens, sampling)
         self._generation += 1
@@ -273,12 +282,15 @@ class InferenceEngine:
         positions = last.clone()  # where each sequence's newest token goes
         while True:
             chosen = self._sample(logits, params, generators)
-            step: list[int | None] = []
+            step: list[int | SamplingFailure | None] = []
             for b in range(batch):
                 if finished[b]:
                     step.append(None)
                     continue
                 step.append(chosen[b])
+                if isinstance(chosen[b], SamplingFailure):
+                    finished[b] = True
+                    continue
                 produced[b] += 1
                 finished[b] = produced[b] >= new[b] or chosen[b] == params[b].stop_token
             yield step
@@ -289,15 +301,18 @@ class InferenceEngine:
                                       "starting the next")
             advance = torch.tensor([0 if f else 1 for f in finished], device=self.device)
             positions = positions + advance  # finished sequences stay where they are
-            fed = torch.tensor([c if c is not None else 0 for c in chosen], device=self.device)
+            fed = torch.tensor([c if isinstance(c, int) else 0 for c in chosen], device=self.device)
             logits = self._decode(fed, positions, int(positions.max()) + 1)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int],
                  sampling: SamplingParams | list[SamplingParams] = SamplingParams()) -> list[list[int]]:
-        """The generated tokens of each prompt (a stop token included)."""
+        """The generated tokens of each prompt (a stop token included); GenerationError when a sequence cannot be
+        sampled."""
         out: list[list[int]] = [[] for _ in prompts]
         for step in self.stream(prompts, max_new_tokens, sampling):
             for b, token in enumerate(step):
+                if isinstance(token, SamplingFailure):
+                    raise GenerationError(f"prompt {b}: {token.message}")
                 if token is not None:
                     out[b].append(token)
         return out

@@ -5,7 +5,12 @@ with Retry-After). One worker thread takes up to engine.max_batch waiting reques
 one engine.stream batch and hands each new token to its request's asyncio queue (loop.call_soon_threadsafe),
 so the event loop only ever waits. A client that goes away leaves its sequence running to the end of the
 batch (the engine has no per-sequence cancel); the others are not disturbed, and the server prints one line. An
-engine error fails the requests of that batch (500 with the message) and the worker goes on with the next.
+engine error fails the requests of that batch (500 with the message) and the worker goes on with the next; a
+sequence the engine could not sample (a SamplingFailure: runtime/inference/sampling.py) fails its request alone.
+
+A request's own values cannot fail the others batched with it: each field's type and range is checked by the
+request model (request_model: strict types, so no "5", true or [5] for a number; no NaN or infinity), a 422 names
+the field and what it accepts, and sampling is numerically safe per sequence (a temperature below 1e-5 is greedy).
 
 Slow and greedy clients: a request's headers must arrive within header_timeout_s and its body within
 body_timeout_s (else 408), and at most max_connections connections are open at a time (more get 503):
@@ -18,8 +23,9 @@ past the process group's timeout. SIGTERM or Ctrl-C on rank 0 stops uvicorn grac
 then broadcasts a shutdown message that ends the other ranks.
 
 API (JSON):
-    POST /v1/generate {"prompt": str, "max_new_tokens": int, "temperature": float, "top_p": float,
-                       "seed": int, "stream": bool}
+    POST /v1/generate {"prompt": str (1 to max_seq_len characters), "max_new_tokens": int (1 to max_seq_len - 1),
+                       "temperature": float (0 to 10; below 1e-5 greedy), "top_p": float (0 < top_p <= 1),
+                       "seed": int (0 to 2^63 - 1), "stream": bool}
       stream false: {"text", "tokens", "finish_reason": "stop"|"length", "usage": {"prompt_tokens",
                      "completion_tokens"}}
       stream true:  NDJSON, one line per token {"token": id, "text": the text it completes ("" while a
@@ -56,11 +62,11 @@ POLL_S = 0.1  # how often an idle worker looks for a stop
 class ServerLimits:
     """Bounds on what one request may ask; the engine's own limits come from the engine."""
 
-    max_new_tokens: int  # largest max_new_tokens accepted (the engine's max_seq_len at most)
+    max_new_tokens: int  # largest max_new_tokens accepted (max_seq_len - 1: a prompt has at least one token)
     default_max_new_tokens: int  # when a request gives none (the plan's gen_len)
     max_prompt_chars: int  # characters of prompt accepted before tokenizing
     max_body_bytes: int = 1 << 20  # request bodies above this get 413
-    max_temperature: float = 10.0
+    max_temperature: float = 10.0  # finite; a temperature below sampling.MIN_TEMPERATURE is greedy
     queue_size: int = 64  # requests waiting for the worker; more get 503
     retry_after_s: int = 1  # Retry-After of a 503
     batch_wait_s: float = 0.002  # after the first request of a batch, wait this long for more
@@ -73,12 +79,15 @@ class ServerLimits:
         default = max(1, min(default_max_new_tokens, max_seq_len - 1))
         # a byte tokenizer makes at most 4 tokens of a character and at least 1: chars beyond max_seq_len
         # cannot fit, so refuse them before tokenizing
-        return cls(max_new_tokens=max_seq_len, default_max_new_tokens=default, max_prompt_chars=max_seq_len,
+        return cls(max_new_tokens=max(1, max_seq_len - 1), default_max_new_tokens=default,
+                   max_prompt_chars=max_seq_len,
                    **{"queue_size": 8 * max_batch, **overrides})
 
 
 def request_model(limits: ServerLimits) -> type[BaseModel]:
-    """The POST /v1/generate body, bounded by `limits`; strict types (no "5" for 5), unknown fields refused."""
+    """The POST /v1/generate body, bounded by `limits`; strict types (no "5" for 5, no true for 1, no lists),
+    no NaN or infinity, unknown fields refused. The one place the request's bounds are written: a 422 describes
+    them from here (allowed_values), and every endpoint that samples parses its body with this model."""
 
     class GenerateRequest(BaseModel):
         model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
@@ -87,7 +96,7 @@ def request_model(limits: ServerLimits) -> type[BaseModel]:
         max_new_tokens: int = Field(default=limits.default_max_new_tokens, ge=1, le=limits.max_new_tokens,
                                     description="Most tokens to generate.")
         temperature: float = Field(default=0.0, ge=0.0, le=limits.max_temperature,
-                                   description="Softmax temperature; 0 is greedy.")
+                                   description="Softmax temperature; 0 (any value below 1e-5) is greedy.")
         top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
         seed: int = Field(default=0, ge=0, le=2**63 - 1, description="Sampling seed of this request.")
         stream: bool = Field(default=False, description="Answer NDJSON, one line per token.")
@@ -230,6 +239,8 @@ class BatchWorker:
         max_new = [r.max_new_tokens for r in batch]
         sampling = [r.sampling for r in batch]
         self.batches_run += 1
+        from zplan.runtime.inference.sampling import SamplingFailure
+
         try:
             if self.broadcaster is not None:
                 self._broadcast({"kind": "batch", "prompts": prompts, "max_new_tokens": max_new,
@@ -241,6 +252,11 @@ class BatchWorker:
                         continue
                     if token is None:
                         self._finish(request, counts[i], last=None)
+                    elif isinstance(token, SamplingFailure):  # this sequence alone failed; the others go on
+                        print(f"zplan: a sequence of a batch of {len(batch)} failed after {counts[i]} tokens: "
+                              f"{token.message}", file=sys.stderr, flush=True)
+                        request.finished = True
+                        request.push("error", token.message)
                     else:
                         counts[i] += 1
                         request.push("token", int(token))
@@ -335,9 +351,51 @@ def json_safe(value: Any) -> Any:
     return value if value is None or isinstance(value, (str, int, float, bool)) else str(value)
 
 
-def validation_response(error: ValidationError) -> JSONResponse:
-    """422 in FastAPI's format ({"detail": [{"type", "loc", "msg", "input", "ctx"}, ...]}), every value JSON."""
-    errors = [{**e, "loc": ["body", *e["loc"]]} for e in error.errors(include_url=False)]
+def _number(value) -> str:
+    return str(value) if isinstance(value, int) else f"{value:g}"
+
+
+def allowed_values(model: type[BaseModel]) -> dict[str, str]:
+    """What each field of `model` accepts, in words, from its type and bounds (so a bound is written once, in the
+    model): {"temperature": "temperature must be a finite number, 0 <= temperature <= 10", ...}."""
+    import annotated_types as at
+
+    kinds = {int: "an integer", float: "a finite number", str: "a string", bool: "true or false"}
+    allowed = {}
+    for name, info in model.model_fields.items():
+        low = high = ""
+        for bound in info.metadata:
+            if isinstance(bound, at.Ge):
+                low = f"{_number(bound.ge)} <= "
+            elif isinstance(bound, at.Gt):
+                low = f"{_number(bound.gt)} < "
+            elif isinstance(bound, at.Le):
+                high = f" <= {_number(bound.le)}"
+            elif isinstance(bound, at.Lt):
+                high = f" < {_number(bound.lt)}"
+            elif isinstance(bound, at.MinLen):
+                low = f"{bound.min_length}"
+            elif isinstance(bound, at.MaxLen):
+                high = f"{bound.max_length}"
+        text = f"{name} must be {kinds.get(info.annotation, str(info.annotation))}"
+        if info.annotation is str and (low or high):
+            text += f" of {low or 0} to {high} characters" if high else f" of at least {low} characters"
+        elif low or high:
+            text += f", {low}{name}{high}"
+        allowed[name] = text
+    return allowed
+
+
+def validation_response(error: ValidationError, allowed: dict[str, str] | None = None) -> JSONResponse:
+    """422 in FastAPI's format ({"detail": [{"type", "loc", "msg", "input", "ctx"}, ...]}), every value JSON. With
+    `allowed` (allowed_values of the model), each msg names its field and what the field accepts."""
+    errors = []
+    for e in error.errors(include_url=False):
+        field_name = e["loc"][0] if e["loc"] else None
+        if allowed is not None and isinstance(field_name, str):
+            accepts = allowed.get(field_name, f"the fields are {', '.join(allowed)}")
+            e = {**e, "msg": f"{field_name}: {e['msg']}; {accepts}"}
+        errors.append({**e, "loc": ["body", *e["loc"]]})
     return JSONResponse({"detail": json_safe(errors)}, status_code=422)
 
 
@@ -371,6 +429,7 @@ def create_app(worker: BatchWorker, tokenizer, limits: ServerLimits, *, tp: int 
 
     engine = worker.engine
     GenerateRequest = request_model(limits)  # noqa: N806 (a class)
+    allowed = allowed_values(GenerateRequest)
     app = FastAPI(title="zplan inference server", docs_url=None, redoc_url=None)
     app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes)
     stop_token = worker.stop_token
@@ -407,7 +466,7 @@ def create_app(worker: BatchWorker, tokenizer, limits: ServerLimits, *, tp: int 
         try:
             body = GenerateRequest.model_validate_json(raw)
         except ValidationError as error:
-            return validation_response(error)
+            return validation_response(error, allowed)
         prompt_ids = tokenizer.encode(body.prompt)
         if len(prompt_ids) + body.max_new_tokens > engine.max_seq_len:
             raise HTTPException(400, f"prompt of {len(prompt_ids)} tokens + max_new_tokens {body.max_new_tokens} "

@@ -18,9 +18,18 @@ from torch import nn
 from zplan.errors import ZplanError
 from zplan.examples import gpt, llama
 from zplan.planner.trace import trace_module
+from zplan.runtime.inference import sampling
 from zplan.runtime.inference.decoder import UnsupportedModelError
 from zplan.runtime.inference.engine import GenerationError, InferenceEngine
-from zplan.runtime.inference.sampling import SamplingError, SamplingParams, top_p_filter
+from zplan.runtime.inference.sampling import (
+    MIN_TEMPERATURE,
+    SamplingError,
+    SamplingFailure,
+    SamplingParams,
+    make_generators,
+    sample_next,
+    top_p_filter,
+)
 from zplan.runtime.inference.tokenizer import ByteTokenizer
 
 VOCAB = 300  # > 256, so the byte tokenizer's end-of-text id exists
@@ -150,11 +159,105 @@ def test_top_p_sampling_is_reproducible_and_top_p_zero_is_greedy():
     assert engine.generate(prompts[:1], 16, SamplingParams(temperature=1.0, top_p=0.0, seed=3)) == greedy
 
 
-def test_sampling_params_out_of_range_are_refused():
+@pytest.mark.parametrize("kwargs", [
+    dict(temperature=-1.0), dict(temperature=float("nan")), dict(temperature=float("inf")), dict(temperature=True),
+    dict(temperature="0.5"), dict(temperature=10**400), dict(top_p=1.5), dict(top_p=-0.1), dict(top_p=float("nan")),
+])
+def test_sampling_params_out_of_range_are_refused(kwargs):
     with pytest.raises(SamplingError):
-        SamplingParams(temperature=-1.0)
-    with pytest.raises(SamplingError):
-        SamplingParams(top_p=1.5)
+        SamplingParams(**kwargs)
+
+
+def sample_alone(logits: torch.Tensor, params: list[SamplingParams]) -> list:
+    """Each row of `logits` sampled in a batch of its own."""
+    return [sample_next(logits[b:b + 1], [p], make_generators([p]))[0] for b, p in enumerate(params)]
+
+
+def test_a_tiny_temperature_is_greedy_and_changes_no_other_row():
+    logits = torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(0)) * 4
+    params = [SamplingParams(), SamplingParams(temperature=1e-300), SamplingParams(temperature=0.8, seed=7),
+              SamplingParams(temperature=1.0, top_p=0.5, seed=8), SamplingParams(temperature=5e-324, top_p=0.3)]
+    tokens = sample_next(logits, params, make_generators(params))
+    assert all(isinstance(t, int) for t in tokens)
+    assert tokens == sample_alone(logits, params)
+    greedy = logits.argmax(dim=-1).tolist()
+    assert tokens[1] == greedy[1] and tokens[4] == greedy[4]
+    assert SamplingParams(temperature=MIN_TEMPERATURE * 0.99).greedy and not SamplingParams(
+        temperature=MIN_TEMPERATURE).greedy
+
+
+@pytest.mark.parametrize("temperature", [MIN_TEMPERATURE, 1e-3, 1.0, 10.0, 1e6])
+@pytest.mark.parametrize("top_p", [5e-324, 1e-300, 0.5, 1.0])
+def test_sampling_is_finite_for_extreme_logits(temperature, top_p):
+    """Logits at float32's limits, -inf (masked tokens) among them, with the floor's temperature: a token, never
+    NaN; the only candidates are the largest logits."""
+    big = torch.finfo(torch.float32).max
+    logits = torch.full((3, 8), -float("inf"))
+    logits[0, :3] = torch.tensor([big, -big, 0.0])
+    logits[1, 2:6] = torch.tensor([1e30, 1e30, -1e30, 5.0])
+    logits[2, 7] = -big  # one finite logit
+    params = [SamplingParams(temperature=temperature, top_p=top_p, seed=s) for s in range(3)]
+    for _ in range(20):
+        tokens = sample_next(logits, params, make_generators(params))
+        assert tokens[0] == 0 and tokens[1] in (2, 3) and tokens[2] == 7
+
+
+def test_a_row_that_cannot_be_sampled_fails_alone():
+    logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(1))
+    logits[1, 5] = float("nan")
+    logits[3, 9] = float("inf")
+    logits[4] = -float("inf")  # no finite logit
+    params = [SamplingParams(), SamplingParams(), SamplingParams(temperature=0.7, seed=2), SamplingParams(),
+              SamplingParams(temperature=1.0, seed=3), SamplingParams(temperature=1.2, top_p=0.8, seed=4)]
+    tokens = sample_next(logits, params, make_generators(params))
+    for b in (1, 3, 4):
+        assert isinstance(tokens[b], SamplingFailure) and "NaN or infinity" in tokens[b].message
+    ok = [0, 2, 5]
+    assert [tokens[b] for b in ok] == [sample_alone(logits[ok], [params[b] for b in ok])[i] for i in range(3)]
+
+
+def test_a_failed_draw_fails_its_row_only(monkeypatch):
+    real = sampling.sample_row
+
+    def draw(logits, params, generator):
+        if params.seed == 13:
+            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+        return real(logits, params, generator)
+
+    monkeypatch.setattr(sampling, "sample_row", draw)
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(2))
+    params = [SamplingParams(temperature=0.9, seed=12), SamplingParams(temperature=0.9, seed=13), SamplingParams()]
+    tokens = sample_next(logits, params, make_generators(params))
+    assert isinstance(tokens[1], SamplingFailure) and "RuntimeError: probability tensor" in tokens[1].message
+    assert [tokens[0], tokens[2]] == [sample_alone(logits[[0]], params[:1])[0], int(logits[2].argmax())]
+
+
+def test_a_sequence_whose_logits_turn_nan_ends_alone(monkeypatch):
+    """The engine yields a SamplingFailure for that sequence once, None after; the others generate exactly what
+    they generate without it; generate() names the prompt."""
+    _, engine = make("gpt", seed=6)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    params = [SamplingParams(), SamplingParams(), SamplingParams(temperature=0.9, seed=5)]
+    clean = engine.generate(prompts, 8, params)
+    decode, steps = engine._decode, []
+
+    def poisoned(tokens, positions, length):
+        logits = decode(tokens, positions, length)
+        steps.append(1)
+        if len(steps) == 3:  # the fourth token of sequence 1
+            logits[1, 0] = float("nan")
+        return logits
+
+    monkeypatch.setattr(engine, "_decode", poisoned)
+    out = list(engine.stream(prompts, 8, params))
+    column = [step[1] for step in out]
+    assert column[:3] == clean[1][:3] and isinstance(column[3], SamplingFailure)
+    assert all(t is None for t in column[4:])
+    for b in (0, 2):
+        assert [step[b] for step in out if step[b] is not None] == clean[b]
+    steps.clear()
+    with pytest.raises(GenerationError, match="prompt 1: the model's logits for this sequence hold NaN"):
+        engine.generate(prompts, 8, params)
 
 
 # ---- weight-only quantization ---------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import time
 import pytest
 import uvicorn
 
-from zplan.runtime.inference.sampling import SamplingParams
+from zplan.runtime.inference.sampling import SamplingFailure, SamplingParams
 from zplan.runtime.inference.server import BatchWorker, IncrementalText, ServerLimits, create_app
 from zplan.runtime.inference.tokenizer import ByteTokenizer
 
@@ -54,6 +54,9 @@ class FakeEngine:
         if any(bytes(p).startswith(b"boom") for p in prompts):
             raise RuntimeError("the fake engine failed")
         answers = [expected_tokens(bytes(p).decode(), n)[0] for p, n in zip(prompts, max_new_tokens, strict=True)]
+        for b, prompt in enumerate(prompts):  # a prompt starting with 'fail' cannot be sampled after two tokens
+            if bytes(prompt).startswith(b"fail"):
+                answers[b] = answers[b][:2] + [SamplingFailure("the model's logits hold NaN")]
         for step in range(max(len(a) for a in answers)):
             time.sleep(self.step_delay_s)
             yield [a[step] if step < len(a) else None for a in answers]
@@ -214,6 +217,7 @@ def test_oversized_body_is_413(server):
     b'{"prompt": "a", "max_new_tokens": "5"}',  # a string for an int
     b'{"prompt": "a", "max_new_tokens": 0}',
     b'{"prompt": "a", "max_new_tokens": 33}',  # over max_seq_len
+    b'{"prompt": "a", "max_new_tokens": 32}',  # max_seq_len: no room left for a prompt
     b'{"prompt": "a", "temperature": -0.5}',
     b'{"prompt": "a", "temperature": 1000}',
     b'{"prompt": "a", "top_p": 0}',
@@ -265,6 +269,32 @@ def test_engine_error_fails_its_batch_only_and_the_server_goes_on(server):
     assert s.request("GET", "/health")[0] == 200
     status, _, body = s.generate(prompt="after", max_new_tokens=4)
     assert status == 200 and body["tokens"] == expected_tokens("after", 4)[0]
+
+
+def test_a_sequence_that_cannot_be_sampled_fails_its_request_alone(server, capfd):
+    s = server()
+    s.engine.gate.clear()
+    blocker, _ = in_threads([lambda: s.generate(prompt="blocker", max_new_tokens=2)])
+    wait_until(s.engine.started.is_set)
+    threads, results = in_threads([
+        lambda: s.generate(prompt="fail here", max_new_tokens=5),
+        lambda: s.generate(prompt="fail streaming", max_new_tokens=5, stream=True),
+        lambda: s.generate(prompt="same batch", max_new_tokens=5),
+        lambda: s.generate(prompt="same batch, streaming", max_new_tokens=5, stream=True),
+    ])
+    wait_until(lambda: s.worker.waiting.qsize() == 4)
+    s.engine.gate.set()
+    for t in blocker + threads:
+        t.join(20)
+    assert [len(b) for b in s.engine.batches] == [1, 4]
+    (failed, _, body), (streamed, _, lines), (ok, _, plain), (ok_streamed, _, ok_lines) = results
+    assert failed == 500 and body == {"detail": "generation failed: the model's logits hold NaN"}
+    assert streamed == 200 and [line["token"] for line in lines[:2]] == expected_tokens("fail streaming", 5)[0][:2]
+    assert lines[2:] == [{"error": "generation failed: the model's logits hold NaN", "finish_reason": "error"}]
+    assert ok == 200 and plain["tokens"] == expected_tokens("same batch", 5)[0]
+    assert ok_streamed == 200 and ok_lines[-1]["tokens"] == expected_tokens("same batch, streaming", 5)[0]
+    assert capfd.readouterr().err.count("a sequence of a batch of 4 failed after 2 tokens") == 2
+    assert s.generate(prompt="after", max_new_tokens=3)[2]["tokens"] == expected_tokens("after", 3)[0]
 
 
 def test_client_disconnecting_mid_stream_leaves_its_batch_running(server):
