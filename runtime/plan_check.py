@@ -13,9 +13,10 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from zplan.errors import PlanMismatchError, validation_message
+from zplan.safe_files import UnsafeFileError, read_capped
 from zplan.schemas.capability import capability_problems
 from zplan.schemas.cluster import CPU_PROCESS_GPU, ClusterSpec
-from zplan.schemas.plan import PLAN_SCHEMA_VERSION, Plan
+from zplan.schemas.plan import MAX_PLAN_FILE_BYTES, PLAN_SCHEMA_VERSION, Plan
 
 # How far the device memory torch reports may be from the profile's before the GPU counts as another one: torch
 # reports about 6 % more bytes than the data sheets' GB (an A100 80GB: 79.2 GiB = 85.0 GB; an H200 141GB: 139.7 GiB
@@ -28,7 +29,10 @@ def load_plan(path: str | Path) -> Plan:
     """The Plan in a plan.json file; PlanMismatchError when it is missing or not a valid plan."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = read_capped(path, MAX_PLAN_FILE_BYTES, "the plan").decode()
+    except (UnsafeFileError, UnicodeDecodeError) as exc:
+        raise PlanMismatchError(f"cannot read the plan {path}: {exc}. Pass the plan.json `zplan compile` "
+                                "wrote.") from None
     except OSError as exc:
         raise PlanMismatchError(
             f"cannot read the plan {path}: {exc.strerror}. train.py expects plan.json beside it, as "

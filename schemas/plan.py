@@ -11,6 +11,7 @@ from zplan.schemas.model import ModelSummary
 from zplan.schemas.spec import CompressionConfig, Pins, Recompute, Tier, TrainSpec
 
 PLAN_SCHEMA_VERSION = 1
+MAX_PLAN_FILE_BYTES = 64 << 20  # bytes; a plan of a 175B model with its alternatives is under 1 MiB
 Schedule = Literal["none", "1f1b", "interleaved-1f1b"]
 DelayedUpdateMode = Literal["auto", "on", "off"]
 

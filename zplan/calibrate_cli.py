@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from zplan.errors import ZplanError
+from zplan.safe_files import UnsafeFileError, read_capped
 
 err = Console(stderr=True)
 out = Console()
@@ -31,18 +32,19 @@ def load_run(folder: Path, log_name: str):
     from zplan.schemas.plan import Plan
 
     plan_file, log = folder / "plan.json", folder / log_name
-    if not plan_file.is_file():
+    if not plan_file.exists():  # a special file is refused by kind when read
         raise CalibrationError(f"{folder} holds no plan.json: pass folders `zplan compile` wrote")
     plan = load_plan_file(plan_file)
     if not isinstance(plan, Plan):
         raise CalibrationError(f"{folder} holds an inference plan: calibrate from training runs")
-    if not log.is_file():
+    if not log.exists():  # a special file is refused by kind when read
         raise CalibrationError(f"{log} does not exist: run {folder}/launch/torchrun.sh --steps 20 --log-json {log} "
                                "first (or name the log with --log)")
-    if log.stat().st_size > MAX_LOG_BYTES:
-        raise CalibrationError(f"{log} is over {MAX_LOG_BYTES >> 20} MiB: not a train.py log")
     try:
-        records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+        lines = read_capped(log, MAX_LOG_BYTES, "the train.py log").decode().splitlines()
+        records = [json.loads(line) for line in lines if line.strip()]
+    except UnsafeFileError as exc:
+        raise CalibrationError(str(exc)) from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise CalibrationError(f"{log} is not a train.py JSON-lines log ({exc})") from None
     return measured_run(str(folder), plan, records)

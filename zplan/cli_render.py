@@ -11,9 +11,10 @@ from rich.console import Console
 from rich.table import Table
 
 from zplan.errors import ZplanError, validation_message
+from zplan.safe_files import UnsafeFileError, read_capped
 from zplan.schemas.cluster import ClusterSpec
 from zplan.schemas.inference import InferencePlan
-from zplan.schemas.plan import Plan
+from zplan.schemas.plan import MAX_PLAN_FILE_BYTES, Plan
 
 GiB = 1024**3
 
@@ -23,17 +24,14 @@ def default_out_dir(model_ref: str) -> Path:
     return Path("out") / stem
 
 
-MAX_PLAN_FILE_BYTES = 64 << 20  # a plan of a 175B model with its alternatives is under 1 MiB
-
-
 def load_plan_file(path: Path) -> Plan | InferencePlan:
     """A training or an inference plan.json (told apart by its "mode")."""
     hint = "pass the plan.json written by `zplan compile`"
     try:
-        if path.stat().st_size > MAX_PLAN_FILE_BYTES:
-            raise ZplanError(f"{path} is over {MAX_PLAN_FILE_BYTES >> 20} MiB: not a plan; {hint}.")
-        text = path.read_text()
+        text = read_capped(path, MAX_PLAN_FILE_BYTES, "the plan").decode()
         data = json.loads(text)
+    except UnsafeFileError as exc:
+        raise ZplanError(f"{exc}; {hint}.") from None
     except OSError as exc:
         raise ZplanError(f"cannot read {path}: {exc.strerror}. Pass the plan.json written by `zplan compile`.") from exc
     except RecursionError:

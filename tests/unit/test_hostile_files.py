@@ -57,3 +57,38 @@ def test_a_cluster_file_that_is_special_or_huge_is_refused_by_kind_or_by_the_byt
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
     assert needle in text and "not a cluster profile" in text, text
     assert hashed_tree(tmp_path) == before
+
+
+KINDS = [("dev-zero", "is a character device, not a regular file"), ("fifo", "is a FIFO, not a regular file"),
+         ("huge", "bytes, far more than such a file holds")]
+
+
+@pytest.mark.parametrize("kind,needle", KINDS)
+def test_a_plan_that_is_special_or_huge_is_refused_by_explain_and_by_train_py(tmp_path, kind, needle):
+    from zplan.errors import PlanMismatchError
+    from zplan.runtime.plan_check import load_plan
+    from zplan.schemas.plan import MAX_PLAN_FILE_BYTES
+
+    plan = hostile(tmp_path / "plan.json", kind, MAX_PLAN_FILE_BYTES + 1)
+    before = hashed_tree(tmp_path)
+    result = runner.invoke(app, ["explain", str(plan)])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert needle in " ".join(result.output.split())
+    with pytest.raises(PlanMismatchError, match=needle):
+        load_plan(plan)
+    assert hashed_tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("kind,needle", KINDS)
+def test_a_calibration_log_that_is_special_or_huge_is_refused(tmp_path, kind, needle):
+    from zplan.calibrate_cli import MAX_LOG_BYTES
+
+    out = tmp_path / "run"
+    assert runner.invoke(app, ["compile", GPT_SMALL, "--gpus", "8", "--cluster", "cpu-local", "-o", str(out)]
+                         ).exit_code == 0
+    hostile(out / "log.jsonl", kind, MAX_LOG_BYTES + 1)
+    before = hashed_tree(tmp_path)
+    result = runner.invoke(app, ["calibrate", str(out), "-o", str(tmp_path / "fitted.yaml")])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert needle in " ".join(result.output.split())
+    assert hashed_tree(tmp_path) == before
