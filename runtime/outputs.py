@@ -12,9 +12,7 @@ or a kill mid-write leaves the previous file as it was and no partial file behin
 
 from __future__ import annotations
 
-import errno
 import os
-import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +22,7 @@ import torch.distributed as dist
 
 from zplan.errors import OutputError
 from zplan.runtime.distributed import RunContext
+from zplan.safe_files import disk_is_full, full_disk_message
 
 
 def _problem(path: Path, kind: str) -> str | None:
@@ -66,13 +65,14 @@ def write_atomically(path: str | Path, write: Callable[[Path], None], size_hint_
         with open(tmp, "rb+") as stream:
             os.fsync(stream.fileno())
         os.replace(tmp, path)
-    except OSError as error:
+    except (OSError, RuntimeError) as error:  # torch.save reports a failed write as a RuntimeError
+        full = disk_is_full(error, path.parent)
         tmp.unlink(missing_ok=True)
-        if error.errno == errno.ENOSPC:
-            free = shutil.disk_usage(path.parent).free
-            need = f"{size_hint_bytes / 2**20:.1f} MiB" if size_hint_bytes else "more space"
-            raise OutputError(f"{path}: the disk is full ({free / 2**20:.1f} MiB free, {need} needed); the previous "
-                              "file, if any, is unchanged") from error
+        if full:
+            raise OutputError(f"{full_disk_message(path, size_hint_bytes)}; the previous file, if any, is "
+                              "unchanged") from error
+        if isinstance(error, RuntimeError):
+            raise
         raise OutputError(f"{path}: {error.strerror or error}; the previous file, if any, is unchanged") from error
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from zplan import __version__
 from zplan.errors import OutputError
-from zplan.safe_files import UnsafeFileError, inside, read_capped
+from zplan.safe_files import UnsafeFileError, disk_is_full, full_disk_message, inside, read_capped
 
 MANIFEST = ".zplan-manifest.json"
 MAX_MANIFEST_BYTES = 1 << 20
@@ -87,8 +87,12 @@ def write_text_atomically(path: Path, text: str) -> None:
             os.fsync(stream.fileno())
         os.replace(tmp, path)
     except OSError as error:
+        full = disk_is_full(error, path.parent)
         if tmp is not None:
             tmp.unlink(missing_ok=True)
+        if full:
+            raise OutputError(f"{full_disk_message(path, len(text.encode()))}; the previous file, if any, is "
+                              "unchanged") from error
         raise OutputError(f"cannot write {path}: {error.strerror or error}") from error
 
 
@@ -197,8 +201,14 @@ def write_out_dir(out_dir: Path, render: Callable[[Path], list[Path]], force: bo
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     tmp.chmod(0o777 & ~_umask())  # a folder as mkdir makes it (mkdtemp's is private)
     try:
-        written = sorted(p.relative_to(tmp).as_posix() for p in render(tmp))
-        (tmp / MANIFEST).write_text(_manifest_text(tmp, written))
+        try:
+            written = sorted(p.relative_to(tmp).as_posix() for p in render(tmp))
+            (tmp / MANIFEST).write_text(_manifest_text(tmp, written))
+        except OSError as error:
+            full = disk_is_full(error, out_dir.parent)
+            shutil.rmtree(tmp, ignore_errors=True)
+            problem = full_disk_message(out_dir) if full else f"{out_dir}: {error.strerror or error}"
+            raise OutputError(f"{problem}; nothing was written") from error
         if not out_dir.exists():
             tmp.rename(out_dir)
         else:

@@ -5,6 +5,7 @@ runtime and the CLI use it.
     path = inside(folder, "step-000004/__0_0.distcp", "MANIFEST.json")   # or UnsafeFileError
     data = read_capped(path, 1 << 20, "the checkpoint manifest")          # bytes, at most the cap
     fd = open_regular(path, os.O_RDWR | os.O_CREAT, follow=False)         # a lock file zplan creates
+    if disk_is_full(error, folder): message = full_disk_message(path, needed_bytes)   # one message for every write
 
 What each guards against: a name with `..`, an absolute name or a symbolic link leading out of its folder (zplan
 would read, hash, move or delete a file elsewhere); a special file in place of a regular one (/dev/zero reads
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import stat
 from pathlib import Path
 
@@ -75,3 +77,28 @@ def read_capped(path: str | Path, cap_bytes: int, what: str, *, follow: bool = T
         raise UnsafeFileError(f"{what} {path} is over {cap_bytes:,} bytes, far more than such a file holds: refused "
                               "(is it the right file?)")
     return data
+
+
+FULL_DISK_BYTES = 1 << 20  # a write that failed with less than this free (bytes) on its disk failed for want of space
+
+
+def disk_is_full(error: BaseException, folder: str | Path) -> bool:
+    """Whether `error`, raised by a write into `folder`, means its disk is full: ENOSPC or EDQUOT, or any failed write
+    (torch.save reports one as a RuntimeError) while the disk has under FULL_DISK_BYTES free."""
+    if getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    try:
+        return shutil.disk_usage(folder).free < FULL_DISK_BYTES
+    except OSError:
+        return False
+
+
+def full_disk_message(path: str | Path, needed_bytes: int | None = None) -> str:
+    """'PATH: the disk is full (F free, N needed)', F measured now (call it once the partial output is removed)."""
+    free = shutil.disk_usage(Path(path).parent).free
+    needed = f"{_size(needed_bytes)} needed" if needed_bytes else "more needed"
+    return f"{path}: the disk is full ({_size(free)} free, {needed})"
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"

@@ -2,6 +2,7 @@
 changed since zplan wrote it (zplan.out_dir: the outputs built beside DIR, checked against DIR and its manifest of
 SHA-256s, then swapped in; --force overwrites changed files)."""
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -182,3 +183,13 @@ def test_a_linked_output_subfolder_is_refused_so_nothing_is_written_through_it(t
     assert result.exit_code == 2 and "launch is a symbolic link where zplan writes the folder" in \
         " ".join(result.output.split()), result.output
     assert hashed_tree(elsewhere) == before
+
+
+def test_a_full_disk_while_rendering_is_one_message_and_leaves_nothing_behind(tmp_path):
+    def render_until_full(folder: Path) -> list[Path]:
+        (folder / "plan.json").write_text("{}")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OutputError, match=r"plan: the disk is full \(.* free, more needed\); nothing was written"):
+        out_dir.write_out_dir(tmp_path / "plan", render_until_full)
+    assert list(tmp_path.iterdir()) == []  # neither the folder nor its temporary sibling

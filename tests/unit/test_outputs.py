@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +45,29 @@ def test_a_failed_write_keeps_the_previous_file_and_says_what_was_needed(tmp_pat
     assert path.read_bytes() == b"previous" and [p.name for p in tmp_path.iterdir()] == ["weights.pt"]
     write_atomically(path, lambda tmp: tmp.write_bytes(b"new"))
     assert path.read_bytes() == b"new" and [p.name for p in tmp_path.iterdir()] == ["weights.pt"]
+
+
+def test_torch_save_on_a_full_disk_is_the_same_one_message(tmp_path, monkeypatch):
+    """torch.save reports a failed write as a RuntimeError ("unexpected pos ..."), not as ENOSPC: on a disk with
+    under FULL_DISK_BYTES free it is the full-disk message, the partial file removed; elsewhere it stays itself."""
+    from zplan import safe_files
+
+    path = tmp_path / "weights.pt"
+    path.write_bytes(b"previous")
+
+    def torch_save_cut_short(tmp: Path) -> None:
+        tmp.write_bytes(b"half")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 220800 vs 220752")
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(safe_files.shutil, "disk_usage", lambda folder: usage._replace(free=4096))
+    with pytest.raises(OutputError, match=r"disk is full \(4 KiB free, 3\.0 MiB needed\).*unchanged"):
+        write_atomically(path, torch_save_cut_short, size_hint_bytes=3 * 2**20)
+    assert path.read_bytes() == b"previous" and [p.name for p in tmp_path.iterdir()] == ["weights.pt"]
+    monkeypatch.setattr(safe_files.shutil, "disk_usage", lambda folder: usage._replace(free=1 << 40))
+    with pytest.raises(RuntimeError, match="unexpected pos"):  # not a full disk: torch's own error
+        write_atomically(path, torch_save_cut_short)
+    assert [p.name for p in tmp_path.iterdir()] == ["weights.pt"]
 
 
 def test_train_py_stops_before_training_when_it_cannot_save_the_weights(tmp_path):
