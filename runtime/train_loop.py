@@ -8,6 +8,10 @@ Checkpoints (runtime/checkpoint.py) are taken between optimizer steps. A resumed
 interrupted one would have: model and optimizer states from the checkpoint, the LR from the schedule
 at the checkpoint's step, the data iterator at that step (its load_state_dict when it has one, else the
 micro-batches before are replayed and dropped), the RNG and the loss scaler as they were.
+
+A loss that is NaN or infinite stops the run (NonFiniteLossError, exit status 2) before anything is saved, so the
+last checkpoint stays the last good state; with allow_nonfinite_loss (--allow-nonfinite-loss) the run goes on, but
+a checkpoint due after a step whose loss was not finite is not written.
 """
 
 from __future__ import annotations
@@ -27,11 +31,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from zplan.errors import ZplanError
 from zplan.runtime.apply import keeps_parameters_gathered
 from zplan.runtime.checkpoint import (
     LATEST_VALID,
     CheckpointConfig,
-    CheckpointError,
     latest_checkpoint,
     latest_valid_checkpoint,
     load_checkpoint,
@@ -47,6 +51,12 @@ from zplan.runtime.memory_tiers import describe as describe_tiers
 from zplan.runtime.memory_tiers import resident_bytes, state_bytes_by_tier
 from zplan.runtime.pipeline import PipelineRun
 from zplan.runtime.run_lock import lock_checkpoint_dir
+
+ALLOW_NONFINITE_LOSS_FLAG = "--allow-nonfinite-loss"  # train.py's
+
+
+class NonFiniteLossError(ZplanError):
+    """A step's loss was NaN or infinite: the run stopped before saving that state."""
 
 
 @dataclass(frozen=True)
@@ -263,7 +273,7 @@ def _checkpoint_to_resume(checkpoint: CheckpointConfig | None, ctx: RunContext) 
             else:  # every file of each candidate checked against its manifest, newest first
                 newest, skipped = latest_valid_checkpoint(checkpoint.directory)
             for reason in skipped:
-                print(f"zplan: --resume {LATEST_VALID}: passing over damaged {reason}", flush=True)
+                print(f"zplan: --resume {LATEST_VALID}: passing over {reason}", flush=True)
             if newest is None:
                 print(f"zplan: no {'valid' if skipped else 'complete'} checkpoint in {checkpoint.directory} yet: "
                       "starting from step 0", flush=True)
@@ -323,6 +333,7 @@ class TrainConfig:
     log_json: str | Path | None = None  # one JSON line per step (rank 0)
     checkpoint: CheckpointConfig | None = None
     figures: PlanFigures = PlanFigures()
+    allow_nonfinite_loss: bool = False  # go on after a NaN or infinite loss (its state is never checkpointed)
 
 
 def train(model: nn.Module, optimizer: torch.optim.Optimizer, data_iter: Iterator, loss_fn: Callable,
@@ -347,13 +358,13 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, data_iter: Iterato
     run_lock = lock_checkpoint_dir(checkpoint.directory if checkpoint is not None else None, ctx)
     start_step = 0
     resume_from = _checkpoint_to_resume(checkpoint, ctx)
+    last_checkpoint, unverified_origin = None, None  # the checkpoint a NaN loss leaves as the last; why not verified
     if resume_from is not None:
         loaded = load_checkpoint(resume_from, model, optimizer, ctx, layout=layout,
-                                 verify=checkpoint.resume != LATEST_VALID)  # latest-valid: verified when chosen
+                                 verify=checkpoint.resume != LATEST_VALID,  # latest-valid: verified when chosen
+                                 allow_unverified=checkpoint.allow_unverified, total_steps=steps)
         start_step = loaded.step
-        if start_step > steps:
-            raise CheckpointError(f"{loaded.path} is at step {start_step}, beyond --steps {steps}: "
-                                  "pass the total number of steps of the run (at least the checkpoint's)")
+        last_checkpoint, unverified_origin = loaded.path, loaded.unverified_origin
         if scaler is not None and loaded.rank_state.get("scaler") is not None:
             scaler.load_state_dict(loaded.rank_state["scaler"])
         _fast_forward(data_iter, loaded.rank_state.get("data"), start_step, num_micro_batches)
@@ -412,14 +423,20 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, data_iter: Iterato
                     task, advance=1,
                     status=f"loss {loss_value:.4f}  {record['tokens_per_s']:,.0f} tok/s  mfu {mfu:.1%}",
                 )
-                if checkpoint is not None and checkpoint.should_save(step + 1, steps):
+                finite = math.isfinite(loss_value)  # all-reduced: the same on every rank
+                if not finite:
+                    _nonfinite_loss(loss_value, step + 1, last_checkpoint, checkpoint, config.allow_nonfinite_loss,
+                                    ctx, progress.console)
+                if checkpoint is not None and checkpoint.should_save(step + 1, steps) and finite:
                     _flush(optimizer)  # a delayed update in flight belongs to this checkpoint
                     save_start = time.perf_counter()
                     saved = save_checkpoint(
                         checkpoint.directory, step + 1, model, optimizer, ctx, keep=checkpoint.keep,
                         layout=layout, rank_state={"scaler": scaler.state_dict() if scaler else None},
                         data_state=data_iter.state_dict() if hasattr(data_iter, "state_dict") else None,
+                        loss=loss_value, unverified_origin=unverified_origin,
                     )
+                    last_checkpoint = saved
                     if ctx.is_main:
                         progress.console.print(f"checkpoint {saved} ({time.perf_counter() - save_start:.2f} s)",
                                                soft_wrap=True, highlight=False)
@@ -434,6 +451,27 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, data_iter: Iterato
         if losses and (tiers["host"] or tiers["nvme"] or figures.state_bytes_by_tier):
             print(describe_tiers(tiers, figures.state_bytes_by_tier, ctx.device), flush=True)
     return losses
+
+
+def _nonfinite_loss(loss: float, step: int, last_checkpoint: Path | None, checkpoint: CheckpointConfig | None,
+                    allowed: bool, ctx: RunContext, console) -> None:
+    """A NaN or infinite loss at `step`: NonFiniteLossError (every rank), or with `allowed` a warning that the
+    checkpoint due, if any, is not written."""
+    if last_checkpoint is None and checkpoint is not None and checkpoint.directory is not None:
+        last_checkpoint = latest_checkpoint(checkpoint.directory)
+    last = (f"the last checkpoint, {last_checkpoint}, was not overwritten" if last_checkpoint is not None
+            else "no checkpoint was written")
+    if allowed:
+        if ctx.is_main:
+            console.print(f"zplan: warning: the loss of step {step} is {loss} ({ALLOW_NONFINITE_LOSS_FLAG}: going on); "
+                          "no checkpoint is written of a step whose loss is not finite", soft_wrap=True,
+                          highlight=False)
+        return
+    raise NonFiniteLossError(
+        f"the loss of step {step} is {loss} (mean over the global batch): training stopped before saving that state; "
+        f"{last}. Check the data and the model file, lower --lr, and resume from the last checkpoint; or give "
+        f"{ALLOW_NONFINITE_LOSS_FLAG} to go on regardless (no checkpoint is written of a step whose loss is not "
+        "finite)")
 
 
 def _print_summary(losses, step_times_s, state_bytes, figures: PlanFigures, ctx) -> None:

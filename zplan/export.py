@@ -13,6 +13,11 @@ most `max_chunk_bytes` of tensors per DCP read, a bigger tensor alone) and appen
 one chunk, never the whole model. The file is written under a temporary name and renamed when complete.
 Only the model's tensors are exported (keys `model.<fqn>`), named as the model file names them, tied
 weights under each of their names, as `model.state_dict()` has them.
+
+The checkpoint is read as hostile data (runtime/checkpoint.py, runtime/checkpoint_manifest.py): its files are first
+checked against MANIFEST.json, which must cover exactly the folder's regular files; one without a manifest is
+exported only with allow_unverified (`--allow-unverified`, a warning on stderr); DCP reads only the *.distcp files
+of the folder its .metadata names, and train_state.json is read up to its cap, a link, FIFO or device refused.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import contextlib
 import json
 import os
 import struct
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,8 +35,15 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from zplan.errors import ExportError
-from zplan.runtime.checkpoint import TRAIN_STATE_FILE, CheckpointError, describe_dcp_error, resolve_checkpoint
-from zplan.runtime.checkpoint_manifest import read_manifest, verify
+from zplan.runtime.checkpoint import (
+    ALLOW_UNVERIFIED_FLAG,
+    TRAIN_STATE_FILE,
+    CheckpointError,
+    describe_dcp_error,
+    read_train_state,
+    resolve_checkpoint,
+)
+from zplan.runtime.checkpoint_manifest import has_manifest, no_manifest_problem, verify
 from zplan.runtime.fused_layout import layouts_from_json, to_original
 
 MODEL_PREFIX = "model."
@@ -69,11 +82,14 @@ def _model_tensors(checkpoint: Path) -> dict[str, tuple[torch.dtype, torch.Size]
 
 
 def _fused_layouts(checkpoint: Path) -> dict:
-    """The stored order of the checkpoint's fused projections (runtime.fused_layout), from its train_state.json."""
+    """The stored order of the checkpoint's fused projections (runtime.fused_layout), from its train_state.json (read
+    as a resume reads it: runtime.checkpoint.read_train_state)."""
+    state = read_train_state(checkpoint)
     try:
-        return layouts_from_json(json.loads((checkpoint / TRAIN_STATE_FILE).read_text()).get("fused_layouts", {}))
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise CheckpointError(f"cannot read {checkpoint / TRAIN_STATE_FILE}: {error}") from error
+        return layouts_from_json(state.get("fused_layouts", {}))
+    except (ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(f"cannot read the fused layouts of {checkpoint / TRAIN_STATE_FILE}: "
+                              f"{type(error).__name__}: {error}") from error
 
 
 def _nbytes(dtype: torch.dtype, shape: torch.Size) -> int:
@@ -129,22 +145,31 @@ def _header(tensors: dict[str, tuple[torch.dtype, torch.Size]], keys: list[str],
 
 
 def export_checkpoint(
-    ckpt_dir: Path, out_file: Path, *, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
+    ckpt_dir: Path, out_file: Path, *, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, allow_unverified: bool = False,
 ) -> Path:
     """Write the model weights of checkpoint `ckpt_dir` (a step-N folder, or a checkpoint folder: its
     newest complete checkpoint) to the safetensors file `out_file`; return `out_file`.
 
-    Raises CheckpointError when `ckpt_dir` holds no complete checkpoint, ExportError when `out_file`
-    cannot be written (both ZplanError). Memory: about max_chunk_bytes, or the largest tensor.
+    Raises CheckpointError when `ckpt_dir` holds no complete checkpoint, or a damaged or unsafe one, or one without
+    a manifest unless allow_unverified (then a warning on stderr); ExportError when `out_file` cannot be written
+    (both ZplanError). Memory: about max_chunk_bytes, or the largest tensor.
     """
     checkpoint = resolve_checkpoint(ckpt_dir)
     out_file = Path(out_file)
     if out_file.is_dir():
         raise ExportError(f"--to {out_file} is a folder; give a file name such as {out_file / 'model.safetensors'}")
-    problems = verify(checkpoint)
-    if problems and read_manifest(checkpoint) is not None:  # one without a manifest cannot be checked
+    unverified = not has_manifest(checkpoint)
+    problems = verify(checkpoint)[1 if unverified else 0:]  # without a manifest, the first says so
+    if problems:  # also without a manifest: a link, FIFO or folder among its files
         raise CheckpointError(f"checkpoint {checkpoint} is damaged: {problems[0]}"
                               + (f" ({len(problems) - 1} more)" if len(problems) > 1 else ""))
+    if unverified:
+        if not allow_unverified:
+            raise CheckpointError(f"{no_manifest_problem(checkpoint)}: not exported. Export a verified checkpoint, "
+                                  f"or give {ALLOW_UNVERIFIED_FLAG} to export it anyway (a damaged file then goes "
+                                  "unnoticed)")
+        print(f"zplan: warning: {no_manifest_problem(checkpoint)}: exported without verifying it "
+              f"({ALLOW_UNVERIFIED_FLAG})", file=sys.stderr, flush=True)
     tensors = _model_tensors(checkpoint)
     keys = sorted(tensors)
     sizes = {key: _nbytes(*tensors[key]) for key in keys}

@@ -32,7 +32,8 @@ MICRO_BATCH = 2
 VOCAB, SEQ_LEN, HIDDEN, HEADS, LAYERS = 64, 16, 32, 4, 2
 
 # A GPT with tied embeddings and dropout (its rate from the environment, so that one file serves runs
-# with and without it: the plan checks the file's hash).
+# with and without it: the plan checks the file's hash), whose logits turn NaN at the forward call the environment
+# names (TINY_GPT_NAN_AT_CALL, 1-based, per process; unset: never).
 TINY_GPT = f'''
 import os
 import torch
@@ -41,6 +42,8 @@ from torch import nn
 
 VOCAB, SEQ_LEN, HIDDEN, HEADS, LAYERS = {VOCAB}, {SEQ_LEN}, {HIDDEN}, {HEADS}, {LAYERS}
 DROPOUT = float(os.environ.get("TINY_GPT_DROPOUT", "0"))
+NAN_AT_CALL = int(os.environ.get("TINY_GPT_NAN_AT_CALL", "0"))
+CALLS = [0]
 
 
 class Block(nn.Module):
@@ -75,7 +78,9 @@ class TinyGPT(nn.Module):
         x = self.wte(idx) + self.wpe(torch.arange(idx.size(1)))
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        CALLS[0] += 1
+        logits = self.head(self.ln_f(x))
+        return logits * float("nan") if CALLS[0] == NAN_AT_CALL else logits
 
 
 def build_model():
@@ -96,10 +101,13 @@ def with_offload(plan: Plan, offload: str, parameters: str = "gpu") -> Plan:
                                        placement=plan.placement.model_copy(update=dict(parameters=parameters))))
 
 
-def launch(script: Path, args: list[str], world: int, *, dropout: float, pause: str | None = None) -> Ranks:
-    """`script` on `world` processes (logs beside it), dropout at `dropout`, paused where `pause` says."""
+def launch(script: Path, args: list[str], world: int, *, dropout: float, pause: str | None = None,
+           nan_at_call: int | None = None) -> Ranks:
+    """`script` on `world` processes (logs beside it), dropout at `dropout`, paused where `pause` says, the logits
+    NaN at forward call `nan_at_call` of each process."""
     return Ranks([str(script), *args], world, script.parent / "logs",
-                 env={"TINY_GPT_DROPOUT": str(dropout), TEST_PAUSE_ENV: pause})
+                 env={"TINY_GPT_DROPOUT": str(dropout), TEST_PAUSE_ENV: pause,
+                      "TINY_GPT_NAN_AT_CALL": str(nan_at_call) if nan_at_call else None})
 
 
 def losses_by_step(log: Path) -> dict[int, float]:
@@ -185,6 +193,63 @@ def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(zero1_script,
     assert diff == 0.0
     assert losses_by_step(log) == ref_losses
     assert checkpoint_names(ckpt) == ["step-000004", "step-000006"]  # the .tmp folder is gone
+
+
+# ---- damaged, unverified and NaN: train.py's exit status, its flags, and the checkpoints it leaves -----------
+
+
+def _flip_bytes(path: Path, count: int = 64) -> None:
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + count] = bytes(b ^ 0xFF for b in data[middle:middle + count])
+    path.write_bytes(bytes(data))
+
+
+def test_unverified_and_nan_states_are_never_trained_on_silently_nor_saved(zero1_script, tmp_path):
+    """The reproduction: step 4's MANIFEST.json removed and 64 bytes of a shard flipped, then `--resume latest-valid
+    --keep 2` loaded it without a word, trained on NaN, exited 0, saved the NaN states under fresh manifests and
+    pruned the last good checkpoint. Now: plain --resume refuses it (exit status 2), latest-valid passes over it, a
+    manifest-less checkpoint loads with --allow-unverified only and retention keeps the newest verified one, and a
+    NaN loss stops the run with exit status 2 before saving (or, with --allow-nonfinite-loss, goes on saving
+    nothing)."""
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+
+    def args(steps: int, *more: str) -> list[str]:
+        return [*_common_args(steps, log), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", *more]
+
+    launch(zero1_script, args(4, "--keep", "3"), 2, dropout=0.0).wait_ok()
+    (ckpt / "step-000004" / "MANIFEST.json").unlink()
+    _flip_bytes(next((ckpt / "step-000004").glob("*.distcp")))
+
+    refused = launch(zero1_script, args(6, "--keep", "2", "--resume"), 2, dropout=0.0)
+    assert refused.wait() == 2, refused.output()[-4000:]
+    assert f"{ckpt / 'step-000004'} has no MANIFEST.json" in refused.output() and "--allow-unverified" in \
+        refused.output()
+    output = launch(zero1_script, args(6, "--keep", "2", "--resume", "latest-valid"), 2, dropout=0.0).wait_ok()
+    assert "passing over step-000004: " in output and f"resumed from {ckpt / 'step-000002'} (step 2 of 6)" in output
+    assert checkpoint_names(ckpt) == ["step-000004", "step-000006"]  # step 4 written again, whole
+    assert all(loss == loss for loss in losses_by_step(log).values())  # no NaN
+
+    (ckpt / "step-000006" / "MANIFEST.json").unlink()  # unverified but sound: loads when told, marks what follows
+    output = launch(zero1_script, args(8, "--keep", "2", "--resume", str(ckpt / "step-000006"), "--allow-unverified"),
+                    2, dropout=0.0).wait_ok()
+    assert "loaded without verifying it (--allow-unverified)" in output
+    assert checkpoint_names(ckpt) == ["step-000004", "step-000006", "step-000008"]  # step 4: the newest verified
+    assert json.loads((ckpt / "step-000008" / "train_state.json").read_text())["unverified_origin"] == \
+        "step-000006 has no MANIFEST.json"
+
+    nan_ckpt = tmp_path / "nan"
+    # 2 micro-batches a step on each rank: forward call 5 is step 3's first
+    nan_args = [*_common_args(4, log), "--checkpoint-dir", str(nan_ckpt), "--checkpoint-every", "1", "--keep", "5"]
+    stopped = launch(zero1_script, nan_args, 2, dropout=0.0, nan_at_call=5)
+    assert stopped.wait() == 2, stopped.output()[-4000:]
+    assert (f"the loss of step 3 is nan (mean over the global batch): training stopped before saving that state; the "
+            f"last checkpoint, {nan_ckpt / 'step-000002'}, was not overwritten") in stopped.output()
+    assert checkpoint_names(nan_ckpt) == ["step-000001", "step-000002"]
+    # resumed from step 2: forward call 1 is step 3's first
+    going_on = launch(zero1_script, [*nan_args, "--allow-nonfinite-loss", "--resume"], 2, dropout=0.0, nan_at_call=1)
+    assert "the loss of step 3 is nan (--allow-nonfinite-loss: going on)" in going_on.wait_ok()
+    assert checkpoint_names(nan_ckpt) == ["step-000001", "step-000002"]  # steps 3 and 4: NaN weights, not saved
 
 
 # ---- resharding: ZeRO-3 and ZeRO-1 dp=2 checkpoints resumed under other stages and dp sizes ----------

@@ -261,8 +261,9 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_says_how_much_is_needed(c
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
     monkeypatch.setattr(checkpoint_module.torch, "save", full_disk)
-    with pytest.raises(CheckpointError, match=r"step-000002.*the disk is full\. The checkpoint needs about "
-                                              r"[0-9.]+ GiB, [0-9.]+ GiB are free; the previous checkpoints are kept"):
+    # the sizes in the unit that shows them (this checkpoint: KiB, not "0.00 GiB")
+    with pytest.raises(CheckpointError, match=r"step-000002.*: the disk is full \([0-9.]+ [KMG]iB free, [0-9]+ KiB "
+                                              r"needed\); the previous checkpoints are kept"):
         save_checkpoint(root, 2, model, optimizer, ctx, keep=3)
     monkeypatch.undo()
     assert sorted(p.name for p in root.iterdir()) == ["step-000001"]  # the partial .tmp folder removed
@@ -272,7 +273,8 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_says_how_much_is_needed(c
 @pytest.mark.parametrize("damage", ["rank file missing", "rank file cut", "train_state.json not JSON",
                                     "train_state.json without step"])
 def test_a_damaged_checkpoint_without_a_manifest_is_one_message_naming_the_file(damage, ctx, tmp_path):
-    """Checkpoints written before manifests are not verified; what a resume reads from them still fails cleanly."""
+    """A checkpoint without a manifest is loaded only when asked (allow_unverified); what a resume reads from it
+    still fails cleanly."""
     model, optimizer = _model_and_optimizer()
     checkpoint = save_checkpoint(tmp_path / "ckpt", 1, model, optimizer, ctx, keep=3)
     (checkpoint / "MANIFEST.json").unlink()
@@ -286,5 +288,7 @@ def test_a_damaged_checkpoint_without_a_manifest_is_one_message_naming_the_file(
     else:
         state_file.write_text('{"world_size": 1}')
     target = rank_file if damage.startswith("rank") else state_file
-    with pytest.raises(CheckpointError, match=rf"cannot read {target}.*latest-valid"):
+    with pytest.raises(CheckpointError, match=r"has no MANIFEST\.json.*--allow-unverified"):
         load_checkpoint(checkpoint, model, optimizer, ctx)
+    with pytest.raises(CheckpointError, match=rf"cannot read {target}.*latest-valid"):
+        load_checkpoint(checkpoint, model, optimizer, ctx, allow_unverified=True)
