@@ -357,20 +357,24 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, data_iter: Iterato
     # one run at a time in a checkpoint folder, held from before a resume reads it to the end (runtime/run_lock.py)
     run_lock = lock_checkpoint_dir(checkpoint.directory if checkpoint is not None else None, ctx)
     start_step = 0
-    resume_from = _checkpoint_to_resume(checkpoint, ctx)
     last_checkpoint, unverified_origin = None, None  # the checkpoint a NaN loss leaves as the last; why not verified
-    if resume_from is not None:
-        loaded = load_checkpoint(resume_from, model, optimizer, ctx, layout=layout,
-                                 verify=checkpoint.resume != LATEST_VALID,  # latest-valid: verified when chosen
-                                 allow_unverified=checkpoint.allow_unverified, total_steps=steps)
-        start_step = loaded.step
-        last_checkpoint, unverified_origin = loaded.path, loaded.unverified_origin
-        if scaler is not None and loaded.rank_state.get("scaler") is not None:
-            scaler.load_state_dict(loaded.rank_state["scaler"])
-        _fast_forward(data_iter, loaded.rank_state.get("data"), start_step, num_micro_batches)
-        restore_rng_state(loaded.rank_state, ctx.device)  # after the fast-forward, which may draw
-        if ctx.is_main:
-            print(f"zplan: resumed from {loaded.path} (step {start_step} of {steps})", flush=True)
+    try:
+        resume_from = _checkpoint_to_resume(checkpoint, ctx)
+        if resume_from is not None:
+            loaded = load_checkpoint(resume_from, model, optimizer, ctx, layout=layout,
+                                     verify=checkpoint.resume != LATEST_VALID,  # latest-valid: verified when chosen
+                                     allow_unverified=checkpoint.allow_unverified, total_steps=steps)
+            start_step = loaded.step
+            last_checkpoint, unverified_origin = loaded.path, loaded.unverified_origin
+            if scaler is not None and loaded.rank_state.get("scaler") is not None:
+                scaler.load_state_dict(loaded.rank_state["scaler"])
+            _fast_forward(data_iter, loaded.rank_state.get("data"), start_step, num_micro_batches)
+            restore_rng_state(loaded.rank_state, ctx.device)  # after the fast-forward, which may draw
+            if ctx.is_main:
+                print(f"zplan: resumed from {loaded.path} (step {start_step} of {steps})", flush=True)
+    except BaseException:  # a refused resume: the lock goes now, not only with the process (an in-process caller)
+        run_lock.release()
+        raise
     log_file = _open_log(config.log_json, ctx, start_step)
     losses: list[float] = []
     step_times_s: list[float] = []
