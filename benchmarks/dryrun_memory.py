@@ -4,9 +4,9 @@
 
 Each plan is `zplan compile MODEL --gpus G --cluster C PINS -o DIR` for a model file that builds one of the
 example models at a published size (examples/llama.py as Llama-3-8B and 70B, 128k vocabulary; examples/gpt.py as
-GPT-3 175B), 8 to 1024 GPUs, ZeRO 0-3, tp 1-8, pp 1-8, recompute none / selective / full, micro-batch 1-8, CPU
-offload. `zplan dryrun DIR` then runs the plan's program on fake tensors for the pipeline's end stages (the
-planner prices the more loaded of the first and last: planner/cost/memory.py) and the figure compared is
+GPT-3 175B), 8 to 1024 GPUs, ZeRO 0-3, tp 1-8, pp 1-8, context parallel 2, recompute none / selective / full,
+micro-batch 1-8, CPU offload. `zplan dryrun DIR` then runs the plan's program on fake tensors for the pipeline's end
+stages (the planner prices the more loaded of the first and last: planner/cost/memory.py) and the figure compared is
 peak allocated bytes on the most loaded rank: measured by the dry run (runtime.live_memory), predicted as the
 plan's total minus its framework reserve.
 
@@ -79,6 +79,8 @@ PLANS = [
                                                                 recompute="full")),
     ("8b-16-z0-pp8", "llama3-8b", 16, "dgx-h100", dict(pp=8, tp=1, dp=2, zero=0, micro_batch=1, seq=4096)),
     ("8b-32-z2-tp4", "llama3-8b", 32, "dgx-h100", dict(tp=4, zero=2, micro_batch=4, recompute="full")),
+    ("8b-8-cp2-z3", "llama3-8b", 8, "dgx-h100", dict(dp=4, cp=2, zero=3, micro_batch=1, recompute="none",
+                                                     seq=8192)),
 ]
 QUICK = ["8b-8-z3", "8b-8-z1-tp2", "8b-8-tp4-pp2", "8b-64", "70b-64-tp8", "175b-1024-tp8-pp8"]
 

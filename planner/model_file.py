@@ -43,7 +43,8 @@ def hf_models_see_whole_sequences() -> None:
     transformers (5.x) reads values to choose its attention mask: positions that restart mean packed sequences
     (masking_utils.find_packed_sequence_indices, asked when the model gets no attention mask and no cache, as a
     model set up for training with use_cache=False is called), an attention mask of all ones means no padding
-    (fast_all, _ignore_bidirectional_mask_sdpa). A meta tensor has no values (the forward fails: "Tensor.item()
+    (fast_all, _ignore_bidirectional_mask_sdpa, _ignore_causal_mask_sdpa: the last returns "build a mask" for any
+    padding mask it cannot read, before asking fast_all). A meta tensor has no values (the forward fails: "Tensor.item()
     cannot be called on meta tensors") and a fake tensor none to read either (transformers then takes the sequences
     for packed and builds a (b, 1, s, s) mask and repeats the grouped key/value heads, bytes the real run never
     holds). zplan's batches are whole sequences (positions 0..s-1, an attention mask of ones), so on meta and fake
@@ -59,6 +60,9 @@ def hf_models_see_whole_sequences() -> None:
         "fast_all": lambda original, tensor: True,  # an attention mask of ones: no padding
         "_ignore_bidirectional_mask_sdpa": lambda original, padding_mask, *args, **kwargs:
             original(None, *args, **kwargs),  # no padding mask
+        # a causal model handed an attention mask of ones (context parallel's batches: runtime.context_parallel)
+        "_ignore_causal_mask_sdpa": lambda original, padding_mask, *args, **kwargs:
+            original(None, *args, **kwargs),  # no padding mask: is_causal, the grouped heads not repeated
     }
     for name, answer in answers.items():
         if callable(getattr(masking, name, None)):

@@ -20,7 +20,12 @@ F.scaled_dot_product_attention(q, k, v): q, k, v (B, H, s/cp, d) are this rank's
 all-gathered over the cp group along the sequence (an autograd function whose backward reduce-scatters their
 gradient: the sum over ranks of what each rank's queries sent back), put in global order (B, H, s, d), and the
 local queries attend to them under the causal mask of global positions (query at position i sees keys at <= i):
-a (s/cp, s) boolean mask. What the model passes as its own mask must be causal: None, is_causal=True, or a mask
+an additive (s/cp, s) mask in the queries' dtype (causal_bias), made once per scope and handed to every layer's
+attention. scaled_dot_product_attention saves its mask for the backward, and given a boolean one it converts it to
+an additive one first (every backend: aten's convert_boolean_attn_mask), so a boolean mask per call would leave each
+layer holding its own (s/cp, s) copy until its backward: 64 MiB a layer at s = 8192, cp 2, bf16, 2 GiB over
+Llama-3-8B's 32 (measured by the dry run). What the model passes as its own mask must be causal: None,
+is_causal=True, or a mask
 equal to the local causal mask (or to the block-causal mask Hugging Face builds when it reads the jump in
 position_ids as two packed sequences); anything else (padding, sliding window) is refused. GQA passes through
 (enable_gqa, or heads repeated by the model before the call).
@@ -45,8 +50,9 @@ unpadded (no sliding window), the default next-token loss, token-id batches (a t
 What a plan needs: seq_len a multiple of 2*cp, and seq_len / cp a multiple of tp under sequence parallel;
 no offload, no compression, no delayed update (runtime.plan_check.context_parallel_problems).
 
-Memory per rank: activations of s/cp tokens, plus one layer's gathered k and v (2 * B * H_kv * s * d) and the
-(s/cp, s) mask while that layer's attention runs.
+Memory per rank: activations of s/cp tokens; every layer's attention saves its gathered keys and values for the
+backward, (B, H_kv, s, d) each, of which (cp - 1)/cp came from the other ranks; and one (s/cp, s) mask in the compute
+dtype, from the first layer's forward until the last layer's backward (planner.cost.memory prices both).
 """
 
 from __future__ import annotations
@@ -204,11 +210,31 @@ def _is_causal_mask(mask: torch.Tensor, positions: torch.Tensor) -> bool:
     return any(bool((allowed == expected).all()) for expected in _causal_local(positions))
 
 
+# elements: the memory-efficient kernel copies (pads) a mask whose row stride is not a multiple of 8 or 16 (aten's
+# preprocess_mask, per torch version): a copy each layer would hold
+MASK_ROW_ALIGNMENT = 16
+
+
+def causal_bias(positions: torch.Tensor, seq_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive causal mask of this rank's queries over the whole sequence, (s/cp, s) in `dtype`: 0 where the query
+    at global position positions[i] sees the key at position j (j <= positions[i]), the dtype's lowest finite value
+    elsewhere (finite, as Hugging Face's additive masks and aten's conversion for cuDNN are; no row is all masked: a
+    query sees itself). Its rows are MASK_ROW_ALIGNMENT-aligned, so no backend copies it to pad them."""
+    n = positions.numel()
+    row = -(-seq_len // MASK_ROW_ALIGNMENT) * MASK_ROW_ALIGNMENT
+    bias = torch.zeros(n, row, dtype=dtype, device=positions.device)[:, :seq_len]
+    blocked = positions[:, None] < torch.arange(seq_len, device=positions.device)[None, :]  # (s/cp, s) bool
+    return bias.masked_fill_(blocked, torch.finfo(dtype).min)
+
+
 def context_parallel_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                               enable_gqa=False, *, positions: torch.Tensor, cp_size: int, gather) -> torch.Tensor:
+                               enable_gqa=False, *, positions: torch.Tensor, cp_size: int, gather,
+                               bias=None) -> torch.Tensor:
     """F.scaled_dot_product_attention of the local queries (B, H, s/cp, d) over the keys and values of the whole
     sequence, causal by global position; returns (B, H, s/cp, d_v). `positions` (s/cp,): this rank's; `gather(x,
-    dim)`: x of every cp rank concatenated along dim in rank order (gather_sequence over the cp group)."""
+    dim)`: x of every cp rank concatenated along dim in rank order (gather_sequence over the cp group); `bias(query)`:
+    the (s/cp, s) causal_bias in the query's dtype, the same tensor for every layer (ContextParallelAttention's);
+    default: made for this call."""
     n = positions.numel()
     if query.shape[-2] != n or key.shape[-2] != n:
         raise PlanMismatchError(f"context parallel attention expects self-attention over this rank's {n} tokens; got "
@@ -229,7 +255,7 @@ def context_parallel_attention(query, key, value, attn_mask=None, dropout_p=0.0,
     gathered_positions = torch.cat([chunk_positions(n * cp_size, r, cp_size) for r in range(cp_size)])  # (s,)
     order = gathered_positions.argsort().to(key.device)  # gathered index of each global position
     key, value = key.index_select(2, order), value.index_select(2, order)  # global order (B, H_kv, s, d)
-    mask = positions[:, None] >= torch.arange(order.numel(), device=positions.device)[None, :]  # (s/cp, s)
+    mask = bias(query) if bias is not None else causal_bias(positions, order.numel(), query.dtype)  # (s/cp, s)
     return _SDPA(query, key, value, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
 
 
@@ -248,13 +274,23 @@ class ContextParallelAttention(TorchFunctionMode):
     def __init__(self, positions: torch.Tensor, cp_size: int, group):
         super().__init__()
         self.positions, self.cp_size, self.group = positions, cp_size, group
+        self._biases: dict = {}  # (dtype, device) -> causal_bias, made at the first attention of the scope
 
     def _gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         return gather_sequence(x, dim, self.group)
 
+    def _bias(self, query: torch.Tensor) -> torch.Tensor:
+        """This scope's causal_bias in the query's dtype: one tensor that every layer's attention saves (its forward
+        and its recompute), not a copy each (module docstring)."""
+        key = (query.dtype, query.device)
+        if key not in self._biases:
+            self._biases[key] = causal_bias(self.positions.to(query.device), self.positions.numel() * self.cp_size,
+                                            query.dtype)
+        return self._biases[key]
+
     def _attention(self, *args, **kwargs) -> torch.Tensor:
         return context_parallel_attention(*args, **kwargs, positions=self.positions, cp_size=self.cp_size,
-                                          gather=self._gather)
+                                          gather=self._gather, bias=self._bias)
 
     def _by_attribute(self, *args, **kwargs) -> torch.Tensor:
         """torch.nn.functional.scaled_dot_product_attention while entered: the mode's (forward), or, where no mode

@@ -116,7 +116,9 @@ def measure_steps(plan, model_path: Path, settings: TrainSettings, steps: int, c
     start = time.perf_counter()
     mesh = plan_mesh(plan, ctx.device.type)  # outside the fake mode: a mesh is real ranks
     with fake_tensors() if fake else contextlib.nullcontext(), LiveMemory() as meter:  # from the build on
+        say(f"rank {ctx.rank}: building the model{' on fake tensors' if fake else ''}")
         model, weights = build_meta_model(model_file.build_model, seed=0, device=ctx.device)
+        say(f"rank {ctx.rank}: applying the plan ({plan_words(plan)}), making its weights and optimizer")
         model, _ = parallelize(model, weights, mesh, plan, model_file, ctx.device)
         if p.offload == "nvme":
             import tempfile
@@ -137,21 +139,32 @@ def measure_steps(plan, model_path: Path, settings: TrainSettings, steps: int, c
         meter.mark_host(storages.host_ids(p.offload))  # what an offload made on the host with the optimizer
         meter.reset_peak()  # the build's transient tensors (the initialisation's replay, on the host) are gone
         meter.phase = "forward"
-        say(f"rank {ctx.rank}: built in {time.perf_counter() - start:.1f} s")
         model.train()
+        micro_batches = f"{p.num_micro_batches} micro-batch{'es' if p.num_micro_batches > 1 else ''}"
         for step in range(steps):
+            say(f"rank {ctx.rank}: step {step + 1}/{steps}: forward and backward of {micro_batches}, optimizer step")
             optimizer_step(model, optimizer, data, loss_fn, p.num_micro_batches, settings.grad_clip,
                            scaler, ctx.device)
             clear_gradients(model, optimizer)
             if step == 0:  # the optimizer's states exist now (a lazy optimizer makes them in its first step)
                 storages.refresh()
                 meter.mark_host(storages.host_ids(p.offload))
-            say(f"rank {ctx.rank}: step {step + 1}/{steps} ({time.perf_counter() - start:.1f} s)")
         if hasattr(optimizer, "close"):
             optimizer.close()
     if nvme_dir is not None:
         nvme_dir.cleanup()
-    return RankFigures(meter.peak_bytes, meter.record.by_category, meter.host_peak_bytes, time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    say(f"rank {ctx.rank}: done in {seconds:.1f} s, peak {meter.peak_bytes / 2**30:.2f} GiB allocated")
+    return RankFigures(meter.peak_bytes, meter.record.by_category, meter.host_peak_bytes, seconds)
+
+
+def plan_words(plan) -> str:
+    """The plan's split in a few words for a progress line, e.g. "dp 4 x cp 2, ZeRO-3, recompute none"."""
+    p = plan.parallel
+    split = " x ".join(f"{name} {size}" for name, size in (("tp", p.tp), ("pp", p.pp), ("dp", p.dp), ("cp", p.cp))
+                       if size > 1) or "one GPU"
+    offload = f", offload {p.offload}" if p.offload != "none" else ""
+    return f"{split}, ZeRO-{p.zero_stage}, recompute {p.recompute}{offload}"
 
 
 def dry_run_rank(plan, model_path: Path, rank: int, settings: TrainSettings, steps: int,

@@ -8,6 +8,7 @@ change), 2 on bad input (a folder that is not a compiled plan, a model file that
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -76,21 +77,26 @@ def next_plan_that_fits(result, plan) -> str | None:
 
 def dryrun_command(
     out_dir: Path = typer.Argument(..., help="A folder `zplan compile` wrote for training (plan.json, train.py)."),
-    model: Optional[Path] = typer.Option(None, "--model", help="The model file (default: train.py's MODEL_FILE)."),
+    model: Optional[Path] = typer.Option(None, "--model", help="The model file (default: the one train.py names)."),
     steps: int = typer.Option(2, "--steps", min=1, max=10, help="Optimizer steps per rank (the first makes the "
                                                                   "optimizer's states)."),
     end_stages: bool = typer.Option(False, "--end-stages", help="Only the first and the last pipeline stage (the "
                                                                  "ones the plan prices; the middle ones are skipped)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON on stdout instead of tables."),
 ) -> None:
-    """Run the plan's program on fake tensors at its full world size, one rank per pipeline stage, and compare the
-    memory it allocates with the plan's (what it proves and what it cannot: README, "Dry run")."""
+    """Run a compiled plan on fake tensors and check its memory.
+
+    The plan's program runs at its full world size, one rank per pipeline stage, and the memory it allocates is
+    compared with the plan's (what it proves and what it cannot: README, "Dry run")."""
     from zplan.dryrun import DryRunError, dry_run, load_program
 
-    def say(message: str) -> None:
-        err.print(f"zplan: {message}", highlight=False)
+    began = time.perf_counter()
+
+    def say(message: str) -> None:  # one line per phase on stderr, as it begins (stdout stays the tables or JSON)
+        err.print(f"zplan [{time.perf_counter() - began:6.1f} s] {message}", highlight=False, soft_wrap=True)
 
     try:
+        say(f"dry run: reading {out_dir}, checking its model file")
         program = load_program(out_dir, model)
         pp = program.plan.parallel.pp
         result = dry_run(program, steps=steps, say=say, stages=sorted({0, pp - 1}) if end_stages else None)

@@ -30,6 +30,9 @@ the final norm and the output head over the tp ranks, so every tp rank holds the
 gradients and optimizer states (sharded over dp by ZeRO like every parameter, never divided by tp), and
 computes the whole logits (B, T, V) and the loss on them. The loss's peak (logits_loss_bytes) is
 LOSS_BYTES_PER_LOGIT bytes per logit, measured, not divided by tp.
+Context parallel (runtime/context_parallel.py): a GPU holds the activations of b/cp sequences' worth of tokens; each
+block's attention keeps the keys and values gathered from the other cp - 1 ranks (gathered_kv_bytes), and one
+(s/cp, s) attention mask serves every block (context_parallel_mask_bytes).
 Pipeline in-flight micro-batches on the first stage: 1F1B min(p, m); interleaved with v chunks
 multiplies by (1 + (p-1)/(p*v)) (Korthikanti et al., Sec. 4.2.3); each in-flight micro-batch keeps each of the rank's
 v chunks' outputs (torch.distributed.pipelining's fwd_cache), and the last stage its logits, for its backward. Beside
@@ -210,6 +213,19 @@ def gathered_kv_bytes(model: ModelNumbers, cand: Candidates, precision: str) -> 
     return (cand.cp - 1.0) * 2.0 * gpu_sequences(cand) * model.seq_len * kv_features * elem / cand.tp
 
 
+def context_parallel_mask_bytes(model: ModelNumbers, cand: Candidates, precision: str) -> np.ndarray:
+    """Bytes of context parallel's attention mask on a GPU, 0 at cp 1: (s/cp) * s elements in the compute dtype, the
+    additive causal mask of this rank's s/cp queries over the whole sequence's s keys (runtime/context_parallel.py:
+    causal_bias, rows padded to 16 elements). ContextParallelAttention makes it once per scope (a micro-batch's
+    forward and backward; a pipeline's step) and every block's scaled_dot_product_attention saves that one tensor for
+    its backward (a recomputed block's too), so it is live from the first block's forward until the last block's
+    backward, once: not per block, not per micro-batch in flight, not divided by tp (every tp rank holds it whole)
+    nor multiplied by the micro-batch (broadcast over its sequences and heads). E.g. s = 8192, cp 2, bf16:
+    4096 * 8192 * 2 = 64 MiB (a mask per block, as the runtime held before, was 2 GiB over Llama-3-8B's 32)."""
+    s = float(model.seq_len)
+    return np.where(cand.cp > 1, s / cand.cp * s * element_bytes(precision), 0.0)
+
+
 def block_activation_bytes(model: ModelNumbers, cand: Candidates, precision: str) -> np.ndarray:
     """Saved bytes of one block for one micro-batch on one GPU, by recompute mode."""
     elem = element_bytes(precision)
@@ -300,9 +316,11 @@ def memory_per_gpu(
     live_block = np.where(cand.recompute == 2, b * model.block_act_bytes / t, 0.0)  # recomputed block
     # per micro-batch in flight: its blocks' saved bytes, and each of the rank's v chunks keeps its output (whole: a
     # sequence-parallel hidden state is gathered at stage edges) for that micro-batch's backward
-    first_act = inflight * (first_blocks * act_block + cand.interleave * b * s * h * elem) + live_block
+    cp_mask = context_parallel_mask_bytes(model, cand, precision)  # one per stage, beside its blocks' activations
+    first_act = inflight * (first_blocks * act_block + cand.interleave * b * s * h * elem) + live_block + cp_mask
     logits = logits_loss_bytes(model, b, precision)  # (b, s, V) on every tp rank, and the loss's fp32 temporaries
-    last_act = last_blocks * act_block + live_block + logits + b * model.head_act_bytes  # replicated head: not / tp
+    last_act = (last_blocks * act_block + live_block + cp_mask + logits
+                + b * model.head_act_bytes)  # replicated head: not / tp
     # a pipeline's last stage: the schedule keeps the stage's output, the logits (b, s, V) in the compute dtype, for
     # that micro-batch's backward (torch.distributed.pipelining's fwd_cache), beside the loss's temporaries
     last_act = last_act + np.where(single, 0.0, elem * b * s * model.vocab)

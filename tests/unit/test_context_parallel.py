@@ -123,6 +123,39 @@ def test_mode_intercepts_scaled_dot_product_attention(monkeypatch):
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, q, q, is_causal=True))
 
 
+def test_every_layer_saves_the_one_mask_of_its_scope(monkeypatch):
+    """Inside a scope the (s/cp, s) attention mask is made once, in the queries' dtype, and every layer's attention
+    saves that one tensor for its backward (a boolean mask per call is converted to an additive one, and saved, by
+    each call: a copy per layer); the outputs are still the full causal attention's."""
+    import zplan.runtime.context_parallel as cp_module
+
+    torch.manual_seed(4)
+    b, heads, s, d, cp = 1, 4, 16, 8, 2
+    q = torch.randn(b, heads, s, d, requires_grad=True)
+    k, v = (torch.randn(b, 2, s, d, requires_grad=True) for _ in range(2))
+    reference = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    parts = [chunk_positions(s, r, cp) for r in range(cp)]
+    gather = gather_from(k, v, parts)
+    monkeypatch.setattr(cp_module, "gather_sequence", lambda x, dim, group: gather(x, dim))
+    p = parts[0]
+    masks = []
+
+    def keep_masks(tensor):
+        if tensor.shape == (s // cp, s):
+            masks.append(tensor)
+        return tensor
+
+    with ContextParallelAttention(p, cp, None), torch.autograd.graph.saved_tensors_hooks(keep_masks, lambda t: t):
+        outputs = [F.scaled_dot_product_attention(q[:, :, p], k[:, :, p], v[:, :, p], is_causal=True, enable_gqa=True)
+                   for _layer in range(3)]
+    for out in outputs:
+        torch.testing.assert_close(out, reference[:, :, p], rtol=1e-5, atol=1e-6)
+    assert len(masks) == 3 and len({m.untyped_storage().data_ptr() for m in masks}) == 1
+    assert masks[0].dtype == q.dtype
+    visible = masks[0] == 0  # by hand: rank 0 holds positions 0-3 and 12-15; position i sees keys 0..i
+    assert visible.tolist() == [[j <= i for j in range(s)] for i in [0, 1, 2, 3, 12, 13, 14, 15]]
+
+
 # ---- check_plan: what cp > 1 refuses, before any collective ------------------------------------------------
 
 

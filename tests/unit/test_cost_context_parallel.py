@@ -1,5 +1,5 @@
 """Context parallel in the cost model against hand computations: a GPU's share of the tokens, the K/V all-gathers,
-the gradient group of dp * cp, and the search's cp axis."""
+the attention mask, the gradient group of dp * cp, and the search's cp axis."""
 
 import numpy as np
 import pytest
@@ -31,16 +31,47 @@ def test_a_gpu_computes_b_over_cp_sequences():
     """cp 2 with 2 sequences a micro-batch puts one sequence's worth of tokens (and causal attention, balanced) on
     each GPU: the same compute and saved activations per micro-batch as cp 1 with one sequence, apart from the
     gathered K/V the attention keeps (2 (cp - 1) b/cp s kv_features bytes at 16-bit), which its forward and backward
-    also stream (planner.cost.compute: STREAMED_PER_SAVED_BYTE per saved byte, the backward twice)."""
+    also stream (planner.cost.compute: STREAMED_PER_SAVED_BYTE per saved byte, the backward twice), and the one
+    (s/cp, s) attention mask all blocks share."""
     model = _model()
     split = estimate_step(model, _cand(cp=2, micro_batch=2), H100, "bf16", global_batch=2)
     whole = estimate_step(model, _cand(cp=1, micro_batch=1), H100, "bf16", global_batch=1)
     kv_features = H * KV_HEADS / HEADS
     gathered_kv = 2 * 1 * S * kv_features * 2  # K and V of the other rank's tokens, per block
+    mask = S / 2 * S * 2  # 4096 queries x 8192 keys, bf16
     streamed_s = STREAMED_PER_SAVED_BYTE * (1 + BACKWARD_OVER_FORWARD) * gathered_kv / activation_ops_Bps(H100)
     assert split.compute_s[0] - whole.compute_s[0] == pytest.approx(model.num_blocks * streamed_s)
-    assert split.memory.activations[0] - whole.memory.activations[0] == pytest.approx(model.num_blocks * gathered_kv)
+    assert (split.memory.activations[0] - whole.memory.activations[0]
+            == pytest.approx(model.num_blocks * gathered_kv + mask))
     assert split.tokens_per_s[0] == pytest.approx(2 * S / split.step_time_s[0])
+
+
+def _extra_activations(blocks=8, cp=2, b=1, tp=1, recompute=0, precision="bf16") -> float:
+    """Activation bytes per GPU that splitting each of cp * b sequences over cp GPUs adds to one GPU holding b whole
+    sequences (the same tokens per GPU)."""
+    model = _model(blocks)
+    split = memory_per_gpu(model, _cand(cp=cp, micro_batch=cp * b, tp=tp, recompute=recompute), H100, precision,
+                           np.ones(1))
+    whole = memory_per_gpu(model, _cand(cp=1, micro_batch=b, tp=tp, recompute=recompute), H100, precision, np.ones(1))
+    return split.activations[0] - whole.activations[0]
+
+
+def test_one_attention_mask_serves_every_block():
+    """The runtime makes context parallel's additive causal mask, (s/cp) queries x s keys in the compute dtype, once
+    per micro-batch (runtime/context_parallel.py: causal_bias) and every block's attention saves that one tensor: a
+    GPU holds it once, whatever the number of blocks, the micro-batch (broadcast over the sequences), tp (every tp
+    rank holds it whole) or recompute; the gathered K/V are per block, per sequence and split by tp. By hand, s 8192,
+    1024 K/V features: the mask at cp 2 in bf16 is 4096 x 8192 x 2 B = 64 MiB, at cp 4 2048 x 8192 x 2 B = 32 MiB,
+    in fp32 twice that; a block's K and V of the other ranks' tokens, a GPU holding b sequences' worth of tokens, are
+    (cp - 1) x b x 2 x 8192 x 1024 x 2 B = (cp - 1) x b x 32 MiB in bf16."""
+    mib = 2**20
+    assert _extra_activations(blocks=8) == pytest.approx((8 * 32 + 64) * mib)
+    assert _extra_activations(blocks=16) == pytest.approx((16 * 32 + 64) * mib)  # not per block
+    assert _extra_activations(b=4) == pytest.approx((8 * 4 * 32 + 64) * mib)  # not per sequence
+    assert _extra_activations(tp=2) == pytest.approx((8 * 16 + 64) * mib)  # not split by tp
+    assert _extra_activations(cp=4) == pytest.approx((8 * 3 * 32 + 32) * mib)
+    assert _extra_activations(precision="fp32") == pytest.approx((8 * 64 + 128) * mib)
+    assert _extra_activations(recompute=2) == pytest.approx(64 * mib)  # full recompute keeps no K/V, still the mask
 
 
 @pytest.mark.parametrize("recompute, gathers", [(0, 1), (1, 2), (2, 2)])

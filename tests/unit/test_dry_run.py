@@ -62,8 +62,12 @@ def test_cli_json_and_bad_input(llama, tmp_path):
     out = compiled(llama, tmp_path / "out", 8, tp=2, zero=2)
     done = runner.invoke(app, ["dryrun", str(out), "--json"])
     assert done.exit_code == 0, done.output
-    document = json.loads(done.stdout)
+    document = json.loads(done.stdout)  # the progress lines go to stderr
     assert document["fits"] is True and len(document["ranks"]) == 1
+    phases = ["reading", "rank 0 of 8", "building the model on fake tensors", "applying the plan (tp 2 x dp 4, ZeRO-2",
+              "step 1/2: forward and backward", "step 2/2", "done in"]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("zplan [")]  # with the seconds elapsed
+    assert [next((i for i, line in enumerate(lines) if phase in line), None) for phase in phases] == list(range(7))
 
     not_a_plan = runner.invoke(app, ["dryrun", str(tmp_path)])
     assert not_a_plan.exit_code == 2 and "is not a folder `zplan compile` wrote" in not_a_plan.output

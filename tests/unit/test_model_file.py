@@ -204,3 +204,29 @@ def test_hf_models_see_whole_sequences_on_meta_and_fake_tensors_and_their_own_va
     assert masking_utils.fast_all(torch.ones(1, 3, device="meta")) is True
     with FakeTensorMode():
         assert masking_utils.find_packed_sequence_indices(torch.zeros(1, 6, dtype=torch.long)) is None
+
+
+def test_hf_attention_on_fake_tensors_is_the_real_ones_for_an_attention_mask_of_ones(tmp_path, monkeypatch):
+    """Context parallel hands a Hugging Face model its tokens' global positions and an attention mask of ones
+    (runtime.context_parallel): on real tensors transformers reads the ones and calls scaled_dot_product_attention with
+    is_causal, no mask and the grouped key/value heads as they are; on fake tensors (the dry run) it must do the same,
+    not build a (b, 1, s, s) mask and repeat the heads, bytes the real run never holds."""
+    pytest.importorskip("transformers")
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(query, key, value, attn_mask=None, **kwargs):
+        calls.append((key.shape[1], attn_mask is None, kwargs.get("is_causal", False)))
+        return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    model = load_model_file(write(tmp_path, HF_LLAMA_FOR_TRAINING)).build(device="cpu")  # 2 heads, 1 key/value head
+    ids, positions = torch.zeros(1, 4, dtype=torch.long), torch.tensor([[0, 1, 6, 7]])  # cp rank 0 of 2, s = 8
+    model(ids, position_ids=positions, attention_mask=torch.ones_like(ids))
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+        model(fake.from_tensor(ids), position_ids=fake.from_tensor(positions),
+              attention_mask=fake.from_tensor(torch.ones_like(ids)))
+    assert calls == [(1, True, True)] * 2  # real, then fake: one key/value head, no mask, is_causal
