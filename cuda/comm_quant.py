@@ -10,34 +10,28 @@ int8: symmetric per block, scale = absmax / 127, q = round-half-to-even(x / scal
 0 and q 0). 1-bit: the sign only (1-bit Adam, Tang et al. 2021, sec. 3.1: the magnitude travels as one scale per
 block, and the error is fed back by the caller).
 
-CUDA tensors go to the kernels of comm_quant.cu (built just in time with torch.utils.cpp_extension on first use;
-the reference when the build fails, with a warning); CPU tensors to the references.
+CUDA tensors go to the kernels of comm_quant.cu (built just in time by zplan.cuda.jit on first use; the reference
+when the build fails, with a warning); CPU tensors to the references.
 """
 
 from __future__ import annotations
 
-import functools
-import warnings
 from pathlib import Path
 
 import torch
 
+from zplan.cuda.jit import JitExtension
+
+CUDA_SOURCE = Path(__file__).with_name("comm_quant.cu")
 _BIT_WEIGHTS = 2 ** torch.arange(8, dtype=torch.int32)  # bit i of a byte has weight 2^i
 
+_CUDA = JitExtension(CUDA_SOURCE, cuda=True, fallback="the references")
 
-@functools.cache
-def load_cuda():
-    """The CUDA extension (comm_quant.cu), or None without CUDA or when it does not build."""
-    if not torch.cuda.is_available():
-        return None
-    try:
-        from torch.utils.cpp_extension import load
 
-        return load(name="zplan_comm_quant", sources=[str(Path(__file__).with_name("comm_quant.cu"))])
-    except Exception as exc:  # noqa: BLE001 - any build failure falls back to the reference
-        warnings.warn(f"zplan.cuda.comm_quant: CUDA build failed ({exc}); using the references", RuntimeWarning,
-                      stacklevel=2)
-        return None
+def load_cuda(strict: bool = False):
+    """The CUDA extension (comm_quant.cu), built just in time on first call; None without CUDA or when it does not
+    build (after a one-line warning). strict=True raises RuntimeError instead of returning None."""
+    return _CUDA.load(strict)
 
 
 def _kernels(t: torch.Tensor):

@@ -10,12 +10,12 @@ same pass: the offload step of ZeRO-Offload (Ren et al., USENIX ATC'21, section 
 a parameter instead of the 46 of upcast + AdamW + downcast. Semantics are torch.optim.AdamW's (decoupled weight
 decay, bias correction, eps added to sqrt(v) / sqrt(1 - beta2^t)); amsgrad and maximize are not supported.
 
-The extension is built just in time with torch.utils.cpp_extension.load (ninja) on first use, under a name that
-carries a hash of the source and of the SIMD flags, so an edited source rebuilds and a cached one loads in
-~0.1 s. SIMD is picked from this machine's CPU flags: AVX-512 (avx512f + avx512bw), else AVX2 (avx2 + fma + f16c),
-else scalar; ZPLAN_CPU_ADAM_SIMD=avx512|avx2|scalar overrides it. When the build fails (no compiler, no ninja),
-`adamw_step_` warns once and runs `adamw_step_reference_`, which has the same semantics in plain torch ops;
-`backend()` says which one is in use.
+The extension is built just in time by zplan.cuda.jit (torch.utils.cpp_extension with ninja) on first use, under a
+name that carries a hash of the source and of the flags, so an edited source rebuilds and a cached one loads in
+~0.1 s. SIMD is picked from this machine's CPU flags: AVX-512 (avx512f + avx512bw + avx512vl + fma + f16c), else
+AVX2 (avx2 + fma + f16c), else scalar; ZPLAN_CPU_ADAM_SIMD=avx512|avx2|scalar overrides it. When the build fails
+(no compiler, no ninja, a bad override), `adamw_step_` warns once and runs `adamw_step_reference_`, which has the
+same semantics in plain torch ops; `backend()` says which one is in use.
 
 The C++ step runs without the GIL (cpu_adam.cpp's binding releases it for the call), so a Python thread may run
 it while another runs the model: ZeRO-Offload's delayed parameter update (runtime.offload.cpu_adam_optimizer).
@@ -23,101 +23,41 @@ it while another runs the model: ZeRO-Offload's delayed parameter update (runtim
 
 from __future__ import annotations
 
-import hashlib
-import os
-import platform
-import shutil
-import sys
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from zplan.cuda.jit import JitExtension, SimdLevel
+
 SOURCE = Path(__file__).with_name("cpu_adam.cpp")
 
-_SIMD_FLAGS = {
-    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c", "-DZPLAN_AVX512"],
-    "avx2": ["-mavx2", "-mfma", "-mf16c", "-DZPLAN_AVX2"],
-    "scalar": [],
-}
+SIMD_LEVELS = (  # best first
+    SimdLevel("avx512", needs={"avx512f", "avx512bw", "avx512vl", "fma", "f16c"},
+              cflags=("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c", "-DZPLAN_AVX512")),
+    SimdLevel("avx2", needs={"avx2", "fma", "f16c"}, cflags=("-mavx2", "-mfma", "-mf16c", "-DZPLAN_AVX2")),
+    SimdLevel("scalar"),
+)
 
-_module = None  # the loaded extension, or False once its build has failed
-_build_error: str | None = None
+_CPU = JitExtension(SOURCE, cuda=False, cflags=("-O3", "-fopenmp", "-ffp-contract=off"), ldflags=("-fopenmp",),
+                    simd=SIMD_LEVELS, simd_env="ZPLAN_CPU_ADAM_SIMD", fallback="the pure-torch reference AdamW")
 
 TensorOrList = torch.Tensor | Sequence[torch.Tensor]
 
 
-def cpu_flags() -> set[str]:
-    """The CPU feature flags of this machine (from /proc/cpuinfo; empty where that file does not exist)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
 def simd_choice() -> str:
     """The SIMD level the extension is built for: the override ZPLAN_CPU_ADAM_SIMD, else the best this CPU has."""
-    forced = os.environ.get("ZPLAN_CPU_ADAM_SIMD")
-    if forced:
-        if forced not in _SIMD_FLAGS:
-            raise ValueError(f"ZPLAN_CPU_ADAM_SIMD={forced!r}: expected one of {sorted(_SIMD_FLAGS)}")
-        return forced
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return "scalar"
-    flags = cpu_flags()
-    if {"avx512f", "avx512bw", "avx512vl", "fma", "f16c"} <= flags:
-        return "avx512"
-    if {"avx2", "fma", "f16c"} <= flags:
-        return "avx2"
-    return "scalar"
+    return _CPU.simd_level()
 
 
-def build_name(simd: str) -> str:
-    """Extension name: changes with the source and the SIMD flags, so either change rebuilds."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_SIMD_FLAGS[simd]).encode()).hexdigest()[:12]
-    return f"zplan_cpu_adam_{simd}_{digest}"
-
-
-def _put_venv_ninja_on_path() -> None:
-    """cpp_extension runs `ninja` from PATH; the ninja pip package installs it beside this Python, which
-    is not on PATH when the venv is not activated (e.g. `.venv/bin/python -m pytest`)."""
-    python_bin = os.path.dirname(sys.executable)
-    if shutil.which("ninja") is None and os.path.exists(os.path.join(python_bin, "ninja")):
-        os.environ["PATH"] = python_bin + os.pathsep + os.environ.get("PATH", "")
-
-
-def _build():
-    from torch.utils import cpp_extension
-
-    _put_venv_ninja_on_path()
-    simd = simd_choice()
-    return cpp_extension.load(
-        name=build_name(simd),
-        sources=[str(SOURCE)],
-        extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *_SIMD_FLAGS[simd]],
-        extra_ldflags=["-fopenmp"],
-        verbose=False,
-    )
+def build_name(simd: str | None = None) -> str:
+    """Extension name at SIMD level `simd` (None: simd_choice()): changes with the source and the flags."""
+    return _CPU.build_name(simd)
 
 
 def load(warn: bool = True):
     """The built extension, building it on first call; None (after a one-line warning) when the build fails."""
-    global _module, _build_error
-    if _module is None:
-        try:
-            _module = _build()
-        except Exception as exc:  # noqa: BLE001 - any build failure falls back to the reference
-            _module = False
-            _build_error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
-            if warn:
-                warnings.warn(f"zplan.cuda.cpu_adam: C++ build failed ({_build_error}); using the pure-torch "
-                              "reference AdamW", RuntimeWarning, stacklevel=2)
-    return _module or None
+    return _CPU.load(warn=warn)
 
 
 def backend() -> str:

@@ -26,15 +26,12 @@ inference: where autograd would record (grad enabled and x or bias requiring gra
 
 from __future__ import annotations
 
-import functools
-import os
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from zplan.cuda import cpu_adam
-from zplan.cuda.jit import JitExtension, needs_autograd
+from zplan.cuda.jit import JitExtension, SimdLevel, needs_autograd
 from zplan.cuda.weight_quant import QuantizedWeight, dequantize_groupwise
 
 CUDA_SOURCE = Path(__file__).with_name("weight_only_matmul.cu")
@@ -43,10 +40,12 @@ GEMV_MAX_ROWS = 8  # CUDA: rows of x up to which the fused GEMV kernel runs (its
 # CPU: rows of x up to which the fused C++ GEMV runs; above, the C++ dequantization + F.linear. The GEMV was 1.5x
 # faster than that at 128 rows, about even at 256 (benchmarks/weight_only_matmul.py, 4096 x 4096, 2 cores)
 CPU_MAX_ROWS = 128
-_CPU_SIMD_FLAGS = {"avx2": ["-mavx2", "-mfma", "-DZPLAN_AVX2"], "scalar": []}
+CPU_SIMD_LEVELS = (SimdLevel("avx2", needs={"avx2", "fma"}, cflags=("-mavx2", "-mfma", "-DZPLAN_AVX2")),
+                   SimdLevel("scalar"))
 
 _CUDA = JitExtension(CUDA_SOURCE, cuda=True, variant="cuda", cuda_cflags=("-O3",))
-_cpu_extensions: dict[str, JitExtension] = {}  # per SIMD level (cpu_simd())
+_CPU = JitExtension(CPU_SOURCE, cuda=False, cflags=("-O3", "-fopenmp"), ldflags=("-fopenmp",), simd=CPU_SIMD_LEVELS,
+                    simd_env="ZPLAN_WOM_SIMD")
 
 
 def weight_only_linear_reference(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None
@@ -90,29 +89,16 @@ def _zeros_or_empty(qw: QuantizedWeight) -> torch.Tensor:
 
 
 def cpu_simd() -> str:
-    """'avx2' where this CPU has AVX2 + FMA (x86-64), else 'scalar'; ZPLAN_WOM_SIMD=avx2|scalar overrides."""
-    forced = os.environ.get("ZPLAN_WOM_SIMD")
-    if forced:
-        if forced not in _CPU_SIMD_FLAGS:
-            raise ValueError(f"ZPLAN_WOM_SIMD={forced!r}: expected one of {sorted(_CPU_SIMD_FLAGS)}")
-        return forced
-    return _detected_simd()
-
-
-@functools.cache
-def _detected_simd() -> str:
-    """Read once: the decode loop asks for the kernel on every matmul (cpu_adam.simd_choice reads /proc/cpuinfo)."""
-    return "avx2" if cpu_adam.simd_choice() in ("avx2", "avx512") else "scalar"
+    """'avx2' where this CPU has AVX2 + FMA (x86-64), else 'scalar'; ZPLAN_WOM_SIMD=avx2|scalar overrides (another
+    value: ValueError). The CPU's flags are read once: the decode loop asks for the kernel on every matmul."""
+    return _CPU.simd_level()
 
 
 def load_cpu(warn: bool = True):
     """The C++ extension (weight_only_matmul.cpp), built just in time and cached; None (after one warning) when
-    the build fails."""
-    simd = cpu_simd()
-    if simd not in _cpu_extensions:
-        _cpu_extensions[simd] = JitExtension(CPU_SOURCE, cuda=False, variant=simd,
-                                             cflags=("-O3", "-fopenmp", *_CPU_SIMD_FLAGS[simd]), ldflags=("-fopenmp",))
-    return _cpu_extensions[simd].load(warn=warn)
+    the build fails. A ZPLAN_WOM_SIMD naming no level raises ValueError."""
+    cpu_simd()  # raises on a bad override, where the builder would fall back to the reference
+    return _CPU.load(warn=warn)
 
 
 def cpu_backend() -> str:

@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 
-from zplan.cuda import cpu_adam
+from zplan.cuda import cpu_adam, jit
 
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
 # Sizes around the SIMD width (8 AVX2, 16 AVX-512) and the 16384-element OpenMP tile.
@@ -24,7 +24,7 @@ ODD_SIZES = [0, 1, 7, 9, 15, 17, 33, 16384 + 3, 3 * 16384 + 5]
 def kernel():
     module = cpu_adam.load(warn=False)
     if module is None:
-        pytest.skip(f"C++ extension did not build here: {cpu_adam._build_error}")
+        pytest.skip(f"C++ extension did not build here: {cpu_adam._CPU.error()}")
     return module
 
 
@@ -171,21 +171,21 @@ def test_step_releases_the_gil(kernel):
     assert done and ran_during_step
 
 
-def test_build_name_follows_the_source(tmp_path, monkeypatch):
-    name = cpu_adam.build_name("avx2")
-    assert name != cpu_adam.build_name("scalar")
-    edited = tmp_path / "cpu_adam.cpp"
-    edited.write_bytes(cpu_adam.SOURCE.read_bytes() + b"// edited\n")
-    monkeypatch.setattr(cpu_adam, "SOURCE", edited)
-    assert cpu_adam.build_name("avx2") != name
+def test_build_name_follows_the_simd_level():
+    """Each SIMD level is its own build (other flags, another name); the naming itself: tests/unit/test_jit.py."""
+    names = {simd: cpu_adam.build_name(simd) for simd in ("avx512", "avx2", "scalar")}
+    assert len(set(names.values())) == 3
+    assert all(name.startswith(f"zplan_cpu_adam_{simd}_") for simd, name in names.items())
+    assert cpu_adam.build_name() == names[cpu_adam.simd_choice()]
+
+
+def failing_compile(*args, **kwargs):
+    raise RuntimeError("Error building extension 'zplan_cpu_adam'\nno compiler")
 
 
 def test_build_failure_falls_back_to_reference(monkeypatch):
-    def failing_build():
-        raise RuntimeError("Error building extension 'zplan_cpu_adam'\nno compiler")
-
-    monkeypatch.setattr(cpu_adam, "_module", None)
-    monkeypatch.setattr(cpu_adam, "_build", failing_build)
+    monkeypatch.setattr(jit, "_LOADED", {})  # this process has tried no build
+    monkeypatch.setattr(jit, "_compile", failing_compile)
     n = 37
     p, m, v = state(n, 9)
     p_ref, m_ref, v_ref = p.clone(), m.clone(), v.clone()
@@ -202,3 +202,17 @@ def test_build_failure_falls_back_to_reference(monkeypatch):
         cpu_adam.adamw_step_reference_(p_ref, g, m_ref, v_ref, **HYPER, weight_decay=0.1, step=step,
                                        param_copy_out=out_ref)
     assert torch.equal(p, p_ref) and torch.equal(m, m_ref) and torch.equal(v, v_ref) and torch.equal(out, out_ref)
+
+
+def test_a_bad_simd_override_falls_back_to_reference_with_one_warning(monkeypatch):
+    monkeypatch.setattr(jit, "_LOADED", {})
+    monkeypatch.setattr(jit, "_compile", failing_compile)  # never reached: the override is refused first
+    monkeypatch.setenv("ZPLAN_CPU_ADAM_SIMD", "avx9000")
+    with pytest.raises(ValueError, match="ZPLAN_CPU_ADAM_SIMD"):
+        cpu_adam.simd_choice()
+    p, m, v = state(5, 3)
+    with pytest.warns(RuntimeWarning, match="build failed.*ZPLAN_CPU_ADAM_SIMD.*reference AdamW"):
+        assert cpu_adam.adamw_step_(p, torch.zeros(5), m, v, **HYPER, step=1) == "reference"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cpu_adam.backend() == "reference"

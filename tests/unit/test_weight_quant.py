@@ -302,6 +302,6 @@ def test_qat_training_reduces_the_loss_and_converts_exactly():
 def test_cpu_path_never_builds_the_cuda_kernels():
     from zplan.cuda import weight_quant
 
-    assert weight_quant.load_cuda() is None and weight_quant._CUDA._module is None
+    assert weight_quant.load_cuda() is None and not weight_quant._CUDA.tried()
     with pytest.raises(RuntimeError, match="CUDA is not available"):
         weight_quant.quantize_groupwise_cuda(torch.ones(2, 8), 8, 4)
