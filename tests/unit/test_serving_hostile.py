@@ -10,21 +10,17 @@ Batches are made deterministic with a gate in front of the engine: a blocker req
 batch under test queues up, so the worker takes it whole.
 """
 
-import http.client
 import json
-import socket
 import threading
-import time
 
 import pytest
 import torch
-import uvicorn
 
+from tests.unit.test_server_limits import Server as LimitsServer
+from tests.unit.test_server_limits import wait_until
 from zplan.examples import gpt
 from zplan.planner.trace import trace_module
 from zplan.runtime.inference.engine import InferenceEngine
-from zplan.runtime.inference.server import BatchWorker, ServerLimits, create_app, server_config
-from zplan.runtime.inference.tokenizer import ByteTokenizer
 
 SIZES = dict(num_layers=1, hidden=32, heads=2, vocab_size=300, max_seq_len=64)
 MAX_SEQ_LEN = 64
@@ -35,13 +31,6 @@ ORDINARY = [  # three ordinary requests: greedy, seeded sampling, greedy streame
     {"prompt": "Hello", "max_new_tokens": 6, "stream": True},
 ]
 HOSTILE_PROMPT = "hi"  # the shortest prompt: the batch's padding is the same with or without it
-
-
-def wait_until(condition, timeout_s: float = 20.0):
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
 
 
 class GatedEngine:
@@ -61,28 +50,12 @@ class GatedEngine:
         return self.engine.stream(prompts, max_new_tokens, sampling)
 
 
-class Server:
-    def __init__(self, engine):
-        tokenizer = ByteTokenizer(SIZES["vocab_size"])
-        self.engine = GatedEngine(engine)
-        self.limits = ServerLimits.for_engine(MAX_SEQ_LEN, MAX_BATCH, 8)
-        self.worker = BatchWorker(self.engine, tokenizer.eos_id, self.limits)
-        self.worker.start()
-        self.socket = socket.socket()
-        self.socket.bind(("127.0.0.1", 0))
-        self.port = self.socket.getsockname()[1]
-        self.server = uvicorn.Server(server_config(create_app(self.worker, tokenizer, self.limits), self.limits))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
-        self.thread.start()
-        wait_until(lambda: self.server.started)
+class Server(LimitsServer):
+    """test_server_limits's server on the engine behind a gate, with the batch of requests it runs."""
 
-    def post(self, body: bytes) -> tuple[int, bytes]:
-        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
-        connection.request("POST", "/v1/generate", body=body, headers={"Content-Type": "application/json"})
-        response = connection.getresponse()
-        status, data = response.status, response.read()
-        connection.close()
-        return status, data
+    def __init__(self, engine):
+        self.engine = GatedEngine(engine)
+        super().__init__(self.engine)
 
     def generate(self, fields: dict) -> tuple[int, dict]:
         """(status, answer): a streamed answer as its last line, with the tokens of the lines before it."""
@@ -117,9 +90,7 @@ class Server:
 
     def close(self):
         self.engine.gate.set()
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.worker.close()
+        super().close()
 
 
 @pytest.fixture(scope="module")
