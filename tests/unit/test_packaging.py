@@ -58,6 +58,15 @@ def locked_versions() -> dict[str, str]:
     return lock
 
 
+def _installed_version(name: str) -> str | None:
+    """The version of the distribution `name` that imports find: the first on sys.path (setuptools, once imported,
+    appends its _vendor folder, which holds copies of packaging and others at other versions)."""
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
@@ -67,9 +76,9 @@ def test_the_environment_holds_exactly_the_locked_versions():
     """The Makefile installs through constraints.txt: every locked package is installed at its locked version
     (torch's local label, +cpu, aside), and the project's dependencies are all locked."""
     lock = locked_versions()
-    installed = {canonical(d.metadata["Name"]): d.version for d in metadata.distributions()}
-    differ = {name: (version, installed.get(name)) for name, version in lock.items()
-              if installed.get(name, "").split("+")[0] != version}
+    installed = {name: _installed_version(name) for name in lock}  # the copy imports find (first on sys.path)
+    differ = {name: (version, installed[name]) for name, version in lock.items()
+              if (installed[name] or "").split("+")[0] != version}
     assert not differ, f"locked vs installed: {differ}; `make` reinstalls from the lock, `make lock` rewrites it"
     requirements = [canonical(re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0]) for r in metadata.requires("zplan")]
     assert set(requirements) <= set(lock), set(requirements) - set(lock)
