@@ -84,14 +84,18 @@ _PP_WORDS = {"one": "pp = 1", "many": "pp > 1"}
 
 
 def parse_compress(text: str) -> CompressionConfig:
-    """'grad=int8,weights=int8,act=int8' (any subset; 'none' allowed) -> CompressionConfig; SpecError naming
-    what is allowed for bad syntax, unknown keys, repeated keys and unsupported values (int4 activations...)."""
+    """'grad=int8,weights=int8,act=int8' (any subset; 'none' allowed, alone or as a value: the text
+    CompressionConfig.as_option gives) -> CompressionConfig; SpecError naming what is allowed for bad syntax, unknown
+    keys, repeated keys and unsupported values (int4 activations...)."""
     allowed = ", ".join(f"{key}={'|'.join(values)}" for key, (_, values) in COMPRESS_KEYS.items())
+    if text.strip().lower() == "none":
+        return CompressionConfig()
     chosen: dict[str, str] = {}
     for part in text.split(","):
         key, sep, value = (piece.strip().lower() for piece in part.partition("="))
         if not sep or not key or not value:
-            raise SpecError(f"--compress takes key=value pairs separated by commas ({allowed}), got {text!r}.")
+            raise SpecError(f"--compress takes key=value pairs separated by commas ({allowed}), or none; got "
+                            f"{text!r}.")
         if key not in COMPRESS_KEYS:
             raise SpecError(f"--compress has no key {key!r}: the keys are grad, weights and act ({allowed}).")
         field, values = COMPRESS_KEYS[key]

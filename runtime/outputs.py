@@ -13,6 +13,7 @@ or a kill mid-write leaves the previous file as it was and no partial file behin
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from zplan.errors import OutputError
 from zplan.runtime.distributed import RunContext
-from zplan.safe_files import disk_is_full, full_disk_message
+from zplan.safe_files import KINDS, disk_is_full, full_disk_message
 
 
 def _problem(path: Path, kind: str) -> str | None:
@@ -30,6 +31,8 @@ def _problem(path: Path, kind: str) -> str | None:
     folder = path if kind == "folder" else path.parent
     if kind != "folder" and path.is_dir():
         return f"{path} is a folder"
+    if kind != "folder" and path.exists() and not path.is_file():  # a FIFO would block the write until read
+        return f"{path} is a {KINDS.get(stat.S_IFMT(path.stat().st_mode), 'special file')}, not a regular file"
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".zplan-write-check-"):

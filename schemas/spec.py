@@ -60,6 +60,11 @@ class CompressionConfig(BaseModel):
         return ",".join(parts) or "none"
 
 
+# Sequences per optimizer step at most (zplan.api checks --global-batch against it): far beyond any run (GPT-3 trained
+# on 1536 sequences per step), and small enough that every search over it ends in seconds.
+MAX_GLOBAL_BATCH = 1 << 24
+
+
 class Pins(BaseModel):
     """Choices the user fixed; None leaves the choice to the search."""
 
@@ -73,7 +78,8 @@ class Pins(BaseModel):
     zero: Optional[Literal[0, 1, 2, 3]] = Field(default=None, description="ZeRO stage.")
     offload: Optional[Tier] = Field(default=None, description="Where the optimizer states live: none = GPU, cpu, "
                                     "nvme (ZeRO >= 1); parameters and gradients follow where they do not fit.")
-    micro_batch: Optional[int] = Field(default=None, gt=0, description="Sequences per micro-batch.")
+    micro_batch: Optional[int] = Field(default=None, gt=0, le=MAX_GLOBAL_BATCH, description="Sequences per "
+                                       "micro-batch (at most 2^24, the largest global batch).")
     recompute: Optional[Recompute] = Field(default=None, description="Activation recompute mode.")
     sequence_parallel: Optional[bool] = Field(default=None, description="Megatron sequence parallelism.")
     interleave: Optional[int] = Field(default=None, gt=0, description="Model chunks per pipeline stage.")

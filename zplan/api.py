@@ -27,7 +27,7 @@ from zplan.schemas.cluster import ClusterSpec
 from zplan.schemas.inference import InferencePlan
 from zplan.schemas.model import ModelSummary
 from zplan.schemas.plan import Fingerprint, MemoryBreakdown, Placement, Plan, Prediction, Stage, TimeBreakdown
-from zplan.schemas.spec import CompressionConfig, Pins, TrainSpec, compute_dtype
+from zplan.schemas.spec import MAX_GLOBAL_BATCH, CompressionConfig, Pins, TrainSpec, compute_dtype
 
 
 @dataclass(frozen=True)
@@ -88,8 +88,7 @@ def default_global_batch(gpus: int) -> int:
 # Bounds of the request's sizes: far beyond any run (GPT-3 trained on 1536 sequences of 2048 tokens per step), and
 # small enough that every search over them ends in seconds.
 MAX_GPUS = 1 << 20
-MAX_GLOBAL_BATCH = 1 << 24
-MAX_SEQ_LEN = 1 << 24
+MAX_SEQ_LEN = 1 << 24  # and MAX_GLOBAL_BATCH (zplan.schemas.spec: a pinned micro-batch is bounded by it too)
 
 
 def check_train_sizes(global_batch: int | None, seq_len: int | None) -> None:

@@ -209,8 +209,8 @@ def compile(
     gen_len: Optional[int] = typer.Option(
         None, "--gen-len", help="Inference: generated tokens per sequence (default 128, at most a quarter of the "
                                 "model's sequence length)."),
-    out_dir: Optional[Path] = typer.Option(None, "-o", "--out", metavar="DIR",
-                                           help="Output folder (default: out/<model>)."),
+    out_dir: Optional[str] = typer.Option(None, "-o", "--out", metavar="DIR",  # a str: Path('') is Path('.')
+                                          help="Output folder (default: out/<model>)."),
     force: bool = FORCE,
     verify: bool = typer.Option(False, "--verify", help="Training: dry-run the plan's program on fake tensors at "
                                                          "its world size (`zplan dryrun`) before writing it, and "
@@ -235,8 +235,10 @@ def compile(
     from zplan.cli_render import default_out_dir
     from zplan.out_dir import check_out_dir
 
-    folder = out_dir or default_out_dir(model)
+    folder = Path(out_dir) if out_dir else default_out_dir(model)
     try:
+        if out_dir == "":
+            raise SpecError("-o '': give a folder, not an empty string (-o . writes into the current folder).")
         _check_mode_options(mode, given)
         check_out_dir(folder)  # before tracing and searching
     except ZplanError as exc:
@@ -405,7 +407,7 @@ def clusters(as_json: bool = JSON) -> None:
 def probe(
     output: Path = typer.Option(Path("cluster-local.yaml"), "-o", "--out", help="Where to write the profile."),
     seconds: float = typer.Option(10.0, "--seconds", help="Measurement budget."),
-    nvme_path: Optional[Path] = typer.Option(
+    nvme_path: Optional[str] = typer.Option(  # a str: Path('') is Path('.')
         None, "--nvme-path", help="Folder offloaded states would be swapped to (default: the temporary folder)."),
 ) -> None:
     """Measure this machine into a cluster profile file.
@@ -420,14 +422,17 @@ def probe(
     # the inputs and the output file are checked before anything is measured
     if not 0 < seconds <= MAX_PROBE_SECONDS:
         _fail(ClusterError(f"--seconds must be more than 0 and at most {MAX_PROBE_SECONDS:g} (got {seconds:g})"))
-    if nvme_path is not None and not nvme_path.is_dir():
+    if nvme_path == "":
+        _fail(ClusterError("--nvme-path '': give a folder, not an empty string (--nvme-path . measures the current "
+                           "folder's disk)"))
+    if nvme_path is not None and not Path(nvme_path).is_dir():
         _fail(ClusterError(f"--nvme-path {nvme_path} is not a folder: create it on the disk to measure"))
     try:
         check_out_file(output, "-o")
     except ZplanError as exc:
         _fail(exc)
     with err.status("measuring this machine", spinner="dots"):
-        spec = probe_this_machine(seconds, None if nvme_path is None else str(nvme_path))
+        spec = probe_this_machine(seconds, nvme_path)
     try:
         write_text_atomically(output, yaml.safe_dump(spec.model_dump(), sort_keys=False))
     except ZplanError as exc:

@@ -46,6 +46,7 @@ from zplan.schemas.inference import (
     InferenceTime,
 )
 from zplan.schemas.model import ModelSummary
+from zplan.schemas.spec import MAX_GLOBAL_BATCH
 
 DEFAULT_PROMPT_LEN = 512
 DEFAULT_GEN_LEN = 128
@@ -123,8 +124,8 @@ def prepare(model_ref: str, gpus: int, cluster: str, target: str = "latency", ba
         raise SpecError(f"--target must be latency or throughput (got {target!r}).")
     if precision is not None and precision not in WEIGHT_PRECISIONS:
         raise SpecError(f"--precision must be one of {', '.join(WEIGHT_PRECISIONS)} (got {precision!r}).")
-    if batch is not None and batch < 1:
-        raise SpecError(f"--batch must be at least 1 (got {batch}).")
+    if batch is not None and not 1 <= batch <= MAX_GLOBAL_BATCH:
+        raise SpecError(f"--batch must be at least 1 and at most {MAX_GLOBAL_BATCH:,} (got {batch:,}).")
     spec = load_cluster(cluster)
     check_gpus(gpus, spec)
     dtype = compute_dtype_for(precision, spec)

@@ -18,12 +18,27 @@ from zplan.errors import ZplanError
 err = Console(stderr=True)
 
 
+# Calibration batches at most: each is held in memory until the heads are scored (the default is 8).
+MAX_CALIBRATION_BATCHES = 10_000
+
+
 def parse_layers(text: str) -> list[int]:
-    """'0,2,5' -> [0, 2, 5]; anything else is a ZplanError."""
-    try:
-        return [int(part) for part in text.split(",")]
-    except ValueError:
-        raise ZplanError(f"--keep-layers takes layer indices separated by commas, e.g. 0,2 (got {text!r}).") from None
+    """'0,2,5' -> [0, 2, 5]; anything else is a ZplanError (int() alone would read '1_0' as 10 and other scripts'
+    digits as these)."""
+    parts = [part.strip() for part in text.split(",")]
+    if not all(part.isascii() and part.isdigit() for part in parts):
+        raise ZplanError(f"--keep-layers takes layer indices (0, 1, ...) separated by commas, e.g. 0,2 (got {text!r}).")
+    return [int(part) for part in parts]
+
+
+def check_options(calibration_batches: int, blocks: str | None) -> None:
+    """ZplanError for --calibration-batches out of its range or an empty --blocks (read as not given)."""
+    if not 1 <= calibration_batches <= MAX_CALIBRATION_BATCHES:
+        raise ZplanError(f"--calibration-batches must be 1 to {MAX_CALIBRATION_BATCHES:,} "
+                         f"(got {calibration_batches:,}).")
+    if blocks is not None and not blocks.strip():
+        raise ZplanError(f"--blocks {blocks!r}: give the module path of the block container (e.g. blocks), or leave "
+                         "it out for the one the planner finds.")
 
 
 def reduce_command(
@@ -47,6 +62,7 @@ def reduce_command(
     from zplan.runtime.compression.model_reduction import write_reduced_model_file
 
     try:
+        check_options(calibration_batches, blocks)
         check_out_file(out, "-o")  # before the teacher is loaded and scored
         keep = parse_layers(keep_layers) if keep_layers is not None else None
         prune = {"heads_per_layer": prune_heads} if prune_heads is not None else None

@@ -121,19 +121,31 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def _load_failure(error: Exception) -> str:
+    """torch.load's reason in one line: its weights-only refusal is a page that ends in advice to load the file
+    unsafely (weights_only=False runs the code a file holds), of which the unpickler's own line is the reason."""
+    text = str(error)
+    marker = "WeightsUnpickler error:"
+    if marker in text:
+        reason = text.split(marker, 1)[1].strip().split("\n", 1)[0].split(". ", 1)[0]  # not its advice
+        return f"the weights-only unpickler refused it ({reason or 'no reason given'})"
+    return f"{type(error).__name__}: {text.strip().splitlines()[0]}" if text.strip() else type(error).__name__
+
+
 def read_weights_file(path: str | Path) -> dict[str, torch.Tensor]:
     """A state dict from a .safetensors file (zplan export) or a torch.save'd dict of tensors (train.py
     --save-weights), on the CPU."""
     path = Path(path)
     if not path.is_file():
-        raise ModelLoadError(f"weights file {path} does not exist: pass the .safetensors file `zplan export` "
+        what = "is not a regular file" if path.exists() else "does not exist"  # a folder, a FIFO
+        raise ModelLoadError(f"weights file {path} {what}: pass the .safetensors file `zplan export` "
                              "wrote or the file train.py --save-weights wrote.")
     if path.suffix == ".safetensors":
         return _read_safetensors(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise ModelLoadError(f"{path} cannot be read as a torch.save state dict: {exc}") from exc
+        raise ModelLoadError(f"{path} cannot be read as a torch.save state dict: {_load_failure(exc)}") from exc
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ModelLoadError(f"{path} is not a state dict (a dict of tensors, as train.py --save-weights writes).")
     return state

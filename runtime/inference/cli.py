@@ -10,13 +10,13 @@ can fix (a plan that does not match, a bad prompt file, a prompt too long for th
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
 from pathlib import Path
 
 from zplan.errors import SpecError, ZplanError
+from zplan.runtime.arguments import MAX_SEED
 from zplan.runtime.inference.build import (
     EngineSettings,
     check_inference_plan,
@@ -31,7 +31,8 @@ def _common_arguments(parser: argparse.ArgumentParser, default_max_new_tokens: i
                         help="model weights: the .safetensors of `zplan export`, or train.py --save-weights' file "
                              "(default: the seeded random initialisation: the text is noise)")
     parser.add_argument("--seed", type=int, default=0,
-                        help="seed of the random initialisation without --weights, and of sampling (default 0)")
+                        help="seed of the random initialisation without --weights, and of sampling, 0 to 2^32 - 1 "
+                             "(default 0)")
     parser.add_argument("--max-new-tokens", type=int, default=default_max_new_tokens,
                         help=f"tokens to generate per prompt (default {default_max_new_tokens}, the plan's gen_len)")
     parser.add_argument("--nvme-path", metavar="DIR", help="folder on a local NVMe drive for the streamed weights' "
@@ -47,6 +48,17 @@ def _model_file(args: argparse.Namespace, default: Path | None) -> Path | None:
 def _error(message: str) -> int:
     """`zplan: error: message` once (through zplan's launcher under tensor parallel: runtime/launch.py); status 2."""
     return report_error(message)
+
+
+def _check_common_arguments(args: argparse.Namespace) -> None:
+    """SpecError for a seed torch's generator cannot tell from another (runtime.arguments.MAX_SEED) or an empty path
+    (taken as not given, or as the current folder)."""
+    if not 0 <= args.seed <= MAX_SEED:
+        raise SpecError(f"--seed {args.seed}: must be 0 to {MAX_SEED:,} (torch's generator keeps a seed's low 32 "
+                        "bits: a larger or negative seed would draw another seed's numbers)")
+    for option in ("--weights", "--model", "--nvme-path", "--prompts"):
+        if getattr(args, option[2:].replace("-", "_"), None) == "":
+            raise SpecError(f"{option} '': give a path, not an empty string")
 
 
 # ---- generate.py ---------------------------------------------------------------------------------------------
@@ -90,11 +102,24 @@ def _generate_parser(default_max_new_tokens: int) -> argparse.ArgumentParser:
     parser = ArgumentParser(description="Generate a completion for each prompt (one per line), in batches.")
     parser.add_argument("--prompts", metavar="FILE", help="prompts, one per line (default: standard input)")
     _common_arguments(parser, default_max_new_tokens)
-    parser.add_argument("--temperature", type=float, default=0.0, help="softmax temperature; 0 is greedy (default)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="softmax temperature, 0 to 10; 0 is greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, 0 < p <= 1 (default 1)")
     parser.add_argument("--batch", type=int, help="prompts per engine batch (default and most: the plan's max batch)")
     parser.add_argument("--tokens", action="store_true", help="print the generated token ids instead of the text")
     return parser
+
+
+MAX_TEMPERATURE = 10.0  # as for the server's requests (runtime.inference.server.ServerLimits.max_temperature)
+
+
+def check_generate_arguments(args: argparse.Namespace) -> None:
+    """SpecError naming the first of generate.py's options outside its range (before any work)."""
+    _check_common_arguments(args)
+    if not 0.0 <= args.temperature <= MAX_TEMPERATURE:  # NaN is never in range
+        raise SpecError(f"--temperature {args.temperature}: must be 0 (greedy) to {MAX_TEMPERATURE:g}")
+    if not 0.0 < args.top_p <= 1.0:
+        raise SpecError(f"--top-p {args.top_p}: must be 0 < top-p <= 1")
 
 
 def _share_prompts(prompt_ids: list[list[int]] | None, world_size: int) -> list[list[int]]:
@@ -117,9 +142,6 @@ def run_generate(args: argparse.Namespace, plan_path: Path, model_path: Path | N
     if args.batch is not None and not 1 <= args.batch <= settings.max_batch:
         raise SpecError(f"--batch {args.batch}: the engine runs 1 to {settings.max_batch} (the plan's max batch) "
                         "sequences at a time")
-    if not 0.0 < args.top_p <= 1.0 or not 0.0 <= args.temperature < math.inf:  # NaN is never in range
-        raise SpecError(f"--temperature {args.temperature} --top-p {args.top_p}: temperature must be a finite "
-                        "number >= 0 and 0 < top-p <= 1")
     # the plan against the model file and launch, before reading any input (engine_from_plan checks again)
     check_inference_plan(plan, model_path, int(os.environ.get("WORLD_SIZE", "1")), settings.tp)
     prompt_ids = None
@@ -161,6 +183,7 @@ def generate_main(plan_path: Path, model_path: Path | None, settings: EngineSett
 
     args = _generate_parser(default_max_new_tokens).parse_args(argv)
     try:
+        check_generate_arguments(args)  # before the process group and the engine
         run_distributed(lambda ctx: run_generate(args, plan_path, _model_file(args, model_path), settings))
     except ZplanError as error:
         return _error(str(error))
@@ -197,6 +220,10 @@ SERVE_BOUNDS = (("--port", "port", 1, 65535), ("--queue-size", "queue_size", 1, 
 
 def check_serve_arguments(args: argparse.Namespace) -> None:
     """SpecError naming the first server option outside its range (before the engine is built)."""
+    _check_common_arguments(args)
+    if not args.host.strip():  # the empty host would listen on every interface of the machine
+        raise SpecError(f"--host {args.host!r}: give an address to listen on (127.0.0.1, the default: this machine "
+                        "only; 0.0.0.0: all interfaces)")
     for option, name, low, high in SERVE_BOUNDS:
         value = getattr(args, name)
         if value is not None and not low <= value <= high:  # NaN is never in range

@@ -35,6 +35,7 @@ API (JSON):
 """
 
 import asyncio
+import errno
 import json
 import math
 import queue
@@ -535,6 +536,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as error:
         sock.close()
+        if isinstance(error, socket.gaierror) or error.errno == errno.EADDRNOTAVAIL:  # the host, not the port
+            raise ServeError(f"cannot listen on --host {host}: {error.strerror}; pass an address of this machine "
+                             "(127.0.0.1: this machine only; 0.0.0.0: all interfaces)") from error
         raise ServeError(f"cannot listen on {host}:{port}: {error.strerror}; pass another --port (or PORT=...) "
                          "or stop the process that holds it") from error
     sock.set_inheritable(True)

@@ -62,7 +62,7 @@ def test_train_py_refuses_a_locked_checkpoint_folder_another_models_plan_and_no_
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [".zplan-run.lock"]  # nothing trained
 
     assert_one_error(run([sys.executable, str(out / "train.py"), "--steps", "0"], tmp_path),
-                     "--steps must be at least 1 (got 0)")
+                     "argument --steps: must be a whole number from 1 to 1,000,000,000 (got '0')")
 
     other_model = tmp_path / "other.py"
     other_model.write_text(TINY.read_text() + "\n# another model\n")
