@@ -25,8 +25,8 @@ from collections.abc import Callable
 # Optimizer steps at most: far beyond any run (GPT-3 175B trained for about 94,000 steps), and what --keep,
 # --checkpoint-every and --warmup-steps count up to as well.
 MAX_STEPS = 10**9
-# The largest seed that is its own: torch's CPU generator (a Mersenne Twister, which makes the weights, the synthetic
-# data and the sampling generators) keeps the low 32 bits of a seed, so 2^32 + s and -1 draw what s and 2^32 - 1 draw.
+# The largest seed that is its own: torch's CPU generator (a Mersenne Twister, which makes the weights and the sampling
+# generators) keeps the low 32 bits of a seed, so 2^32 + s and -1 draw what s and 2^32 - 1 draw.
 MAX_SEED = 2**32 - 1
 # The peak learning rate at most: AdamW moves each weight by about the learning rate per step, so beyond 1 (weights
 # initialised at about 0.02) a step undoes the model; NaN or infinite turns every weight into NaN at once.

@@ -17,16 +17,11 @@ import torch
 # drawn from 1..MAX_STRIDE: the next token follows from the previous two, so a small model's loss
 # falls from ln(vocab) quickly, unlike uniform noise, where nothing can be learnt.
 MAX_STRIDE = 3
-# Seed s's batches start SEED_STRIDE * s (mod 2^32) steps into the stream of generator seeds: an odd number near
-# 2^32 / golden ratio, which keeps the streams of different seeds far apart (seeds 0 and 1: 1.6e9 steps).
-SEED_STRIDE = 2654435761
 
 
 def synthetic_token_batch(vocab: int, seq_len: int, batch_size: int, seed: int, step: int) -> torch.Tensor:
     """Step `step`'s global batch of token ids, shape (batch_size, seq_len), int64, on the CPU."""
-    # torch's CPU generator keeps a seed's low 32 bits, so the seed is mixed into them ((seed << 32) + step would give
-    # every seed the batches of seed 0)
-    generator = torch.Generator().manual_seed((step + seed * SEED_STRIDE) % 2**32)
+    generator = torch.Generator().manual_seed((seed << 32) + step)
     start = torch.randint(0, vocab, (batch_size, 1), generator=generator)  # (B, 1)
     stride = torch.randint(1, MAX_STRIDE + 1, (batch_size, 1), generator=generator)  # (B, 1)
     return (start + stride * torch.arange(seq_len)) % vocab  # (B, T)

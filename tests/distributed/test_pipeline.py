@@ -31,7 +31,6 @@ from torch import nn
 
 REPO = Path(__file__).resolve().parents[2]
 SEED, STEPS, LR, WEIGHT_DECAY, GRAD_CLIP = 5, 3, 1e-3, 0.1, 0.5
-DATA_SEED = 0  # the synthetic batches' seed: on these, STEPS steps at LR lower the loss (the "it trains" checks)
 VOCAB, SEQ_LEN, HIDDEN, HEADS, LAYERS = 64, 16, 32, 4, 4
 MICRO_BATCH, NUM_MICRO_BATCHES = 2, 4
 TOLERANCE = 1e-5
@@ -84,7 +83,7 @@ def adamw(params) -> torch.optim.Optimizer:
 def global_batch(dp: int, step: int) -> torch.Tensor:
     from zplan.runtime.data import synthetic_token_batch
 
-    return synthetic_token_batch(VOCAB, SEQ_LEN, dp * MICRO_BATCH * NUM_MICRO_BATCHES, DATA_SEED, step)  # (B, T)
+    return synthetic_token_batch(VOCAB, SEQ_LEN, dp * MICRO_BATCH * NUM_MICRO_BATCHES, SEED, step)  # (B, T)
 
 
 # ---- the worker: one process of a torchrun-like launch ---------------------------------------------
