@@ -63,7 +63,7 @@ def test_a_marked_module_computes_the_same_outputs_and_names_its_layout():
 
 def test_a_checkpoint_of_another_stored_order_is_refused_naming_the_tensor(tmp_path):
     from zplan.errors import CheckpointError
-    from zplan.runtime.checkpoint import _check_fused_layouts
+    from zplan.runtime.checkpoint_state import _check_fused_layouts
     from zplan.runtime.fused_layout import layouts_as_json
 
     ours = layouts_as_json({"h.0.qkv.weight": (QKV, 0)})
