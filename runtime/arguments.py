@@ -22,6 +22,8 @@ import argparse
 import math
 from collections.abc import Callable
 
+from zplan.runtime.checkpoint_folders import LATEST, LATEST_VALID
+
 # Optimizer steps at most: far beyond any run (GPT-3 175B trained for about 94,000 steps), and what --keep,
 # --checkpoint-every and --warmup-steps count up to as well.
 MAX_STEPS = 10**9
@@ -31,7 +33,6 @@ MAX_SEED = 2**32 - 1
 # The peak learning rate at most: AdamW moves each weight by about the learning rate per step, so beyond 1 (weights
 # initialised at about 0.02) a step undoes the model; NaN or infinite turns every weight into NaN at once.
 MAX_LR = 1.0
-LATEST, LATEST_VALID = "latest", "latest-valid"  # --resume's words (runtime.checkpoint's)
 
 
 def integer(low: int, high: int) -> Callable[[str], int]:

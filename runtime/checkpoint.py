@@ -51,6 +51,7 @@ from zplan.errors import CheckpointError
 from zplan.runtime.checkpoint_folders import (
     _TMP_DIR,
     COMPLETE_MARKER,
+    LATEST,
     LATEST_VALID,
     complete_checkpoints,
     step_dir_name,
@@ -103,7 +104,7 @@ class CheckpointConfig:
             raise CheckpointError(f"--checkpoint-every must be >= 0, got {self.every}")
         if self.keep < 1:
             raise CheckpointError(f"--keep must be >= 1 (checkpoints kept), got {self.keep}")
-        if self.resume in ("latest", LATEST_VALID) and self.directory is None:
+        if self.resume in (LATEST, LATEST_VALID) and self.directory is None:
             raise CheckpointError(f"--resume {'' if self.resume == 'latest' else LATEST_VALID + ' '}without a path "
                                   "needs --checkpoint-dir: give either")
 

@@ -10,7 +10,7 @@ from zplan.errors import CheckpointError
 from zplan.runtime.checkpoint_manifest import verify
 
 COMPLETE_MARKER = "COMPLETE"
-LATEST_VALID = "latest-valid"
+LATEST, LATEST_VALID = "latest", "latest-valid"  # --resume's words: the newest, the newest verified
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _TMP_DIR = re.compile(r"^\.step-(\d+)\.tmp$")
 

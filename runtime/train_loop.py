@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from zplan.errors import ZplanError
 from zplan.runtime.apply import keeps_parameters_gathered
 from zplan.runtime.checkpoint import (
+    LATEST,
     LATEST_VALID,
     CheckpointConfig,
     latest_checkpoint,
@@ -267,8 +268,8 @@ def _checkpoint_to_resume(checkpoint: CheckpointConfig | None, ctx: RunContext) 
         return None
     choice: list[str | None] = [None]
     if ctx.is_main:
-        if checkpoint.resume in ("latest", LATEST_VALID):
-            if checkpoint.resume == "latest":
+        if checkpoint.resume in (LATEST, LATEST_VALID):
+            if checkpoint.resume == LATEST:
                 newest, skipped = latest_checkpoint(checkpoint.directory), []
             else:  # every file of each candidate checked against its manifest, newest first
                 newest, skipped = latest_valid_checkpoint(checkpoint.directory)
