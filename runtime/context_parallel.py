@@ -25,10 +25,9 @@ attention. scaled_dot_product_attention saves its mask for the backward, and giv
 an additive one first (every backend: aten's convert_boolean_attn_mask), so a boolean mask per call would leave each
 layer holding its own (s/cp, s) copy until its backward: 64 MiB a layer at s = 8192, cp 2, bf16, 2 GiB over
 Llama-3-8B's 32 (measured by the dry run). What the model passes as its own mask must be causal: None,
-is_causal=True, or a mask
-equal to the local causal mask (or to the block-causal mask Hugging Face builds when it reads the jump in
-position_ids as two packed sequences); anything else (padding, sliding window) is refused. GQA passes through
-(enable_gqa, or heads repeated by the model before the call).
+is_causal=True, or a mask equal to the local causal mask (or to the block-causal mask Hugging Face builds when it
+reads the jump in position_ids as two packed sequences); anything else (padding, sliding window) is refused. GQA
+passes through (enable_gqa, or heads repeated by the model before the call).
 
 Every cp rank must hand the gather tensors of one shape. A Hugging Face model (transformers 5) given position_ids
 and no attention_mask reads the jump between a rank's two chunks as two packed sequences, builds a block-causal mask

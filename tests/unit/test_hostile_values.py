@@ -239,22 +239,6 @@ GENERATE_REFUSED = [
 ]
 
 
-@pytest.mark.parametrize("args,needle", GENERATE_REFUSED, ids=[" ".join(map(repr, a)) for a, _ in GENERATE_REFUSED])
-def test_generate_py_refuses_the_value_before_any_work(tmp_path, monkeypatch, capsys, args, needle):
-    from zplan.runtime.inference.build import EngineSettings
-    from zplan.runtime.inference.cli import generate_main
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("ZPLAN_LAUNCHER", raising=False)
-    monkeypatch.setattr("zplan.runtime.distributed.run_distributed", lambda *a, **k: pytest.fail("ran"))
-    # the plan is never read: the arguments are checked first
-    status = generate_main(Path("no-such-plan.json"), None, EngineSettings(**SETTINGS), 8, args)
-    err = capsys.readouterr().err
-    assert status == 2 and err.startswith("zplan: error: "), err
-    one_clean_message(err, needle)
-    assert listing(tmp_path) == []
-
-
 SERVE_REFUSED = [
     (["--host", ""], "--host '': give an address to listen on"),  # listened on every interface
     (["--host", "  "], "--host '  ': give an address to listen on"),
@@ -263,15 +247,21 @@ SERVE_REFUSED = [
 ]
 
 
-@pytest.mark.parametrize("args,needle", SERVE_REFUSED, ids=[" ".join(map(repr, a)) for a, _ in SERVE_REFUSED])
-def test_serve_py_refuses_the_value_before_any_work(tmp_path, monkeypatch, capsys, args, needle):
+PROGRAM_REFUSED = [("generate_main", *case) for case in GENERATE_REFUSED] + \
+    [("serve_main", *case) for case in SERVE_REFUSED]
+
+
+@pytest.mark.parametrize("main,args,needle", PROGRAM_REFUSED,
+                         ids=[f"{m[:-5]} " + " ".join(map(repr, a)) for m, a, _ in PROGRAM_REFUSED])
+def test_generate_and_serve_py_refuse_the_value_before_any_work(tmp_path, monkeypatch, capsys, main, args, needle):
+    from zplan.runtime.inference import cli
     from zplan.runtime.inference.build import EngineSettings
-    from zplan.runtime.inference.cli import serve_main
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("ZPLAN_LAUNCHER", raising=False)
     monkeypatch.setattr("zplan.runtime.distributed.run_distributed", lambda *a, **k: pytest.fail("ran"))
-    status = serve_main(Path("no-such-plan.json"), None, EngineSettings(**SETTINGS), 8, args)
+    # the plan is never read: the arguments are checked first
+    status = getattr(cli, main)(Path("no-such-plan.json"), None, EngineSettings(**SETTINGS), 8, args)
     err = capsys.readouterr().err
     assert status == 2 and err.startswith("zplan: error: "), err
     one_clean_message(err, needle)

@@ -26,14 +26,19 @@ from zplan.runtime.inference.tokenizer import ByteTokenizer
 SIZES = dict(num_layers=1, hidden=32, heads=2, vocab_size=300, max_seq_len=64)
 
 
-@pytest.fixture(scope="module")
-def engine():
+def tiny_engine(max_batch: int) -> InferenceEngine:
+    """The engine of a 1-layer GPT (SIZES, seed 0), fp32, 64 tokens a sequence."""
     torch.manual_seed(0)
     model = gpt.build_model(**SIZES).eval()
     with torch.device("meta"):
         meta = gpt.build_model(**SIZES)
     summary = trace_module(meta, torch.zeros(1, 8, dtype=torch.long, device="meta"), 8, "fp32")[1]
-    engine = InferenceEngine.from_model(model, summary, max_seq_len=64, max_batch=2)
+    return InferenceEngine.from_model(model, summary, max_seq_len=SIZES["max_seq_len"], max_batch=max_batch)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = tiny_engine(max_batch=2)
     yield engine
     engine.close()
 

@@ -14,16 +14,11 @@ import json
 import threading
 
 import pytest
-import torch
 
+from tests.unit.test_server_limits import SIZES, tiny_engine, wait_until
 from tests.unit.test_server_limits import Server as LimitsServer
-from tests.unit.test_server_limits import wait_until
-from zplan.examples import gpt
-from zplan.planner.trace import trace_module
-from zplan.runtime.inference.engine import InferenceEngine
 
-SIZES = dict(num_layers=1, hidden=32, heads=2, vocab_size=300, max_seq_len=64)
-MAX_SEQ_LEN = 64
+MAX_SEQ_LEN = SIZES["max_seq_len"]
 MAX_BATCH = 4
 ORDINARY = [  # three ordinary requests: greedy, seeded sampling, greedy streamed
     {"prompt": "The plan is", "max_new_tokens": 8},
@@ -95,12 +90,7 @@ class Server(LimitsServer):
 
 @pytest.fixture(scope="module")
 def server():
-    torch.manual_seed(0)
-    model = gpt.build_model(**SIZES).eval()
-    with torch.device("meta"):
-        meta = gpt.build_model(**SIZES)
-    summary = trace_module(meta, torch.zeros(1, 8, dtype=torch.long, device="meta"), 8, "fp32")[1]
-    engine = InferenceEngine.from_model(model, summary, max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH)
+    engine = tiny_engine(max_batch=MAX_BATCH)
     s = Server(engine)
     yield s
     s.close()
