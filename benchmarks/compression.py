@@ -42,9 +42,9 @@ def _train(run: str, args, rank: int, group) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
     from examples.tiny import VOCAB_SIZE, build_model
-    from zplan.runtime.apply import adamw_param_groups
     from zplan.runtime.compression import grad_compression as gc
-    from zplan.runtime.data import synthetic_token_batch
+    from zplan.runtime.optim.build import adamw_param_groups
+    from zplan.runtime.training.data import synthetic_token_batch
 
     torch.manual_seed(SEED)
     model = build_model()
@@ -81,7 +81,7 @@ def _train(run: str, args, rank: int, group) -> dict:
 
 def _rank(rank: int, args, port: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(args.world))
-    from zplan.runtime.distributed import run_distributed
+    from zplan.runtime.launch.distributed import run_distributed
 
     torch.set_num_threads(1)
 

@@ -1,5 +1,5 @@
 """ZeRO-Offload's one-step delayed parameter update (DPU): step time of ZeRO-1 with CPU offload
-(runtime.offload.cpu_adam_optimizer.CpuOffloadZeroOneAdamW) with and without delayed_update, same processes.
+(runtime.optim.cpu_adam_optimizer.CpuOffloadZeroOneAdamW) with and without delayed_update, same processes.
 
     .venv/bin/python benchmarks/delayed_update.py [--json] [--world 2] [--rounds 3] [--steps 12] [--batch 1]
                                                   [--seq-len 8]
@@ -50,9 +50,9 @@ def _run(build_model, mesh, *, delayed: bool, steps: int, batch: int, seq_len: i
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
 
-    from zplan.runtime.apply import adamw_param_groups
-    from zplan.runtime.data import synthetic_token_batch
-    from zplan.runtime.offload.cpu_adam_optimizer import CpuOffloadZeroOneAdamW
+    from zplan.runtime.optim.build import adamw_param_groups
+    from zplan.runtime.optim.cpu_adam_optimizer import CpuOffloadZeroOneAdamW
+    from zplan.runtime.training.data import synthetic_token_batch
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -87,7 +87,7 @@ def worker(result: Path, args: argparse.Namespace) -> None:
     sys.path.insert(0, str(SMALL_GPT.parent))
     import _small_gpt
 
-    from zplan.runtime.distributed import run_distributed
+    from zplan.runtime.launch.distributed import run_distributed
 
     torch.set_num_threads(1)
 

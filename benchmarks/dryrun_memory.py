@@ -7,7 +7,7 @@ example models at a published size (examples/llama.py as Llama-3-8B and 70B, 128
 GPT-3 175B), 8 to 1024 GPUs, ZeRO 0-3, tp 1-8, pp 1-8, context parallel 2, recompute none / selective / full,
 micro-batch 1-8, CPU offload. `zplan dryrun DIR` then runs the plan's program on fake tensors for the pipeline's end
 stages (the planner prices the more loaded of the first and last: planner/cost/memory.py) and the figure compared is
-peak allocated bytes on the most loaded rank: measured by the dry run (runtime.live_memory), predicted as the
+peak allocated bytes on the most loaded rank: measured by the dry run (runtime.dryrun.live_memory), predicted as the
 plan's total minus its framework reserve.
 
 Besides: the Llama-3-8B plan at 64 GPUs is dry-run as `python -m zplan dryrun` in a child process whose wall time

@@ -7,7 +7,7 @@ fp16 as autocast and FSDP2's MixedPrecisionPolicy make it) made by a matmul, as 
 
     loss = next_token_loss(hidden @ W.t(), ids); loss.backward()
 
-runs (planner.model_file.next_token_loss, the runtime's default loss: cross-entropy on
+runs (model.model_file.next_token_loss, the runtime's default loss: cross-entropy on
 logits[:, :-1].flatten(0, 1).float()). The number is the peak, over every aten op of that forward and
 backward, of the bytes of all live storages: the logits while the loss is computed, everything the loss
 allocates (the fp32 upcast, the log-softmax output, its gradient, the gradient of its input, the logits'
@@ -38,8 +38,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from zplan.model.model_file import next_token_loss  # noqa: E402
 from zplan.planner.cost.memory import LOSS_BYTES_PER_LOGIT  # noqa: E402
-from zplan.planner.model_file import next_token_loss  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HEAD_WIDTH = 8  # hidden width of the stand-in head

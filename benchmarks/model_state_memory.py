@@ -9,7 +9,7 @@ prepare / compile_plan / write_outputs, as the CLI does), for N processes
     zplan compile benchmarks/_small_gpt.py --gpus N --cluster cpu-local --precision P --zero Z
                   --tp T --pp PP --dp N/(T*PP) --global-batch N --micro-batch 1
 and the workers make the emitted train.py's calls (_launch.apply_plan: build_meta_model, parallelize,
-plan_optimizer, make_data_iter) and one training step as runtime.train_loop.train runs it (micro-batches
+plan_optimizer, make_data_iter) and one training step as runtime.training.loop.train runs it (micro-batches
 with DDP's no_sync, or PipelineRun.step; clipping; the optimizer step) on the planned micro-batches.
 The cases, named LAYOUT_zeroZ_P (--json keys):
     N = 2: dp2_zero{0,1,2,3}_{fp32,bf16}, tp2_zero0_fp32 (dp 1 x tp 2), pp2_zero0_fp32 (pp 2 x dp 1);
@@ -33,7 +33,7 @@ The planner counts the model states as zplan's runtime holds them at rest (plann
 under ZeRO 2/3 fp32 parameters (the masters; FSDP2's MixedPrecisionPolicy makes the 16-bit copies for compute),
 fp32 gradients and fp32 Adam moments, 4 + 4 + 8 bytes per parameter; under ZeRO 0/1 with bf16 the ZeRO paper's
 layout, bf16 parameters and gradients and the fp32 master with the moments in the optimizer, 2 + 2 + 12
-(runtime/zero1.py). ZeRO 1 shards the optimizer's bytes evenly (dim-0 chunks of every parameter), ZeRO 2 is
+(runtime/optim/zero1.py). ZeRO 1 shards the optimizer's bytes evenly (dim-0 chunks of every parameter), ZeRO 2 is
 FSDP2 with reshard_after_forward=False, so parameters, gradients and optimizer states are all shards at
 rest, like ZeRO 3, and the gathered parameters (compute dtype) are a transient term of the peak
 (planner.cost.memory.compute_copy_bytes, part of the plan's comm_buffers). 'error' compares the
@@ -44,7 +44,7 @@ after the step against the paper's 4 + 12/N, and ZeRO-2's in the step against wh
 (the paper's 2 + 14/N keeps a 16-bit gradient shard; FSDP2 reduce-scatters into fp32 shards).
 Tensor parallel splits the blocks' parameters over tp and replicates the embedding, the final norm and the
 (tied) head on every tp rank; the pipeline keeps each stage's units on its rank (and a tied weight on every
-rank that uses it: runtime/pipeline.py tied_parameters).
+rank that uses it: runtime/parallel/pipeline.py tied_parameters).
 The ZeRO paper's numbers, where stage 2 keeps whole parameters (as DeepSpeed does), are the theory
 columns.
 
@@ -205,15 +205,15 @@ def measure(plan, model_file, mesh, ctx) -> dict:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    from zplan.runtime.pipeline import PipelineRun
-    from zplan.runtime.train_loop import model_state_bytes
+    from zplan.runtime.parallel.pipeline import PipelineRun
+    from zplan.runtime.training.loop import model_state_bytes
 
     p = plan.parallel
     model, optimizer, data = apply_plan(plan, model_file, mesh, ctx, seed=SEED, lr=3e-4, weight_decay=0.1)
     pipelined = isinstance(model, PipelineRun)
     persistent = list(model.parameters())  # DDP: the parameters; FSDP2: the shards, which stay allocated
     params_in_step = None
-    if pipelined:  # the schedule runs every micro-batch's forward and backward (runtime.train_loop.train)
+    if pipelined:  # the schedule runs every micro-batch's forward and backward (runtime.training.loop.train)
         model.step([next(data) for _ in range(p.num_micro_batches)])
         model.clip_grad_norm_(1.0)
     else:
@@ -231,7 +231,7 @@ def measure(plan, model_file, mesh, ctx) -> dict:
     optimizer.step()
 
     params = list({id(q): q for q in model.parameters()}.values())
-    # sharded states are DTensors (ZeRO 1: runtime.zero1, ZeRO 2/3: FSDP2): their local shards count
+    # sharded states are DTensors (ZeRO 1: runtime.optim.zero1, ZeRO 2/3: FSDP2): their local shards count
     states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     row = {
         "parameters": _storage_bytes(params),
@@ -304,7 +304,7 @@ def worker(args, ctx) -> None:
 def stated_bf16_bytes_per_param(zero: int, n: int) -> float:
     """What the README states the runtime holds with bf16 on n data-parallel ranks, bytes per parameter (issue 16):
     ZeRO-1 the paper's 4 + 12/n after the step (bf16 parameters and gradients, fp32 master and moments of its rows:
-    runtime.zero1); ZeRO-2 2 + 16/n between forward and backward (FSDP2's gathered bf16 parameters beside its fp32
+    runtime.optim.zero1); ZeRO-2 2 + 16/n between forward and backward (FSDP2's gathered bf16 parameters beside its fp32
     parameter and gradient shards and fp32 moments; the paper's 2 + 14/n has a 16-bit gradient shard)."""
     return {1: 4 + 12 / n, 2: 2 + 16 / n}[zero]
 

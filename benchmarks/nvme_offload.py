@@ -7,7 +7,7 @@ One process (gloo), a stack of `--blocks` MLP blocks (width -> 4 width -> width,
 CPUOffloadPolicy, `--micro-batches` micro-batches of `--tokens` tokens per step, in the same run:
   cpu   the runtime's ZeRO-3 CPU offload: sharded parameters, gradients and torch's AdamW on the host;
   nvme  the runtime's ZeRO-3 NVMe offload: the same, with the parameter shards and Adam's moments in files
-        under --path (runtime.offload.param_swap, runtime.offload.nvme_optimizer).
+        under --path (runtime.offload.param_swap, runtime.optim.nvme_optimizer).
 The two runs take turns step by step (a change of the machine's load hits both); each step is timed in two
 phases, forward+backward of all micro-batches, then the optimizer step; medians of `--steps` steps after a
 warm-up. Then the nvme run's I/O alone, no compute, in its engine, one request after another:
@@ -119,7 +119,7 @@ def measure(args) -> tuple:
     """Both models' phase times, the parameter reads' wait, and the NVMe I/O alone (one process)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from zplan.runtime.offload.nvme_optimizer import NvmeShardedAdamW
+    from zplan.runtime.optim.nvme_optimizer import NvmeShardedAdamW
 
     mesh = init_device_mesh("cpu", (1,))
     folder = Path(args.path) if args.path else Path(tempfile.mkdtemp(prefix="nvme-offload-", dir=Path(__file__).parent))
@@ -151,7 +151,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
 
-    from zplan.runtime.distributed import run_distributed
+    from zplan.runtime.launch.distributed import run_distributed
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29561"), RANK="0",
                       WORLD_SIZE="1")

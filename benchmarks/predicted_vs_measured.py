@@ -118,7 +118,7 @@ class _CountOps:
 
 def _phase_times(model, optimizer, data, loss_fn, num_micro: int, steps: int, distributed: bool,
                  skip: int = SKIP_STEPS) -> dict:
-    """Median seconds per step of each phase of train()'s loop body (runtime/train_loop.py), by perf_counter;
+    """Median seconds per step of each phase of train()'s loop body (runtime/training/loop.py), by perf_counter;
     total_cpu: this process's CPU seconds per step."""
     import torch
     import torch.distributed as dist

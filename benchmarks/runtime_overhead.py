@@ -22,8 +22,8 @@ torch.optim.AdamW in deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer
 bf16 ZeRO 1 (issue 16, on by default, --skip-bf16 leaves it out; it runs when --stages has 1): the ZeRO-1 plan
 compiled again with --precision bf16, nothing else changed (checked: same parallel config, placement, batch),
 timed against DeepSpeed like the pairs above. zplan: bf16 parameters and gradients on every rank
-(runtime.apply.cast_parameters; DDP all-reduces the bf16 gradients after the last micro-batch), and
-runtime.zero1.ZeroOneAdamW keeps fp32 master rows and fp32 moments for its dim-0 row shard, steps them with the
+(runtime.precision.mixed.cast_parameters; DDP all-reduces the bf16 gradients after the last micro-batch), and
+runtime.optim.zero1.ZeroOneAdamW keeps fp32 master rows and fp32 moments for its dim-0 row shard, steps them with the
 fused AdamW kernel, rounds them into the bf16 parameter rows and gathers those (the clipping factor divides the
 upcast gradient rows in the step: train_loop._clip_in_step). DeepSpeed 0.19.8: the same config with
 "bf16": {"enabled": true} and zero_optimization stage 1 (codegen.ds_config writes it for a bf16 plan) and

@@ -1,7 +1,7 @@
 """Emit the training script and its launchers: out/train.py, out/launch/torchrun.sh, out/launch/slurm.sbatch.
 
 train.py shows the plan for review as a comment table and runs plan.json, the one source of its settings
-(runtime/plan_apply.py applies it in DESIGN.md decision 5's fixed order), so an edit to the plan is either
+(runtime/plan/apply.py applies it in DESIGN.md decision 5's fixed order), so an edit to the plan is either
 checked by check_plan and run, or refused. Output is deterministic: the same plan and model path give the same bytes.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
-from zplan.runtime.plan_origin import plan_digest
+from zplan.runtime.plan.origin import plan_digest
 from zplan.schemas.model_states import parameters_in_compute_dtype
 from zplan.schemas.plan import Plan
 from zplan.schemas.spec import ADAMW_DEFAULTS, GRAD_CLIP, compute_dtype
@@ -84,10 +84,11 @@ def precision_row(plan: Plan) -> str:
     p, precision = plan.parallel, plan.train.precision
     if precision == "fp32":
         return "fp32 throughout"
-    dtype = compute_dtype(precision)  # fp8: bf16 but for the blocks' Linear GEMMs (runtime/float8.py)
+    dtype = compute_dtype(precision)  # fp8: bf16 but for the blocks' Linear GEMMs (runtime/precision/float8.py)
     fp8 = ("; the blocks' Linear GEMMs in fp8 (torchao Float8Linear, tensorwise dynamic scaling), the head in bf16"
            if precision == "fp8" else
-           "; the blocks' Linear GEMMs in NVFP4 (runtime/nvfp4.py: e2m1 values, e4m3 scales per 16, fp32 per tensor), "
+           "; the blocks' Linear GEMMs in NVFP4 (runtime/precision/nvfp4.py: e2m1 values, e4m3 scales per 16, "
+           "fp32 per tensor), "
            "the head in bf16" if precision == "nvfp4" else "")
     if parameters_in_compute_dtype(p.zero_stage, precision, p.compression.grad):
         return (f"{dtype} parameters and gradients (accumulated and reduced in {dtype}), fp32 master weights "

@@ -41,7 +41,7 @@ def assumptions(cluster: ClusterSpec, summary: ModelSummary, train: TrainSpec) -
                             "the GEMM curve; each operand cast twice with dynamic scaling, "
                             f"{FP8_CAST_BYTES_PER_ELEMENT:.0f} B an element of X, W and G streamed; attention, "
                             "head, parameters, gradients and activations as bf16; MFU against the bf16 peak",
-            f"{src}; torchao float8 (runtime/float8.py)")] if train.precision == "fp8" else []),
+            f"{src}; torchao float8 (runtime/precision/float8.py)")] if train.precision == "fp8" else []),
         *([("nvfp4 training", f"the blocks' Linear GEMMs (forward, input and weight gradients) at the fp4 peak, "
                               f"{gpu.peak_fp4_flops / 1e12:.0f} TFLOP/s, on the GEMM curve; X, W and G each quantised "
                               "twice (along each GEMM's reduction dim: e2m1 values, an e4m3 scale per 16, fp32 per "
@@ -49,7 +49,7 @@ def assumptions(cluster: ClusterSpec, summary: ModelSummary, train: TrainSpec) -
                               f"{NVFP4_CAST_TEMPORARY_BYTES_PER_ELEMENT:.0f} B per (b, s, ffn) element of temporaries "
                               "in a Linear's backward; no Hadamard transform or stochastic rounding; attention, head, "
                               "parameters, gradients and activations as bf16; MFU against the bf16 peak",
-            f"{src}; NVIDIA, Pretraining LLMs with NVFP4 (2025); torchao NVFP4Tensor (runtime/nvfp4.py)")]
+            f"{src}; NVIDIA, Pretraining LLMs with NVFP4 (2025); torchao NVFP4Tensor (runtime/precision/nvfp4.py)")]
           if train.precision == "nvfp4" else []),
         ("HBM capacity", f"{gpu.hbm_bytes / GB:.0f} GB", src),
         ("HBM bandwidth", f"{gpu.hbm_bandwidth_Bps / GB:.0f} GB/s", src),
@@ -94,7 +94,7 @@ def assumptions(cluster: ClusterSpec, summary: ModelSummary, train: TrainSpec) -
          "Korthikanti et al. MLSys'23 Table 2"),
         ("logits and loss", f"{LOSS_BYTES_PER_LOGIT[dtype]:.0f} B per logit (b, s, V) on the last stage, "
                             "whole on every tp rank: embedding and head are replicated over tp, not vocab-parallel",
-         "measured: benchmarks/loss_memory.py; runtime/tensor_parallel.py"),
+         "measured: benchmarks/loss_memory.py; runtime/parallel/tensor_parallel.py"),
         ("model states", (f"ZeRO 0/1: 2 B {dtype} weight + 2 B {dtype} gradient + "
                           f"{MASTER_BYTES + ADAM_BYTES:.0f} B fp32 master and Adam moments per parameter; ZeRO 2/3: "
                           if train.precision != "fp32" else "") +

@@ -1,7 +1,7 @@
 """Compression as the planner sees it: `--compress` parsed, what each setting needs of the configuration, the
 candidates that support it, and the decision the report shows.
 
-What each setting needs (as runtime/compression/ and runtime/apply.py run it):
+What each setting needs (as runtime/compression/ and runtime/parallel/data_parallel.py run it):
   grad=int8     ZeRO 0 or 1 with tp = 1: a DDP communication hook on the gradient buckets.
   grad=1bit     ZeRO 0 or 1 with tp = pp = 1, no offload: 1-bit Adam (Tang et al. 2021) on a DDP model; under
                 ZeRO 1 the gradients are compressed once the variance is frozen (OneBitZeroOneAdamW).

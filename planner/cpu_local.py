@@ -2,7 +2,7 @@
 process (gloo, one core) plays the part of one GPU.
 
 Measured, not taken from a data sheet, with
-    .venv/bin/python -m zplan.planner.probe 30
+    .venv/bin/python -m zplan.probe 30
 on an AMD EPYC (Zen 1, AVX2, KVM guest, 2 cores, 23.5 GiB RAM; torch 2.13.0 CPU, MKL), rounded to 3
 significant digits; see zplan/planner/probe.py for what each number measures and how. The machine was
 shared with other work (1-minute load average 1.3-2.8 on its 2 cores), which is why the probe keeps the
@@ -53,7 +53,7 @@ GiB = 1024**3
 CPU_LOCAL = ClusterSpec(
     name="cpu-local",
     description="this kind of machine: 2 CPU processes (one core each) as devices, gloo",
-    source="measured with zplan.planner.probe.probe_this_machine on a 2-core AMD EPYC VM (see cpu_local.py)",
+    source="measured with zplan.probe.probe_this_machine on a 2-core AMD EPYC VM (see cpu_local.py)",
     gpu=GpuSpec(
         name=CPU_PROCESS_GPU,
         hbm_bytes=8 * GiB,  # 70 % of 23.5 GiB host RAM over 2 processes, whole GiB

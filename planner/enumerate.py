@@ -9,8 +9,8 @@ the embedding and the head as a block each where the blocks do not divide) and m
 runs at least pp micro-batches (1F1B's warm-up fills every stage); tp > 1, sequence parallel and pp > 1 only
 where the runtime runs them on this model (schemas.capability, from the traits the tracer found); the global
 batch divisible by dp * micro_batch; sequence parallel only with tp > 1; offload (CPU or NVMe) only with
-ZeRO >= 1 (each rank steps its own optimizer shard: runtime.offload.cpu_adam_optimizer for ZeRO 1 on the CPU,
-runtime.offload.nvme_optimizer for ZeRO 1 and ZeRO 2/3 on NVMe, runtime.offload.sharded_cpu_adam for ZeRO 2/3 on
+ZeRO >= 1 (each rank steps its own optimizer shard: runtime.optim.cpu_adam_optimizer for ZeRO 1 on the CPU,
+runtime.optim.nvme_optimizer for ZeRO 1 and ZeRO 2/3 on NVMe, runtime.optim.sharded_cpu_adam for ZeRO 2/3 on
 the CPU, with FSDP2's CPUOffloadPolicy only where the placement puts the parameters on the host too), NVMe
 only where the cluster has it; user pins fix a value; a --compress pin keeps the configurations that support it
 (planner.compression.supported_mask) and sets every candidate's compression. Every tier the runtime runs is
@@ -126,7 +126,7 @@ def _grid(model: ModelSummary, cluster: ClusterSpec, gpus: int, global_batch: in
         Rule(f"context parallel splits each sequence in 2 cp chunks (2 cp divides the {seq} tokens) and runs on this "
              "model (schemas.capability)", ("cp",),
              (c == 1) | ((seq % (2 * c) == 0) & can_split_context)),
-        Rule("context parallel runs without offload or compression (runtime/context_parallel.py)",
+        Rule("context parallel runs without offload or compression (runtime/parallel/context_parallel.py)",
              ("cp", "offload", "compress"), (c == 1) | ((off == 0) & (not compression.enabled))),
         Rule(f"the global batch {global_batch} divides by dp * micro-batch", ("micro_batch", "dp", "tp", "pp"),
              global_batch % (d * b) == 0),

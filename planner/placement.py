@@ -13,9 +13,9 @@ Constraints
   and ZeRO allow, i.e. stay on the GPU where they fit. So `--zero 2|3 --offload cpu` means the optimizer on the
   CPU, and the parameter and gradient shards on the host too only when the GPU cannot hold them;
 * ZeRO semantics, as zplan's runtime runs them: under ZeRO-1 only the optimizer leaves the GPU (to CPU or
-  NVMe: runtime.offload.cpu_adam_optimizer, runtime.offload.nvme_optimizer). Under ZeRO 2/3 the optimizer may
+  NVMe: runtime.optim.cpu_adam_optimizer, runtime.optim.nvme_optimizer). Under ZeRO 2/3 the optimizer may
   leave alone (the parameter and gradient shards stay on the device; ZeRO-Offload's optimizer offload,
-  runtime.offload.sharded_cpu_adam, or the moments on NVMe, runtime.offload.nvme_optimizer); parameters on the
+  runtime.optim.sharded_cpu_adam, or the moments on NVMe, runtime.optim.nvme_optimizer); parameters on the
   host are FSDP2's CPUOffloadPolicy, which keeps the gradient shards and the optimizer step there with them, so
   parameters off the GPU take the gradients (to the CPU) and the optimizer (CPU or NVMe) with them, and the
   gradients leave only with the parameters. Only ZeRO-3 swaps the parameters on to NVMe
@@ -23,7 +23,7 @@ Constraints
 * host memory: the optimizer on the CPU beside parameters on the GPU holds ``optimizer_host_extra_bytes`` there
   besides its states (zplan's CPU Adam: the buffer the gradients come down to, and an fp32 master of the shard
   where the parameters are fp32); the optimizer on NVMe keeps ``optimizer_nvme_host_bytes`` of its states in host
-  memory rather than in files (the fp32 masters of 16-bit parameters: runtime.offload.nvme_optimizer);
+  memory rather than in files (the fp32 masters of 16-bit parameters: runtime.optim.nvme_optimizer);
 
 Objective: minimise the per-step transfer time, serial sum of three parts
 (``m`` = micro-batches per step, P/G/O = parameter/gradient/optimizer bytes per GPU):

@@ -6,7 +6,7 @@ and gradient shards off it too unless they fit there (planner.cost.memory); the 
 whatever fits there, which only removes transfers. An --offload pin is a requirement, not an allowance: the
 optimizer states go to the pinned tier (``none``: the GPU), and the parameters and gradients stay on the GPU
 where they fit (planner.placement): under ZeRO 2/3 the optimizer alone is then offloaded (the runtime's
-runtime.offload.sharded_cpu_adam), and FSDP2's CPUOffloadPolicy takes the parameter and gradient shards to the
+runtime.optim.sharded_cpu_adam), and FSDP2's CPUOffloadPolicy takes the parameter and gradient shards to the
 host only when the GPU cannot hold them.
 
 Delayed parameter update (Ren et al., ZeRO-Offload, USENIX ATC'21, Sec. 5.2): the CPU optimizer step of
@@ -90,16 +90,16 @@ def place(cand: Candidates, est: StepEstimate, cluster: ClusterSpec, train: Trai
         zero_stage=z, offload=OFFLOAD_TIERS[int(cand.offload[0])], offload_pinned=pinned,
         micro_batches_per_step=max(1, int(round(est.num_micro_batches[0]))),
         # parameter all-gathers per step from the host: ZeRO-3 every forward and backward, ZeRO-2 once (the
-        # runtime keeps them gathered through the step: runtime.apply.keeps_parameters_gathered)
+        # runtime keeps them gathered through the step: runtime.parallel.data_parallel.keeps_parameters_gathered)
         param_fetches_per_step=1 if z == 2 else None,
         # this rank's shard, once a step with the optimizer alone off the GPU: ZeRO-1 its owned rows (priced as
         # ZeRO-Offload's 16-bit copies), ZeRO 2/3 FSDP2's fp32 gradient shard down and fp32 parameter shard up
-        # (runtime.offload.sharded_cpu_adam), i.e. the `grads` and `weights` bytes themselves
+        # (runtime.optim.sharded_cpu_adam), i.e. the `grads` and `weights` bytes themselves
         **({} if z >= 2 else dict(param_update_bytes=elem * optim_params, grad_update_bytes=elem * optim_params)),
         # zplan's CPU Adam beside parameters on the GPU: the fp32 master of the shard (unless the optimizer's states
         # hold it already: 16-bit parameters) and the gradient buffers
         optimizer_host_extra_bytes=(HOST_OPTIMIZER_BYTES + HOST_GRAD_BUFFER_BYTES) * optim_params - optim,
-        # on NVMe, a 16-bit parameter's master stays in host memory (runtime.offload.nvme_optimizer)
+        # on NVMe, a 16-bit parameter's master stays in host memory (runtime.optim.nvme_optimizer)
         optimizer_nvme_host_bytes=MASTER_BYTES * optim_params if sixteen_bit else 0.0,
     )
     on_gpu = {"params": result.param_tier == "gpu", "grads": result.grad_tier == "gpu",

@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from zplan.errors import SpecError, TraceError
+from zplan.model.model_file import hf_models_see_whole_sequences, load_model_file, next_token_loss
 from zplan.planner.graph import ModelGraph
-from zplan.planner.model_file import hf_models_see_whole_sequences, load_model_file, next_token_loss
 from zplan.planner.tracers import DROPOUT_OPS, SDPA, TRACER_FUNCTIONS, MetaOpCache, RawTrace, TracedOp, as_call
 from zplan.planner.traits import find_traits, fused_parts, is_conv1d, parent_path
 from zplan.schemas.capability import ModelTrait

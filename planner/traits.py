@@ -1,8 +1,8 @@
 """Find what in a traced model decides which parallelisms zplan's runtime can run on it: ModelTraits
 (schemas/capability.py, where RULES says what each rules out).
 
-Each finder mirrors one thing the runtime does (the module docstrings of runtime/tensor_parallel.py and
-runtime/pipeline.py state those contracts):
+Each finder mirrors one thing the runtime does (the module docstrings of runtime/parallel/tensor_parallel.py and
+runtime/parallel/pipeline.py state those contracts):
   tensor parallel  splits the nn.Linear (or Conv1D) pairs the trace marked colwise / rowwise, whole heads per
                    rank, a fused projection by its parts (which the trace must tell); a module with parameters
                    inside a module that holds split Linears (a q/k norm, a post-LN LayerNorm, a relative
@@ -20,53 +20,20 @@ from __future__ import annotations
 import copy
 import math
 from collections import deque
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from zplan.model.modules import is_conv1d, is_norm, parent_path, unsplit_parameter_owners
 from zplan.schemas.capability import FP8_DIM_MULTIPLE, NVFP4_DIM_MULTIPLE, ModelTrait
 from zplan.schemas.model import LayerCost, TensorParallelRule
 
-if TYPE_CHECKING:  # runtime/tensor_parallel.py imports this module: no networkx at run time
+if TYPE_CHECKING:  # runtime/parallel/tensor_parallel.py imports this module: no networkx at run time
     from zplan.planner.graph import ModelGraph
 
 SLICING_OPS = {"getitem", "split", "chunk", "narrow", "unbind", "split_with_sizes", "tensor_split"}
 PASS_THROUGH_OPS = {"dropout", "to", "contiguous", "view", "reshape", "type_as"}
-
-
-def is_norm(module: nn.Module) -> bool:
-    """LayerNorm, RMSNorm and model files' own *Norm classes (e.g. LlamaRMSNorm)."""
-    return type(module).__name__.endswith("Norm")
-
-
-def is_conv1d(module: nn.Module | None) -> bool:
-    """transformers.pytorch_utils.Conv1D (GPT-2): a Linear with its weight transposed, (in, out), out = nf."""
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and getattr(module, "weight", None) is not None
-
-
-def parent_path(path: str) -> str:
-    """'attn.q' -> 'attn'; 'qkv' -> '' (the block itself)."""
-    return path.rpartition(".")[0]
-
-
-def unsplit_parameter_owners(block: nn.Module, split: set[str]
-                             ) -> list[tuple[str, nn.Module, Literal["beside", "norm", "other"]]]:
-    """The modules of `block` that own parameters and are not among the `split` Linears (paths in the block),
-    each with its role under tensor parallel: 'beside' (inside a module holding split Linears: it would see one
-    rank's features or heads), 'norm' (elsewhere, a norm: sequence parallel runs it on this rank's tokens) or
-    'other' (elsewhere: replicated, but under sequence parallel it would see one rank's tokens). The runtime's
-    check_block_split and the tracer's traits both judge by this."""
-    holders = {parent_path(path) for path in split} - {""}
-    owners = []
-    for name, module in block.named_modules():
-        if name in split or not any(p is not None for p in module._parameters.values()):
-            continue
-        if name in holders or any(name.startswith(holder + ".") for holder in holders):
-            owners.append((name, module, "beside"))
-        else:
-            owners.append((name, module, "norm" if name and is_norm(module) else "other"))
-    return owners
 
 
 def find_traits(model: nn.Module, graph: ModelGraph, tp_rules: list[TensorParallelRule], layers: list[LayerCost],
@@ -90,13 +57,13 @@ class _BlockDone(BaseException):  # raised after block 0's forward: the rest of 
 
 def _context_parallel_traits(model: nn.Module, block: nn.Module, example_call: tuple[tuple, dict]
                              ) -> list[ModelTrait]:
-    """What runtime/context_parallel.py needs of a forward: it takes position_ids, and its attention is causal
+    """What runtime/parallel/context_parallel.py needs of a forward: it takes position_ids, and its attention is causal
     self-attention through F.scaled_dot_product_attention (the calls of the model's forward on meta up to the end of
     block 0, as every block attends alike, are recorded: none, one without a causal flag or mask, one whose queries
     and keys differ in length, or a config's sliding window)."""
     from torch.overrides import TorchFunctionMode
 
-    from zplan.runtime.context_parallel import accepts_position_ids
+    from zplan.runtime.parallel.context_parallel import accepts_position_ids
 
     traits = []
     if not accepts_position_ids(model.forward):
@@ -140,7 +107,9 @@ def _context_parallel_traits(model: nn.Module, block: nn.Module, example_call: t
 
 def _fp8_traits(block: nn.Module, block_name: str) -> list[ModelTrait]:
     """A block with no Linear fp8 training converts (GPT-2's Conv1D projections, widths off the multiple)."""
-    from zplan.runtime.float8 import fp8_convertible  # torch only; torchao is imported by the conversion alone
+    from zplan.runtime.precision.float8 import (
+        fp8_convertible,  # torch only; torchao is imported by the conversion alone
+    )
 
     if any(fp8_convertible(module) for module in block.modules()):
         return []
@@ -149,8 +118,10 @@ def _fp8_traits(block: nn.Module, block_name: str) -> list[ModelTrait]:
 
 
 def _nvfp4_traits(block: nn.Module, block_name: str) -> list[ModelTrait]:
-    """A block with no Linear nvfp4 training converts (runtime/nvfp4.py: widths multiples of 16)."""
-    from zplan.runtime.nvfp4 import nvfp4_convertible  # torch only; torchao is imported by the conversion alone
+    """A block with no Linear nvfp4 training converts (runtime/precision/nvfp4.py: widths multiples of 16)."""
+    from zplan.runtime.precision.nvfp4 import (
+        nvfp4_convertible,  # torch only; torchao is imported by the conversion alone
+    )
 
     if any(nvfp4_convertible(module) for module in block.modules()):
         return []
@@ -234,9 +205,9 @@ def _rank_block_problem(model: nn.Module, block: nn.Module, tp_rules: list[Tenso
                         example_call: tuple[tuple, dict], tp: int = 2) -> str:
     """Why block 0, run as one of `tp` tensor-parallel ranks runs it (on meta, shapes only: each split projection
     with this rank's slice of its weight, the head counts of modules slicing a fused projection made this rank's,
-    as runtime/tensor_parallel.py does), does not give the block's output shape ('' when it does)."""
-    from zplan.runtime.fused_layout import FusedLayout
-    from zplan.runtime.tensor_parallel import localize_head_counts, projection_features
+    as runtime/parallel/tensor_parallel.py does), does not give the block's output shape ('' when it does)."""
+    from zplan.model.fused_layout import FusedLayout
+    from zplan.runtime.parallel.tensor_parallel import localize_head_counts, projection_features
 
     def capture(module, args, kwargs):
         raise _BlockInputs(args, kwargs)
@@ -334,9 +305,14 @@ def _pipeline_traits(model: nn.Module, prefix: str, layers: list[LayerCost],
 
 
 def _split_problem(model: nn.Module, layers: list[LayerCost], example_call: tuple[tuple, dict]) -> str:
-    """Why the runtime's own pipeline split (runtime/pipeline.py), cut in two in the middle of the blocks and run on
-    the meta device, does not reproduce the model's forward ('' when it does, or when there are too few blocks)."""
-    from zplan.runtime.pipeline import PipelineSplitError, check_split, split_model  # torch only, no process group
+    """Why the runtime's own pipeline split (runtime/parallel/pipeline.py), cut in two in the middle of the blocks and
+    run on the meta device, does not reproduce the model's forward ('' when it does, or when there are too few
+    blocks)."""
+    from zplan.runtime.parallel.pipeline import (  # torch only, no process group
+        PipelineSplitError,
+        check_split,
+        split_model,
+    )
 
     blocks = [index for index, layer in enumerate(layers) if layer.kind == "block"]
     if len(blocks) < 2:

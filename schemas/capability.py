@@ -35,7 +35,7 @@ TraitKind = Literal[
 FP8_DIM_MULTIPLE = 16  # an fp8 GEMM (torch._scaled_mm) needs both of a Linear's widths divisible by 16
 # An NVFP4 operand is quantised in blocks of 16 along its GEMM's reduction dim, and a Linear's three GEMMs reduce over
 # its in features (forward), its out features (input gradient) and the tokens (weight gradient, padded by
-# runtime/nvfp4.py): both widths divisible by 16, torchao's own filter for NVFP4 Linears (torchao 0.18
+# runtime/precision/nvfp4.py): both widths divisible by 16, torchao's own filter for NVFP4 Linears (torchao 0.18
 # prototype/mx_formats/inference_workflow.py: K % 16 == 0 and N % 16 == 0; the GEMM's swizzled scale layout pads
 # its (rows, K / 16) scales to (128, 4) tiles itself, torchao's to_blocked).
 NVFP4_DIM_MULTIPLE = 16
@@ -89,15 +89,15 @@ RULES: dict[str, Rule] = {
     "no_fp8_linears": Rule(
         blocks=("fp8",),
         why=f"fp8 training converts the blocks' nn.Linear modules whose widths are multiples of {FP8_DIM_MULTIPLE} "
-            "(runtime/float8.py), and a block has none"),
+            "(runtime/precision/float8.py), and a block has none"),
     "no_nvfp4_linears": Rule(
         blocks=("nvfp4",),
         why=f"nvfp4 training converts the blocks' nn.Linear modules whose widths are multiples of "
-            f"{NVFP4_DIM_MULTIPLE} (runtime/nvfp4.py), and a block has none"),
+            f"{NVFP4_DIM_MULTIPLE} (runtime/precision/nvfp4.py), and a block has none"),
     "no_position_ids": Rule(
         blocks=("context_parallel",),
         why="context parallel gives each rank parts of every sequence and passes their global positions as "
-            "position_ids (runtime/context_parallel.py), which this forward does not take"),
+            "position_ids (runtime/parallel/context_parallel.py), which this forward does not take"),
     "attention_not_sdpa": Rule(
         blocks=("context_parallel",),
         why="context parallel gathers keys and values inside F.scaled_dot_product_attention, which this model's "

@@ -35,7 +35,7 @@ class LayerCost(BaseModel):
     )
     gemm_out_bytes: float = Field(
         default=0.0, ge=0, description="Bytes of the outputs of the unit's projections (matmuls with a weight), one "
-        "sample, no parallelism, at compute precision: what selective recompute keeps (runtime.apply)."
+        "sample, no parallelism, at compute precision: what selective recompute keeps (runtime.training.recompute)."
     )
     attention_core_bytes: float = Field(
         default=0.0, ge=0, description="Of act_bytes, what an unfused attention core saves over (s, s) scores "
@@ -55,7 +55,7 @@ class TensorParallelRule(BaseModel):
         "them (q, k, v or gate, up); empty for one projection."))
     groups: int = Field(1, ge=1, description=(
         "A fused projection: each part is cut into this many equal groups (kv-head groups, heads or features), "
-        "stored group by group (runtime/fused_layout.py) so that a tp rank holds whole groups; tp must divide it."))
+        "stored group by group (model/fused_layout.py) so that a tp rank holds whole groups; tp must divide it."))
 
 
 class ModelSummary(BaseModel):

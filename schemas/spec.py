@@ -16,7 +16,8 @@ ActivationCompression = Literal["none", "int8"]
 
 def compute_dtype(precision: str) -> str:
     """The floating-point dtype of all but the fp8 / fp4 GEMMs: fp8 training (torchao float8, Transformer Engine)
-    casts the inputs and weights of the blocks' Linears to fp8 for their GEMMs, nvfp4 training (runtime/nvfp4.py)
+    casts the inputs and weights of the blocks' Linears to fp8 for their GEMMs, nvfp4 training
+    (runtime/precision/nvfp4.py)
     quantises them to NVFP4, and both keep everything else (parameters, gradients, activations, attention, the head)
     as in bf16 mixed precision."""
     return "bf16" if precision in ("fp8", "nvfp4") else precision
@@ -90,6 +91,7 @@ class Pins(BaseModel):
 
 # The optimizer the emitted train.py runs unless overridden on its command line (--lr): AdamW with torch's betas
 # and eps, decoupled weight decay on matrices only, gradients clipped to this global norm. train.py renders these
-# values and runtime.apply.build_optimizer passes them on; ds_config.json says the same (tests/unit/test_ds_config).
+# values and runtime.optim.build.build_optimizer passes them on; ds_config.json says the same
+# (tests/unit/test_ds_config).
 ADAMW_DEFAULTS = {"lr": 3.0e-4, "betas": (0.9, 0.999), "eps": 1.0e-8, "weight_decay": 0.1}
 GRAD_CLIP = 1.0

@@ -200,13 +200,14 @@ def deepest_tier(placement: Placement) -> str:
 
 
 def runnable_pins(req: Request) -> Pins:
-    """The pins the search runs under: the request's, plus tp 1 under nvfp4 (runtime/nvfp4.py runs without tensor
-    parallel; `zplan estimate` still prices a tp > 1 layout, and train.py refuses it, runtime.plan_check)."""
+    """The pins the search runs under: the request's, plus tp 1 under nvfp4 (runtime/precision/nvfp4.py runs without
+    tensor parallel; `zplan estimate` still prices a tp > 1 layout, and train.py refuses it, runtime.plan.check)."""
     if req.train.precision != "nvfp4":
         return req.pins
     if (req.pins.tp or 1) > 1:
-        raise SpecError(f"--precision nvfp4 runs with tensor parallel off (runtime/nvfp4.py quantises whole tensors "
-                        f"on one rank), and --tp {req.pins.tp} asks for it: pin --tp 1, or --precision fp8 or bf16.")
+        raise SpecError(f"--precision nvfp4 runs with tensor parallel off (runtime/precision/nvfp4.py quantises "
+                        f"whole tensors on one rank), and --tp {req.pins.tp} asks for it: pin --tp 1, or "
+                        "--precision fp8 or bf16.")
     return req.pins.model_copy(update={"tp": 1})
 
 

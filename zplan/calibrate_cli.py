@@ -1,4 +1,4 @@
-"""`zplan calibrate OUT... -o cluster.yaml`: fit the cluster profile to measured runs (zplan.planner.calibrate).
+"""`zplan calibrate OUT... -o cluster.yaml`: fit the cluster profile to measured runs (zplan.calibrate).
 
 Each OUT is a folder `zplan compile` wrote whose train.py ran with `--log-json OUT/log.jsonl` (another name:
 --log). The fitted profile is written as a cluster file for `--cluster`; the table shows each run's measured step
@@ -27,8 +27,8 @@ MAX_LOG_BYTES = 256 << 20
 
 def load_run(folder: Path, log_name: str):
     """A compiled folder and its train.py log as a MeasuredRun."""
+    from zplan.calibrate import CalibrationError, measured_run
     from zplan.cli_render import load_plan_file
-    from zplan.planner.calibrate import CalibrationError, measured_run
     from zplan.schemas.plan import Plan
 
     plan_file, log = folder / "plan.json", folder / log_name
@@ -79,8 +79,8 @@ def calibrate_command(
     logs, and prints the prediction error before and after."""
     import yaml
 
+    from zplan.calibrate import CalibrationError, RunFigures, calibrate, predict_step_s
     from zplan.out_dir import check_out_file, write_text_atomically
-    from zplan.planner.calibrate import CalibrationError, RunFigures, calibrate, predict_step_s
 
     try:
         check_out_file(output, "-o")

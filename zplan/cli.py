@@ -266,7 +266,7 @@ def compile(
             files = write_outputs(plan, folder, model, force=force)
     except ZplanError as exc:
         _fail(exc)
-    from zplan.runtime.plan_check import runtime_gaps
+    from zplan.runtime.plan.check import runtime_gaps
 
     gaps = runtime_gaps(plan)
     if as_json:
@@ -417,7 +417,7 @@ def probe(
     import yaml
 
     from zplan.out_dir import check_out_file, write_text_atomically
-    from zplan.planner.probe import probe_this_machine
+    from zplan.probe import probe_this_machine
 
     # the inputs and the output file are checked before anything is measured
     if not 0 < seconds <= MAX_PROBE_SECONDS:

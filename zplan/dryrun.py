@@ -2,11 +2,11 @@
 
 For each kind of rank (one per pipeline stage: the first holds the embedding, the last the head and the loss;
 within a stage every dp and tp rank holds the same), the dry run becomes that rank of a fake world of the plan's
-size (runtime.fake_world) and makes the same runtime calls train.py makes, with train.py's own settings (its
+size (runtime.dryrun.fake_world) and makes the same runtime calls train.py makes, with train.py's own settings (its
 MODEL_FILE, LR, WEIGHT_DECAY, GRAD_CLIP): plan_mesh, build_meta_model, parallelize (tensor parallel, recompute,
 pipeline stage and schedule, FSDP2 / DDP / ZeRO-1, offload), plan_optimizer, then `steps` optimizer steps of
-runtime.train_loop.optimizer_step on synthetic batches. runtime.live_memory counts every storage the steps hold
-(the model states made before the first step included) and its peak by category.
+runtime.training.loop.optimizer_step on synthetic batches. runtime.dryrun.live_memory counts every storage the steps
+hold (the model states made before the first step included) and its peak by category.
 
 What it proves: the program runs at this world size on this rank (every shape, mesh, shard and schedule is
 built), and the bytes it allocates at its peak, as torch.cuda.max_memory_allocated would count them. What it
@@ -56,7 +56,7 @@ class RankMemory:
     predicted_peak_bytes: float  # the plan's total minus its framework reserve (allocated bytes, like the measure),
     # for its most loaded stage: the same figure on every rank
     capacity_bytes: float  # the device's memory minus the plan's framework reserve
-    by_category: dict  # measured, near the peak (runtime.live_memory)
+    by_category: dict  # measured, near the peak (runtime.dryrun.live_memory)
     predicted_by_category: dict
     host_peak_bytes: int  # offloaded states this rank holds in host memory
     predicted_host_bytes: float  # the plan's CPU bytes per node / GPUs per node
@@ -100,14 +100,14 @@ class Program:
 
     plan: object  # schemas.plan.Plan
     model_path: Path
-    settings: object  # runtime.dry_run.TrainSettings
+    settings: object  # runtime.dryrun.dry_run.TrainSettings
 
 
 def load_program(out_dir: Path, model: Path | None = None) -> Program:
     """OUT/plan.json and the settings of OUT/train.py, checked as train.py checks them (plan_origin, check_plan):
     PlanMismatchError on a folder that is not a compiled training plan or a model file that changed."""
-    from zplan.runtime.plan_check import check_plan, load_plan
-    from zplan.runtime.plan_origin import check_plan_origin
+    from zplan.runtime.plan.check import check_plan, load_plan
+    from zplan.runtime.plan.origin import check_plan_origin
 
     out_dir = Path(out_dir)
     script = out_dir / "train.py"
@@ -130,7 +130,7 @@ def load_program(out_dir: Path, model: Path | None = None) -> Program:
     check_plan_origin(plan, planned_for, digest, model_path)
     world = plan.parallel.tp * plan.parallel.pp * plan.parallel.dp * plan.parallel.cp
     check_plan(plan, model_path, world)
-    from zplan.runtime.dry_run import TrainSettings
+    from zplan.runtime.dryrun.dry_run import TrainSettings
 
     return Program(plan, model_path, TrainSettings(*settings))
 
@@ -153,7 +153,7 @@ def train_script_constants(script: Path) -> dict:
 
 def representative_ranks(plan) -> list[tuple[int, int, str]]:
     """(global rank, stage, role) of one rank per pipeline stage: dp rank 0, cp rank 0, tp rank 0 (the mesh is
-    (pp, dp, cp, tp), tp innermost: runtime.mesh)."""
+    (pp, dp, cp, tp), tp innermost: runtime.parallel.mesh)."""
     p = plan.parallel
     roles = []
     for stage in range(p.pp):
@@ -176,14 +176,14 @@ def dry_run(program: Program, *, steps: int = DRYRUN_STEPS, stages: list[int] | 
             say: Callable[[str], None] = print) -> DryRunResult:
     """Dry-run every kind of rank of the program (load_program) (module docstring), or those of the pipeline stages
     in `stages` (a stage whose predecessor was not run receives the shapes the last stage run sent:
-    runtime.fake_world). DryRunError when the program fails on a rank."""
-    from zplan.runtime.dry_run import dry_run_rank
-    from zplan.runtime.fake_world import MAILBOX
+    runtime.dryrun.fake_world). DryRunError when the program fails on a rank."""
+    from zplan.runtime.dryrun.dry_run import dry_run_rank
+    from zplan.runtime.dryrun.fake_world import MAILBOX
 
     reason = unsupported_reason(program.plan)
     if reason:
         raise DryRunUnsupported(f"cannot dry-run this plan: {reason}")
-    MAILBOX.clear()  # what earlier stages send later ones (runtime.fake_world): the stages run in order
+    MAILBOX.clear()  # what earlier stages send later ones (runtime.dryrun.fake_world): the stages run in order
     start = time.perf_counter()
     plan = program.plan
     predicted, predicted_by_category, capacity, host = predicted_memory(plan)

@@ -50,7 +50,7 @@ class OutputError(ZplanError):
 
 
 class RunLockError(ZplanError):
-    """Another run holds the lock of the checkpoint folder (runtime/run_lock.py)."""
+    """Another run holds the lock of the checkpoint folder (runtime/checkpoint/run_lock.py)."""
 
 
 def short_repr(value: object, limit: int = 80) -> str:

@@ -1,6 +1,6 @@
 """`zplan export CKPT --to model.safetensors`: one consolidated weights file from a sharded checkpoint.
 
-The checkpoint (runtime/checkpoint.py) holds each rank's shards in DCP's format; its .metadata names
+The checkpoint (runtime/checkpoint/save.py) holds each rank's shards in DCP's format; its .metadata names
 every tensor with its full shape and dtype. The safetensors file's layout follows from that alone:
 
     8 bytes   N, the header's length (little-endian u64)
@@ -14,7 +14,7 @@ one chunk, never the whole model. The file is written under a temporary name and
 Only the model's tensors are exported (keys `model.<fqn>`), named as the model file names them, tied
 weights under each of their names, as `model.state_dict()` has them.
 
-The checkpoint is read as hostile data (runtime/checkpoint.py, runtime/checkpoint_manifest.py): its files are first
+The checkpoint is read as hostile data (runtime/checkpoint/save.py, runtime/checkpoint/manifest.py): its files are first
 checked against MANIFEST.json, which must cover exactly the folder's regular files; one without a manifest is
 exported only with allow_unverified (`--allow-unverified`, a warning on stderr); DCP reads only the *.distcp files
 of the folder its .metadata names, and train_state.json is read up to its cap, a link, FIFO or device refused.
@@ -35,7 +35,9 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from zplan.errors import ExportError
-from zplan.runtime.checkpoint import (
+from zplan.model.fused_layout import layouts_from_json, to_original
+from zplan.runtime.checkpoint.manifest import has_manifest, no_manifest_problem, verify
+from zplan.runtime.checkpoint.save import (
     ALLOW_UNVERIFIED_FLAG,
     TRAIN_STATE_FILE,
     CheckpointError,
@@ -43,8 +45,6 @@ from zplan.runtime.checkpoint import (
     read_train_state,
     resolve_checkpoint,
 )
-from zplan.runtime.checkpoint_manifest import has_manifest, no_manifest_problem, verify
-from zplan.runtime.fused_layout import layouts_from_json, to_original
 
 MODEL_PREFIX = "model."
 DEFAULT_MAX_CHUNK_BYTES = 1 << 30  # 1 GiB of tensors in memory at a time
@@ -60,7 +60,7 @@ def _model_tensors(checkpoint: Path) -> dict[str, tuple[torch.dtype, torch.Size]
     """{checkpoint key: (dtype, full shape)} of the model's tensors, from DCP's metadata alone."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from zplan.runtime.checkpoint import SafeFileSystemReader
+    from zplan.runtime.checkpoint.save import SafeFileSystemReader
 
     try:
         metadata = SafeFileSystemReader(checkpoint).read_metadata()
@@ -82,8 +82,8 @@ def _model_tensors(checkpoint: Path) -> dict[str, tuple[torch.dtype, torch.Size]
 
 
 def _fused_layouts(checkpoint: Path) -> dict:
-    """The stored order of the checkpoint's fused projections (runtime.fused_layout), from its train_state.json (read
-    as a resume reads it: runtime.checkpoint.read_train_state)."""
+    """The stored order of the checkpoint's fused projections (model.fused_layout), from its train_state.json (read
+    as a resume reads it: runtime.checkpoint.save.read_train_state)."""
     state = read_train_state(checkpoint)
     try:
         return layouts_from_json(state.get("fused_layouts", {}))
@@ -113,7 +113,7 @@ def _load_chunk(checkpoint: Path, tensors: dict[str, tuple[torch.dtype, torch.Si
     """The full tensors `keys`, assembled by DCP from whatever shards wrote them, in this process only."""
     import torch.distributed.checkpoint as dcp
 
-    from zplan.runtime.checkpoint import SafeFileSystemReader, SafeLoadPlanner
+    from zplan.runtime.checkpoint.save import SafeFileSystemReader, SafeLoadPlanner
 
     chunk = {key: torch.empty(tensors[key][1], dtype=tensors[key][0]) for key in keys}
     with warnings.catch_warnings():  # no_dist=True is what we mean; DCP warns about it on every call

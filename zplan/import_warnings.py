@@ -1,8 +1,8 @@
 """Drop the four warning lines importing torchao 0.18 logs on a machine where its CUDA kernels do not load.
 
-zplan imports torchao only for fp8 and nvfp4 runs (runtime.float8, runtime.nvfp4, inside functions), but
-transformers imports it whenever it is installed (transformers/quantizers/quantizer_torchao.py, at import), so
-every start that builds a Hugging Face model printed them, once per process (each rank of a train.py):
+zplan imports torchao only for fp8 and nvfp4 runs (runtime.precision.float8, runtime.precision.nvfp4, inside functions),
+but transformers imports it whenever it is installed (transformers/quantizers/quantizer_torchao.py, at import), so every
+start that builds a Hugging Face model printed them, once per process (each rank of a train.py):
 - torchao/__init__.py, logger "torchao": "Failed to load .../torchao/_C_mxfp8...so: ..." and the same for
   _C_cutlass_90a.abi3.so (its MXFP8 and SM90a CUTLASS kernels, which zplan never calls: its fp8 and NVFP4 GEMMs
   are torch._scaled_mm or torchao's emulation);

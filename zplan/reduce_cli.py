@@ -1,5 +1,5 @@
 """`zplan reduce`: keep some of a teacher model file's layers and prune attention heads, writing a smaller
-model file that `zplan compile` takes (runtime.compression.model_reduction.write_reduced_model_file).
+model file that `zplan compile` takes (zplan.model_reduction.write_reduced_model_file).
 
 Registered in zplan/cli.py as `app.command("reduce")(reduce_command)`. As there, user errors (ZplanError)
 print one message on stderr, no traceback, and exit with status 2.
@@ -58,8 +58,8 @@ def reduce_command(
     """Write a smaller model file: fewer layers and attention heads.
 
     The teacher's layers you keep and the heads you prune make a model file for `zplan compile`."""
+    from zplan.model_reduction import write_reduced_model_file
     from zplan.out_dir import check_out_file
-    from zplan.runtime.compression.model_reduction import write_reduced_model_file
 
     try:
         check_options(calibration_batches, blocks)

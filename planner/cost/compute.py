@@ -46,7 +46,7 @@ BLOCK_OPS = 132  # aten ops per block per micro-batch: 39 forward + 93 backward
 RECOMPUTE_EXTRA_OPS = (0, 80, 79)  # ops added per block by recompute none / selective (SAC) / full
 EMBEDDING_OPS = 12  # two lookups, their sum, their backward (embedding_dense_backward x2)
 HEAD_OPS = 30  # final LayerNorm, logits GEMM, cross-entropy and their backward
-# Bytes the default loss (planner.model_file.next_token_loss: cross-entropy on the logits upcast to fp32) streams
+# Bytes the default loss (model.model_file.next_token_loss: cross-entropy on the logits upcast to fp32) streams
 # through HBM per logit, forward and backward: the slice copied (2 + 2), the upcast (2 + 4), log-softmax (4 + 4),
 # the loss gradient zero-filled (4), log-softmax backward (4 + 4 + 4), the downcast (4 + 2), the slice's backward
 # (2 + 2) at 16-bit; fp32 has no casts. Counted from the aten ops of its forward and backward on (B, T, V) logits
@@ -62,14 +62,14 @@ FP8_CAST_BYTES_PER_ELEMENT = 10.0
 # features against sum of in * out. GPT's block (qkv h->3h, proj h->h, fc h->4h, proj 4h->h) has 16 h of in + out for
 # 12 h^2 parameters: 4 / (3 h) a parameter; a Llama block (q, k, v, o, gate, up, down) is within 15 % of it.
 FP8_CAST_TOKEN_ELEMENTS_PER_PARAM_H = 4.0 / 3.0
-# nvfp4 training (runtime/nvfp4.py; NVIDIA, "Pretraining Large Language Models with NVFP4", 2025: fprop, dgrad and
-# wgrad GEMMs all in NVFP4): an NVFP4 operand is blocked along its GEMM's reduction dim, so each of X, W and G is
-# quantised twice, as fp8's operands are cast twice (X along its features for Y = X W^T and along the tokens for
-# dW = G^T X; W along in for Y and along out for dX = G W; G along out for dX and along the tokens for dW). A cast
-# reads the bf16 tensor for its per-tensor amax (2 B), reads it again (2 B) and writes e2m1 values (4 bits: 0.5 B) and
-# one e4m3 block scale per 16 elements (1/16 B): 4.5625 B an element a cast, NVFP4_CAST_BYTES_PER_ELEMENT = 9.125
-# over the two. Not counted: the paper's 16x16 random Hadamard transform of the wgrad inputs (Transformer Engine fuses
-# it into the wgrad cast, the same bytes; runtime/nvfp4.py does not apply it), and the tokens' padding to 16.
+# nvfp4 training (runtime/precision/nvfp4.py; NVIDIA, "Pretraining Large Language Models with NVFP4", 2025: fprop, dgrad
+# and wgrad GEMMs all in NVFP4): an NVFP4 operand is blocked along its GEMM's reduction dim, so each of X, W and G is
+# quantised twice, as fp8's operands are cast twice (X along its features for Y = X W^T and along the tokens for dW =
+# G^T X; W along in for Y and along out for dX = G W; G along out for dX and along the tokens for dW). A cast reads the
+# bf16 tensor for its per-tensor amax (2 B), reads it again (2 B) and writes e2m1 values (4 bits: 0.5 B) and one e4m3
+# block scale per 16 elements (1/16 B): 4.5625 B an element a cast, NVFP4_CAST_BYTES_PER_ELEMENT = 9.125 over the two.
+# Not counted: the paper's 16x16 random Hadamard transform of the wgrad inputs (Transformer Engine fuses it into the
+# wgrad cast, the same bytes; runtime/precision/nvfp4.py does not apply it), and the tokens' padding to 16.
 NVFP4_CAST_BYTES_PER_ELEMENT = 2.0 * (2.0 + 2.0 + 0.5 + 1.0 / 16.0)
 
 
@@ -149,7 +149,7 @@ def edge_time_s(
     """Forward + backward seconds of the embedding or head for one micro-batch on one GPU, with the host cost
     of its `ops` aten ops (EMBEDDING_OPS or HEAD_OPS) and, for the head (`loss`), the loss's streamed bytes
     (LOSS_STREAMED_BYTES_PER_LOGIT). The runtime replicates the embedding and the head over the tp ranks
-    (runtime/tensor_parallel.py; not vocabulary-parallel), so every tp rank computes all of their `fwd_flops`
+    (runtime/parallel/tensor_parallel.py; not vocabulary-parallel), so every tp rank computes all of their `fwd_flops`
     (per sample), the logits GEMM is the whole (b*s, h) x (h, V) and the loss runs on all the logits: nothing is
     divided by tp."""
     peak = cluster.peak_flops(precision)

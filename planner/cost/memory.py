@@ -1,7 +1,7 @@
 """Bytes per GPU, vectorised over candidates; the most loaded of the first and last stage counts.
 
 What is predicted: the peak of allocated bytes (torch.cuda.max_memory_allocated's figure, what the dry run
-measures: zplan dryrun, runtime.live_memory) plus the cluster's framework reserve, which stands for what
+measures: zplan dryrun, runtime.dryrun.live_memory) plus the cluster's framework reserve, which stands for what
 allocation does not count (CUDA context, NCCL's buffers, kernel workspaces, the caching allocator's reserve and
 fragmentation). The peak is of one moment (memory_per_gpu's peak): the loss's temporaries and the backward's
 buffers are not live together.
@@ -9,7 +9,7 @@ buffers are not live together.
 Model states as zplan's runtime holds them (Rajbhandari et al., ZeRO, SC'20, Sec. 3 and 5, for the
 partitioning; schemas.model_states says which layout runs where):
   - ZeRO 0/1 with mixed precision: the paper's layout. 16-bit parameters and gradients on every rank, the fp32
-    master weights and Adam's m and v in the optimizer (runtime.zero1): 2 + 2 + 12 bytes per parameter, the 12
+    master weights and Adam's m and v in the optimizer (runtime.optim.zero1): 2 + 2 + 12 bytes per parameter, the 12
     sharded over dp by ZeRO-1: 4 + 12/dp (the paper's K = 12). The gradients accumulate over micro-batches in the
     16-bit dtype (DDP's buckets) and are reduced in it once a step.
   - fp32, ZeRO 2/3 and 1-bit Adam: fp32 parameters (the masters: FSDP2's MixedPrecisionPolicy under ZeRO 2/3, or
@@ -23,15 +23,15 @@ backward; ZeRO-3's two in-flight units; with 1-bit Adam autocast's cached copies
 Activations per block (Korthikanti et al., MLSys'23, Table 2): of the block's saved bytes, 10*s*b*h
 (16-bit; layer-norm inputs, dropout masks, first-linear inputs) stay replicated under tensor parallel
 unless sequence parallel shards them; the rest is divided by tp. Selective recompute keeps the projections'
-outputs and the block input (the runtime's policy, runtime.apply); full recompute keeps only the block input
-(2*s*b*h, /tp with sequence parallel) plus one block's activations live while it is recomputed.
-Tensor parallel splits the blocks only: the runtime (runtime/tensor_parallel.py) replicates the embedding,
+outputs and the block input (the runtime's policy, runtime.training.recompute); full recompute keeps only the block
+input (2*s*b*h, /tp with sequence parallel) plus one block's activations live while it is recomputed.
+Tensor parallel splits the blocks only: the runtime (runtime/parallel/tensor_parallel.py) replicates the embedding,
 the final norm and the output head over the tp ranks, so every tp rank holds their whole parameters, their
 gradients and optimizer states (sharded over dp by ZeRO like every parameter, never divided by tp), and
 computes the whole logits (B, T, V) and the loss on them. The loss's peak (logits_loss_bytes) is
 LOSS_BYTES_PER_LOGIT bytes per logit, measured, not divided by tp.
-Context parallel (runtime/context_parallel.py): a GPU holds the activations of b/cp sequences' worth of tokens; each
-block's attention keeps the keys and values gathered from the other cp - 1 ranks (gathered_kv_bytes), and one
+Context parallel (runtime/parallel/context_parallel.py): a GPU holds the activations of b/cp sequences' worth of tokens;
+each block's attention keeps the keys and values gathered from the other cp - 1 ranks (gathered_kv_bytes), and one
 (s/cp, s) attention mask serves every block (context_parallel_mask_bytes).
 Pipeline in-flight micro-batches on the first stage: 1F1B min(p, m); interleaved with v chunks
 multiplies by (1 + (p-1)/(p*v)) (Korthikanti et al., Sec. 4.2.3); each in-flight micro-batch keeps each of the rank's
@@ -46,7 +46,7 @@ in a pipeline its first stage does so while the other micro-batches in flight ke
 stage holds the head gathered at the loss and its unsharded gradients through each micro-batch's backward. These
 terms were measured with the dry run on the plans of benchmarks/dryrun_memory.py (which print where they bind).
 Offload (planner.cost.offload for its traffic): the optimizer states leave the GPU; under ZeRO 2/3 the weight
-and gradient shards stay on the GPU where they fit (the optimizer alone on the host, runtime.offload.sharded_cpu_adam),
+and gradient shards stay on the GPU where they fit (the optimizer alone on the host, runtime.optim.sharded_cpu_adam),
 else go to the host with it (FSDP2's CPUOffloadPolicy: parameters_offloaded). Host bytes per parameter of this
 rank's shard: beside device parameters zplan's CPU Adam keeps an fp32 master, m and v and a gradient buffer
 (HOST_OPTIMIZER_BYTES + HOST_GRAD_BUFFER_BYTES); under CPUOffloadPolicy the shards and the optimizer's states.
@@ -80,14 +80,14 @@ PARAM_BYTES = 4.0  # fp32 parameters: the master weights (fp32 runs, ZeRO 2/3's 
 GRAD_BYTES = 4.0  # fp32 gradients (fp32 runs; FSDP2's reduce_dtype=fp32; 1-bit Adam's autocast)
 ADAM_BYTES = 8.0  # fp32 m and v
 MASTER_BYTES = 4.0  # the optimizer's fp32 master of a 16-bit parameter (ZeRO 0/1 with mixed precision)
-# zplan's CPU Adam beside parameters kept on the device (ZeRO-1's runtime.offload.cpu_adam_optimizer, ZeRO 2/3's
-# runtime.offload.sharded_cpu_adam), per parameter of this rank's shard, in host memory: an fp32 master copy, m and
+# zplan's CPU Adam beside parameters kept on the device (ZeRO-1's runtime.optim.cpu_adam_optimizer, ZeRO 2/3's
+# runtime.optim.sharded_cpu_adam), per parameter of this rank's shard, in host memory: an fp32 master copy, m and
 # v (12), and the buffers the gradient shard is copied down into before the step (4, with a GPU: fp32, or a 16-bit
 # parameter's 16-bit gradient and the 16-bit rows the kernel writes for the copy back up).
 HOST_OPTIMIZER_BYTES = 12.0
 HOST_GRAD_BUFFER_BYTES = 4.0
 
-# Peak live bytes per logit while the runtime's default loss (planner.model_file.next_token_loss: cross-entropy on
+# Peak live bytes per logit while the runtime's default loss (model.model_file.next_token_loss: cross-entropy on
 # logits[:, :-1].flatten(0, 1).float()) runs its forward and backward on the (B, T, V) logits the head's matmul made:
 # at the peak (the log-softmax backward) the fp32 log-softmax output, its gradient and the gradient of its input,
 # 3 * 4 bytes; nothing holds the logits themselves by then (the train loop drops them once the loss is computed, and
@@ -99,21 +99,21 @@ HOST_GRAD_BUFFER_BYTES = 4.0
 LOSS_BYTES_PER_LOGIT = {"fp32": 12.0, "bf16": 12.0, "fp16": 12.0}  # fp8: bf16's (compute_dtype), the head is bf16
 
 
-# fp8 (runtime/float8.py, torchao's Float8Linear in eager mode): its activations are bf16's (torchao saves the bf16
-# input and weight for backward and casts them again there), but each cast to fp8 makes fp32 temporaries of the tensor
-# it casts (x.float() * scale, clamped, then the 1-byte copy), live during one Linear's backward at a time. The largest
-# is an MLP projection's (b, s, ffn) input or output gradient. Measured with the dry run (zplan dryrun, fake tensors,
-# torch._scaled_mm's meta kernel) on tiny Llamas (b 4, s 256; h 256 / 512, ffn 1024 / 2048, 2 or 4 layers; ZeRO 1
-# and 3, recompute none / full), the fp8 peak less the same plan's bf16 peak: 6.25 to 7.5 bytes per (b, s, ffn)
+# fp8 (runtime/precision/float8.py, torchao's Float8Linear in eager mode): its activations are bf16's (torchao saves the
+# bf16 input and weight for backward and casts them again there), but each cast to fp8 makes fp32 temporaries of the
+# tensor it casts (x.float() * scale, clamped, then the 1-byte copy), live during one Linear's backward at a time. The
+# largest is an MLP projection's (b, s, ffn) input or output gradient. Measured with the dry run (zplan dryrun, fake
+# tensors, torch._scaled_mm's meta kernel) on tiny Llamas (b 4, s 256; h 256 / 512, ffn 1024 / 2048, 2 or 4 layers; ZeRO
+# 1 and 3, recompute none / full), the fp8 peak less the same plan's bf16 peak: 6.25 to 7.5 bytes per (b, s, ffn)
 # element where the backward binds, independent of the number of layers; budgeted at the most. With it the 12 plans'
 # fp8 predictions err as their bf16 twins' do (within 1.5 points, or above); without it up to 10 % under the dry run
 # (tests/unit/test_float8_plan.py checks one).
 FP8_CAST_TEMPORARY_BYTES_PER_ELEMENT = 7.5
-# nvfp4 (runtime/nvfp4.py): activations are bf16's likewise (an NVFP4Linear saves its bf16 input and weight), and each
-# quantisation runs torchao 0.18's eager nvfp4_quantize, whose fp32 temporaries (the upcast, |x|, the scaled values,
-# their clamp, the integer bit manipulation of f32_to_f4_unpacked) and the transposed copies the backward's operands
-# need (G^T, X^T blocked along the tokens) are live during one Linear's backward. Measured as fp8's was (the dry run,
-# whose fake tensors run the GPU's code path through torch._scaled_mm's meta kernel; the tiny Llama of
+# nvfp4 (runtime/precision/nvfp4.py): activations are bf16's likewise (an NVFP4Linear saves its bf16 input and weight),
+# and each quantisation runs torchao 0.18's eager nvfp4_quantize, whose fp32 temporaries (the upcast, |x|, the scaled
+# values, their clamp, the integer bit manipulation of f32_to_f4_unpacked) and the transposed copies the backward's
+# operands need (G^T, X^T blocked along the tokens) are live during one Linear's backward. Measured as fp8's was (the
+# dry run, whose fake tensors run the GPU's code path through torch._scaled_mm's meta kernel; the tiny Llama of
 # tests/unit/test_float8_plan.py, b 4, s 256, h 256, ffn 2048, ZeRO 3, dgx-b200): the nvfp4 peak less the bf16 peak is
 # 29.88 bytes per (b, s, ffn) element with recompute full and none alike; budgeted at 30, the nvfp4 predictions are
 # +4.5 % (full) and +8.0 % (none) over the dry run, their bf16 twins +8.1 % and +13.5 %. Transformer Engine's fused
@@ -158,7 +158,7 @@ def state_bytes_per_param(zero, dp, offloaded, parameters_offloaded=None, sixtee
     """(weights, gradients, optimizer) bytes per parameter on the GPU, arrays or scalars alike: the
     runtime's 4 + 4 + 8, or with `sixteen_bit` (sixteen_bit_states) 2 + 2 + 12, sharded by ZeRO stage; offloaded
     states leave the GPU: the optimizer always (ZeRO-1:
-    runtime.offload.cpu_adam_optimizer; ZeRO 2/3 with the parameters on the GPU: runtime.offload.sharded_cpu_adam),
+    runtime.optim.cpu_adam_optimizer; ZeRO 2/3 with the parameters on the GPU: runtime.optim.sharded_cpu_adam),
     and under ZeRO 2/3 where `parameters_offloaded` the weight and gradient shards with it (FSDP2's
     CPUOffloadPolicy; planner.placement places them so). Default: every offloaded ZeRO 2/3 candidate offloads
     its parameters too (the conservative end, the least GPU memory)."""
@@ -205,7 +205,7 @@ def inflight_microbatches(cand: Candidates, num_micro_batches: np.ndarray) -> np
 
 def gathered_kv_bytes(model: ModelNumbers, cand: Candidates, precision: str) -> np.ndarray:
     """Bytes a block saves beyond its own tokens' under context parallel without recompute: the keys and values
-    all-gathered from the other cp - 1 ranks (runtime/context_parallel.py), which the attention keeps for its
+    all-gathered from the other cp - 1 ranks (runtime/parallel/context_parallel.py), which the attention keeps for its
     backward; (b/cp, s, kv features / tp) each of K and V from every other rank. Recompute (selective keeps only the
     projections' outputs) gathers them again in the backward."""
     kv_features = model.hidden * (model.kv_heads or model.heads) / model.heads
@@ -215,13 +215,14 @@ def gathered_kv_bytes(model: ModelNumbers, cand: Candidates, precision: str) -> 
 
 def context_parallel_mask_bytes(model: ModelNumbers, cand: Candidates, precision: str) -> np.ndarray:
     """Bytes of context parallel's attention mask on a GPU, 0 at cp 1: (s/cp) * s elements in the compute dtype, the
-    additive causal mask of this rank's s/cp queries over the whole sequence's s keys (runtime/context_parallel.py:
-    causal_bias, rows padded to 16 elements). ContextParallelAttention makes it once per scope (a micro-batch's
-    forward and backward; a pipeline's step) and every block's scaled_dot_product_attention saves that one tensor for
-    its backward (a recomputed block's too), so it is live from the first block's forward until the last block's
-    backward, once: not per block, not per micro-batch in flight, not divided by tp (every tp rank holds it whole)
-    nor multiplied by the micro-batch (broadcast over its sequences and heads). E.g. s = 8192, cp 2, bf16:
-    4096 * 8192 * 2 = 64 MiB (a mask per block, as the runtime held before, was 2 GiB over Llama-3-8B's 32)."""
+    additive causal mask of this rank's s/cp queries over the whole sequence's s keys
+    (runtime/parallel/context_parallel.py: causal_bias, rows padded to 16 elements). ContextParallelAttention makes it
+    once per scope (a micro-batch's forward and backward; a pipeline's step) and every block's
+    scaled_dot_product_attention saves that one tensor for its backward (a recomputed block's too), so it is live from
+    the first block's forward until the last block's backward, once: not per block, not per micro-batch in flight, not
+    divided by tp (every tp rank holds it whole) nor multiplied by the micro-batch (broadcast over its sequences and
+    heads). E.g. s = 8192, cp 2, bf16: 4096 * 8192 * 2 = 64 MiB (a mask per block, as the runtime held before, was 2 GiB
+    over Llama-3-8B's 32)."""
     s = float(model.seq_len)
     return np.where(cand.cp > 1, s / cand.cp * s * element_bytes(precision), 0.0)
 
@@ -241,7 +242,7 @@ def block_activation_bytes(model: ModelNumbers, cand: Candidates, precision: str
     none = sharded / t + np.where(sp, (replicated - gathered) / t + gathered, replicated)
     none = none + gathered_kv_bytes(model, cand, precision)  # selective and full recompute re-gather them
     block_input = np.where(sp, s * b * h * elem / t, s * b * h * elem)
-    # Selective: the runtime keeps the projections' outputs and recomputes everything else (runtime.apply's
+    # Selective: the runtime keeps the projections' outputs and recomputes everything else (runtime.training.recompute's
     # policy: aten.mm / addmm saved), plus the block input the checkpoint keeps. Under tp the column-parallel outputs
     # are split; the two row-parallel ones (attention out, MLP down: 2*s*h) are whole partial sums, also under
     # sequence parallel (the mm's output, before its reduce-scatter). A trace without the projections' outputs
@@ -304,7 +305,7 @@ def memory_per_gpu(
     single = p == 1
     # Per GPU: the blocks split by tp, the embedding and head whole (replicated over tp; module docstring). A tied
     # head's table (head_shared_params) is the embedding's in one stage, a copy of it on the last stage of a pipeline
-    # (runtime/pipeline.py sums their gradients), with its gradient and optimizer states.
+    # (runtime/parallel/pipeline.py sums their gradients), with its gradient and optimizer states.
     edges = model.embed_params + model.head_params  # embedding, final norm, head
     whole_model = edges + (model.params - edges) / t
     first_params = np.where(single, whole_model, model.embed_params + first_blocks * model.block_params / t)
@@ -364,8 +365,8 @@ def memory_per_gpu(
     # and for the first stage's embedding, it is not)
     last_copies = last_copies + np.where((z == 3) & ~single, elem * last_root, 0.0)
     # Gradients live at the loss's peak: under ZeRO 0/1 the buckets hold them from the build on (DDP's gradient as
-    # bucket view; runtime.grad_reduce's under tensor parallel); else only once a micro-batch's backward has run, i.e.
-    # with several micro-batches per step.
+    # bucket view; runtime.parallel.grad_reduce's under tensor parallel); else only once a micro-batch's backward has
+    # run, i.e. with several micro-batches per step.
     persistent_grads = (z <= 1) | (num_micro_batches > 1)
     # ...and where they are bucket views (ZeRO 0/1), autograd makes each parameter's gradient before adding it to its
     # view: the largest, a (V, h) table of the embedding or the head (whole on every tp rank), is live in backward
@@ -388,10 +389,11 @@ def memory_per_gpu(
         copies are live but no block's backward buffers, and gradients only where they persist; during a block's
         backward its buffers, the block being recomputed (full recompute) and the gradients are, the loss's
         temporaries are gone; after the backward, with the activations gone, a pipeline sums a tied table's
-        gradient over the ranks that hold it (`tied_sum`: one received copy, runtime.pipeline). The pipeline's
+        gradient over the ranks that hold it (`tied_sum`: one received copy, runtime.parallel.pipeline). The pipeline's
         receive buffers (`standing`) are live throughout; ZeRO 2/3's root unit reduces in the backward or after it
         (`root_in_backward`, `root_after`), and on a pipeline's last stage its gradients are held unsharded through the
-        micro-batch's backward (`root_grads`). Measured this way by the dry run (zplan dryrun, runtime.live_memory)."""
+        micro-batch's backward (`root_grads`). Measured this way by the dry run (zplan dryrun,
+        runtime.dryrun.live_memory)."""
         early = np.where(persistent_grads, grads, 0.0)
         parts = (weights + grads + optim + acts + copies + buffers + standing + tied_sum + table_grad + root_in_backward
                  + root_after + root_grads + fp8_casts)

@@ -14,11 +14,11 @@ recompute) and reduce-scatters their gradients in the backward (context_parallel
 gradients are averaged, and ZeRO shards, over dp * cp (gradient_group).
 Data parallel / ZeRO (Rajbhandari et al. SC'20, Sec. 7), as zplan's runtime runs them: stages 0-1
 all-reduce the gradients once per step, overlapped with the last micro-batch's backward (DDP buckets),
-and stage 1 then all-gathers the updated weights (runtime/zero1.py: buckets of DDP_BUCKET_BYTES, one
+and stage 1 then all-gathers the updated weights (runtime/optim/zero1.py: buckets of DDP_BUCKET_BYTES, one
 all-gather each; its in-place broadcasts of large tensors move the same bytes); stages 2-3 (FSDP2, one
 unit per block plus the root) reduce-scatter each unit's gradients in every micro-batch's backward;
 stage 3 all-gathers a unit's weights before its forward and again before its backward in every
-micro-batch, stage 2 once per step (runtime.train_loop keeps them gathered until the last backward);
+micro-batch, stage 2 once per step (runtime.training.loop keeps them gathered until the last backward);
 each phase's collectives overlap that phase's compute only (the forward's gathers the forward, the backward's gathers
 and reduce-scatters the backward and, under full recompute, its re-run forward; of each, the profile's
 efficiency.comm_overlap share), and the first gather is exposed.
@@ -77,7 +77,8 @@ AMAX_BYTES = 8.0  # torchao's amax all-reduce under tensor parallel: one float64
 
 
 def fp8_amax_reduces(model: ModelNumbers, recompute: np.ndarray) -> np.ndarray:
-    """Amax all-reduces over tp a block's fp8 casts make per micro-batch (runtime/float8.py's tensor-parallel styles:
+    """Amax all-reduces over tp a block's fp8 casts make per micro-batch (runtime/precision/float8.py's tensor-parallel
+    styles:
     a split tensor's scale is the whole tensor's): forward, every split weight and each row-split Linear's input
     (c + 2r); backward, every split weight again and each column-split Linear's output gradient (2c + r); a full
     recompute re-runs the forward's. c, r: the block's column- and row-split Linears."""
@@ -86,7 +87,7 @@ def fp8_amax_reduces(model: ModelNumbers, recompute: np.ndarray) -> np.ndarray:
 
 
 def context_parallel_block_s(model: ModelNumbers, cand: Candidates, cluster: ClusterSpec, elem: int) -> np.ndarray:
-    """Seconds of one block's context-parallel collectives per micro-batch (runtime/context_parallel.py, the
+    """Seconds of one block's context-parallel collectives per micro-batch (runtime/parallel/context_parallel.py, the
     all-gather form of Llama 3, Sec. 3.3.2): the forward all-gathers K and V over the cp group (b/cp of the sequences'
     worth of tokens a rank, (b, s, kv features / tp) gathered each), the backward reduce-scatters their gradients, and
     a recompute (selective or full) gathers them again; not overlapped with the attention. 0 when cp = 1."""
@@ -218,7 +219,7 @@ def estimate_step(
     tp_collectives = 4.0 + 2.0 * (cand.recompute == 2)
     one = np.ones_like(t)
     block_tp_s = tp_collectives * all_reduce_s(b * s * h * elem, t, one, cluster)
-    if precision == "fp8":  # each cast of a tp-split tensor all-reduces its amax over tp (runtime/float8.py)
+    if precision == "fp8":  # each cast of a tp-split tensor all-reduces its amax over tp (runtime/precision/float8.py)
         block_tp_s = block_tp_s + fp8_amax_reduces(model, cand.recompute) * all_reduce_s(
             AMAX_BYTES * one, t, one, cluster)
     compute_mb = load * block_s

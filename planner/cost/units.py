@@ -1,7 +1,7 @@
 """Per-pipeline-unit time and bytes for ONE candidate: the numbers planner.partition balances.
 
 Tensor parallel divides the blocks' parameters, compute and most activations by tp; the embedding, final norm
-and head are replicated over the tp ranks by the runtime (runtime/tensor_parallel.py), so their parameters
+and head are replicated over the tp ranks by the runtime (runtime/parallel/tensor_parallel.py), so their parameters
 (and gradients, optimizer states), their compute time and the logits with the loss's peak
 (planner.cost.memory.logits_loss_bytes) are counted whole on every tp rank.
 """

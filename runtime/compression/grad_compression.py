@@ -15,7 +15,7 @@ Per rank that sends 2 (W-1)/W x compressed(N) bytes, as a ring all-reduce sends 
         scale per chunk ended 34 % above the fp32 loss, one per 256 elements within 3 %.)
 
 int8 is a DDP communication hook (`int8_hook`): gradients are averaged approximately, the optimizer is
-unchanged, so it works under ZeRO 0 and ZeRO 1 (runtime.zero1 reads DDP's averaged gradients). 1-bit is not
+unchanged, so it works under ZeRO 0 and ZeRO 1 (runtime.optim.zero1 reads DDP's averaged gradients). 1-bit is not
 a gradient hook: signs of gradients fed to Adam do not converge (1-bit Adam sec. 3.1, the variance term is not
 linear); `OneBitAdamW` runs exact AdamW for `warmup_steps` steps, then freezes Adam's variance and all-reduces
 the momentum through the 1-bit compressed all-reduce (DDP's hook then sends nothing). It needs every rank to
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from zplan.cuda.comm_quant import dequantize_int8_blocks, pack_signs, quantize_int8_blocks, unpack_signs
-from zplan.runtime.zero1 import ZeroOneAdamW, _local
+from zplan.runtime.optim.zero1 import ZeroOneAdamW, _local
 
 # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -269,7 +269,7 @@ def _warmup_or_local_hook(state: HookState, bucket: dist.GradBucket) -> torch.fu
 
 
 class OneBitZeroOneAdamW(ZeroOneAdamW):
-    """1-bit Adam under ZeRO-1 (runtime.zero1.ZeroOneAdamW), for a DDP model with tp = pp = 1.
+    """1-bit Adam under ZeRO-1 (runtime.optim.zero1.ZeroOneAdamW), for a DDP model with tp = pp = 1.
 
     Warm-up: ZeroOneAdamW as it is (exact AdamW, states sharded by rows). Then, as OneBitAdamW: DDP sends
     nothing, Adam's variance is frozen (each rank keeps its rows of v), and the momentum is all-reduced in 1 bit

@@ -3,7 +3,7 @@
     settings = EngineSettings.from_plan(plan)       # or the script's constants (they state the plan)
     engine, tokenizer, ctx = engine_from_plan(plan, model_path, settings=settings, weights=..., seed=...)
 
-In order: join torch.distributed (runtime.distributed: torchrun's environment, else a world of one), refuse a
+In order: join torch.distributed (runtime.launch.distributed: torchrun's environment, else a world of one), refuse a
 plan made for another model file or world size before any collective (as train.py does), build the whole
 model on the CPU on every rank (the engine shards it for tensor parallelism), load the weights (a
 .safetensors file from `zplan export` or a torch.save state dict from train.py --save-weights; without one,
@@ -24,8 +24,8 @@ from pydantic import ValidationError
 from torch import nn
 
 from zplan.errors import ModelLoadError, PlanMismatchError, SpecError, validation_message
-from zplan.runtime.distributed import RunContext, init_distributed
-from zplan.runtime.plan_check import model_file_problems, raise_mismatch
+from zplan.runtime.launch.distributed import RunContext, init_distributed
+from zplan.runtime.plan.check import model_file_problems, raise_mismatch
 from zplan.schemas.inference import INFERENCE_PLAN_SCHEMA_VERSION, InferencePlan
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -212,10 +212,10 @@ def engine_from_plan(plan: InferencePlan, model_file: str | Path | None, *, weig
     streamed weights' files (weight tier nvme); settings: the engine's choices, default the plan's."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from zplan.planner.model_file import load_model_file
+    from zplan.model.model_file import load_model_file
     from zplan.runtime.inference.engine import InferenceEngine
     from zplan.runtime.inference.tokenizer import ByteTokenizer
-    from zplan.runtime.materialize import build_model
+    from zplan.runtime.training.materialize import build_model
 
     settings = settings or EngineSettings.from_plan(plan)
     ctx = init_distributed()

@@ -16,14 +16,14 @@ import time
 from pathlib import Path
 
 from zplan.errors import SpecError, ZplanError
-from zplan.runtime.arguments import MAX_SEED
 from zplan.runtime.inference.build import (
     EngineSettings,
     check_inference_plan,
     engine_from_plan,
     load_inference_plan,
 )
-from zplan.runtime.launch import ArgumentParser, report_error
+from zplan.runtime.launch.arguments import MAX_SEED
+from zplan.runtime.launch.torchrun import ArgumentParser, report_error
 
 
 def _common_arguments(parser: argparse.ArgumentParser, default_max_new_tokens: int) -> None:
@@ -46,13 +46,14 @@ def _model_file(args: argparse.Namespace, default: Path | None) -> Path | None:
 
 
 def _error(message: str) -> int:
-    """`zplan: error: message` once (through zplan's launcher under tensor parallel: runtime/launch.py); status 2."""
+    """`zplan: error: message` once (through zplan's launcher under tensor parallel: runtime/launch/torchrun.py);
+    status 2."""
     return report_error(message)
 
 
 def _check_common_arguments(args: argparse.Namespace) -> None:
-    """SpecError for a seed torch's generator cannot tell from another (runtime.arguments.MAX_SEED) or an empty path
-    (taken as not given, or as the current folder)."""
+    """SpecError for a seed torch's generator cannot tell from another (runtime.launch.arguments.MAX_SEED) or an empty
+    path (taken as not given, or as the current folder)."""
     if not 0 <= args.seed <= MAX_SEED:
         raise SpecError(f"--seed {args.seed}: must be 0 to {MAX_SEED:,} (torch's generator keeps a seed's low 32 "
                         "bits: a larger or negative seed would draw another seed's numbers)")
@@ -179,7 +180,7 @@ def run_generate(args: argparse.Namespace, plan_path: Path, model_path: Path | N
 def generate_main(plan_path: Path, model_path: Path | None, settings: EngineSettings, default_max_new_tokens: int,
                   argv: list[str] | None = None) -> int:
     """generate.py: completions of the prompts, one line each, on rank 0's standard output."""
-    from zplan.runtime.distributed import run_distributed
+    from zplan.runtime.launch.distributed import run_distributed
 
     args = _generate_parser(default_max_new_tokens).parse_args(argv)
     try:
@@ -233,7 +234,7 @@ def check_serve_arguments(args: argparse.Namespace) -> None:
 def serve_main(plan_path: Path, model_path: Path | None, settings: EngineSettings, default_max_new_tokens: int,
                argv: list[str] | None = None) -> int:
     """serve.py: the HTTP server on rank 0, the batch followers on the other tensor-parallel ranks."""
-    from zplan.runtime.distributed import run_distributed
+    from zplan.runtime.launch.distributed import run_distributed
 
     args = _serve_parser(default_max_new_tokens).parse_args(argv)
     try:

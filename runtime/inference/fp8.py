@@ -33,7 +33,7 @@ from functools import cache
 import torch
 
 from zplan.errors import ZplanError
-from zplan.runtime.float8 import FP8_MIN_CAPABILITY
+from zplan.runtime.precision.float8 import FP8_MIN_CAPABILITY
 from zplan.schemas.capability import FP8_DIM_MULTIPLE
 
 FP8 = torch.float8_e4m3fn

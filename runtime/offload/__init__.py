@@ -1,7 +1,5 @@
-"""Offload of model states off the GPU: ZeRO-Offload's CPU AdamW (cpu_adam_optimizer.py for ZeRO-1's rows,
-sharded_cpu_adam.py for FSDP2's ZeRO 2/3 shards kept on the device), and ZeRO-Infinity's swapping engine
-(nvme.py), swapped Adam moments (swapped_moments.py, nvme_optimizer.py) and swapped ZeRO-3 parameters
-(param_swap.py)."""
+"""Offload of model states off the GPU: ZeRO-Infinity's swapping engine (nvme.py) and swapped ZeRO-3 parameters
+(param_swap.py). The optimizers that keep their states on the host or on NVMe are in runtime/optim/."""
 
 from zplan.errors import SwapError
 from zplan.runtime.offload.nvme import (

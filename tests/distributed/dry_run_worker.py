@@ -2,7 +2,7 @@
 real, in a real gloo process group on real tensors, through the same measure_steps and meter as the dry run.
 
     python dry_run_worker.py OUT MODEL_FILE RESULT_PREFIX     # as one rank of torchrun's world
-writes RESULT_PREFIX.rank<r>.json: the figures of runtime.dry_run.RankFigures.
+writes RESULT_PREFIX.rank<r>.json: the figures of runtime.dryrun.dry_run.RankFigures.
 """
 
 import json
@@ -11,8 +11,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from zplan.dryrun import DRYRUN_STEPS, load_program
-from zplan.runtime.distributed import run_distributed
-from zplan.runtime.dry_run import measure_steps
+from zplan.runtime.dryrun.dry_run import measure_steps
+from zplan.runtime.launch.distributed import run_distributed
 
 
 def main(out_dir: str, model_path: str, prefix: str) -> None:

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from zplan.codegen.script import render_script_files
-from zplan.runtime.data import synthetic_token_batch
-from zplan.runtime.train_loop import WarmupCosine
+from zplan.runtime.training.data import synthetic_token_batch
+from zplan.runtime.training.loop import WarmupCosine
 from zplan.schemas import Plan
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,8 +36,8 @@ WEIGHT_DECAY = 0.1  # train.py's defaults, which the references use too
 GRAD_CLIP = 1.0
 
 _PRELOAD = ["torch", "torch.distributed.tensor.parallel", "torch.distributed.fsdp",
-            "zplan.runtime.apply", "zplan.runtime.checkpoint",
-            "zplan.runtime.pipeline", "zplan.runtime.train_loop", "rich.progress",
+            "zplan.runtime.parallel.data_parallel", "zplan.runtime.checkpoint.save",
+            "zplan.runtime.parallel.pipeline", "zplan.runtime.training.loop", "rich.progress",
             # what a Hugging Face model's build imports (with torchao installed, transformers' quantizers import it)
             "transformers.quantizers.auto", "transformers.models.llama.modeling_llama",
             __name__]  # this module: each rank unpickles _rank_main from it

@@ -18,7 +18,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from zplan.runtime.distributed import RunContext, run_distributed
+from zplan.runtime.launch.distributed import RunContext, run_distributed
 
 
 def _import_script(path: Path, name: str):

@@ -142,7 +142,7 @@ def _first_block(model: nn.Module, prefix: str, plan: dict) -> nn.Module | None:
 
 
 def main() -> int:
-    from zplan.runtime.distributed import run_distributed
+    from zplan.runtime.launch.distributed import run_distributed
 
     outs = [Path(arg) for arg in sys.argv[1:]]
     run_distributed(lambda ctx: [run_one(out, index, ctx) for index, out in enumerate(outs)] and None)

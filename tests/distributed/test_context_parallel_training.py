@@ -1,4 +1,4 @@
-"""Context parallelism (runtime/context_parallel.py) trains a tiny Hugging Face Llama as one process does.
+"""Context parallelism (runtime/parallel/context_parallel.py) trains a tiny Hugging Face Llama as one process does.
 
 The Llama of tests/hf_zoo.py (dropout 0, GQA: 4 query heads, 2 key/value heads) is compiled in this process as
 `zplan compile MODEL --gpus N --cluster dgx-h100 --precision fp32 --tp 1 --pp P --cp 2 --zero Z --global-batch 8
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from tests.distributed.harness import LogitsOf, import_file, max_loss_diff, run_emitted_script, train_single_process
 from tests.hf_zoo import deterministic_decoder_sources
-from zplan.runtime.data import synthetic_token_batch
+from zplan.runtime.training.data import synthetic_token_batch
 from zplan.schemas import Pins, Plan
 
 pytest.importorskip("transformers")

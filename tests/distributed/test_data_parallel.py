@@ -28,7 +28,7 @@ from tests.distributed.harness import (
     train_single_process,
 )
 from tests.plan_samples import gpt_unit_names, runnable_plan
-from zplan.runtime.data import synthetic_token_batch
+from zplan.runtime.training.data import synthetic_token_batch
 from zplan.schemas import Plan, Stage
 
 pytestmark = pytest.mark.slow
@@ -164,8 +164,8 @@ def test_cpu_offload_matches_single_process(zero_stage, parameters, delayed_upda
     """The optimizer on the CPU, as the placement puts the states: ZeRO 2/3 with the parameters on the host too
     (FSDP2's CPUOffloadPolicy: sharded parameters, gradients and the optimizer step on the CPU); ZeRO 2/3 with the
     parameters and gradients kept on the device and the optimizer alone on the host (ZeRO-Offload's optimizer
-    offload: runtime.offload.sharded_cpu_adam, zplan's CPU Adam on host masters of FSDP2's shards); ZeRO 1 with its
-    optimizer shard on the host (runtime.offload.cpu_adam_optimizer). Each trains like one process. With the
+    offload: runtime.optim.sharded_cpu_adam, zplan's CPU Adam on host masters of FSDP2's shards); ZeRO 1 with its
+    optimizer shard on the host (runtime.optim.cpu_adam_optimizer). Each trains like one process. With the
     delayed update planned, these steps are its exact warm-up (the delay itself: test_delayed_update.py)."""
     plan = make_plan(model_path, zero_stage=zero_stage)
     plan = plan.model_copy(update=dict(
@@ -184,7 +184,7 @@ def test_cpu_offload_matches_single_process(zero_stage, parameters, delayed_upda
 @pytest.mark.parametrize("zero_stage, parameters", [(1, "gpu"), (2, "cpu"), (3, "cpu"), (3, "nvme")])
 def test_nvme_offload_matches_single_process(zero_stage, parameters, model_path, reference, tmp_path):
     """ZeRO-Infinity's optimizer offload: Adam's moments in files under --nvme-path, swapped in per sub-group
-    during the step (runtime.offload.nvme_optimizer), and with ZeRO-3 the parameter shards too, swapped in
+    during the step (runtime.optim.nvme_optimizer), and with ZeRO-3 the parameter shards too, swapped in
     before each unit's all-gather (runtime.offload.param_swap): trains like one process; the swap files are
     gone after."""
     plan = make_plan(model_path, zero_stage=zero_stage)
@@ -233,8 +233,8 @@ def test_compressed_communication_trains_close_to_single_process(zero_stage, pp,
 def test_mixed_precision_keeps_fp32_master_weights(zero_stage, pp, precision, model_path, reference, tmp_path):
     """fp16 compute (ZeRO-2: FSDP2 MixedPrecisionPolicy, ShardedGradScaler, foreach AdamW; ZeRO-1: fp16 parameters
     and gradients, the loss scale and the clipping divided out of the fp32 upcast in the step, the overflow read
-    from the norm (runtime.loss_scale); pp=2, ZeRO 0: the same per stage, the scale agreed over the pipeline): the
-    losses follow fp32 closely and the trained weights (the masters) are fp32."""
+    from the norm (runtime.precision.loss_scale); pp=2, ZeRO 0: the same per stage, the scale agreed over the
+    pipeline): the losses follow fp32 closely and the trained weights (the masters) are fp32."""
     plan = (make_plan(model_path, zero_stage=zero_stage, precision=precision) if pp == 1 else
             pipeline_plan(model_path, pp=pp, dp=1, interleave=1, zero_stage=zero_stage, precision=precision))
     records, weights = run_emitted_script(plan, model_path, tmp_path / "out", steps=STEPS, seed=SEED, lr=LR)
@@ -261,8 +261,8 @@ def bf16_reference(model_path) -> tuple[list[float], dict[str, torch.Tensor]]:
 def test_bf16_trains_as_one_process_with_fp32_masters(zero_stage, offload, model_path, bf16_reference, reference,
                                                       tmp_path):
     """bf16 against one process that keeps bf16 parameters and fp32 masters (harness.train_single_process): ZeRO 0/1
-    hold the parameters and gradients in bf16 and the masters in the optimizer (runtime.zero1), ZeRO 2 FSDP2's fp32
-    shards with bf16 compute; ZeRO-1 offloaded keeps the masters and moments of its rows on the host (CPU Adam,
+    hold the parameters and gradients in bf16 and the masters in the optimizer (runtime.optim.zero1), ZeRO 2 FSDP2's
+    fp32 shards with bf16 compute; ZeRO-1 offloaded keeps the masters and moments of its rows on the host (CPU Adam,
     the clipping factor applied by its kernel) or the masters on the host and the moments in files (NVMe). The
     losses agree within the tolerance of the fp16 test above (DDP sums the two ranks'
     bf16 gradients, the reference computes the whole batch's: rounding apart); the saved weights are the fp32
@@ -310,7 +310,7 @@ def test_recompute_modes_really_recompute(model_path):
     """The recompute the runs above use is real (one process, no launch). In backward, 'full' reruns
     each block's forward, GEMMs included; 'selective' reruns the attention core but takes
     the GEMM outputs from what the forward kept; both leave the gradients bit-identical."""
-    from zplan.runtime.apply import apply_recompute
+    from zplan.runtime.training.recompute import apply_recompute
 
     tokens = synthetic_token_batch(VOCAB, SEQ_LEN, 4, SEED, 0)  # (4, T)
     backward_ops, grads = {}, {}
@@ -418,7 +418,7 @@ def _print_records_and_close(record: dict) -> None:
 
 def _zero1_worker() -> None:
     """ZeroOneAdamW against torch's AdamW (_step_against_adamw), plus its row split and buckets."""
-    from zplan.runtime.zero1 import ZeroOneAdamW
+    from zplan.runtime.optim.zero1 import ZeroOneAdamW
 
     optimizer, mine, record = _step_against_adamw(ZeroOneAdamW)
     record["local_rows"] = {str(tuple(p.shape)): optimizer.state[p]["exp_avg"].to_local().shape[0] for p in mine}
@@ -444,7 +444,7 @@ def test_zero1_optimizer_equals_adamw_with_uneven_shards(tmp_path):
 def _zero1_offload_worker() -> None:
     """ZeRO-1 with CPU offload against torch's AdamW (_step_against_adamw), plus where the master and
     moment rows live and which kernel ran."""
-    from zplan.runtime.offload.cpu_adam_optimizer import CpuOffloadZeroOneAdamW
+    from zplan.runtime.optim.cpu_adam_optimizer import CpuOffloadZeroOneAdamW
 
     optimizer, mine, record = _step_against_adamw(CpuOffloadZeroOneAdamW)
     host = [optimizer.master_rows(p) for p in mine]

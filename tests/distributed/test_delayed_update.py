@@ -1,4 +1,4 @@
-"""ZeRO-Offload's one-step delayed parameter update (runtime.offload.cpu_adam_optimizer, delayed_update=True) on
+"""ZeRO-Offload's one-step delayed parameter update (runtime.optim.cpu_adam_optimizer, delayed_update=True) on
 2 processes (gloo): the tiny GPT of test_data_parallel trained under DDP with ZeRO-1 CPU offload, exact and
 delayed, against each other and against a one-process emulation of the delay with torch's AdamW.
 
@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from tests.distributed.harness import GRAD_CLIP, WEIGHT_DECAY, Ranks, import_file, max_weight_diff
 from tests.distributed.test_data_parallel import SEQ_LEN, TINY_GPT, VOCAB
-from zplan.runtime.data import synthetic_token_batch
-from zplan.runtime.train_loop import WarmupCosine
+from zplan.runtime.training.data import synthetic_token_batch
+from zplan.runtime.training.loop import WarmupCosine
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ def _schedule() -> WarmupCosine:
 
 
 def _groups(model: torch.nn.Module) -> list[dict]:
-    from zplan.runtime.apply import adamw_param_groups
+    from zplan.runtime.optim.build import adamw_param_groups
 
     return adamw_param_groups(model, WEIGHT_DECAY)
 
@@ -61,7 +61,7 @@ def _train(build_model, mesh, *, delayed: bool) -> tuple[list[float], dict, dict
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from zplan.runtime.offload.cpu_adam_optimizer import CpuOffloadZeroOneAdamW
+    from zplan.runtime.optim.cpu_adam_optimizer import CpuOffloadZeroOneAdamW
 
     rank = dist.get_rank()
     torch.manual_seed(SEED)
@@ -93,7 +93,7 @@ def _small_checks(mesh) -> dict:
     import copy
 
     from zplan.cuda import cpu_adam
-    from zplan.runtime.offload.cpu_adam_optimizer import CpuOffloadZeroOneAdamW
+    from zplan.runtime.optim.cpu_adam_optimizer import CpuOffloadZeroOneAdamW
 
     generator = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(6, 4, generator=generator)),

@@ -1,10 +1,10 @@
 """The dry run's honesty check: the same program on the same plan, run for real by 2 gloo processes on real tensors
-(tests/distributed/dry_run_worker.py: runtime.dry_run.measure_steps with fake=False) and by the dry run on fake
-tensors, counted by the same meter (runtime.live_memory): the peaks of each stage's rank agree within 5 %. The
-plans cover DDP (whose reducer the dry run stands in for: runtime.fake_world.FakeRankDDP) inside pipeline
+(tests/distributed/dry_run_worker.py: runtime.dryrun.dry_run.measure_steps with fake=False) and by the dry run on fake
+tensors, counted by the same meter (runtime.dryrun.live_memory): the peaks of each stage's rank agree within 5 %. The
+plans cover DDP (whose reducer the dry run stands in for: runtime.dryrun.fake_world.FakeRankDDP) inside pipeline
 stages, in fp32 and with bf16 parameters (ZeRO-1: fp32 masters in the optimizer), FSDP2 with DTensor tensor parallel,
-ZeRO-1 under tensor parallel (runtime.grad_reduce's buckets), and ZeRO-1 with its optimizer offloaded to the CPU
-(the host bytes too: the offloaded masters and moments)."""
+ZeRO-1 under tensor parallel (runtime.parallel.grad_reduce's buckets), and ZeRO-1 with its optimizer offloaded to the
+CPU (the host bytes too: the offloaded masters and moments)."""
 
 import json
 from pathlib import Path

@@ -3,9 +3,9 @@
 A tiny Hugging Face Llama (tests/hf_zoo.py, dropout 0; every Linear of its blocks has dims that are multiples of
 16) is compiled in this process as `zplan compile MODEL --gpus 2 --cluster dgx-h100 --precision fp8 --tp 1 --pp 1
 --zero Z --global-batch 8 --seq 32` and the emitted train.py trains STEPS steps on 2 CPU processes: the blocks'
-Linears run torch._scaled_mm on fp8 inputs (runtime/float8.py; torch 2.13 has a CPU kernel), the rest bf16 with
-fp32 master weights (ZeRO-1: bf16 parameters, the masters in runtime.zero1; ZeRO-3: FSDP2's fp32 shards and bf16
-compute copies).
+Linears run torch._scaled_mm on fp8 inputs (runtime/precision/float8.py; torch 2.13 has a CPU kernel), the rest bf16
+with fp32 master weights (ZeRO-1: bf16 parameters, the masters in runtime.optim.zero1; ZeRO-3: FSDP2's fp32 shards and
+bf16 compute copies).
 
 The reference is independent of zplan's runtime: one process, the model's block Linears converted by torchao
 directly (convert_to_float8_training, the same dims filter), bf16 parameters with fp32 masters stepped by torch's
@@ -182,8 +182,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from zplan.runtime.float8 import convert_blocks_to_float8
-from zplan.runtime.tensor_parallel import apply_tensor_parallel
+from zplan.runtime.precision.float8 import convert_blocks_to_float8
+from zplan.runtime.parallel.tensor_parallel import apply_tensor_parallel
 
 
 class Mlp(nn.Module):

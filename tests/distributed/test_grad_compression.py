@@ -31,16 +31,16 @@ def _train(build_model, mesh, run: str) -> tuple[list[float], dict]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from zplan.runtime.apply import adamw_param_groups
     from zplan.runtime.compression import grad_compression as gc
-    from zplan.runtime.zero1 import ZeroOneAdamW
+    from zplan.runtime.optim.build import adamw_param_groups
+    from zplan.runtime.optim.zero1 import ZeroOneAdamW
 
     torch.manual_seed(SEED)
     model = build_model()
     group = mesh.get_group()
     if run.startswith("zero3"):  # FSDP2, its parameter all-gathers counted, in int8 for the second
-        from zplan.runtime.apply import apply_data_parallel
         from zplan.runtime.compression.weight_allgather import quantize_weight_all_gathers
+        from zplan.runtime.parallel.data_parallel import apply_data_parallel
 
         model = ddp = apply_data_parallel(model, mesh, 3, "fp32", "none", "blocks")
         wire = quantize_weight_all_gathers(ddp, int8=run.endswith("int8-weights"))
@@ -79,7 +79,7 @@ def _train(build_model, mesh, run: str) -> tuple[list[float], dict]:
 
 
 def synthetic_batch(step: int) -> torch.Tensor:
-    from zplan.runtime.data import synthetic_token_batch
+    from zplan.runtime.training.data import synthetic_token_batch
 
     return synthetic_token_batch(VOCAB, SEQ_LEN, WORLD * PER_RANK, SEED, step)
 

@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from tests.distributed.harness import Ranks, import_file, max_loss_diff, max_weight_diff, read_log
 from tests.hf_zoo import deterministic_decoder_sources
 from zplan.errors import SpecError
-from zplan.runtime.data import synthetic_token_batch
-from zplan.runtime.train_loop import WarmupCosine
+from zplan.runtime.training.data import synthetic_token_batch
+from zplan.runtime.training.loop import WarmupCosine
 from zplan.schemas import Pins, Plan
 from zplan.schemas.capability import RULES
 from zplan.schemas.spec import ADAMW_DEFAULTS, GRAD_CLIP
@@ -42,7 +42,7 @@ WORLD = 2
 GLOBAL_BATCH, SEQ_LEN, VOCAB = 8, 32, 128  # VOCAB: the zoo's VOCAB_SIZE
 STEPS, SEED, LR = 4, 7, 1e-3
 TOLERANCE = 1e-5  # fp32: loss of every step and every final weight
-# Phi-3's fused projections are stored grouped (runtime.fused_layout) at every tp, which changes the order in which
+# Phi-3's fused projections are stored grouped (model.fused_layout) at every tp, which changes the order in which
 # the weight-gradient GEMM accumulates (gradients differ by ~2e-10, the logits are bit-equal); AdamW divides each
 # gradient by its own running RMS, so such a difference in a near-zero gradient becomes a visible step: 8.6e-6 to
 # 1.22e-5 after 4 steps on this machine, against <= 1e-6 for the models without fused projections.
@@ -211,7 +211,7 @@ def test_decoder_under_parallelism_equals_single_process(name, par, parallelism,
 
 
 def test_fused_projections_checkpoint_reshards_across_tp_and_exports_in_file_order(models, tmp_path):
-    """Phi-3's fused qkv_proj and gate_up_proj are stored grouped at every tp (runtime/fused_layout.py). A checkpoint
+    """Phi-3's fused qkv_proj and gate_up_proj are stored grouped at every tp (model/fused_layout.py). A checkpoint
     written under tp=2 after step 2 resumes under ZeRO-3 on dp=2: steps 3 and 4 see the losses the tp=2 run saw and
     the final weights equal its final weights; `zplan export` of the tp=2 run's last checkpoint gives the model
     file's order: equal to its --save-weights."""

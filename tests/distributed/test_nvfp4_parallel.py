@@ -3,8 +3,8 @@
 A tiny Hugging Face Llama (tests/hf_zoo.py, dropout 0; every Linear of its blocks has dims that are multiples of 16)
 is compiled in this process as `zplan compile MODEL --gpus 2 --cluster dgx-b200 --precision nvfp4 --tp 1 --pp 1
 --zero Z --micro-batch 4 --global-batch 8 --seq 32`, and the emitted train.py trains STEPS steps on 2 CPU
-processes: the blocks' Linears are runtime/nvfp4.py's NVFP4Linears (emulated GEMMs on the CPU), the rest bf16 with
-fp32 master weights.
+processes: the blocks' Linears are runtime/precision/nvfp4.py's NVFP4Linears (emulated GEMMs on the CPU), the rest bf16
+with fp32 master weights.
 
 The reference is independent of zplan's runtime: one process, the block Linears' three GEMMs fake-quantised by the
 hand-written NVFP4 quantiser of tests/unit/test_nvfp4_quantize.py (forward q(X) q(W)^T, input gradient q(G) q(W^T)^T,

@@ -41,8 +41,8 @@ def _worker(swap_folder: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from zplan.runtime.offload.nvme_optimizer import NvmeZeroOneAdamW
-    from zplan.runtime.zero1 import ZeroOneAdamW
+    from zplan.runtime.optim.nvme_optimizer import NvmeZeroOneAdamW
+    from zplan.runtime.optim.zero1 import ZeroOneAdamW
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
@@ -129,7 +129,7 @@ def _zero3_worker(swap_folder: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    from zplan.runtime.offload.nvme_optimizer import NvmeShardedAdamW
+    from zplan.runtime.optim.nvme_optimizer import NvmeShardedAdamW
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))

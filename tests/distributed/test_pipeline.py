@@ -1,4 +1,4 @@
-"""Pipeline parallelism (runtime/pipeline.py) under gloo against one process.
+"""Pipeline parallelism (runtime/parallel/pipeline.py) under gloo against one process.
 
 Distributed (slow): examples/tiny.py with 4 blocks (tied output head, learned position embedding) trains
 3 AdamW steps with active gradient clipping, pp=2 under GPipe, 1F1B and interleaved 1F1B (2 chunks per
@@ -81,7 +81,7 @@ def adamw(params) -> torch.optim.Optimizer:
 
 
 def global_batch(dp: int, step: int) -> torch.Tensor:
-    from zplan.runtime.data import synthetic_token_batch
+    from zplan.runtime.training.data import synthetic_token_batch
 
     return synthetic_token_batch(VOCAB, SEQ_LEN, dp * MICRO_BATCH * NUM_MICRO_BATCHES, SEED, step)  # (B, T)
 
@@ -104,7 +104,7 @@ def _wrap_for_data_parallel(chunk: nn.Module, dp_mesh, zero_stage: int) -> nn.Mo
 def _train_pipelined(mesh, dp: int, schedule: str, zero_stage: int, stage_units: list[list[str]]):
     import torch.distributed as dist
 
-    from zplan.runtime.pipeline import build_pipeline, gather_full_state_dict, stage_module_paths
+    from zplan.runtime.parallel.pipeline import build_pipeline, gather_full_state_dict, stage_module_paths
 
     torch.manual_seed(SEED)
     model = tiny_model()
@@ -135,8 +135,8 @@ def _train_pipelined(mesh, dp: int, schedule: str, zero_stage: int, stage_units:
 
 
 def worker(out_file: str, world: int) -> None:
-    from zplan.runtime.distributed import run_distributed
-    from zplan.runtime.mesh import build_mesh
+    from zplan.runtime.launch.distributed import run_distributed
+    from zplan.runtime.parallel.mesh import build_mesh
 
     def work(ctx) -> None:
         results = {}
@@ -248,7 +248,7 @@ def _example_model(name: str) -> tuple[nn.Module, list[list[str]]]:
 @pytest.mark.parametrize("name", ["tiny", "gpt", "llama"])
 def test_stages_reproduce_the_forward_and_its_gradients(name):
     """Composed in one process, the stages give the model's logits, and backward through them its gradients."""
-    from zplan.runtime.pipeline import check_split, run_stages, split_model
+    from zplan.runtime.parallel.pipeline import check_split, run_stages, split_model
 
     model, stages = _example_model(name)
     chunks = split_model(model, stages)
@@ -294,7 +294,7 @@ class MaskedBlock(nn.Module):
 
 
 def test_the_forward_runs_on_every_stage():
-    from zplan.runtime.pipeline import PipelineSplitError, check_split, split_model
+    from zplan.runtime.parallel.pipeline import PipelineSplitError, check_split, split_model
 
     stages = [["wte", "blocks.0"], ["blocks.1", "lm_head"]]
     tokens = global_batch(1, 0)[:2]
@@ -331,9 +331,9 @@ def hf_model(name: str) -> nn.Module:
 def test_hugging_face_stages_reproduce_the_forward_and_its_gradients(name):
     """Stages cut from the tracer's units (model.embed_tokens | model.layers.i | model.norm, lm_head) give the
     model's logits and, backward through them, its gradients."""
-    from zplan.planner.model_file import next_token_loss as model_file_loss  # the runtime's default loss
+    from zplan.model.model_file import next_token_loss as model_file_loss  # the runtime's default loss
     from zplan.planner.trace import trace_module
-    from zplan.runtime.pipeline import check_split, run_stages, split_model, stage_module_paths
+    from zplan.runtime.parallel.pipeline import check_split, run_stages, split_model, stage_module_paths
 
     model = hf_model(name)
     with torch.device("meta"):
@@ -352,7 +352,7 @@ def test_hugging_face_stages_reproduce_the_forward_and_its_gradients(name):
 
 
 def test_stage_lists_that_do_not_fit_the_model_are_refused():
-    from zplan.runtime.pipeline import PipelineSplitError, unit_roles
+    from zplan.runtime.parallel.pipeline import PipelineSplitError, unit_roles
 
     model = tiny_model()
     blocks = [f"blocks.{i}" for i in range(LAYERS)]
@@ -369,7 +369,7 @@ def test_stage_lists_that_do_not_fit_the_model_are_refused():
 
 
 def test_stage_module_paths_expands_units():
-    from zplan.runtime.pipeline import stage_module_paths
+    from zplan.runtime.parallel.pipeline import stage_module_paths
 
     assert stage_module_paths(TWO_STAGES, UNITS) == [
         ["wte", "wpe", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "ln_f", "lm_head"]]

@@ -9,7 +9,7 @@ objects and from what a block sees, what the run did. Each field of plan.json is
   placement              FSDP2's CPUOffloadPolicy (ZeRO 2/3: parameter and gradient shards on the host) exactly
                          when the parameters and gradients are placed off the GPU, else the parameters and the
                          gradients the step sees on the run's device; the ZeRO-1 CPU optimizer, the ZeRO 2/3
-                         one over device shards (runtime.offload.sharded_cpu_adam, its moments on the host) or
+                         one over device shards (runtime.optim.sharded_cpu_adam, its moments on the host) or
                          FSDP2's host step (optimizer on the CPU), swap files in --nvme-path (optimizer on NVMe);
                          none of these without offload;
   precision              the dtype of the first Linear's output in block 0;

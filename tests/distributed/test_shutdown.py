@@ -1,7 +1,7 @@
 """Closing the process group joins every gloo worker thread, so the interpreter can exit without SIGABRT.
 
 A gloo worker that frees a finished collective's tensor after the interpreter began to exit aborts the process
-("terminate called without an active exception"; runtime/distributed.py explains the path). close_distributed
+("terminate called without an active exception"; runtime/launch/distributed.py explains the path). close_distributed
 prevents it by destroying each process group, and so joining its workers, on the main thread before the exit.
 torch's DTensor caches keep device meshes, and through them the groups, alive: this test runs real plans
 (ZeRO-3 through FSDP2, tensor parallel through DTensor, a pipeline, ZeRO-1, the tensor-parallel inference
@@ -35,7 +35,7 @@ import json, os, sys
 from pathlib import Path
 
 from tests.distributed.harness import import_file
-from zplan.runtime.distributed import close_distributed, init_distributed
+from zplan.runtime.launch.distributed import close_distributed, init_distributed
 from zplan.runtime.inference.build import engine_from_plan, load_inference_plan
 from zplan.runtime.inference.sampling import SamplingParams
 

@@ -230,8 +230,8 @@ def _examples_worker() -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from zplan.runtime.apply import apply_tensor_parallel
-    from zplan.runtime.mesh import build_mesh
+    from zplan.runtime.parallel.mesh import build_mesh
+    from zplan.runtime.parallel.tensor_parallel import apply_tensor_parallel
 
     dist.init_process_group("gloo")
     mesh = build_mesh(pp=1, dp=1, tp=dist.get_world_size(), device_type="cpu")
@@ -287,7 +287,7 @@ def test_splits_that_cannot_work_are_refused():
     """Llama with 2 key/value heads cannot go to tp=4 (a rank would hold half a head); a plan naming a
     module the model lacks, or a parameterised module among the split Linears, is refused too."""
     from zplan.errors import PlanMismatchError
-    from zplan.runtime.tensor_parallel import check_block_split
+    from zplan.runtime.parallel.tensor_parallel import check_block_split
 
     example = import_file(REPO / "examples" / "llama.py", "example_llama_refusal")
     block = example.build_model(num_layers=1, hidden=64, heads=8, kv_heads=2, ffn_hidden=96, vocab_size=128).layers[0]

@@ -17,7 +17,7 @@ def test_calibrate_fits_on_measured_runs_and_the_profile_compiles(tmp_path):
     compile_tiny(fitted_dir, 2, "--zero", "0", "--tp", "1", "--pp", "1")
     compile_tiny(checked_dir, 1, "--micro-batch", "2")
     for out in (fitted_dir, checked_dir):
-        for record in run_script(out, 6):  # each step's phases, timed inside it (runtime.train_loop)
+        for record in run_script(out, 6):  # each step's phases, timed inside it (runtime.training.loop)
             phases = record["phases_s"]
             assert 0 < phases["forward_backward_s"] and 0 < phases["optimizer_s"]
             assert phases["forward_backward_s"] + phases["optimizer_s"] <= record["step_time_s"]

@@ -111,7 +111,7 @@ def test_offload_pin_is_honoured_and_runs(tmp_path, name):
     fits on the device), NVMe runs with ZeRO 1, 2 and 3, and train.py runs the plan for 3 steps (here, or in the
     test RUN_ELSEWHERE names)."""
     from zplan.api import compile_plan, prepare, write_outputs
-    from zplan.runtime.plan_check import runtime_gaps
+    from zplan.runtime.plan.check import runtime_gaps
     from zplan.schemas.spec import Pins
 
     pins = Pins(**OFFLOAD_PIN_RUNS[name])

@@ -40,12 +40,12 @@ def compiled(tmp_path_factory) -> Path:
 
 def reference_tokens(plan_dir: Path, prompts: list[str], weights: dict | None = None) -> list[list[int]]:
     """Greedy tokens of engine.generate in this process, on `torch.manual_seed(0); build_model()`."""
-    from zplan.planner.model_file import load_model_file
+    from zplan.model.model_file import load_model_file
     from zplan.runtime.inference.build import load_inference_plan
     from zplan.runtime.inference.engine import InferenceEngine
     from zplan.runtime.inference.sampling import SamplingParams
     from zplan.runtime.inference.tokenizer import ByteTokenizer
-    from zplan.runtime.materialize import build_model
+    from zplan.runtime.training.materialize import build_model
 
     plan = load_inference_plan(plan_dir / "plan.json")
     model = build_model(load_model_file(ROOT / "examples" / "tiny.py").build_model, 0, "cpu")
@@ -159,11 +159,11 @@ def test_generate_and_serve(compiled):
 def test_engine_from_plan_loads_a_weights_file(compiled, tmp_path, suffix):
     """train.py --save-weights' torch.save file, and a safetensors file (as `zplan export` writes, a tied weight
     under each of its names)."""
-    from zplan.planner.model_file import load_model_file
-    from zplan.runtime.distributed import close_distributed
+    from zplan.model.model_file import load_model_file
     from zplan.runtime.inference.build import engine_from_plan, load_inference_plan
     from zplan.runtime.inference.sampling import SamplingParams
-    from zplan.runtime.materialize import build_model
+    from zplan.runtime.launch.distributed import close_distributed
+    from zplan.runtime.training.materialize import build_model
 
     model = build_model(load_model_file(ROOT / "examples" / "tiny.py").build_model, 0, "cpu")
     generator = torch.Generator().manual_seed(5)

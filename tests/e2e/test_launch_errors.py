@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from zplan.api import compile_plan, prepare, write_outputs
-from zplan.runtime.run_lock import try_lock
+from zplan.runtime.checkpoint.run_lock import try_lock
 from zplan.schemas.spec import Pins
 
 ROOT = Path(__file__).resolve().parents[2]

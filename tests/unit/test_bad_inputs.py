@@ -157,8 +157,8 @@ def test_probe_and_reduce_check_their_output_and_arguments_before_any_work(tmp_p
     def no_work(*args, **kwargs):
         raise AssertionError("measured or reduced before the output was checked")
 
-    monkeypatch.setattr("zplan.planner.probe.probe_this_machine", no_work)
-    monkeypatch.setattr("zplan.runtime.compression.model_reduction.write_reduced_model_file", no_work)
+    monkeypatch.setattr("zplan.probe.probe_this_machine", no_work)
+    monkeypatch.setattr("zplan.model_reduction.write_reduced_model_file", no_work)
     (tmp_path / "file").write_text("mine\n")
     under_a_file = tmp_path / "file" / "x.yaml"
     assert_clean_error(run("probe", "-o", under_a_file, "--seconds", 1), "file is a file", "nothing was done")
@@ -169,7 +169,7 @@ def test_probe_and_reduce_check_their_output_and_arguments_before_any_work(tmp_p
 
 
 def test_probe_writes_its_profile_atomically(tmp_path, monkeypatch):
-    monkeypatch.setattr("zplan.planner.probe.probe_this_machine", lambda seconds, nvme: BUILTIN_CLUSTERS["cpu-local"])
+    monkeypatch.setattr("zplan.probe.probe_this_machine", lambda seconds, nvme: BUILTIN_CLUSTERS["cpu-local"])
     target = tmp_path / "local.yaml"
     result = run("probe", "-o", target, "--seconds", 1)
     assert result.exit_code == 0, result.output

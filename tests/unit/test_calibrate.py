@@ -1,4 +1,4 @@
-"""zplan calibrate's fit (planner/calibrate.py) on runs whose 'measured' times a known profile made: the fit finds a
+"""zplan calibrate's fit (zplan/calibrate.py) on runs whose 'measured' times a known profile made: the fit finds a
 profile under which the fitted runs and the runs left out are predicted as that profile predicts them. The same
 command on real runs of this machine: tests/e2e/test_calibrate_command.py."""
 
@@ -8,7 +8,7 @@ import pytest
 
 import zplan.examples
 from zplan.api import compile_plan, prepare
-from zplan.planner.calibrate import (
+from zplan.calibrate import (
     CalibrationError,
     apply,
     calibrate,

@@ -8,7 +8,7 @@ from tests.unit.test_plan_check import model_file, plan_for  # noqa: F401 (model
 from zplan.api import check_pins_against_model
 from zplan.errors import PlanMismatchError, SpecError
 from zplan.planner.enumerate import enumerate_candidates
-from zplan.runtime.plan_check import check_plan
+from zplan.runtime.plan.check import check_plan
 from zplan.schemas import ModelTrait, Pins
 from zplan.schemas.capability import RULES, capability_problems
 

@@ -1,4 +1,4 @@
-"""Checkpoints as hostile input (runtime/checkpoint.py, runtime/checkpoint_manifest.py, zplan/export.py).
+"""Checkpoints as hostile input (runtime/checkpoint/save.py, runtime/checkpoint/manifest.py, zplan/export.py).
 
 Each case damages or crafts a checkpoint the way a careless copy, a bad disk or an attacker would, then asserts the
 exception (or the exit status of `zplan export`), its message, and that nothing outside the checkpoint folder changed:
@@ -28,19 +28,11 @@ import torch
 from torch import nn
 from typer.testing import CliRunner
 
-import zplan.runtime.checkpoint as checkpoint_module
+import zplan.runtime.checkpoint.save as checkpoint_module
 from zplan.cli import app
 from zplan.errors import CheckpointError, ZplanError
 from zplan.export import export_checkpoint
-from zplan.runtime.checkpoint import (
-    CheckpointConfig,
-    complete_checkpoints,
-    latest_valid_checkpoint,
-    load_checkpoint,
-    read_train_state,
-    save_checkpoint,
-)
-from zplan.runtime.checkpoint_manifest import (
+from zplan.runtime.checkpoint.manifest import (
     MANIFEST_FILE,
     file_entry,
     files_to_hash,
@@ -48,8 +40,16 @@ from zplan.runtime.checkpoint_manifest import (
     verify,
     write_manifest,
 )
-from zplan.runtime.distributed import close_distributed, init_distributed
-from zplan.runtime.train_loop import NonFiniteLossError, TrainConfig, train
+from zplan.runtime.checkpoint.save import (
+    CheckpointConfig,
+    complete_checkpoints,
+    latest_valid_checkpoint,
+    load_checkpoint,
+    read_train_state,
+    save_checkpoint,
+)
+from zplan.runtime.launch.distributed import close_distributed, init_distributed
+from zplan.runtime.training.loop import NonFiniteLossError, TrainConfig, train
 
 HANG_LIMIT_S = 60  # a test that blocks on a FIFO fails after this
 
@@ -358,7 +358,7 @@ def test_special_files_among_an_unverified_checkpoint_are_refused_by_kind(kind, 
 def test_the_readers_refuse_special_files_by_themselves(kind, ctx, tmp_path, outside):
     """Past the listing (a file swapped after the check): DCP's reader and the rank-file reader open regular files
     only, a link not followed, a FIFO not waited on."""
-    from zplan.runtime.checkpoint import SafeFileSystemReader, load_rank_state
+    from zplan.runtime.checkpoint.save import SafeFileSystemReader, load_rank_state
 
     model, optimizer = _model_and_optimizer()
     checkpoint = save_checkpoint(tmp_path / "ckpt", 1, model, optimizer, ctx, keep=3)

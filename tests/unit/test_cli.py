@@ -124,7 +124,7 @@ def test_pins_are_respected(tmp_path):
 def test_a_zero1_cpu_offload_plan_runs(tmp_path):
     """An 8.9B GPT in fp32 with ZeRO-1 fills an A100 with weights and gradients (8 bytes each per
     parameter): the optimizer must go to the host, which the runtime runs with ZeRO-1
-    (runtime.offload.cpu_adam_optimizer) as with ZeRO-2: no runtime gap, no warning. (What the runtime
+    (runtime.optim.cpu_adam_optimizer) as with ZeRO-2: no runtime gap, no warning. (What the runtime
     cannot run yet is flagged: tests/unit/test_plan_check.py.)"""
     model = "gpt:layers=44,hidden=4096,heads=32,seq=2048,vocab=51200"
     pins = ["--gpus", 8, "--global-batch", 8, "--tp", 1, "--pp", 1, "--micro-batch", 1, "--recompute", "full",
@@ -146,7 +146,7 @@ def test_offload_follows_the_placement_and_the_report_shows_its_traffic(tmp_path
     shard (4 P / 8 bytes) goes down once per micro-batch (1 here) and the fp32 weight shard (4 P / 8) is fetched
     once for the step's all-gather (ZeRO-2 keeps it gathered): 1.0 P.
     The same pin on a small model that fits puts its optimizer alone on the host all the same (a pin is honoured),
-    its shards staying on the GPU (runtime.offload.sharded_cpu_adam): per step the fp32 gradient shard (4 P / 8)
+    its shards staying on the GPU (runtime.optim.sharded_cpu_adam): per step the fp32 gradient shard (4 P / 8)
     down and the fp32 weight shard (4 P / 8) up, 1.0 P again; on the host per GPU the CPU Adam's master, m and v
     and the gradient buffer, 16 B x P / 8, i.e. 16 P per node of 8."""
     big = "gpt:layers=32,hidden=8192,heads=64,seq=2048,vocab=51200"

@@ -1,6 +1,6 @@
-"""Context parallelism's pieces on one process (runtime/context_parallel.py): the batch split against a hand-written
-example, and the attention of every cp rank, simulated with a gather that concatenates the ranks' parts, against
-full causal scaled_dot_product_attention sliced to each rank's queries (values and gradients)."""
+"""Context parallelism's pieces on one process (runtime/parallel/context_parallel.py): the batch split against a
+hand-written example, and the attention of every cp rank, simulated with a gather that concatenates the ranks' parts,
+against full causal scaled_dot_product_attention sliced to each rank's queries (values and gradients)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from zplan.errors import PlanMismatchError
-from zplan.runtime.context_parallel import (
+from zplan.runtime.parallel.context_parallel import (
     IGNORE_INDEX,
     ContextParallelAttention,
     chunk_positions,
@@ -112,7 +112,7 @@ def test_causal_masks_pass_and_padding_masks_are_refused():
 
 def test_mode_intercepts_scaled_dot_product_attention(monkeypatch):
     """Inside ContextParallelAttention the model's own F.scaled_dot_product_attention call is the gathered one."""
-    import zplan.runtime.context_parallel as cp_module
+    import zplan.runtime.parallel.context_parallel as cp_module
 
     calls = []
     monkeypatch.setattr(cp_module, "gather_sequence", lambda x, dim, group: calls.append(dim) or x)
@@ -127,7 +127,7 @@ def test_every_layer_saves_the_one_mask_of_its_scope(monkeypatch):
     """Inside a scope the (s/cp, s) attention mask is made once, in the queries' dtype, and every layer's attention
     saves that one tensor for its backward (a boolean mask per call is converted to an additive one, and saved, by
     each call: a copy per layer); the outputs are still the full causal attention's."""
-    import zplan.runtime.context_parallel as cp_module
+    import zplan.runtime.parallel.context_parallel as cp_module
 
     torch.manual_seed(4)
     b, heads, s, d, cp = 1, 4, 16, 8, 2
@@ -175,7 +175,7 @@ MODEL = "import torch\n\ndef build_model():\n    return torch.nn.Linear(4, 4)\n"
 
 
 def check(plan, model_file, world):
-    from zplan.runtime.plan_check import check_plan
+    from zplan.runtime.plan.check import check_plan
 
     check_plan(plan, model_file, world)
 
@@ -208,7 +208,7 @@ def test_activation_recompute_runs_the_same_attention_in_the_backward(monkeypatc
     gradients equal those without recompute."""
     from torch.utils.checkpoint import checkpoint
 
-    import zplan.runtime.context_parallel as cp_module
+    import zplan.runtime.parallel.context_parallel as cp_module
 
     monkeypatch.setattr(cp_module, "gather_sequence", lambda x, dim, group: x)  # one rank: the gather is x
     torch.manual_seed(3)

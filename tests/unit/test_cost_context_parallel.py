@@ -58,12 +58,12 @@ def _extra_activations(blocks=8, cp=2, b=1, tp=1, recompute=0, precision="bf16")
 
 def test_one_attention_mask_serves_every_block():
     """The runtime makes context parallel's additive causal mask, (s/cp) queries x s keys in the compute dtype, once
-    per micro-batch (runtime/context_parallel.py: causal_bias) and every block's attention saves that one tensor: a
-    GPU holds it once, whatever the number of blocks, the micro-batch (broadcast over the sequences), tp (every tp
-    rank holds it whole) or recompute; the gathered K/V are per block, per sequence and split by tp. By hand, s 8192,
-    1024 K/V features: the mask at cp 2 in bf16 is 4096 x 8192 x 2 B = 64 MiB, at cp 4 2048 x 8192 x 2 B = 32 MiB,
-    in fp32 twice that; a block's K and V of the other ranks' tokens, a GPU holding b sequences' worth of tokens, are
-    (cp - 1) x b x 2 x 8192 x 1024 x 2 B = (cp - 1) x b x 32 MiB in bf16."""
+    per micro-batch (runtime/parallel/context_parallel.py: causal_bias) and every block's attention saves that one
+    tensor: a GPU holds it once, whatever the number of blocks, the micro-batch (broadcast over the sequences), tp
+    (every tp rank holds it whole) or recompute; the gathered K/V are per block, per sequence and split by tp. By hand,
+    s 8192, 1024 K/V features: the mask at cp 2 in bf16 is 4096 x 8192 x 2 B = 64 MiB, at cp 4 2048 x 8192 x 2 B = 32
+    MiB, in fp32 twice that; a block's K and V of the other ranks' tokens, a GPU holding b sequences' worth of tokens,
+    are (cp - 1) x b x 2 x 8192 x 1024 x 2 B = (cp - 1) x b x 32 MiB in bf16."""
     mib = 2**20
     assert _extra_activations(blocks=8) == pytest.approx((8 * 32 + 64) * mib)
     assert _extra_activations(blocks=16) == pytest.approx((16 * 32 + 64) * mib)  # not per block

@@ -134,7 +134,7 @@ def test_gpu_profiles_keep_overlap_and_no_host_overheads():
 
 
 def _count_ops(fn) -> int:
-    from zplan.planner.probe import count_aten_ops
+    from zplan.probe import count_aten_ops
 
     return count_aten_ops(fn)
 

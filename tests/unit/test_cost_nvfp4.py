@@ -121,7 +121,7 @@ def test_an_nvfp4_plan_prices_faster_than_fp8_and_bf16_and_says_what_it_assumes(
 
 def test_train_py_refuses_an_nvfp4_plan_with_tensor_parallel():
     from tests.plan_samples import sample_plan
-    from zplan.runtime.plan_check import runtime_gaps
+    from zplan.runtime.plan.check import runtime_gaps
 
     plan = sample_plan()
     nvfp4 = plan.model_copy(update={"train": plan.train.model_copy(update={"precision": "nvfp4"})})

@@ -48,7 +48,7 @@ def test_dry_run_at_world_size(llama, tmp_path, gpus, pins):
         assert rank.measured_peak_bytes > 0 and rank.fits
     # Adam's moments as the rank holds them against the plan's formula for the most loaded stage (sharded by ZeRO;
     # the parameters at the peak include ZeRO-3's gathered copies, so they are not compared). ZeRO-1 shards whole
-    # rows (runtime.zero1): on this tiny model at dp 16 a tp-local k_proj of 8 rows gives rank 0 one row in 8, not
+    # rows (runtime.optim.zero1): on this tiny model at dp 16 a tp-local k_proj of 8 rows gives rank 0 one row in 8, not
     # 1/16, hence the 10 %.
     held = max(r.by_category["optimizer"] for r in result.ranks)
     assert held == pytest.approx(memory.optimizer, rel=0.1)

@@ -118,9 +118,9 @@ def test_the_optimizer_and_clipping_are_what_train_py_runs(tmp_path, zero_stage)
 
     from tests.distributed.harness import import_file
     from zplan.codegen.script import render_script_files
-    from zplan.runtime.apply import build_optimizer
-    from zplan.runtime.distributed import close_distributed, init_distributed
-    from zplan.runtime.mesh import build_mesh
+    from zplan.runtime.launch.distributed import close_distributed, init_distributed
+    from zplan.runtime.optim.build import build_optimizer
+    from zplan.runtime.parallel.mesh import build_mesh
 
     plan = sample_plan("tiny-dp")
     config = deepspeed_config(plan)

@@ -18,8 +18,8 @@ from torch import nn
 import zplan.export as export_module
 from zplan.errors import CheckpointError, ZplanError
 from zplan.export import export_checkpoint
-from zplan.runtime.checkpoint import complete_checkpoints, latest_checkpoint, load_checkpoint, save_checkpoint
-from zplan.runtime.distributed import close_distributed, init_distributed
+from zplan.runtime.checkpoint.save import complete_checkpoints, latest_checkpoint, load_checkpoint, save_checkpoint
+from zplan.runtime.launch.distributed import close_distributed, init_distributed
 
 
 class Small(nn.Module):
@@ -234,7 +234,7 @@ def test_a_damaged_checkpoint_is_refused_by_resume_and_export_naming_the_file(ct
 
 
 def test_latest_valid_passes_over_a_damaged_checkpoint_and_says_why(ctx, tmp_path):
-    from zplan.runtime.checkpoint import latest_valid_checkpoint
+    from zplan.runtime.checkpoint.save import latest_valid_checkpoint
 
     model, optimizer = _model_and_optimizer()
     root = tmp_path / "ckpt"
@@ -250,7 +250,7 @@ def test_latest_valid_passes_over_a_damaged_checkpoint_and_says_why(ctx, tmp_pat
 def test_a_full_disk_keeps_the_previous_checkpoint_and_says_how_much_is_needed(ctx, tmp_path, monkeypatch):
     import errno
 
-    import zplan.runtime.checkpoint as checkpoint_module
+    import zplan.runtime.checkpoint.save as checkpoint_module
 
     model, optimizer = _model_and_optimizer()
     root = tmp_path / "ckpt"

@@ -1,7 +1,7 @@
 """Compile-time rules of --precision fp8: refused on clusters without fp8 tensor cores (the profile's
 gpu.peak_fp8_flops is 0: A100, V100, this machine's cpu-local); searched and pinned at any tensor parallel
-(runtime/float8.py runs fp8 under tp > 1 with torchao's float8 tensor-parallel styles); train.py's review says what
-runs in fp8. The runtime's fp8 choice under tensor parallel: a Linear converts when its dims on each rank are
+(runtime/precision/float8.py runs fp8 under tp > 1 with torchao's float8 tensor-parallel styles); train.py's review
+says what runs in fp8. The runtime's fp8 choice under tensor parallel: a Linear converts when its dims on each rank are
 multiples of 16, and a converted one gets the float8 style."""
 
 import pytest
@@ -48,7 +48,7 @@ def test_fp8_search_covers_tensor_parallel():
     ((24, 64), None, 1, False),
 ])
 def test_fp8_convertible_counts_the_rank_share(features, style, tp, convertible):
-    from zplan.runtime.float8 import fp8_convertible
+    from zplan.runtime.precision.float8 import fp8_convertible
 
     assert fp8_convertible(nn.Linear(*features), style, tp) is convertible
 
@@ -57,8 +57,8 @@ def test_float8_linears_get_the_float8_styles():
     pytest.importorskip("torchao")
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from zplan.runtime.float8 import float8_parallel_styles
-    from zplan.runtime.tensor_parallel import block_styles
+    from zplan.runtime.parallel.tensor_parallel import block_styles
+    from zplan.runtime.precision.float8 import float8_parallel_styles
 
     plan = {"attn.q": "colwise", "attn.o": "rowwise", "mlp.up": "colwise", "mlp.down": "rowwise"}
     styles = block_styles(plan, False, [], float8_paths=frozenset({"attn.q", "attn.o"}))
@@ -119,7 +119,7 @@ def test_compile_refuses_fp8_for_a_model_whose_blocks_have_no_fp8_linear(tmp_pat
 
 
 def test_train_py_refuses_an_fp8_plan_json_for_such_a_model():
-    """The emitted program's check (runtime.plan_check through schemas.capability) names train.precision."""
+    """The emitted program's check (runtime.plan.check through schemas.capability) names train.precision."""
     from zplan.schemas.capability import ModelTrait, capability_problems
 
     trait = ModelTrait(kind="no_fp8_linears", module="blocks.0", detail="no nn.Linear")

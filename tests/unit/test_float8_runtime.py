@@ -1,5 +1,5 @@
-"""runtime/float8.py on one process: which Linears become torchao Float8Linears, how close fp8 GEMMs come to bf16's,
-the device rule, and fp8 under activation recompute.
+"""runtime/precision/float8.py on one process: which Linears become torchao Float8Linears, how close fp8 GEMMs come to
+bf16's, the device rule, and fp8 under activation recompute.
 
 The model is a two-block toy in bf16 (B=4, T=32, h=64): each block an MLP 64 -> 256 -> 64 (dims multiples of 16:
 converted) and a 64 -> 10 Linear (10 is not: kept), then an embedding and a head outside the blocks (never converted).
@@ -22,7 +22,7 @@ from zplan.errors import PlanMismatchError
 
 pytest.importorskip("torchao")
 
-from zplan.runtime.float8 import convert_blocks_to_float8, float8_emulated  # noqa: E402
+from zplan.runtime.precision.float8 import convert_blocks_to_float8, float8_emulated  # noqa: E402
 
 VOCAB, HIDDEN, BATCH, SEQ = 100, 64, 4, 32
 
@@ -126,7 +126,7 @@ def test_device_rule(monkeypatch):
 def test_fp8_under_activation_recompute_gives_the_same_gradients(mode):
     """Recompute reruns the fp8 casts and GEMMs in backward (the selective policy keeps aten._scaled_mm's outputs):
     the same values, so the same gradients, bit for bit."""
-    from zplan.runtime.apply import apply_recompute
+    from zplan.runtime.training.recompute import apply_recompute
 
     _, plain = _models()
     recomputed = copy.deepcopy(plain)

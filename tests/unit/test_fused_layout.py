@@ -1,4 +1,4 @@
-"""The stored order of fused projections (runtime/fused_layout.py) against orders written out by hand, and a
+"""The stored order of fused projections (model/fused_layout.py) against orders written out by hand, and a
 grouped module computing what the model file's module computes."""
 
 import copy
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from zplan.runtime.fused_layout import (
+from zplan.model.fused_layout import (
     FusedLayout,
     give_output_in_file_order,
     mark_fused,
@@ -63,8 +63,8 @@ def test_a_marked_module_computes_the_same_outputs_and_names_its_layout():
 
 def test_a_checkpoint_of_another_stored_order_is_refused_naming_the_tensor(tmp_path):
     from zplan.errors import CheckpointError
-    from zplan.runtime.checkpoint_state import _check_fused_layouts
-    from zplan.runtime.fused_layout import layouts_as_json
+    from zplan.model.fused_layout import layouts_as_json
+    from zplan.runtime.checkpoint.state import _check_fused_layouts
 
     ours = layouts_as_json({"h.0.qkv.weight": (QKV, 0)})
     _check_fused_layouts(tmp_path, ours, ours)

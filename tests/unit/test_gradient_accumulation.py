@@ -15,8 +15,8 @@ WORKER = textwrap.dedent("""
     import torch, torch.distributed as dist
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
-    from zplan.runtime.apply import apply_data_parallel
-    from zplan.runtime.train_loop import _grad_sync, clear_gradients
+    from zplan.runtime.parallel.data_parallel import apply_data_parallel
+    from zplan.runtime.training.loop import _grad_sync, clear_gradients
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
     dist.init_process_group("gloo", rank=0, world_size=1)

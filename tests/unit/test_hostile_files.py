@@ -66,7 +66,7 @@ KINDS = [("dev-zero", "is a character device, not a regular file"), ("fifo", "is
 @pytest.mark.parametrize("kind,needle", KINDS)
 def test_a_plan_that_is_special_or_huge_is_refused_by_explain_and_by_train_py(tmp_path, kind, needle):
     from zplan.errors import PlanMismatchError
-    from zplan.runtime.plan_check import load_plan
+    from zplan.runtime.plan.check import load_plan
     from zplan.schemas.plan import MAX_PLAN_FILE_BYTES
 
     plan = hostile(tmp_path / "plan.json", kind, MAX_PLAN_FILE_BYTES + 1)

@@ -6,7 +6,7 @@ seed's numbers, a learning rate of NaN) is refused the same way. tests/unit/test
 sizes and files; this file the values it did not cover.
 
 train.py's values are checked when its arguments are parsed: its parse_args runs here in-process (exit status 2 is
-argparse's SystemExit from runtime.launch.ArgumentParser), and three cases run the real process, two through
+argparse's SystemExit from runtime.launch.torchrun.ArgumentParser), and three cases run the real process, two through
 launch/torchrun.sh."""
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def test_an_output_that_is_a_fifo_is_refused_before_training(tmp_path, option):
     """A FIFO as --log-json blocked the run at its first log line until something read it, for ever; now every rank
     refuses it before the first step, as a folder in its place."""
     from zplan.errors import OutputError
-    from zplan.runtime.outputs import check_output_paths
+    from zplan.runtime.training.outputs import check_output_paths
 
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
@@ -259,7 +259,7 @@ def test_generate_and_serve_py_refuse_the_value_before_any_work(tmp_path, monkey
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("ZPLAN_LAUNCHER", raising=False)
-    monkeypatch.setattr("zplan.runtime.distributed.run_distributed", lambda *a, **k: pytest.fail("ran"))
+    monkeypatch.setattr("zplan.runtime.launch.distributed.run_distributed", lambda *a, **k: pytest.fail("ran"))
     # the plan is never read: the arguments are checked first
     status = getattr(cli, main)(Path("no-such-plan.json"), None, EngineSettings(**SETTINGS), 8, args)
     err = capsys.readouterr().err
@@ -336,8 +336,8 @@ def test_zplan_refuses_the_value_before_any_work(tmp_path, monkeypatch, args, ne
     def no_work(*args, **kwargs):
         raise AssertionError("measured or reduced with a bad value")
 
-    monkeypatch.setattr("zplan.planner.probe.probe_this_machine", no_work)
-    monkeypatch.setattr("zplan.runtime.compression.model_reduction.write_reduced_model_file", no_work)
+    monkeypatch.setattr("zplan.probe.probe_this_machine", no_work)
+    monkeypatch.setattr("zplan.model_reduction.write_reduced_model_file", no_work)
     monkeypatch.chdir(tmp_path)
     assert_refused(invoke(*args), needle)
     assert listing(tmp_path) == []

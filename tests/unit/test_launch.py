@@ -1,6 +1,6 @@
-"""Issue 13, one message and exit status 2 through the launchers: runtime/launch.py's report of its workers'
+"""Issue 13, one message and exit status 2 through the launchers: runtime/launch/torchrun.py's report of its workers'
 failures (each distinct message once, the first failure's status), a worker's error file, launch/slurm.sbatch on a
-path with spaces (fake scontrol and srun), and runtime/plan_origin.py: another compile's or another model's plan
+path with spaces (fake scontrol and srun), and runtime/plan/origin.py: another compile's or another model's plan
 beside train.py is refused saying so."""
 
 import json
@@ -15,8 +15,8 @@ import pytest
 from tests.plan_samples import runnable_plan
 from zplan.api import write_outputs
 from zplan.errors import PlanMismatchError
-from zplan.runtime.launch import ERROR_FILE_ENV, LAUNCHER_ENV, describe_failures, report_error
-from zplan.runtime.plan_origin import check_plan_origin, plan_digest
+from zplan.runtime.launch.torchrun import ERROR_FILE_ENV, LAUNCHER_ENV, describe_failures, report_error
+from zplan.runtime.plan.origin import check_plan_origin, plan_digest
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny.py"
@@ -81,7 +81,7 @@ def test_slurm_sbatch_finds_train_py_on_a_path_with_spaces(tmp_path, submitted):
     assert result.returncode == 0, result.stderr
     args = (tmp_path / "srun-args").read_text().splitlines()
     assert str(out / "train.py") in args  # one word, spaces and all
-    assert args[-2:] == ["--steps", "5"] and args[2:4] == ["-m", "zplan.runtime.launch"]
+    assert args[-2:] == ["--steps", "5"] and args[2:4] == ["-m", "zplan.runtime.launch.torchrun"]
 
 
 def test_another_compiles_or_another_models_plan_is_named_as_such(tmp_path):

@@ -1,4 +1,4 @@
-"""fp16 loss scaling under pipeline parallelism (runtime.loss_scale) against GradScaler's policy, by hand."""
+"""fp16 loss scaling under pipeline parallelism (runtime.precision.loss_scale) against GradScaler's policy, by hand."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zplan.runtime.loss_scale import LossScaler
+from zplan.runtime.precision.loss_scale import LossScaler
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,4 +1,4 @@
-"""Shard-by-shard materialisation (runtime.init_replay, runtime.materialize) against the reference it
+"""Shard-by-shard materialisation (runtime.training.init_replay, runtime.training.materialize) against the reference it
 must equal: `torch.manual_seed(seed); build_fn()` in one process, compared bit for bit."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from examples import gpt, llama, tiny
-from zplan.runtime.init_replay import UnsupportedInit, record_init, replay_init
-from zplan.runtime.materialize import build_meta_model, materialize_weights
+from zplan.runtime.training.init_replay import UnsupportedInit, record_init, replay_init
+from zplan.runtime.training.materialize import build_meta_model, materialize_weights
 
 SEED = 1234
 REPO = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import zplan.examples
 from zplan.errors import ModelLoadError
-from zplan.planner.model_file import load_model_file, logits_of, next_token_loss
+from zplan.model.model_file import load_model_file, logits_of, next_token_loss
 
 EXAMPLES = Path(zplan.examples.__file__).parent
 
@@ -208,7 +208,8 @@ def test_hf_models_see_whole_sequences_on_meta_and_fake_tensors_and_their_own_va
 
 def test_hf_attention_on_fake_tensors_is_the_real_ones_for_an_attention_mask_of_ones(tmp_path, monkeypatch):
     """Context parallel hands a Hugging Face model its tokens' global positions and an attention mask of ones
-    (runtime.context_parallel): on real tensors transformers reads the ones and calls scaled_dot_product_attention with
+    (runtime.parallel.context_parallel): on real tensors transformers reads the ones and calls
+    scaled_dot_product_attention with
     is_causal, no mask and the grouped key/value heads as they are; on fake tensors (the dry run) it must do the same,
     not build a (b, 1, s, s) mask and repeat the heads, bytes the real run never holds."""
     pytest.importorskip("transformers")

@@ -1,4 +1,4 @@
-"""Layer reduction and attention-head pruning (runtime.compression.model_reduction) and the reduced model file.
+"""Layer reduction and attention-head pruning (zplan.model_reduction) and the reduced model file.
 
 Parameter counts of examples/tiny.py (h = 64, 4 heads of d = 16, V = 256, T = 64, 2 blocks, tied head):
   embeddings 256*64 + 64*64 = 20,480; final LayerNorm 128
@@ -24,9 +24,8 @@ from typer.testing import CliRunner
 
 from zplan.cli import app as zplan_app
 from zplan.errors import ModelLoadError
-from zplan.planner.model_file import load_model_file
-from zplan.reduce_cli import reduce_command
-from zplan.runtime.compression.model_reduction import (
+from zplan.model.model_file import load_model_file
+from zplan.model_reduction import (
     ReductionError,
     find_attention,
     head_importance,
@@ -36,6 +35,7 @@ from zplan.runtime.compression.model_reduction import (
     prune_heads,
     write_reduced_model_file,
 )
+from zplan.reduce_cli import reduce_command
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny.py"

@@ -1,5 +1,5 @@
-"""runtime/nvfp4.py's NVFP4Linear: its forward and gradients against an independent fake-quant reference (the three
-GEMMs written out on test_nvfp4_quantize's hand-written quantiser) and against float; the conversion and the
+"""runtime/precision/nvfp4.py's NVFP4Linear: its forward and gradients against an independent fake-quant reference (the
+three GEMMs written out on test_nvfp4_quantize's hand-written quantiser) and against float; the conversion and the
 device check."""
 
 import pytest
@@ -8,7 +8,7 @@ from torch import nn
 
 from tests.unit.test_nvfp4_quantize import reference_fake_quantize as fq
 from zplan.errors import PlanMismatchError
-from zplan.runtime.nvfp4 import NVFP4Linear, convert_blocks_to_nvfp4, nvfp4_on_tensor_cores
+from zplan.runtime.precision.nvfp4 import NVFP4Linear, convert_blocks_to_nvfp4, nvfp4_on_tensor_cores
 
 T, IN, OUT = 24, 64, 48  # 24 tokens: the weight gradient's reduction pads them to 32
 
@@ -95,7 +95,7 @@ def test_the_tensor_core_path_runs_on_torchs_cpu_kernel_as_the_emulation_does():
     """The GPU's code path (NVFP4Tensor's mm: torch._scaled_mm on float4_e2m1fn_x2 with swizzled e4m3 scales, the
     per-tensor scales applied after) through torch 2.13's CPU kernel gives the emulation's GEMM: measured equal (fp32
     operands; an fp32 output). This checks the call, not a Blackwell GPU's kernel."""
-    from zplan.runtime.nvfp4 import nvfp4_mm
+    from zplan.runtime.precision.nvfp4 import nvfp4_mm
 
     torch.manual_seed(0)
     a, b = torch.randn(40, 64), torch.randn(48, 64)

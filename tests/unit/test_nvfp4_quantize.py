@@ -1,10 +1,10 @@
-"""runtime/nvfp4.py's quantiser against a hand-written NVFP4 reference (e2m1 values, e4m3 scale per 16, fp32 scale
-per tensor = amax / (6 * 448))."""
+"""runtime/precision/nvfp4.py's quantiser against a hand-written NVFP4 reference (e2m1 values, e4m3 scale per 16, fp32
+scale per tensor = amax / (6 * 448))."""
 
 import pytest
 import torch
 
-from zplan.runtime.nvfp4 import fake_quantize, per_tensor_scale, quantize
+from zplan.runtime.precision.nvfp4 import fake_quantize, per_tensor_scale, quantize
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # codes 0..7; the code's last bit is the mantissa
 

@@ -1,12 +1,12 @@
 """ZeRO 2/3 with the optimizer alone offloaded to the CPU (issue 12): the parameter and gradient shards stay on the
-GPU where they fit (runtime.offload.sharded_cpu_adam), compiled plans checked against hand computations."""
+GPU where they fit (runtime.optim.sharded_cpu_adam), compiled plans checked against hand computations."""
 
 from dataclasses import replace
 
 import pytest
 
 from zplan.api import compile_plan, prepare
-from zplan.runtime.plan_check import runtime_gaps
+from zplan.runtime.plan.check import runtime_gaps
 from zplan.schemas import Pins
 
 SMALL = "gpt:layers=4,hidden=256,heads=8,seq=128,vocab=1000"

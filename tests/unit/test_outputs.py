@@ -1,4 +1,4 @@
-"""Outputs are checked before a run trains and written atomically (runtime/outputs.py; issue 13)."""
+"""Outputs are checked before a run trains and written atomically (runtime/training/outputs.py; issue 13)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import torch
 
 import zplan.examples
 from zplan.errors import OutputError
-from zplan.runtime.distributed import RunContext
-from zplan.runtime.outputs import check_output_paths, write_atomically
+from zplan.runtime.launch.distributed import RunContext
+from zplan.runtime.training.outputs import check_output_paths, write_atomically
 
 ONE = RunContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo")
 

@@ -288,7 +288,7 @@ def test_bad_inputs_raise():
 
 def test_zero3_optimizer_alone_on_the_cpu_by_hand():
     # ZeRO-3, 4 micro-batches, fp32 shards: parameters 1 GB, gradients 1 GB, Adam's moments 2 GB; the GPU holds the
-    # shards (3 GB free) but not the moments. The optimizer leaves alone (runtime.offload.sharded_cpu_adam): per
+    # shards (3 GB free) but not the moments. The optimizer leaves alone (runtime.optim.sharded_cpu_adam): per
     # step the gradient shard goes down once and the updated parameter shard up once (not per micro-batch):
     # 2 GB over PCIe; on the host the moments (2 GB) and the CPU Adam's fp32 master and gradient buffer (1 GB + 1 GB).
     sizes, capacity = (1 * GB, 1 * GB, 2 * GB), {"gpu": 3 * GB, "cpu": 100 * GB, "nvme": 0.0}

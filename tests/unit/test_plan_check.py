@@ -16,9 +16,9 @@ from tests.plan_samples import runnable_plan
 from zplan.errors import PlanMismatchError
 from zplan.planner.clusters import BUILTIN_CLUSTERS
 from zplan.planner.cpu_local import CPU_LOCAL
-from zplan.runtime.distributed import RunContext
-from zplan.runtime.plan_apply import warn_if_other_devices
-from zplan.runtime.plan_check import check_plan, device_mismatch, load_plan
+from zplan.runtime.launch.distributed import RunContext
+from zplan.runtime.plan.apply import warn_if_other_devices
+from zplan.runtime.plan.check import check_plan, device_mismatch, load_plan
 from zplan.schemas import Plan
 
 MODEL_SOURCE = "import torch\n\ndef build_model():\n    return torch.nn.Linear(4, 4)\n"
@@ -168,7 +168,7 @@ def test_emitted_script_exits_2_with_the_message(model_file, tmp_path):
 def test_an_invalid_plan_json_names_the_field_and_its_value(model_file, tmp_path):
     import json
 
-    from zplan.runtime.plan_check import load_plan
+    from zplan.runtime.plan.check import load_plan
 
     data = json.loads(plan_for(model_file).model_dump_json())
     data["parallel"]["micro_batch"] = -3

@@ -4,7 +4,7 @@ against hand computations; no timings are asserted."""
 import pytest
 import torch
 
-from zplan.planner.probe import (
+from zplan.probe import (
     COLLECTIVE_LARGE_BYTES,
     COLLECTIVE_SMALL_BYTES,
     collective_costs,

@@ -8,8 +8,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from zplan import probe
 from zplan.cli import app
-from zplan.planner import probe
 from zplan.planner.clusters import load_cluster
 from zplan.schemas.cluster import CollectiveCost, CollectiveCosts
 

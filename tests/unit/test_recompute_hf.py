@@ -1,5 +1,5 @@
 """Activation recompute on Hugging Face decoders (tests/hf_zoo.py), as the runtime applies it: the generation cache
-off (runtime.apply.disable_generation_cache), then selective or full recompute per block. The gradients equal those
+off (model.modules.disable_generation_cache), then selective or full recompute per block. The gradients equal those
 without recompute, bit for bit. With the cache on, a recomputed block appends its keys to the cache a second time
 and torch's checkpoint refuses the mismatch (that was a compiled plan that could not run)."""
 
@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from tests.hf_zoo import DECODERS, deterministic_decoder_sources, write_model_files
-from zplan.planner.model_file import load_model_file
-from zplan.runtime.apply import apply_recompute, disable_generation_cache
+from zplan.model.model_file import load_model_file
+from zplan.model.modules import disable_generation_cache
+from zplan.runtime.training.recompute import apply_recompute
 
 BLOCKS = {"gpt2": "transformer.h"}  # the others keep their blocks at model.layers
 

@@ -146,7 +146,7 @@ def test_charts_are_drawn_in_headless_chromium(tmp_path):
 
 def test_the_script_runs_plan_json_and_shows_it_for_review(tmp_path):
     """train.py holds no plan constants that could drift from plan.json: it applies the plan it loads
-    (runtime/plan_apply.py), and shows the plan as comments."""
+    (runtime/plan/apply.py), and shows the plan as comments."""
     from zplan.codegen.script import render_script_files
 
     plan = sample_plan("tiny-dp", parallel={"zero_stage": 2})
@@ -162,7 +162,7 @@ def test_the_script_runs_plan_json_and_shows_it_for_review(tmp_path):
 def test_parallelize_makes_the_weights_where_the_zero_stage_says(zero, weights_first, monkeypatch):
     """ZeRO 0/1 replicate parameters (DDP needs real tensors): weights before apply_data_parallel; ZeRO 2/3
     shard them (FSDP2 on the meta model): after, so each rank makes only its shards."""
-    import zplan.runtime.plan_apply as plan_apply
+    import zplan.runtime.plan.apply as plan_apply
 
     calls = []
     for step in ("apply_tensor_parallel", "apply_recompute", "apply_pipeline", "disable_generation_cache",

@@ -1,7 +1,7 @@
-"""Issue 13, two writers in one checkpoint folder: the run lock (runtime/run_lock.py) refuses a second run naming the
-first one's pid and host, goes with its process however it ends, and workers die with their launcher
-(runtime.distributed.die_with_launcher, prctl PR_SET_PDEATHSIG), although torchrun starts them in sessions of their
-own."""
+"""Issue 13, two writers in one checkpoint folder: the run lock (runtime/checkpoint/run_lock.py) refuses a second run
+naming the first one's pid and host, goes with its process however it ends, and workers die with their launcher
+(runtime.launch.distributed.die_with_launcher, prctl PR_SET_PDEATHSIG), although torchrun starts them in sessions of
+their own."""
 
 import os
 import signal
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from zplan.errors import RunLockError
-from zplan.runtime.distributed import RunContext
-from zplan.runtime.run_lock import LOCK_FILE, lock_checkpoint_dir, try_lock
+from zplan.runtime.checkpoint.run_lock import LOCK_FILE, lock_checkpoint_dir, try_lock
+from zplan.runtime.launch.distributed import RunContext
 
 ONE_PROCESS = RunContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo")
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +40,7 @@ def test_a_second_run_on_a_locked_folder_is_refused_naming_the_first(tmp_path):
 
 HOLDER = textwrap.dedent("""
     import sys, time
-    from zplan.runtime.run_lock import try_lock
+    from zplan.runtime.checkpoint.run_lock import try_lock
     lock, problem = try_lock(sys.argv[1])
     print("held" if lock else problem, flush=True)
     time.sleep(120)
@@ -65,7 +65,7 @@ def test_the_lock_goes_with_its_process_even_on_sigkill(tmp_path):
 # initializes the runtime's process setup (a world of one) and then waits.
 WORKER = textwrap.dedent("""
     import time
-    from zplan.runtime.distributed import init_distributed
+    from zplan.runtime.launch.distributed import init_distributed
     init_distributed()
     print("ready", flush=True)
     time.sleep(120)

@@ -112,9 +112,9 @@ def test_numerics_for_fp8_is_zplans_w8a8():
 def test_a_pinned_fp8_plan_builds_an_fp8_engine(tmp_path):
     """examples/tiny.py pinned to fp8 on one H100; engine_from_plan on this CPU keeps the fp8 weights (fp32
     activations, torch's CPU _scaled_mm) as generate.py and serve.py would."""
-    from zplan.runtime.distributed import close_distributed
     from zplan.runtime.inference.build import engine_from_plan
     from zplan.runtime.inference.sampling import SamplingParams
+    from zplan.runtime.launch.distributed import close_distributed
 
     model_file = ROOT / "examples" / "tiny.py"
     plan = compile_inference_plan(prepare(str(model_file), 1, "dgx-h100", precision="fp8", batch=2, prompt_len=16,

@@ -1,9 +1,9 @@
-"""runtime.offload.sharded_cpu_adam.CpuOffloadShardedAdamW on plain tensors (one process; FSDP2's shards under torchrun:
+"""runtime.optim.sharded_cpu_adam.CpuOffloadShardedAdamW on plain tensors (one process; FSDP2's shards under torchrun:
 tests/distributed/test_data_parallel.py, test_plan_applied.py, test_checkpoint.py) against torch.optim.AdamW."""
 
 import torch
 
-from zplan.runtime.offload.sharded_cpu_adam import CpuOffloadShardedAdamW
+from zplan.runtime.optim.sharded_cpu_adam import CpuOffloadShardedAdamW
 
 SHAPES = [(13, 7), (5,), (0, 3), (2, 3, 4)]  # an empty shard too: a rank may hold none of a parameter
 

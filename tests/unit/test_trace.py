@@ -40,7 +40,7 @@ def gpt_forward_flops(layers, h, vocab, s):
 
 def test_gpt_totals_match_closed_forms(gpt):
     graph, summary = gpt
-    model = zplan.planner.model_file.load_model_file(EXAMPLES / "gpt.py").build("meta", **GPT_SIZES)
+    model = zplan.model.model_file.load_model_file(EXAMPLES / "gpt.py").build("meta", **GPT_SIZES)
     assert summary.params == sum(p.numel() for p in model.parameters())  # tied head counted once
     assert summary.params == narayanan_params(L, H, V, S)
     assert summary.params == sum(layer.params for layer in summary.layers)
@@ -178,7 +178,7 @@ def test_shape_dependent_control_flow_falls_back_to_hooks(tmp_path):
     path = write_model(tmp_path, "branchy", guard="if seq > 1:  # fx cannot branch on a traced shape\n"
                        "            x = x * 1.0")
     with pytest.raises(Exception, match="control flow"):
-        torch.fx.symbolic_trace(zplan.planner.model_file.load_model_file(path).build("meta"))
+        torch.fx.symbolic_trace(zplan.model.model_file.load_model_file(path).build("meta"))
     _, summary = trace_model_file(path, 32, "bf16")
     _, reference = trace_model_file(write_model(tmp_path, "plain"), 32, "bf16")
     assert summary.tracer == "hooks" and reference.tracer == "fx"

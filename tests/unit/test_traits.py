@@ -122,7 +122,8 @@ def test_a_plain_decoder_has_none():
 
 
 def test_blocks_in_a_submodule_and_called_with_a_mask_still_pipeline():
-    """Every stage runs the model's forward (runtime/pipeline.py), so neither nesting nor extra inputs matter."""
+    """Every stage runs the model's forward (runtime/parallel/pipeline.py), so neither nesting nor extra inputs
+    matter."""
     assert traits_of(nested=True, mask=True) == set()
 
 
@@ -186,8 +187,8 @@ def test_hugging_face_models():
 
 
 def test_context_parallel_needs_positions_causal_sdpa_and_the_default_loss(tmp_path):
-    """runtime/context_parallel.py passes position_ids, gathers K/V inside F.scaled_dot_product_attention under a
-    causal mask of global positions, and splits the default next-token loss: each missing piece is a trait."""
+    """runtime/parallel/context_parallel.py passes position_ids, gathers K/V inside F.scaled_dot_product_attention
+    under a causal mask of global positions, and splits the default next-token loss: each missing piece is a trait."""
     transformers = pytest.importorskip("transformers")
 
     class NoPositions(Decoder):

@@ -1,0 +1,48 @@
+"""Write the trained weights as one consolidated file, whatever the plan sharded or wrapped.
+
+For comparing a run with a single process (train.py --save-weights) and for small models: every shard
+is gathered to rank 0 (torch.distributed.checkpoint.state_dict with full_state_dict), so the whole
+model passes through rank 0's host memory. For large models, save a checkpoint (runtime.checkpoint.save)
+and consolidate it with `zplan export`, which streams it in chunks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor
+
+from zplan.model.fused_layout import stored_layouts, to_original_state
+from zplan.runtime.launch.distributed import RunContext
+from zplan.runtime.optim.zero1 import with_master_weights
+from zplan.runtime.training.outputs import write_atomically
+
+
+def _full_on_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered whole (collective over its mesh), on the host."""
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu()
+
+
+def save_full_weights(model: nn.Module, path: str | Path, ctx: RunContext,
+                      optimizer: torch.optim.Optimizer | None = None) -> None:
+    """torch.save {parameter name: full CPU tensor} on rank 0, atomically (runtime.training.outputs); names as the model
+    file defines them (no DDP 'module.' prefix); a 16-bit parameter's fp32 master where `optimizer` keeps one
+    (runtime.optim.zero1). Every rank must call it: gathering the shards is a collective."""
+    from zplan.runtime.parallel.pipeline import PipelineRun, gather_full_state_dict
+
+    if isinstance(model, PipelineRun):  # each pipeline rank holds its stages: gather them to rank 0
+        state = gather_full_state_dict(model, optimizer)
+    else:
+        local, _ = with_master_weights(get_model_state_dict(model), optimizer)
+        state = {}
+        for name, tensor in local.items():  # each gathered by every rank (collective), kept by rank 0
+            full = _full_on_host(tensor)
+            if ctx.is_main:
+                state[name] = full
+        state = to_original_state(state, stored_layouts(model))  # fused projections in the model file's order
+    if ctx.is_main:  # written beside, then renamed: a full disk or a kill leaves the previous file whole
+        size = sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor))
+        write_atomically(path, lambda tmp: torch.save(state, tmp), size_hint_bytes=size)

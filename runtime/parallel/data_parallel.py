@@ -1,0 +1,140 @@
+"""ZeRO / data parallel of a model (plan.parallel.zero_stage): DDP for ZeRO 0/1, FSDP2's fully_shard for ZeRO 2/3,
+with mixed precision, offload and compression as the plan sets them."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from zplan.model.modules import transformer_blocks
+from zplan.runtime.precision.mixed import cast_parameters, compute_torch_dtype, forward_under_autocast
+from zplan.schemas.model_states import parameters_in_compute_dtype
+
+
+def apply_data_parallel(
+    model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, precision: str, offload: str, block_prefix: str,
+    grad_compression: str = "none", weight_compression: str = "none", parameters_on_host: bool | None = None,
+    num_micro_batches: int = 1,
+) -> nn.Module:
+    """Replicate or shard the model over `dp_mesh` by ZeRO stage.
+
+    0: DDP, gradients all-reduced (with tensor parallel, whose DTensors DDP cannot hold, the same done by
+    runtime.parallel.grad_reduce.GradientReducer on their local tensors, every `num_micro_batches` backward passes).
+    1: the same here, optimizer states sharded
+    by build_optimizer (runtime.optim.zero1.ZeroOneAdamW, over the tp-local tensors under tensor parallel).
+    2: FSDP2 fully_shard per block and at the root, parameters kept gathered between forward and
+    backward (reshard_after_forward=False), so gradients and optimizer states are sharded.
+    3: the same with reshard_after_forward=True, parameters sharded too.
+    Mixed precision keeps fp32 master weights: under ZeRO 2/3 FSDP2's MixedPrecisionPolicy (fp32 shards, compute
+    in bf16/fp16, gradients reduced in fp32); under ZeRO 0/1 the parameters themselves are cast to the compute dtype
+    (cast_parameters: 16-bit gradients, reduced in 16 bits, accumulated over micro-batches in 16 bits) and the
+    optimizer keeps the fp32 masters (runtime.optim.zero1; schemas.model_states.parameters_in_compute_dtype), except
+    with 1-bit Adam, which steps fp32 parameters, with torch.autocast around the forward. fp8 is bf16 here: its
+    fp8 GEMMs are the blocks' torchao Float8Linears, converted before tensor parallel (runtime.precision.float8).
+    offload='cpu' or 'nvme' (ZeRO 2/3), as the plan's placement puts the parameters (`parameters_on_host`; None:
+    on the host whenever offload is not 'none'): parameters on the host (and so their gradients: placement cpu or
+    nvme), FSDP2's CPUOffloadPolicy keeps the sharded parameters, gradients and the optimizer step there
+    (pin_memory only when there is a GPU: pinning needs one); parameters on the device, FSDP2 shards them there
+    as without offload, and build_optimizer's optimizer alone is offloaded (ZeRO-Offload's optimizer offload,
+    runtime.optim.sharded_cpu_adam; with 'nvme' the moments in files). ZeRO 1: the model is replicated as
+    without offload; build_optimizer steps the owned rows on the host.
+    """
+    from zplan.runtime.parallel.pipeline import PipelineRun
+
+    if isinstance(model, PipelineRun):  # each pipeline stage of this rank is data-parallel like a model
+        for index, chunk in enumerate(model.chunks):
+            model.chunks[index] = apply_data_parallel(chunk, dp_mesh, zero_stage, precision, offload, block_prefix,
+                                                      grad_compression, weight_compression, parameters_on_host,
+                                                      num_micro_batches)
+        return model
+    if grad_compression not in ("none", "int8", "1bit"):
+        raise ValueError(f"gradient compression must be none, int8 or 1bit, got {grad_compression!r}")
+    if weight_compression not in ("none", "int8") or (weight_compression == "int8" and zero_stage != 3):
+        raise NotImplementedError(f"weight compression is none, or int8 with ZeRO 3 (its parameter all-gathers), got "
+                                  f"{weight_compression!r} with ZeRO {zero_stage}")
+    if grad_compression != "none" and zero_stage > 1:
+        raise NotImplementedError(f"{grad_compression} gradient compression runs with ZeRO 0 and 1 (DDP's "
+                                  f"reduction), not ZeRO {zero_stage}")
+    if precision not in ("bf16", "fp16", "fp32", "fp8", "nvfp4"):
+        raise ValueError(f"precision must be bf16, fp16, fp32, fp8 or nvfp4, got {precision!r}")
+    # fp8 / nvfp4: bf16 (runtime.precision.float8 / runtime.precision.nvfp4 converted the blocks' Linears)
+    compute_dtype = compute_torch_dtype(precision)
+    device = next(model.parameters()).device
+    if zero_stage in (0, 1):
+        if offload != "none" and zero_stage == 0:  # nothing is sharded: every rank would step everything
+            raise NotImplementedError(f"{offload} offload with ZeRO 0: pin ZeRO 1, 2 or 3 (ZeRO-Offload and "
+                                      "ZeRO-Infinity step each rank's optimizer shard; ZeRO 0 has none)")
+        from zplan.runtime.parallel import tensor_parallel
+
+        sixteen_bit = parameters_in_compute_dtype(zero_stage, precision, grad_compression)
+        if sixteen_bit:
+            cast_parameters(model, compute_dtype)
+        if tensor_parallel.has_tensor_parallel_parameters(model):  # tp > 1: DDP cannot hold DTensors
+            if grad_compression != "none":
+                raise NotImplementedError("gradient compression runs on DDP's reduction: tensor parallel = 1 only")
+            from zplan.runtime.parallel.grad_reduce import GradientReducer
+
+            GradientReducer(model, dp_mesh.get_group(), num_micro_batches)
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+
+        if compute_dtype is not None and not sixteen_bit:  # 1-bit Adam: fp32 parameters under autocast
+            forward_under_autocast(model, device.type, compute_dtype)
+        device_ids = [device] if device.type == "cuda" else None
+        # gradient_as_bucket_view: the gradients are views into DDP's buckets, not a second copy of them (torch's
+        # DistributedDataParallel docs). Its reducer makes a gradient that exists at construction such a view; one
+        # that does not exists beside the buckets until synchronised, which under no_sync (the micro-batches before
+        # the last) is the whole backward. So every gradient exists first, as a broadcast zero that holds no memory,
+        # and train_loop.clear_gradients zeroes the views in place instead of dropping them.
+        zero = {}
+        for p in model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = zero.setdefault((p.dtype, p.device), torch.zeros((), dtype=p.dtype, device=p.device)) \
+                    .expand(p.shape)
+        ddp = DistributedDataParallel(model, process_group=dp_mesh.get_group(), device_ids=device_ids,
+                                      gradient_as_bucket_view=True)
+        if grad_compression == "int8":  # 1bit: build_optimizer's OneBitAdamW registers its own hook
+            from zplan.runtime.compression import grad_compression as compression
+
+            ddp.register_comm_hook(compression.HookState(dp_mesh.get_group()), compression.int8_hook)
+        return ddp
+    if zero_stage not in (2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
+
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mp_policy = (
+        MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        if compute_dtype is not None
+        else MixedPrecisionPolicy()
+    )
+    if parameters_on_host is None:
+        parameters_on_host = offload != "none"
+    if parameters_on_host and offload == "none":
+        raise ValueError("parameters on the host need offload 'cpu' or 'nvme' (FSDP2's CPUOffloadPolicy steps there)")
+    offload_policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if parameters_on_host else OffloadPolicy()
+    options = dict(mesh=dp_mesh, reshard_after_forward=zero_stage == 3, mp_policy=mp_policy,
+                   offload_policy=offload_policy)
+    for block in transformer_blocks(model, block_prefix):
+        fully_shard(block, **options)
+    fully_shard(model, **options)  # the root: embedding, final norm, head
+    if zero_stage == 2:  # runtime.training.loop keeps the gathered parameters between micro-batches
+        setattr(model, _GATHERED_UNTIL_LAST_BACKWARD, True)
+    if weight_compression == "int8":  # ZeRO++'s quantized weight all-gather (runtime.compression.weight_allgather)
+        from zplan.runtime.compression.weight_allgather import quantize_weight_all_gathers
+
+        quantize_weight_all_gathers(model)
+    return model
+
+
+_GATHERED_UNTIL_LAST_BACKWARD = "_zplan_gathered_until_last_backward"
+
+
+def keeps_parameters_gathered(model: nn.Module) -> bool:
+    """True for ZeRO-2 under FSDP2 (apply_data_parallel): its gathered parameters may stay gathered from
+    the first micro-batch's forward to the last one's backward (FSDPModule.set_reshard_after_backward
+    (False) on the others), so a step all-gathers the parameters once, not once per micro-batch. The
+    gradients are still reduce-scattered after every micro-batch: they stay sharded, as ZeRO-2 has them.
+    No memory beyond what ZeRO-2 holds anyway (every unit gathered from its forward to its backward)."""
+    return getattr(model, _GATHERED_UNTIL_LAST_BACKWARD, False)
