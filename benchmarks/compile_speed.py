@@ -3,7 +3,7 @@ user runs it) for the 1T-parameter GPT family spec on 3072 GPUs and the traced 1
 
     .venv/bin/python benchmarks/compile_speed.py [--json]
 
-Targets (issue 2): >= 100,000 candidates/s on 2 cores; 1T family < 10 s; 175B traced < 15 s;
+Targets: >= 100,000 candidates/s on 2 cores; 1T family < 10 s; 175B traced < 15 s;
 peak RSS < 2 GB.
 """
 
@@ -26,11 +26,11 @@ GPT_1T = "gpt:layers=128,hidden=25600,heads=160,seq=2048,vocab=51200"
 
 def candidates_per_s(repeats: int = 5) -> tuple[float, int]:
     """Score the whole legal space of the 1T model on 3072 GPUs; best of `repeats` runs."""
+    from zplan.model_input import summarize_model
     from zplan.planner.clusters import load_cluster
     from zplan.planner.cost.inputs import ModelNumbers
     from zplan.planner.cost.step import estimate_step
     from zplan.planner.enumerate import enumerate_candidates
-    from zplan.planner.model_input import summarize_model
     from zplan.schemas.spec import Pins
 
     _, summary = summarize_model(GPT_1T, None, "bf16")

@@ -44,6 +44,9 @@ def _train(run: str, args, rank: int, group) -> dict:
     from examples.tiny import VOCAB_SIZE, build_model
     from zplan.runtime.compression import grad_compression as gc
     from zplan.runtime.optim.build import adamw_param_groups
+    from zplan.runtime.optim.device_states import DeviceStates
+    from zplan.runtime.optim.layouts import WholeShards
+    from zplan.runtime.optim.sharded_adamw import ShardedAdamW
     from zplan.runtime.training.data import synthetic_token_batch
 
     torch.manual_seed(SEED)
@@ -52,8 +55,9 @@ def _train(run: str, args, rank: int, group) -> dict:
     groups = adamw_param_groups(model, 0.1)
     warmup = max(1, int(args.onebit_warmup * args.steps))
     if run == "1bit":
-        optimizer = gc.OneBitAdamW(groups, ddp, group, lr=LR, warmup_steps=warmup)
-        wire = optimizer.wire
+        one_bit = gc.OneBitGradients(ddp, group, warmup_steps=warmup)
+        optimizer = ShardedAdamW(groups, WholeShards(), DeviceStates(), one_bit, lr=LR)
+        wire = one_bit.wire
     else:
         state = gc.HookState(group, compress=run == "int8")
         ddp.register_comm_hook(state, gc.int8_hook)

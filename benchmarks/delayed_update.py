@@ -1,5 +1,6 @@
 """ZeRO-Offload's one-step delayed parameter update (DPU): step time of ZeRO-1 with CPU offload
-(runtime.optim.cpu_adam_optimizer.CpuOffloadZeroOneAdamW) with and without delayed_update, same processes.
+(runtime.optim.sharded_adamw.ShardedAdamW, runtime.optim.host_states.HostStates) with and without delayed_update,
+same processes.
 
     .venv/bin/python benchmarks/delayed_update.py [--json] [--world 2] [--rounds 3] [--steps 12] [--batch 1]
                                                   [--seq-len 8]
@@ -7,15 +8,15 @@
 The model is benchmarks/_small_gpt.py (5.3M parameters), `--batch` sequences of `--seq-len` tokens per rank and
 step: few tokens, so that the CPU Adam step over a rank's rows (5.3M / world parameters, one OpenMP thread, ~28
 bytes of memory traffic a parameter) is a visible share of the step, as it is when a GPU runs the model. Each
-rank runs DDP + CpuOffloadZeroOneAdamW (gloo, one thread each, as the other runtime benchmarks), the exact and the
+rank runs DDP + ZeRO-1 host-state AdamW (gloo, one thread each, as the other runtime benchmarks), the exact and the
 delayed optimizer alternately, `--rounds` runs each of `--steps` steps; a step is timed from the outside
 (forward, backward, clipping, step(), zero_grad, the loss read back). The delayed runs start the delay after 2
 exact steps; the first 4 steps of every run are left out.
 
 Figures (medians over the timed steps of all rounds, rank 0):
   step_time_exact_s, step_time_delayed_s, step_time_ratio = delayed / exact;
-  cpu_step_s: the CPU Adam kernel calls of one update (optimizer.last_cpu_step_s);
-  wait_s: what step() waited for them on a delayed step (optimizer.last_wait_s; the whole cpu_step_s when exact);
+  cpu_step_s: the CPU Adam kernel calls of one update (HostStates.last_cpu_step_s);
+  wait_s: what step() waited for them on a delayed step (HostStates.last_wait_s; the whole cpu_step_s when exact);
   hidden_fraction = 1 - sum(wait_s) / sum(cpu_step_s) over the delayed steps: the share of the CPU step that ran
   behind forward and backward; hidden_fraction_by_wall = (exact - delayed step time) / cpu_step_s of the exact
   runs: the same seen on the step time.
@@ -51,15 +52,17 @@ def _run(build_model, mesh, *, delayed: bool, steps: int, batch: int, seq_len: i
     from torch.nn.parallel import DistributedDataParallel
 
     from zplan.runtime.optim.build import adamw_param_groups
-    from zplan.runtime.optim.cpu_adam_optimizer import CpuOffloadZeroOneAdamW
+    from zplan.runtime.optim.host_states import HostStates
+    from zplan.runtime.optim.layouts import RowShards
+    from zplan.runtime.optim.sharded_adamw import ShardedAdamW
     from zplan.runtime.training.data import synthetic_token_batch
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = build_model()
     ddp = DistributedDataParallel(model) if world > 1 else model
-    optimizer = CpuOffloadZeroOneAdamW(adamw_param_groups(model, 0.1), mesh, lr=LR, delayed_update=delayed,
-                                       delay_after_steps=DELAY_AFTER)
+    states = HostStates(delayed_update=delayed, delay_after_steps=DELAY_AFTER)
+    optimizer = ShardedAdamW(adamw_param_groups(model, 0.1), RowShards(mesh), states, lr=LR)
     record = {"step_s": [], "wait_s": [], "cpu_step_s": []}
     for step in range(steps):
         tokens = synthetic_token_batch(vocab, seq_len, world * batch, 0, step)[rank * batch:(rank + 1) * batch]
@@ -73,8 +76,8 @@ def _run(build_model, mesh, *, delayed: bool, steps: int, batch: int, seq_len: i
         loss.item()
         if step >= SKIP:
             record["step_s"].append(time.perf_counter() - start)
-            record["wait_s"].append(optimizer.last_wait_s)
-            record["cpu_step_s"].append(optimizer.last_cpu_step_s)
+            record["wait_s"].append(states.last_wait_s)
+            record["cpu_step_s"].append(states.last_cpu_step_s)
     optimizer.flush()
     return record
 

@@ -11,7 +11,7 @@ peak allocated bytes on the most loaded rank: measured by the dry run (runtime.d
 plan's total minus its framework reserve.
 
 Besides: the Llama-3-8B plan at 64 GPUs is dry-run as `python -m zplan dryrun` in a child process whose wall time
-and peak RSS are the keys dryrun_8b_64_s and dryrun_peak_rss_bytes (issue 14: under 60 s, 4 GB on 2 cores).
+and peak RSS are the keys dryrun_8b_64_s and dryrun_peak_rss_bytes (target: under 60 s, 4 GB on 2 cores).
 Prints one row per plan and the mean and max relative error (keys plans, max_rel_error, mean_rel_error).
 Takes about 2 hours on 2 cores (each 70B or 175B plan 3-13 min; --quick: 6 plans, about 4 min).
 """

@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from zplan.examples import gpt  # noqa: E402
-from zplan.planner.trace import trace_module  # noqa: E402
+from zplan.model_input import trace_module  # noqa: E402
 from zplan.runtime.inference.engine import InferenceEngine  # noqa: E402
 
 LAYERS, HIDDEN, HEADS, VOCAB, POSITIONS = 12, 768, 12, 50257, 1024

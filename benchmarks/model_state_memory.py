@@ -33,13 +33,13 @@ The planner counts the model states as zplan's runtime holds them at rest (plann
 under ZeRO 2/3 fp32 parameters (the masters; FSDP2's MixedPrecisionPolicy makes the 16-bit copies for compute),
 fp32 gradients and fp32 Adam moments, 4 + 4 + 8 bytes per parameter; under ZeRO 0/1 with bf16 the ZeRO paper's
 layout, bf16 parameters and gradients and the fp32 master with the moments in the optimizer, 2 + 2 + 12
-(runtime/optim/zero1.py). ZeRO 1 shards the optimizer's bytes evenly (dim-0 chunks of every parameter), ZeRO 2 is
+(runtime/optim/layouts.py). ZeRO 1 shards the optimizer's bytes evenly (dim-0 chunks of every parameter), ZeRO 2 is
 FSDP2 with reshard_after_forward=False, so parameters, gradients and optimizer states are all shards at
 rest, like ZeRO 3, and the gathered parameters (compute dtype) are a transient term of the peak
 (planner.cost.memory.compute_copy_bytes, part of the plan's comm_buffers). 'error' compares the
 measured states after the step with the plan's model states; 'in step' adds the parameters gathered
 between forward and backward and is compared with the model states plus that transient term.
-The bf16 table (keys zero1_bytes_per_param, zero2_bytes_per_param: issue 16) holds ZeRO-1's bytes per parameter
+The bf16 table (keys zero1_bytes_per_param, zero2_bytes_per_param) holds ZeRO-1's bytes per parameter
 after the step against the paper's 4 + 12/N, and ZeRO-2's in the step against what the README states, 2 + 16/N
 (the paper's 2 + 14/N keeps a 16-bit gradient shard; FSDP2 reduce-scatters into fp32 shards).
 Tensor parallel splits the blocks' parameters over tp and replicates the embedding, the final norm and the
@@ -231,7 +231,7 @@ def measure(plan, model_file, mesh, ctx) -> dict:
     optimizer.step()
 
     params = list({id(q): q for q in model.parameters()}.values())
-    # sharded states are DTensors (ZeRO 1: runtime.optim.zero1, ZeRO 2/3: FSDP2): their local shards count
+    # sharded states are DTensors (ZeRO 1: runtime.optim.layouts, ZeRO 2/3: FSDP2): their local shards count
     states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     row = {
         "parameters": _storage_bytes(params),
@@ -302,10 +302,10 @@ def worker(args, ctx) -> None:
 
 
 def stated_bf16_bytes_per_param(zero: int, n: int) -> float:
-    """What the README states the runtime holds with bf16 on n data-parallel ranks, bytes per parameter (issue 16):
+    """What the README states the runtime holds with bf16 on n data-parallel ranks, bytes per parameter:
     ZeRO-1 the paper's 4 + 12/n after the step (bf16 parameters and gradients, fp32 master and moments of its rows:
-    runtime.optim.zero1); ZeRO-2 2 + 16/n between forward and backward (FSDP2's gathered bf16 parameters beside its fp32
-    parameter and gradient shards and fp32 moments; the paper's 2 + 14/n has a 16-bit gradient shard)."""
+    runtime.optim.layouts); ZeRO-2 2 + 16/n between forward and backward (FSDP2's gathered bf16 parameters beside its
+    fp32 parameter and gradient shards and fp32 moments; the paper's 2 + 14/n has a 16-bit gradient shard)."""
     return {1: 4 + 12 / n, 2: 2 + 16 / n}[zero]
 
 
@@ -451,7 +451,7 @@ def main() -> None:
         "cases": list(cases),
         "cases_off_by_more_than_2pct": [k for k, c in cases.items() if abs(c["ratio"] - 1) > TOLERANCE],
         "bf16_zero_study": bf16_rows,
-        # issue 16's keys: at the largest world measured (4 by default)
+        # the bf16 keys: at the largest world measured (4 by default)
         **{f"zero{z}_bytes_per_param": r["measured_bytes_per_param"] for z, r in largest.items() if r},
         **{f"zero{z}_stated_bytes_per_param": r["stated_bytes_per_param"] for z, r in largest.items() if r},
         "wall_s": time.perf_counter() - start,
@@ -520,7 +520,7 @@ def print_zero_study(result: dict, rows: list[dict]) -> None:
     if reported:
         gap = max(abs(r["runtime_reported_bytes"] / r["measured_bytes"] - 1) for r in reported)
         print(f"the runtime's own model_state_bytes (numel x element size) is within {gap:.2%} of the storages above")
-    print(f"max_relative_error_vs_plan {result['max_relative_error_vs_plan']:.1%} after the step (issue 3: within 5%);"
+    print(f"max_relative_error_vs_plan {result['max_relative_error_vs_plan']:.1%} after the step (target: within 5%);"
           f" {result['max_relative_error_in_step_vs_plan']:.1%} in the step")
     print("'in step' = parameters between forward and backward + gradients + optimizer states after the step, "
           "against the plan's model states + the parameters it expects gathered then (ZeRO 2: all of them).")

@@ -7,7 +7,7 @@ One process (gloo), a stack of `--blocks` MLP blocks (width -> 4 width -> width,
 CPUOffloadPolicy, `--micro-batches` micro-batches of `--tokens` tokens per step, in the same run:
   cpu   the runtime's ZeRO-3 CPU offload: sharded parameters, gradients and torch's AdamW on the host;
   nvme  the runtime's ZeRO-3 NVMe offload: the same, with the parameter shards and Adam's moments in files
-        under --path (runtime.offload.param_swap, runtime.optim.nvme_optimizer).
+        under --path (runtime.offload.param_swap, runtime.optim.nvme_states).
 The two runs take turns step by step (a change of the machine's load hits both); each step is timed in two
 phases, forward+backward of all micro-batches, then the optimizer step; medians of `--steps` steps after a
 warm-up. Then the nvme run's I/O alone, no compute, in its engine, one request after another:
@@ -83,7 +83,7 @@ def interleaved_phase_times(runs: dict[str, tuple[nn.Module, torch.optim.Optimiz
 
 def io_alone(optimizer, args) -> tuple[float, float, int]:
     """The nvme run's per-step I/O without compute: (layer I/O seconds, step I/O seconds, bytes)."""
-    swapper, moments, swap = optimizer.param_swapper, optimizer.moments, optimizer.swap
+    swapper, moments, swap = optimizer.param_swapper, optimizer.moments, optimizer.states.swap
     swapper.bring_all_in()
     swapper.reap(wait=True)
     moved = 0
@@ -119,19 +119,22 @@ def measure(args) -> tuple:
     """Both models' phase times, the parameter reads' wait, and the NVMe I/O alone (one process)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from zplan.runtime.optim.nvme_optimizer import NvmeShardedAdamW
+    from zplan.runtime.optim.layouts import WholeShards
+    from zplan.runtime.optim.nvme_states import NvmeStates
+    from zplan.runtime.optim.sharded_adamw import ShardedAdamW
 
     mesh = init_device_mesh("cpu", (1,))
     folder = Path(args.path) if args.path else Path(tempfile.mkdtemp(prefix="nvme-offload-", dir=Path(__file__).parent))
 
     cpu_model, nvme_model = build(args.blocks, args.width, mesh), build(args.blocks, args.width, mesh)
-    optimizer = NvmeShardedAdamW(nvme_model.parameters(), lr=1e-3, nvme_path=folder, swap_parameters_of=nvme_model)
+    optimizer = ShardedAdamW(nvme_model.parameters(), WholeShards(), NvmeStates(folder, swap_parameters_of=nvme_model),
+                             lr=1e-3)
     times = interleaved_phase_times({
         "cpu": (cpu_model, torch.optim.AdamW(cpu_model.parameters(), lr=1e-3, fused=True)),
         "nvme": (nvme_model, optimizer)}, args)
     read_wait_s = optimizer.param_swapper.read_wait_s / (args.steps + 1)  # per step, the warm-up included
     layer_io_s, step_io_s, io_bytes = io_alone(optimizer, args)
-    direct_io = optimizer.swap.direct_io
+    direct_io = optimizer.states.swap.direct_io
     optimizer.close()
     if not args.path:
         for leftover in sorted(folder.rglob("*"), reverse=True):

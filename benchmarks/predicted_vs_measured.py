@@ -22,7 +22,7 @@ the same step without data parallelism (compute only), the aten ops and collecti
 torch.profiler's top operators, each Linear's GEMM against the profile's efficiency curve, gloo's
 all-reduce latency and bandwidth and the cost of one tiny aten op. The machine's load average is
 printed: the emitted scripts' step times are wall times, which other processes on the 2 cores inflate.
-Target (issue 3): rank_correlation >= 0.8. Takes about 2 minutes on a quiet 2-core machine (5 loaded).
+Target: rank_correlation >= 0.8. Takes about 2 minutes on a quiet 2-core machine (5 loaded).
 """
 
 from __future__ import annotations

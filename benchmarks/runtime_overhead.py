@@ -19,14 +19,14 @@ accelerator (DS_ACCELERATOR=cpu; without oneCCL it falls back to gloo), with the
 the other sides use set on its optimizer's groups before each step. In fp32 (ZeRO 1 and 2) its engine wraps
 torch.optim.AdamW in deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.
 
-bf16 ZeRO 1 (issue 16, on by default, --skip-bf16 leaves it out; it runs when --stages has 1): the ZeRO-1 plan
+bf16 ZeRO 1 (on by default, --skip-bf16 leaves it out; it runs when --stages has 1): the ZeRO-1 plan
 compiled again with --precision bf16, nothing else changed (checked: same parallel config, placement, batch),
 timed against DeepSpeed like the pairs above. zplan: bf16 parameters and gradients on every rank
 (runtime.precision.mixed.cast_parameters; DDP all-reduces the bf16 gradients after the last micro-batch), and
-runtime.optim.zero1.ZeroOneAdamW keeps fp32 master rows and fp32 moments for its dim-0 row shard, steps them with the
-fused AdamW kernel, rounds them into the bf16 parameter rows and gathers those (the clipping factor divides the
-upcast gradient rows in the step: train_loop._clip_in_step). DeepSpeed 0.19.8: the same config with
-"bf16": {"enabled": true} and zero_optimization stage 1 (codegen.ds_config writes it for a bf16 plan) and
+runtime.optim.sharded_adamw.ShardedAdamW (ZeRO-1 rows, device states) keeps fp32 master rows and fp32 moments for its
+dim-0 row shard, steps them with the fused AdamW kernel, rounds them into the bf16 parameter rows and gathers those (the
+clipping factor divides the upcast gradient rows in the step: train_loop._clip_in_step). DeepSpeed 0.19.8: the same
+config with "bf16": {"enabled": true} and zero_optimization stage 1 (codegen.ds_config writes it for a bf16 plan) and
 torch_adam. Its engine casts the parameters (not the buffers) to bf16; with no data_types.grad_accum_dtype the
 gradients accumulate in bf16 too, so _do_optimizer_sanity_check picks ZeRO (not BF16_Optimizer, which it takes
 only for fp32 gradient accumulation) and the optimizer that runs is DeepSpeedZeroOptimizer over torch.optim.AdamW
@@ -44,7 +44,7 @@ every run are left out (lazy initialisation). A ratio is the median over rounds 
 zplan median over the baseline's median; the CPU-time ratio (same steps) is printed beside it: on
 this shared 2-core machine other processes take the cores and the wall ratio of a single round can
 swing by +-50 %, while CPU time shows whether zplan does more work. The load average is printed.
-Targets (issue 3): max_step_time_ratio <= 1.05, step_time_ratio_vs_deepspeed <= 1.0 (zplan over
+Targets: max_step_time_ratio <= 1.05, step_time_ratio_vs_deepspeed <= 1.0 (zplan over
 DeepSpeed, the larger of ZeRO 1 and 2, fp32). Issue 16: zero1_bf16_vs_deepspeed <= 1.0 (zplan's bf16 ZeRO-1 step
 time over DeepSpeed's; zero1_bf16_vs_deepspeed_cpu, its CPU-time ratio, beside it).
 
@@ -296,7 +296,7 @@ def worker(args, ctx) -> None:
         except Exception as exc:  # say exactly why; never a made-up number
             deepspeed_result["error"] = f"{type(exc).__name__}: {exc}"
             deepspeed_result["traceback"] = traceback.format_exc()[-3000:]
-    # issue 16: mixed-precision ZeRO 1 against DeepSpeed's
+    # mixed-precision ZeRO 1 against DeepSpeed's
     if not args.skip_deepspeed and with_bf16 and not deepspeed_result["bf16_error"]:
         try:
             deepspeed_result["rows"] += compare("deepspeed", (BF16_ZERO1,), args.deepspeed_rounds)
@@ -344,7 +344,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="timed steps per run (default 4; 3 more run untimed)")
     parser.add_argument("--skip-deepspeed", action="store_true", help="leave DeepSpeed out")
     parser.add_argument("--skip-bf16", action="store_true",
-                        help="leave out the bf16 ZeRO-1 pair against DeepSpeed (issue 16; run by default)")
+                        help="leave out the bf16 ZeRO-1 pair against DeepSpeed (run by default)")
     parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3],
                         help="ZeRO stages to time (default all; DeepSpeed runs those of 1 and 2)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -388,7 +388,7 @@ def main() -> None:
         "step_time_ratio_vs_deepspeed": max(r["ratio"] for r in ds_fp32) if ds["ran"] else None,
         "step_time_ratio_vs_deepspeed_by_stage": {str(r["zero_stage"]): r["ratio"] for r in ds_fp32},
         "cpu_time_ratio_vs_deepspeed": max(r["cpu_ratio"] for r in ds_fp32) if ds["ran"] else None,
-        # issue 16: zplan's ZeRO 1 compiled with --precision bf16 over DeepSpeed's stage 1 with bf16 enabled
+        # zplan's ZeRO 1 compiled with --precision bf16 over DeepSpeed's stage 1 with bf16 enabled
         "zero1_bf16_vs_deepspeed": ds_bf16["ratio"] if ds_bf16 else None,
         "zero1_bf16_vs_deepspeed_cpu": ds_bf16["cpu_ratio"] if ds_bf16 else None,
         "torch": measured["torch"], "wall_s": time.perf_counter() - start,
@@ -426,7 +426,7 @@ def main() -> None:
               f"zplan/DeepSpeed {r['ratio']:.3f}  (per round {spread}; CPU time {r['zplan_cpu_s'] * 1e3:.0f} / "
               f"{r['deepspeed_cpu_s'] * 1e3:.0f} ms = {r['cpu_ratio']:.3f}; first loss {r['first_loss_zplan']:.4f} / "
               f"{r['first_loss_deepspeed']:.4f})")
-        print(f"zero1_bf16_vs_deepspeed {r['ratio']:.3f} (target <= 1.0, issue 16); CPU time: {r['cpu_ratio']:.3f}")
+        print(f"zero1_bf16_vs_deepspeed {r['ratio']:.3f} (target <= 1.0); CPU time: {r['cpu_ratio']:.3f}")
     elif ds.get("bf16_error"):
         print(f"bf16 ZeRO 1 against DeepSpeed did not run: {ds['bf16_error']}")
     print(f"({result['wall_s']:.0f} s; load average {result['load_average'][0]:.1f} at the start, "

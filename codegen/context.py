@@ -172,7 +172,6 @@ def plan_context(plan: Plan) -> dict[str, Any]:
         "peak_flops": format_rate(peak_flops, "FLOP"),
         "model_flops_per_step": format_flops(prediction.model_flops_per_step),
         "feasible": yes_no(prediction.feasible),
-        "candidates_evaluated": f"{plan.candidates_evaluated:,}",
         "memory_total": format_bytes(memory.total),
         "memory_not_at_peak": format_bytes(memory.not_at_peak),
         "memory_capacity": format_bytes(memory.capacity),

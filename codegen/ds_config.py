@@ -17,9 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from zplan.planner.compression import ONE_BIT_WARMUP_STEPS
 from zplan.schemas.plan import Plan
-from zplan.schemas.spec import ADAMW_DEFAULTS, GRAD_CLIP, compute_dtype
+from zplan.schemas.spec import ADAMW_DEFAULTS, GRAD_CLIP, ONE_BIT_WARMUP_STEPS, compute_dtype
 
 # The emitted training script's optimizer and clipping (schemas.spec), in DeepSpeed's spelling.
 ADAMW_PARAMS: dict[str, Any] = {**ADAMW_DEFAULTS, "betas": list(ADAMW_DEFAULTS["betas"])}
@@ -159,7 +158,7 @@ def _compression_notes(plan: Plan) -> list[str]:
     if compression.grad == "1bit":
         notes.append(f"1-bit gradients are DeepSpeed's 1-bit Adam (\"OneBitAdam\", freeze_step {ONE_BIT_WARMUP_STEPS} "
                      "exact steps before compressing, as zplan's warm-up); its update has no bias correction, "
-                     "zplan's OneBitAdamW corrects as AdamW does. DeepSpeed removed its 1-bit optimizers in "
+                     "zplan's 1-bit Adam corrects as AdamW does. DeepSpeed removed its 1-bit optimizers in "
                      "deepspeedai/DeepSpeed#8490 (tracking issue #8489): this block needs a release that still has "
                      "OneBitAdam.")
     if compression.grad == "int8":

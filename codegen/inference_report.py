@@ -12,6 +12,7 @@ from typing import Any
 
 from zplan.codegen.context import format_bytes, format_count, format_percent, format_rate, format_seconds, share, yes_no
 from zplan.codegen.report import cluster_rows
+from zplan.schemas.alternatives import ALTERNATIVES_FILE, InferenceAlternatives
 from zplan.schemas.inference import InferenceCandidate, InferencePlan
 
 # (field of InferenceMemory, label): the parts of the per-GPU memory.
@@ -52,11 +53,11 @@ def describe_candidate(c: InferenceCandidate) -> str:
     return f"tp={c.tp} {c.weight_precision} {c.weight_tier}"
 
 
-def alternative_rows(plan: InferencePlan) -> list[dict[str, str]]:
-    """Every scored configuration, best first, against the chosen one on the plan's target."""
+def alternative_rows(plan: InferencePlan, alternatives: InferenceAlternatives | None) -> list[dict[str, str]]:
+    """Every scored configuration, best first, against the chosen one on the plan's target ([] without them)."""
     pred = plan.prediction
     rows = []
-    for c in plan.alternatives:
+    for c in alternatives.alternatives if alternatives is not None else []:
         # one alternative per (tp, precision, tier): the chosen one matches the plan on all three
         chosen = (c.tp, c.weight_precision, c.weight_tier) == (
             plan.parallel.tp, plan.parallel.weight_precision, plan.parallel.weight_tier)
@@ -90,8 +91,9 @@ def run_commands(plan: InferencePlan) -> list[dict[str, str]]:
     ]
 
 
-def inference_report_context(plan: InferencePlan) -> dict[str, Any]:
-    """Everything report_inference.md.j2 and report_inference.html.j2 read."""
+def inference_report_context(plan: InferencePlan, alternatives: InferenceAlternatives | None = None) -> dict[str, Any]:
+    """Everything report_inference.md.j2 and report_inference.html.j2 read; the scored configurations from
+    `alternatives` (alternatives.json), none without them."""
     par, pred, spec, model, cluster = plan.parallel, plan.prediction, plan.spec, plan.model, plan.cluster
     mem, time = pred.memory, pred.time
     world = plan.fingerprint.world_size
@@ -141,7 +143,8 @@ def inference_report_context(plan: InferencePlan) -> dict[str, Any]:
         "tokens_per_s": f"{pred.tokens_per_s:,.1f}",
         "tokens_per_s_per_replica": f"{pred.tokens_per_s / par.replicas:,.1f}",
         "feasible": yes_no(pred.feasible),
-        "candidates_evaluated": f"{plan.candidates_evaluated:,}",
+        "candidates_evaluated": (f"{alternatives.candidates_evaluated:,}" if alternatives is not None
+                                 else f"not recorded (no {ALTERNATIVES_FILE})"),
         "memory_rows": share_rows(mem, MEMORY_PARTS, mem.capacity, format_bytes),
         "memory_total": format_bytes(mem.total),
         "memory_capacity": format_bytes(mem.capacity),
@@ -151,8 +154,8 @@ def inference_report_context(plan: InferencePlan) -> dict[str, Any]:
         "nvme_bytes_per_node": format_bytes(mem.nvme_bytes_per_node),
         "prefill_rows": share_rows(time, PREFILL_PARTS, pred.ttft_s, format_seconds),
         "decode_rows": share_rows(time, DECODE_PARTS, pred.tpot_s, format_seconds),
-        "alternative_rows": alternative_rows(plan),
-        "assumption_rows": [a.model_dump() for a in plan.assumptions],
+        "alternative_rows": alternative_rows(plan, alternatives),
+        "assumption_rows": [a.model_dump() for a in alternatives.assumptions] if alternatives is not None else [],
         "cluster_rows": cluster_rows(plan),
         "peak_flops": format_rate(cluster.peak_flops(par.compute_dtype), "FLOP"),
         "run_commands": run_commands(plan),

@@ -1,6 +1,7 @@
-"""Write a plan's outputs: plan.json, report.md, report.html, ds_config.json, and (from
-zplan.codegen.script) the training script and launch scripts. An inference plan: plan.json, the reports,
-and (from zplan.codegen.inference_script) generate.py, serve.py and their launch scripts.
+"""Write a plan's outputs: plan.json, alternatives.json (when the search's alternatives are given), report.md,
+report.html, ds_config.json, and (from zplan.codegen.script) the training script and launch scripts. An inference
+plan: plan.json, alternatives.json, the reports, and (from zplan.codegen.inference_script) generate.py, serve.py and
+their launch scripts.
 
 The caller owns the output folder (a temporary folder it renames atomically). Output is
 deterministic: the same plan gives byte-identical files (no timestamps, fixed float formatting,
@@ -21,6 +22,7 @@ from zplan.codegen.ds_config import deepspeed_config, deepspeed_config_notes
 from zplan.codegen.inference_report import inference_report_context
 from zplan.codegen.inference_script import render_inference_scripts
 from zplan.codegen.report import report_context
+from zplan.schemas.alternatives import ALTERNATIVES_FILE, Alternatives, InferenceAlternatives
 from zplan.schemas.inference import InferencePlan
 from zplan.schemas.plan import Plan
 
@@ -52,9 +54,24 @@ def _write(path: Path, text: str) -> Path:
     return path
 
 
-def render_reports(plan: Plan) -> dict[str, str]:
-    """File name -> text of report.md and report.html."""
-    context: dict[str, Any] = {**report_context(plan), "ds_notes": deepspeed_config_notes(plan)}
+def _json(model: Plan | InferencePlan | Alternatives | InferenceAlternatives) -> str:
+    return model.model_dump_json(indent=2) + "\n"
+
+
+def _write_plan(out_dir: Path, plan: Plan | InferencePlan,
+                alternatives: Alternatives | InferenceAlternatives | None) -> list[Path]:
+    """plan.json, and alternatives.json beside it when given."""
+    written = [_write(out_dir / "plan.json", _json(plan))]
+    if alternatives is not None:
+        if alternatives.fingerprint != plan.fingerprint:
+            raise ValueError("the alternatives are of another compile than the plan (another fingerprint)")
+        written.append(_write(out_dir / ALTERNATIVES_FILE, _json(alternatives)))
+    return written
+
+
+def render_reports(plan: Plan, alternatives: Alternatives | None = None) -> dict[str, str]:
+    """File name -> text of report.md and report.html (without `alternatives`: the chosen plan alone)."""
+    context: dict[str, Any] = {**report_context(plan, alternatives), "ds_notes": deepspeed_config_notes(plan)}
     charts = {
         "memory": svg_charts.memory_svg(context["memory_chart"]),
         "time": svg_charts.time_svg(context["time_chart"]),
@@ -79,9 +96,9 @@ def _render_script_files(plan: Plan, out_dir: Path, model_path_for_script: str |
     return list(script.render_script_files(plan, out_dir, model_path_for_script) or [])
 
 
-def render_inference_reports(plan: InferencePlan) -> dict[str, str]:
+def render_inference_reports(plan: InferencePlan, alternatives: InferenceAlternatives | None = None) -> dict[str, str]:
     """File name -> text of an inference plan's report.md and report.html."""
-    context = inference_report_context(plan)
+    context = inference_report_context(plan, alternatives)
     environment = report_environment()
     return {
         "report.md": environment.get_template("report_inference.md.j2").render(**context),
@@ -89,21 +106,24 @@ def render_inference_reports(plan: InferencePlan) -> dict[str, str]:
     }
 
 
-def render_inference_outputs(plan: InferencePlan, out_dir: Path, model_path_for_script: str | None) -> list[Path]:
-    """Write plan.json, the reports, generate.py, serve.py and launch/ into the existing folder `out_dir`;
-    return the written paths."""
+def render_inference_outputs(plan: InferencePlan, out_dir: Path, model_path_for_script: str | None,
+                             alternatives: InferenceAlternatives | None = None) -> list[Path]:
+    """Write plan.json, alternatives.json (when given), the reports, generate.py, serve.py and launch/ into the
+    existing folder `out_dir`; return the written paths."""
     out_dir = Path(out_dir)
-    written = [_write(out_dir / "plan.json", plan.model_dump_json(indent=2) + "\n")]
-    written += [_write(out_dir / name, text) for name, text in render_inference_reports(plan).items()]
+    written = _write_plan(out_dir, plan, alternatives)
+    written += [_write(out_dir / name, text) for name, text in render_inference_reports(plan, alternatives).items()]
     written += render_inference_scripts(plan, out_dir, model_path_for_script)
     return written
 
 
-def render_outputs(plan: Plan, out_dir: Path, model_path_for_script: str | None) -> list[Path]:
-    """Write every output of `plan` into the existing folder `out_dir`; return the written paths."""
+def render_outputs(plan: Plan, out_dir: Path, model_path_for_script: str | None,
+                   alternatives: Alternatives | None = None) -> list[Path]:
+    """Write every output of `plan` (and alternatives.json when given) into the existing folder `out_dir`; return the
+    written paths."""
     out_dir = Path(out_dir)
-    written = [_write(out_dir / "plan.json", plan.model_dump_json(indent=2) + "\n")]
-    written += [_write(out_dir / name, text) for name, text in render_reports(plan).items()]
+    written = _write_plan(out_dir, plan, alternatives)
+    written += [_write(out_dir / name, text) for name, text in render_reports(plan, alternatives).items()]
     ds_config_text = json.dumps(deepspeed_config(plan), indent=2, sort_keys=True) + "\n"
     written.append(_write(out_dir / "ds_config.json", ds_config_text))
     written += _render_script_files(plan, out_dir, model_path_for_script)

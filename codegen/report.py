@@ -1,8 +1,8 @@
 """Report builders: the chart data and tables of report.html and report.md, read from the Plan.
 
 Charts are plain data here (dataclasses); codegen/svg_charts.py draws them. The pipeline timeline is
-a schematic: it replays the schedule's order of forward and backward slots with forward = 1 unit and
-backward = 2 units per model chunk, to show the shape of the schedule, not a prediction.
+a schematic: the schedule's replay (schemas.pipeline_schedule, the model the cost model's bubble comes from) with
+forward = 1 unit and backward = 2 units per model chunk, to show the shape of the schedule, not a prediction.
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ from zplan.codegen.context import (
     share,
     yes_no,
 )
+from zplan.schemas.alternatives import ALTERNATIVES_FILE, Alternatives, Candidate
 from zplan.schemas.capability import CAPABILITIES, RULES, blocking
-from zplan.schemas.plan import Candidate, ParallelConfig, Plan
+from zplan.schemas.pipeline_schedule import Slot, replay
+from zplan.schemas.plan import ParallelConfig, Plan
 
 MAX_DRAWN_MICRO_BATCHES = 16
 TABLE_BEST_FEASIBLE = 20  # the candidates table: the chosen plan, this many fastest feasible, the front
-FORWARD_UNITS = 1
-BACKWARD_UNITS = 2
 
 
 @dataclass(frozen=True)
@@ -51,16 +51,6 @@ class MemoryChart:
 class TimeChart:
     segments: list[Segment]
     step_time_s: float
-
-
-@dataclass(frozen=True)
-class Slot:
-    stage: int  # pipeline rank
-    start: int  # schematic time units
-    duration: int
-    kind: str  # "F" (forward) or "B" (backward)
-    micro_batch: int
-    chunk: int  # model chunk on this rank (interleaved schedules)
 
 
 @dataclass(frozen=True)
@@ -113,67 +103,6 @@ def time_chart(plan: Plan) -> TimeChart:
     return TimeChart(segments=segments, step_time_s=step_time_s)
 
 
-def _slot_order(stage: int, stages: int, chunks: int, micro_batches: int) -> list[tuple[str, int, int]]:
-    """(kind, chunk, micro_batch) in the order one pipeline rank runs them (Megatron-LM's 1F1B and
-    interleaved 1F1B, Narayanan et al. 2021, section 2.2): warm-up forwards, then one forward and one
-    backward in turn, then the remaining backwards. Micro-batches go through the chunks in groups of
-    `stages`; backwards visit the chunks in reverse."""
-    forwards, backwards = [], []
-    for group_start in range(0, micro_batches, stages):
-        group = range(group_start, min(group_start + stages, micro_batches))
-        for chunk in range(chunks):
-            forwards += [(chunk, mb) for mb in group]
-            backwards += [(chunks - 1 - chunk, mb) for mb in group]
-    total = len(forwards)
-    if chunks == 1:
-        warmup = min(stages - stage - 1, total)
-    else:
-        warmup = min((stages - stage - 1) * 2 + (chunks - 1) * stages, total)
-    order = [("F", *forwards[i]) for i in range(warmup)]
-    for i in range(total - warmup):
-        order += [("F", *forwards[warmup + i]), ("B", *backwards[i])]
-    order += [("B", *backwards[i]) for i in range(total - warmup, total)]
-    return order
-
-
-def _dependency(kind: str, stage: int, chunk: int, mb: int, stages: int, chunks: int) -> tuple | None:
-    """The slot whose output this slot needs: the previous stage (forward) or the next (backward)."""
-    if kind == "F":
-        if stage > 0:
-            return ("F", stage - 1, chunk, mb)
-        return ("F", stages - 1, chunk - 1, mb) if chunk > 0 else None
-    if stage < stages - 1:
-        return ("B", stage + 1, chunk, mb)
-    return ("B", 0, chunk + 1, mb) if chunk < chunks - 1 else ("F", stage, chunk, mb)
-
-
-def _replay(stages: int, chunks: int, micro_batches: int) -> list[Slot] | None:
-    """Start every slot as early as its rank and its dependency allow; None if the order deadlocks."""
-    orders = [_slot_order(stage, stages, chunks, micro_batches) for stage in range(stages)]
-    next_index, free_at = [0] * stages, [0] * stages
-    end_of: dict[tuple, int] = {}
-    slots: list[Slot] = []
-    remaining = sum(len(order) for order in orders)
-    while remaining:
-        progressed = False
-        for stage in range(stages):
-            while next_index[stage] < len(orders[stage]):
-                kind, chunk, mb = orders[stage][next_index[stage]]
-                dependency = _dependency(kind, stage, chunk, mb, stages, chunks)
-                if dependency is not None and dependency not in end_of:
-                    break
-                start = max(free_at[stage], end_of.get(dependency, 0))
-                duration = FORWARD_UNITS if kind == "F" else BACKWARD_UNITS
-                slots.append(Slot(stage, start, duration, kind, mb, chunk))
-                end_of[(kind, stage, chunk, mb)] = free_at[stage] = start + duration
-                next_index[stage] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            return None
-    return sorted(slots, key=lambda slot: (slot.stage, slot.start))
-
-
 def pipeline_timeline(
     parallel: ParallelConfig, max_micro_batches: int = MAX_DRAWN_MICRO_BATCHES
 ) -> PipelineTimeline:
@@ -184,11 +113,11 @@ def pipeline_timeline(
     drawn = min(total, max_micro_batches)
     if chunks > 1 and total >= stages:
         drawn = max(stages, drawn - drawn % stages)
-    slots = _replay(stages, chunks, drawn)
+    slots = replay(stages, chunks, drawn)
     schedule = parallel.schedule
     if slots is None:  # an order Megatron would not run (fewer micro-batches than stages): draw plain 1F1B
         chunks, schedule = 1, "1f1b"
-        slots = _replay(stages, 1, drawn) or []
+        slots = replay(stages, 1, drawn) or []
     return PipelineTimeline(stages=stages, chunks=chunks, schedule=schedule, drawn_micro_batches=drawn,
                             total_micro_batches=total, slots=slots)
 
@@ -233,13 +162,15 @@ def _pareto_front(points: list[tuple[float, float]]) -> set[int]:
     return front
 
 
-def pareto_chart(plan: Plan) -> ParetoChart:
-    """The chosen plan and the alternatives; the front is drawn over the feasible ones."""
+def pareto_chart(plan: Plan, alternatives: Alternatives | None) -> ParetoChart:
+    """The chosen plan and the alternatives (none: the chosen plan alone); the front is drawn over the feasible
+    ones."""
     chosen = Candidate(parallel=plan.parallel, step_time_s=plan.prediction.step_time_s,
                        memory_per_gpu_bytes=plan.prediction.memory.total, feasible=plan.prediction.feasible)
     # The search's alternatives carry no delayed-update decision: the chosen configuration is itself with or without it.
     undelayed = plan.parallel.model_copy(update={"delayed_update": False})
-    candidates = [chosen] + [alt for alt in plan.alternatives if alt.parallel not in (plan.parallel, undelayed)]
+    others = alternatives.alternatives if alternatives is not None else []
+    candidates = [chosen] + [alt for alt in others if alt.parallel not in (plan.parallel, undelayed)]
     feasible = [i for i, c in enumerate(candidates) if c.feasible]
     front = {feasible[i] for i in _pareto_front(
         [(candidates[i].step_time_s, candidates[i].memory_per_gpu_bytes) for i in feasible])}
@@ -253,7 +184,7 @@ def pareto_chart(plan: Plan) -> ParetoChart:
 
 def table_points(chart: ParetoChart, best: int = TABLE_BEST_FEASIBLE) -> list[ParetoPoint]:
     """The rows of the candidates table: the chosen plan, the `best` fastest feasible alternatives and the
-    Pareto front, fastest first (feasible before infeasible). The rest stay in plan.json."""
+    Pareto front, fastest first (feasible before infeasible). The rest stay in alternatives.json."""
     ranked = sorted(chart.points, key=lambda p: (not p.feasible, p.step_time_s, p.memory_bytes, p.label))
     fastest = [p for p in ranked if p.feasible and not p.chosen][:best]
     return [p for p in ranked if p.chosen or p.on_front or any(p is q for q in fastest)]
@@ -327,10 +258,11 @@ def verification_rows(plan: Plan) -> list[dict[str, str]]:
     return rows
 
 
-def report_context(plan: Plan) -> dict[str, Any]:
-    """Everything report.md.j2 and report.html.j2 read: plan_context plus chart data and tables."""
+def report_context(plan: Plan, alternatives: Alternatives | None = None) -> dict[str, Any]:
+    """Everything report.md.j2 and report.html.j2 read: plan_context plus chart data and tables; the search's
+    numbers from `alternatives` (alternatives.json), or the chosen plan alone without them."""
     timeline = pipeline_timeline(plan.parallel)
-    pareto = pareto_chart(plan)
+    pareto = pareto_chart(plan, alternatives)
     rows = alternative_rows(pareto)
     return {
         **plan_context(plan),
@@ -349,9 +281,12 @@ def report_context(plan: Plan) -> dict[str, Any]:
             row["feasible"] == "no" for row in rows),
         "table_best_feasible": TABLE_BEST_FEASIBLE,
         "pareto_front_count": sum(p.on_front for p in pareto.points),
-        "rejected_rows": [r.model_dump() for r in plan.rejected],
+        "rejected_rows": [r.model_dump() for r in alternatives.rejected] if alternatives is not None else [],
+        "candidates_evaluated": (f"{alternatives.candidates_evaluated:,}" if alternatives is not None
+                                 else f"not recorded (no {ALTERNATIVES_FILE})"),
+        "alternatives_file": ALTERNATIVES_FILE,
         "capability_rows": capability_rows(plan),
-        "assumption_rows": [a.model_dump() for a in plan.assumptions],
+        "assumption_rows": [a.model_dump() for a in alternatives.assumptions] if alternatives is not None else [],
         "cluster_rows": cluster_rows(plan),
         "cluster_source": plan.cluster.source,
         "total_params_display": format_count(plan.model.params),

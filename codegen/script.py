@@ -16,13 +16,14 @@ from typing import Any
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
-from zplan.runtime.plan.origin import plan_digest
+from zplan.schemas.digest import plan_digest
 from zplan.schemas.model_states import parameters_in_compute_dtype
 from zplan.schemas.plan import Plan
 from zplan.schemas.spec import ADAMW_DEFAULTS, GRAD_CLIP, compute_dtype
 
 TEMPLATES_DIR = Path(__file__).parent / "templates"
 LINE_WIDTH = 100  # wrap long literals in train.py at this width
+STAGES_SHOWN = 8  # pipeline stages the review table names at most: the first ones and the last (plan.json has all)
 
 
 class Code(str):
@@ -97,19 +98,30 @@ def precision_row(plan: Plan) -> str:
             f"reduced in fp32), fp32 Adam moments{fp8}")
 
 
+def stage_ranges(plan: Plan) -> str:
+    """Each pipeline stage as its first and last unit (a stage is a run of consecutive units), `a..b`; past
+    STAGES_SHOWN stages the middle ones as a count, so that the table stays a few lines for any model."""
+    ranges = [" ".join(stage.layer_names[:1]) if len(stage.layer_names) < 2
+              else f"{stage.layer_names[0]}..{stage.layer_names[-1]}" for stage in plan.stages]
+    if len(ranges) > STAGES_SHOWN:
+        hidden = len(ranges) - STAGES_SHOWN + 1
+        ranges = [*ranges[:STAGES_SHOWN - 2], f"({hidden} more stages)", ranges[-1]]
+    return " | ".join(ranges)
+
+
 def plan_review(plan: Plan) -> Code:
     """The plan as comment lines of train.py, for a reviewer: what plan.json makes the run do (codegen only shows
     it; the script reads plan.json)."""
     p, prediction = plan.parallel, plan.prediction
     memory = prediction.memory
     tp_rules = ", ".join(f"{rule.module} {rule.style}" for rule in plan.model.tp_rules) if p.tp > 1 else "none"
-    stages = " | ".join(", ".join(stage.layer_names) for stage in plan.stages)
     states_mib = (memory.parameters + memory.gradients + memory.optimizer) / 2**20
     rows = [
         ("processes", f"{plan.fingerprint.world_size} = pp {p.pp} x dp {p.dp} x tp {p.tp} (tp innermost)"),
         ("blocks", f"{plan.model.block_prefix} ({plan.model.num_blocks})"),
         ("tensor parallel", tp_rules + (", sequence parallel" if p.sequence_parallel else "")),
-        ("pipeline", f"{len(plan.stages)} stage(s), schedule {p.schedule}, interleave {p.interleave}: {stages}"),
+        ("pipeline", f"{len(plan.stages)} stage(s), schedule {p.schedule}, interleave {p.interleave}: "
+                     f"{stage_ranges(plan)}"),
         ("ZeRO stage", f"{p.zero_stage} (0 replicated, 1 + optimizer states sharded, 2 + gradients, 3 + parameters)"),
         ("placement", f"parameters {plan.placement.parameters}, gradients {plan.placement.gradients}, optimizer "
                       f"{plan.placement.optimizer} (offload {p.offload}, delayed update "

@@ -18,7 +18,7 @@ AVX2 (avx2 + fma + f16c), else scalar; ZPLAN_CPU_ADAM_SIMD=avx512|avx2|scalar ov
 same semantics in plain torch ops; `backend()` says which one is in use.
 
 The C++ step runs without the GIL (cpu_adam.cpp's binding releases it for the call), so a Python thread may run
-it while another runs the model: ZeRO-Offload's delayed parameter update (runtime.optim.cpu_adam_optimizer).
+it while another runs the model: ZeRO-Offload's delayed parameter update (runtime.optim.host_states).
 """
 
 from __future__ import annotations

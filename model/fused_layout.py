@@ -28,7 +28,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
-from zplan.planner.traits import is_conv1d
+from zplan.model.modules import is_conv1d
 
 LAYOUT_ATTRIBUTE = "_zplan_fused_layout"
 

@@ -1,17 +1,12 @@
 """Compression as the planner sees it: `--compress` parsed, what each setting needs of the configuration, the
 candidates that support it, and the decision the report shows.
 
-What each setting needs (as runtime/compression/ and runtime/parallel/data_parallel.py run it):
-  grad=int8     ZeRO 0 or 1 with tp = 1: a DDP communication hook on the gradient buckets.
-  grad=1bit     ZeRO 0 or 1 with tp = pp = 1, no offload: 1-bit Adam (Tang et al. 2021) on a DDP model; under
-                ZeRO 1 the gradients are compressed once the variance is frozen (OneBitZeroOneAdamW).
-  weights=int8  ZeRO 3: it compresses ZeRO-3's parameter all-gathers (ZeRO++ qwZ, Wang et al. 2023; FSDP2's
-                custom all-gather, runtime/compression/weight_allgather.py).
-  act=int8      pp > 1: it compresses the hidden states and their gradients between pipeline stages.
+What each setting needs of the configuration (ZeRO stages, tp, pp, offload) is data in schemas.legality
+(COMPRESSION_NEEDS and the rules made of it), as runtime/compression/ and runtime/parallel/data_parallel.py run it.
 int4 activations, 1-bit weights and other values are refused by parse_compress, naming what is allowed. A pin
 that contradicts a setting, or two settings that contradict each other, fail in check_compression before any
 search. Choices left free are narrowed instead: the search keeps only the configurations that support the
-setting (supported_mask, from planner.enumerate), so the plan is the fastest that can run compressed; rejecting
+setting (the table's rules, in planner.enumerate), so the plan is the fastest that can run compressed; rejecting
 the search's unconstrained winner would leave the user without a plan.
 
 The planner never turns compression on by itself: it changes the numerics (int8 rounding; 1-bit Adam's frozen
@@ -42,9 +37,21 @@ from zplan.planner.cost.memory import element_bytes
 from zplan.planner.cost.step import StepEstimate, estimate_step
 from zplan.planner.cost.units import unit_costs
 from zplan.schemas.cluster import ClusterSpec
+from zplan.schemas.legality import (
+    COMPRESSION_FIELDS,
+    COMPRESSION_NEEDS,
+    PP_WORDS,
+    Needs,
+    applicable,
+    config,
+    legal_mask,
+    needs_words,
+    satisfiable,
+    zero_words,
+)
 from zplan.schemas.model import ModelSummary
 from zplan.schemas.plan import CompressionDecision, CompressionOption
-from zplan.schemas.spec import CompressionConfig, Pins, TrainSpec
+from zplan.schemas.spec import ONE_BIT_WARMUP_STEPS, CompressionConfig, Pins, TrainSpec
 
 if TYPE_CHECKING:
     from zplan.planner.search import Choice
@@ -52,35 +59,9 @@ if TYPE_CHECKING:
 # Share of the step (without compression) in data-parallel / ZeRO collectives from which the report prices the
 # compression options: below it, even removing that communication entirely would gain under a fifth of the step.
 SUGGEST_DATA_PARALLEL_SHARE = 0.20
-# 1-bit Adam's exact AdamW steps before it compresses: runtime OneBitAdamW's default warmup_steps (DeepSpeed's
-# freeze_step in ds_config.json).
-ONE_BIT_WARMUP_STEPS = 100
 # --compress key -> (CompressionConfig field, allowed values)
 COMPRESS_KEYS = {"grad": ("grad", GRAD_COMPRESSION), "weights": ("weights", WEIGHT_COMPRESSION),
                  "act": ("activations", ACTIVATION_COMPRESSION)}
-
-
-@dataclass(frozen=True)
-class Needs:
-    """What one compression setting needs of the configuration (module docstring)."""
-
-    option: str  # e.g. 'grad=int8'
-    zero: tuple[int, ...]  # ZeRO stages it runs with
-    tp_one: bool  # tensor parallel must be 1
-    pp: str  # 'any', 'one' (no pipeline) or 'many' (a pipeline)
-    why: str  # the runtime's reason, for messages
-
-
-_NEEDS = {
-    ("grad", "int8"): Needs("grad=int8", (0, 1), True, "any", "it is a DDP communication hook on the gradient "
-                            "buckets, which runs with ZeRO 0 or 1 and tensor parallel 1"),
-    ("grad", "1bit"): Needs("grad=1bit", (0, 1), True, "one", "1-bit Adam runs on a DDP model (ZeRO 0, or ZeRO 1 "
-                            "with the gradients compressed), no tensor or pipeline parallelism"),
-    ("weights", "int8"): Needs("weights=int8", (3,), False, "any", "it compresses ZeRO-3's parameter all-gathers"),
-    ("activations", "int8"): Needs("act=int8", (0, 1, 2, 3), False, "many", "it compresses the hidden states sent "
-                                   "between pipeline stages"),
-}
-_PP_WORDS = {"one": "pp = 1", "many": "pp > 1"}
 
 
 def parse_compress(text: str) -> CompressionConfig:
@@ -108,12 +89,8 @@ def parse_compress(text: str) -> CompressionConfig:
 
 
 def needs(config: CompressionConfig) -> list[Needs]:
-    """The needs of every setting the config turns on."""
-    return [_NEEDS[(field, value)] for field, value in config.model_dump().items() if value != "none"]
-
-
-def _zero_words(stages: tuple[int, ...]) -> str:
-    return "ZeRO " + " or ".join(str(z) for z in stages)
+    """The needs of every setting the config turns on (schemas.legality.COMPRESSION_NEEDS)."""
+    return [COMPRESSION_NEEDS[(field, value)] for field, value in config.model_dump().items() if value != "none"]
 
 
 def check_compression(config: CompressionConfig | None, pins: Pins, gpus: int, delayed_update: str = "auto") -> None:
@@ -125,15 +102,15 @@ def check_compression(config: CompressionConfig | None, pins: Pins, gpus: int, d
     for a, b in combinations(settings, 2):
         if not set(a.zero) & set(b.zero):
             raise SpecError(f"--compress {a.option} and {b.option} contradict: {a.option} needs "
-                            f"{_zero_words(a.zero)} ({a.why}), {b.option} needs {_zero_words(b.zero)} ({b.why}). "
+                            f"{zero_words(a.zero)} ({a.why}), {b.option} needs {zero_words(b.zero)} ({b.why}). "
                             "Drop one of them.")
         if {a.pp, b.pp} == {"one", "many"}:
-            raise SpecError(f"--compress {a.option} and {b.option} contradict: {a.option} needs {_PP_WORDS[a.pp]}, "
-                            f"{b.option} needs {_PP_WORDS[b.pp]}. Drop one of them.")
+            raise SpecError(f"--compress {a.option} and {b.option} contradict: {a.option} needs {PP_WORDS[a.pp]}, "
+                            f"{b.option} needs {PP_WORDS[b.pp]}. Drop one of them.")
     for need in settings:
         fail = f"--compress {need.option} needs {{}} ({need.why}), but {{}}: {{}}."
         if pins.zero is not None and pins.zero not in need.zero:
-            raise SpecError(fail.format(_zero_words(need.zero), f"--zero {pins.zero} is pinned",
+            raise SpecError(fail.format(zero_words(need.zero), f"--zero {pins.zero} is pinned",
                                         f"pin --zero {need.zero[-1]}, drop --zero, or drop {need.option}"))
         if need.tp_one and (pins.tp or 1) > 1:
             raise SpecError(fail.format("tp = 1", f"--tp {pins.tp} is pinned", f"drop --tp or {need.option}"))
@@ -147,11 +124,11 @@ def check_compression(config: CompressionConfig | None, pins: Pins, gpus: int, d
             pinned = "--pp 1 is pinned" if pins.pp == 1 else "one GPU has no pipeline"
             raise SpecError(fail.format("pp > 1", pinned, f"pin --pp 2 or more on 2 or more GPUs, or drop "
                                         f"{need.option}"))
-        if need.option == "grad=1bit" and pins.offload in ("cpu", "nvme"):
+        if need.no_offload and pins.offload in ("cpu", "nvme"):
             raise SpecError(fail.format("no offload", f"--offload {pins.offload} is pinned",
                                         f"drop --offload or {need.option}"))
-        if delayed_update == "on" and (1 not in need.zero or need.option == "grad=1bit"):
-            raise SpecError(fail.format(_zero_words(need.zero), "--delayed-update on needs ZeRO 1 with CPU offload",
+        if delayed_update == "on" and not _runs_with_delayed_update(need):
+            raise SpecError(fail.format(zero_words(need.zero), "--delayed-update on needs ZeRO 1 with CPU offload",
                                         f"pass --delayed-update auto, or drop {need.option}"))
 
 
@@ -163,22 +140,21 @@ def check_model_for_compression(config: CompressionConfig | None, summary: Model
                         f"a word), and {summary.name} has hidden {summary.hidden}: drop act=int8.")
 
 
-def supported_mask(config: CompressionConfig, tp: np.ndarray, pp: np.ndarray, zero: np.ndarray,
+def _runs_with_delayed_update(need: Needs) -> bool:
+    """Whether some configuration runs the setting with the delayed parameter update (schemas.legality)."""
+    fixed = config(delayed_update=1, **{need.field: need.value})
+    return satisfiable(fixed, applicable(dict.fromkeys((*fixed, "zero", "offload", "tp", "pp"))))
+
+
+def supported_mask(config_: CompressionConfig, tp: np.ndarray, pp: np.ndarray, zero: np.ndarray,
                    offload: np.ndarray | None = None) -> np.ndarray:
     """Which configurations (arrays over candidates; offload: tier codes, 0 = none) support every setting of
-    `config`. grad=1bit also needs no offload (its optimizer steps on the device)."""
-    ok = np.ones(np.shape(tp), dtype=bool)
-    if config.grad == "1bit" and offload is not None:
-        ok &= offload == 0
-    for need in needs(config):
-        ok &= np.isin(zero, need.zero)
-        if need.tp_one:
-            ok &= tp == 1
-        if need.pp == "one":
-            ok &= pp == 1
-        elif need.pp == "many":
-            ok &= pp > 1
-    return ok
+    `config_`: the rules of schemas.legality over the compression, tp, pp, ZeRO and, where given, offload."""
+    values = {**config(**config_.model_dump()), "tp": tp, "pp": pp, "zero": zero}
+    if offload is not None:
+        values["offload"] = offload
+    rules = [rule for rule in applicable(values) if set(rule.fields) & set(COMPRESSION_FIELDS)]
+    return np.broadcast_to(legal_mask(values, rules), np.shape(tp)).copy()
 
 
 def config_of(cand: Candidates, i: int = 0) -> CompressionConfig:
@@ -295,9 +271,10 @@ def _reason(applied: CompressionOption | None, suggestions: list[CompressionOpti
     elif not suggestions and applied is not None:
         parts.append(f"{where}.")
     elif not suggestions:
+        needed = "; ".join(f"{need.option} needs {needs_words(need)}" for need in COMPRESSION_NEEDS.values()
+                           if need.field != "activations")
         parts.append(f"{where}, but no --compress setting applies to ZeRO-{int(cand.zero[0])} with "
-                     f"tp = {int(cand.tp[0])} and pp = {int(cand.pp[0])} (grad=int8 needs ZeRO 0 or 1 with tp = 1, "
-                     "grad=1bit ZeRO 0 with tp = pp = 1, weights=int8 ZeRO 3).")
+                     f"tp = {int(cand.tp[0])} and pp = {int(cand.pp[0])} ({needed}).")
     else:
         effects = "; ".join(f"--compress {o.compress} {_effect(o, ('would save', 'would cost'))}" for o in suggestions)
         parts.append(f"{where}: {effects}.")

@@ -4,7 +4,7 @@ process (gloo, one core) plays the part of one GPU.
 Measured, not taken from a data sheet, with
     .venv/bin/python -m zplan.probe 30
 on an AMD EPYC (Zen 1, AVX2, KVM guest, 2 cores, 23.5 GiB RAM; torch 2.13.0 CPU, MKL), rounded to 3
-significant digits; see zplan/planner/probe.py for what each number measures and how. The machine was
+significant digits; see zplan/probe.py for what each number measures and how. The machine was
 shared with other work (1-minute load average 1.3-2.8 on its 2 cores), which is why the probe keeps the
 fastest of repeated runs and times one thread's work in CPU time. Four runs of the probe within
 30 minutes agreed within: op_s 9.2-10.2 us, sharded_unit_s 6.3-7.9 ms, collective latencies 20 %,

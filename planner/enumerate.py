@@ -1,22 +1,20 @@
 """All legal configurations as numpy arrays (DESIGN.md decision 3: enumerate, then prune).
 
-Legality (the rules of ``_grid``, each named with the pins it constrains): dp * tp * pp * cp = gpus; context parallel
-(cp > 1) where 2 cp divides the sequence, the runtime runs it on this model, without offload or compression, and
-unpinned only where a GPU keeps CP_MIN_TOKENS_PER_GPU tokens of a sequence; heads and kv_heads
-divisible by tp (a pinned tp too); at least one block per pipeline stage (pp <= blocks) and, when
-interleaved, one block, the embedding or the head per chunk (pp * v <= blocks + 2; Megatron-Core's split that counts
-the embedding and the head as a block each where the blocks do not divide) and micro-batches divisible by pp; a pipeline
-runs at least pp micro-batches (1F1B's warm-up fills every stage); tp > 1, sequence parallel and pp > 1 only
-where the runtime runs them on this model (schemas.capability, from the traits the tracer found); the global
-batch divisible by dp * micro_batch; sequence parallel only with tp > 1; offload (CPU or NVMe) only with
-ZeRO >= 1 (each rank steps its own optimizer shard: runtime.optim.cpu_adam_optimizer for ZeRO 1 on the CPU,
-runtime.optim.nvme_optimizer for ZeRO 1 and ZeRO 2/3 on NVMe, runtime.optim.sharded_cpu_adam for ZeRO 2/3 on
-the CPU, with FSDP2's CPUOffloadPolicy only where the placement puts the parameters on the host too), NVMe
-only where the cluster has it; user pins fix a value; a --compress pin keeps the configurations that support it
-(planner.compression.supported_mask) and sets every candidate's compression. Every tier the runtime runs is
-searched unpinned too: the cost model prices an NVMe candidate (planner.cost.offload), so it is chosen only when
-it is the best plan. Parameters on NVMe (ZeRO-3 only) are the placement's choice, not the enumeration's
-(planner.placement).
+Legality (the rules of ``_grid``, each named with the pins it constrains): which combinations of ZeRO stage, offload
+tier, compression, context parallel, pipeline, interleave and sequence parallel run is schemas.legality's table,
+evaluated here on the candidate arrays (offload only with ZeRO >= 1, a --compress pin only where it runs, context
+parallel without offload or compression...); what the runtime runs on this model is schemas.capability's (tp > 1,
+sequence parallel, pp > 1, cp > 1 from the traits the tracer found). The sizes are this module's: dp * tp * pp * cp =
+gpus; cp > 1 where 2 cp divides the sequence, and unpinned only where a GPU keeps CP_MIN_TOKENS_PER_GPU tokens of a
+sequence; heads and kv_heads divisible by tp (a pinned tp too); at least one block per pipeline stage (pp <= blocks)
+and, when interleaved, one block, the embedding or the head per chunk (pp * v <= blocks + 2; Megatron-Core's split
+that counts the embedding and the head as a block each where the blocks do not divide) and micro-batches divisible
+by pp; a pipeline runs at least pp micro-batches (1F1B's warm-up fills every stage); the global batch divisible by
+dp * micro_batch; sequence parallel where tp divides the tokens a block sees; NVMe only where the cluster has it.
+User pins fix a value; a --compress pin sets every candidate's compression. Every tier the runtime runs is searched
+unpinned too: the cost model prices an NVMe candidate (planner.cost.offload), so it is chosen only when it is the
+best plan. Where the model states live (parameters on NVMe with ZeRO 3 only...) is the placement's choice, not the
+enumeration's (planner.placement).
 
 When the pins leave nothing, ``explain_no_candidates`` says why: the rule that alone rules out every remaining
 configuration, naming the pins it constrains, or else which single pin to drop.
@@ -29,8 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from zplan.planner.compression import supported_mask
 from zplan.planner.cost.inputs import OFFLOAD_TIERS, RECOMPUTE_MODES, Candidates
+from zplan.schemas import legality
 from zplan.schemas.capability import allows, sequence_parallel_fits
 from zplan.schemas.cluster import ClusterSpec
 from zplan.schemas.model import ModelSummary
@@ -41,6 +39,8 @@ MAX_MICRO_BATCH = 64
 # Unpinned, context parallel is searched only where each GPU keeps at least this many tokens of a sequence: below it a
 # sequence's attention is a small share of the block and splitting it only adds K/V gathers (a pin overrides it).
 CP_MIN_TOKENS_PER_GPU = 4096
+# The Pins field that fixes each field of schemas.legality the candidates have.
+PIN_OF_FIELD = {field: "compress" for field in legality.COMPRESSION_FIELDS}
 
 
 def divisors(n: int) -> list[int]:
@@ -60,6 +60,7 @@ class Rule:
     text: str
     fields: tuple[str, ...]
     mask: np.ndarray
+    name: str = ""  # the schemas.legality rule it is, if one
 
 
 @dataclass(frozen=True)
@@ -126,18 +127,12 @@ def _grid(model: ModelSummary, cluster: ClusterSpec, gpus: int, global_batch: in
         Rule(f"context parallel splits each sequence in 2 cp chunks (2 cp divides the {seq} tokens) and runs on this "
              "model (schemas.capability)", ("cp",),
              (c == 1) | ((seq % (2 * c) == 0) & can_split_context)),
-        Rule("context parallel runs without offload or compression (runtime/parallel/context_parallel.py)",
-             ("cp", "offload", "compress"), (c == 1) | ((off == 0) & (not compression.enabled))),
         Rule(f"the global batch {global_batch} divides by dp * micro-batch", ("micro_batch", "dp", "tp", "pp"),
              global_batch % (d * b) == 0),
-        Rule(f"sequence parallel needs tp > 1 that divides the {model.block_tokens} tokens a block sees (/ cp)",
-             ("sequence_parallel", "tp", "cp"),
-             (sp == 0) | ((t > 1) & sequence_parallel_fits(model.block_tokens, t * c))),
-        Rule("CPU or NVMe offload needs ZeRO >= 1 (each rank steps its own optimizer shard)", ("offload", "zero"),
-             (off == 0) | (z >= 1)),
+        Rule(f"sequence parallel needs a tp that divides the {model.block_tokens} tokens a block sees (/ cp)",
+             ("sequence_parallel", "tp", "cp"), (sp == 0) | sequence_parallel_fits(model.block_tokens, t * c)),
         Rule(f"NVMe offload needs a cluster with NVMe, and {cluster.name} has none", ("offload",),
              (off < 2) | (cluster.nvme_bytes > 0)),
-        Rule("interleave > 1 needs a pipeline (pp > 1)", ("interleave", "pp"), (v == 1) | (p > 1)),
         Rule(f"pp <= the {blocks} blocks, and pp * interleave <= the blocks + 2 when interleaved (the embedding "
              "and the head count as a block each where the blocks do not divide: planner.search."
              "interleaved_partition)", ("pp", "interleave"),
@@ -147,11 +142,12 @@ def _grid(model: ModelSummary, cluster: ClusterSpec, gpus: int, global_batch: in
              (p == 1) | (micro_batches >= p)),
         Rule("an interleaved schedule needs the micro-batches per step to divide by pp",
              ("interleave", "pp", "micro_batch", "dp", "tp"), (v == 1) | (micro_batches % p == 0)),
-        Rule(f"--compress {compression.as_option()} runs only with some ZeRO stages, tp, pp and offload "
-             "(grad=int8: ZeRO 0/1 and tp 1; grad=1bit: ZeRO 0, tp = pp = 1, no offload; weights=int8: ZeRO 3; "
-             "act=int8: pp > 1)", ("compress", "zero", "tp", "pp", "offload"),
-             supported_mask(compression, t, p, z, off)),
     ]
+    # the combinations schemas.legality rules out, over the candidates' fields
+    values = dict(tp=t, pp=p, cp=c, zero=z, offload=off, sequence_parallel=sp, interleave=v,
+                  **legality.config(**compression.model_dump()))
+    rules += [Rule(rule.reason, tuple(dict.fromkeys(PIN_OF_FIELD.get(f, f) for f in rule.fields)),
+                   np.broadcast_to(rule.holds(values), t.shape), rule.name) for rule in legality.applicable(values)]
     return _Grid(tp=t, pp=p, dp=d, cp=c, micro_batch=b, zero=z, recompute=r, sp=sp, interleave=v, offload=off,
                  rules=rules)
 

@@ -1,5 +1,5 @@
-"""What the report and `zplan explain` show besides the chosen plan: the best alternatives, the
-time-versus-memory Pareto front, and why each family of configurations lost."""
+"""What the report and `zplan explain` show besides the chosen plan (alternatives.json, schemas.alternatives): the
+best alternatives, the time-versus-memory Pareto front, and why each family of configurations lost."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import numpy as np
 from zplan.planner.cost.inputs import OFFLOAD_TIERS, RECOMPUTE_MODES, Candidates
 from zplan.planner.cost.step import StepEstimate
 from zplan.planner.search import Choice, Scored, refine
+from zplan.schemas.alternatives import Candidate, RejectedFamily
 from zplan.schemas.cluster import ClusterSpec
 from zplan.schemas.model import ModelSummary
-from zplan.schemas.plan import Candidate, ParallelConfig, RejectedFamily
+from zplan.schemas.plan import ParallelConfig
 from zplan.schemas.spec import TrainSpec
 
 TOP_ALTERNATIVES = 10

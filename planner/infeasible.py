@@ -5,6 +5,7 @@ Each suggestion is checked by re-running the (cheap) numpy scoring with one requ
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
@@ -13,7 +14,7 @@ from zplan.errors import InfeasibleError
 from zplan.planner.cost.inputs import OFFLOAD_TIERS, RECOMPUTE_MODES, Candidates
 from zplan.schemas.cluster import ClusterSpec
 from zplan.schemas.model import ModelSummary
-from zplan.schemas.spec import Pins, TrainSpec
+from zplan.schemas.spec import Pins
 
 if TYPE_CHECKING:
     from zplan.planner.search import Scored
@@ -28,13 +29,11 @@ def describe(cand: Candidates, i: int) -> str:
             f"offload={OFFLOAD_TIERS[cand.offload[i]]}")
 
 
-def _fits(summary, cluster, gpus, train, pins) -> bool:
-    from zplan.planner.search import score  # local: search imports this module
-
-    return len(score(summary, cluster, gpus, train, pins).order) > 0
+# fits(gpus, pins): whether the search finds a plan on `gpus` GPUs under `pins` (the search hands it in)
+Fits = Callable[[int, Pins], bool]
 
 
-def suggestions(summary: ModelSummary, cluster: ClusterSpec, gpus: int, train: TrainSpec, pins: Pins) -> list[str]:
+def suggestions(fits: Fits, cluster: ClusterSpec, gpus: int, pins: Pins) -> list[str]:
     found = []
     relaxed = {}
     if pins.offload in (None, "none"):
@@ -47,35 +46,35 @@ def suggestions(summary: ModelSummary, cluster: ClusterSpec, gpus: int, train: T
     if pins.zero not in (None, 3):
         relaxed["--zero 3"] = {"zero": 3}
     for flag, change in relaxed.items():
-        if _fits(summary, cluster, gpus, train, pins.model_copy(update=change)):
+        if fits(gpus, pins.model_copy(update=change)):
             found.append(flag)
     more = pins.model_copy(update={"dp": None})
-    fewest = fewest_gpus_that_fit(summary, cluster, gpus, train, more)
+    fewest = fewest_gpus_that_fit(fits, cluster, gpus, more)
     if fewest is not None:
         found.append(f"--gpus {fewest} (the fewest that fit with these pins)")
     return found
 
 
-def fewest_gpus_that_fit(summary, cluster, gpus, train, pins) -> int | None:
+def fewest_gpus_that_fit(fits: Fits, cluster: ClusterSpec, gpus: int, pins: Pins) -> int | None:
     """Double the GPU count until a plan fits, then walk back node by node to the fewest that fit."""
     step = cluster.gpus_per_node if gpus % cluster.gpus_per_node == 0 else 1
     low, high = gpus, None
     n = gpus * 2
     while n <= gpus * MAX_GPU_MULTIPLE:
-        if _fits(summary, cluster, n, train, pins):
+        if fits(n, pins):
             high = n
             break
         low, n = n, n * 2
     if high is None:
         return None
     for n in range(low + step, high, step)[:16]:
-        if _fits(summary, cluster, n, train, pins):
+        if fits(n, pins):
             return n
     return high
 
 
-def raise_infeasible(summary: ModelSummary, cluster: ClusterSpec, gpus: int, train: TrainSpec, pins: Pins,
-                     scored: Scored) -> NoReturn:
+def raise_infeasible(summary: ModelSummary, cluster: ClusterSpec, gpus: int, pins: Pins, scored: Scored,
+                     fits: Fits) -> NoReturn:
     mem = scored.estimate.memory
     closest = int(np.argmin(mem.total))
     over = mem.total[closest] - cluster.gpu.hbm_bytes
@@ -85,7 +84,7 @@ def raise_infeasible(summary: ModelSummary, cluster: ClusterSpec, gpus: int, tra
         where = ("fits the GPU but not host/NVMe capacity "
                  f"(CPU {mem.cpu_bytes_per_node[closest] / GiB:.0f} GiB/node, "
                  f"NVMe {mem.nvme_bytes_per_node[closest] / GiB:.0f} GiB/node)")
-    fixes = suggestions(summary, cluster, gpus, train, pins)
+    fixes = suggestions(fits, cluster, gpus, pins)
     hint = ("; would fit: " + ", ".join(fixes)) if fixes else "; nothing tried would fit: use a larger GPU"
     raise InfeasibleError(
         f"no plan for {summary.name} fits {gpus}x {cluster.gpu.name}. Closest: {describe(scored.candidates, closest)}, "

@@ -6,24 +6,21 @@ Variables: 9 booleans x[state, tier], state in {params, grads, optimizer}, tier 
 Constraints
 * each state on exactly one tier; the sum of bytes on each tier <= that tier's free bytes per GPU
   (stated exactly, in floating point, as clauses: no set of states that overflows a tier shares it);
-* the offload tier: "none" allows {gpu}, "cpu" {gpu, cpu}, "nvme" {gpu, cpu, nvme}. A search candidate's
-  tier is an allowance (the solver keeps on the GPU what fits there); the user's --offload pin
-  (``offload_pinned``) is a requirement for the optimizer states (PINNED_OPTIMIZER_TIER): "none" keeps them on
-  the GPU, "cpu" puts them on the CPU, "nvme" on NVMe, while parameters and gradients still use any tier the pin
-  and ZeRO allow, i.e. stay on the GPU where they fit. So `--zero 2|3 --offload cpu` means the optimizer on the
-  CPU, and the parameter and gradient shards on the host too only when the GPU cannot hold them;
-* ZeRO semantics, as zplan's runtime runs them: under ZeRO-1 only the optimizer leaves the GPU (to CPU or
-  NVMe: runtime.optim.cpu_adam_optimizer, runtime.optim.nvme_optimizer). Under ZeRO 2/3 the optimizer may
-  leave alone (the parameter and gradient shards stay on the device; ZeRO-Offload's optimizer offload,
-  runtime.optim.sharded_cpu_adam, or the moments on NVMe, runtime.optim.nvme_optimizer); parameters on the
-  host are FSDP2's CPUOffloadPolicy, which keeps the gradient shards and the optimizer step there with them, so
-  parameters off the GPU take the gradients (to the CPU) and the optimizer (CPU or NVMe) with them, and the
-  gradients leave only with the parameters. Only ZeRO-3 swaps the parameters on to NVMe
-  (runtime.offload.param_swap);
+* the legal placements (enumerate_legal_placements): the placement rules of schemas.legality over the three tiers,
+  the ZeRO stage and the offload tier, as clauses that forbid every other combination. The offload tier bounds the
+  tiers ("none" the GPU, "cpu" the host too, "nvme" NVMe too). A search candidate's tier is an allowance (the solver
+  keeps on the GPU what fits there); the user's --offload pin (``offload_pinned``) is a requirement for the
+  optimizer states, while parameters and gradients stay on the GPU where they fit. So `--zero 2|3 --offload cpu`
+  means the optimizer on the CPU, and the parameter and gradient shards on the host too only when the GPU cannot
+  hold them. ZeRO as zplan's runtime runs it: under ZeRO-1 only the optimizer leaves the GPU (to CPU or NVMe:
+  runtime.optim.host_states, runtime.optim.nvme_states); under ZeRO 2/3 the optimizer may leave alone
+  (runtime.optim.host_states, runtime.optim.nvme_states), and parameters on the host are FSDP2's
+  CPUOffloadPolicy, which takes the gradient shards and the optimizer step with them; only ZeRO-3 swaps the
+  parameters on to NVMe (runtime.offload.param_swap);
 * host memory: the optimizer on the CPU beside parameters on the GPU holds ``optimizer_host_extra_bytes`` there
   besides its states (zplan's CPU Adam: the buffer the gradients come down to, and an fp32 master of the shard
   where the parameters are fp32); the optimizer on NVMe keeps ``optimizer_nvme_host_bytes`` of its states in host
-  memory rather than in files (the fp32 masters of 16-bit parameters: runtime.optim.nvme_optimizer);
+  memory rather than in files (the fp32 masters of 16-bit parameters: runtime.optim.nvme_states);
 
 Objective: minimise the per-step transfer time, serial sum of three parts
 (``m`` = micro-batches per step, P/G/O = parameter/gradient/optimizer bytes per GPU):
@@ -51,14 +48,15 @@ import itertools
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 from ortools.sat.python import cp_model
+
+from zplan.schemas import legality
 
 Tier = Literal["gpu", "cpu", "nvme"]
 TIERS: tuple[Tier, ...] = ("gpu", "cpu", "nvme")
 STATES = ("params", "grads", "optimizer")
-ALLOWED_TIERS_BY_OFFLOAD: dict[str, tuple[Tier, ...]] = {
-    "none": ("gpu",), "cpu": ("gpu", "cpu"), "nvme": ("gpu", "cpu", "nvme")}
-PINNED_OPTIMIZER_TIER: dict[str, Tier] = {"none": "gpu", "cpu": "cpu", "nvme": "nvme"}  # --offload pins this
+FIELD_OF_STATE = dict(zip(STATES, legality.STATES, strict=True))  # params -> schemas.legality's parameters...
 TIME_RESOLUTION = 10**9  # integer time units in the largest possible transfer time
 OVERFLOW_RESOLUTION = 10**6  # integer memory units in all state bytes, for the overflow diagnostic
 
@@ -102,19 +100,17 @@ class PlacementResult:
         return self.transfer.total_s
 
 
-def legal_tiers(state: str, zero_stage: int, offload: str, pinned: bool = False) -> tuple[Tier, ...]:
-    """Tiers a state may use under the ZeRO stage and the offload tier (module docstring); `pinned`: the tier is
-    the user's --offload pin, which fixes the optimizer's tier (empty when the ZeRO stage rules that tier out)."""
-    allowed = ALLOWED_TIERS_BY_OFFLOAD[offload]
-    if state == "params":
-        by_zero: tuple[Tier, ...] = TIERS if zero_stage == 3 else ("gpu", "cpu") if zero_stage == 2 else ("gpu",)
-    elif state == "grads":
-        by_zero = ("gpu", "cpu") if zero_stage >= 2 else ("gpu",)
-    else:
-        by_zero = TIERS if zero_stage >= 1 else ("gpu",)
-        if pinned:
-            allowed = (PINNED_OPTIMIZER_TIER[offload],)
-    return tuple(t for t in by_zero if t in allowed)
+def enumerate_legal_placements(zero_stage: int, offload: str, pinned: bool = False) -> list[dict[str, Tier]]:
+    """Every placement {state: tier} the placement rules of schemas.legality allow under the ZeRO stage and the
+    offload tier (`pinned`: the user's --offload pin, which fixes the optimizer's tier); at most 27, in
+    itertools.product order of TIERS. The solver's clauses, and explanations and tests."""
+    combos = list(itertools.product(range(len(TIERS)), repeat=len(STATES)))
+    tiers = np.array(combos, dtype=np.int64).reshape(-1, len(STATES))
+    values = {**legality.config(zero=zero_stage, offload=offload, offload_pinned=pinned),
+              **{FIELD_OF_STATE[s]: tiers[:, i] for i, s in enumerate(STATES)}}
+    legal = np.broadcast_to(legality.legal_mask(values, legality.PLACEMENT_RULES), len(combos))
+    return [{s: TIERS[c] for s, c in zip(STATES, combo, strict=True)}
+            for combo, ok in zip(combos, legal, strict=True) if ok]
 
 
 def cpu_adam_step_s(optimizer_bytes: float, grad_update_bytes: float, param_update_bytes: float,
@@ -216,7 +212,7 @@ def place_model_states(
     state_bytes = {"params": float(param_bytes), "grads": float(grad_bytes),
                    "optimizer": float(optimizer_bytes)}
     capacity = {"gpu": float(gpu_free_bytes), "cpu": float(cpu_free_bytes), "nvme": float(nvme_free_bytes)}
-    if zero_stage not in (0, 1, 2, 3) or offload not in ALLOWED_TIERS_BY_OFFLOAD:
+    if zero_stage not in (0, 1, 2, 3) or offload not in legality.OFFLOAD_TIERS:
         raise ValueError(f"zero_stage must be 0..3 and offload none|cpu|nvme, got {zero_stage}, {offload!r}")
     if (micro_batches_per_step < 1 or min(*state_bytes.values(), *capacity.values(), optimizer_host_extra_bytes,
                                            optimizer_nvme_host_bytes) < 0
@@ -233,12 +229,13 @@ def place_model_states(
                       optimizer_nvme_host_bytes=float(optimizer_nvme_host_bytes))
     updates = dict(param_update_bytes=float(param_bytes if param_update_bytes is None else param_update_bytes),
                    grad_update_bytes=float(grad_bytes if grad_update_bytes is None else grad_update_bytes))
-    legal = {state: legal_tiers(state, zero_stage, offload, offload_pinned) for state in STATES}
-    if not legal["optimizer"]:
-        raise ValueError(f"the offload pin {offload!r} puts the optimizer states off the GPU, which needs ZeRO >= 1 "
-                         f"(each rank steps its own shard), got ZeRO {zero_stage}")
+    legal = enumerate_legal_placements(zero_stage, offload, offload_pinned)
+    if not legal:  # a pin the ZeRO stage rules out (ZeRO 0 with the optimizer off the GPU)
+        broken = legality.violations(legality.config(zero=zero_stage, offload=offload))
+        raise ValueError(f"no placement of the model states is legal with ZeRO {zero_stage} and the offload pin "
+                         f"{offload!r}: {'; '.join(rule.reason for rule in broken) or 'schemas.legality'}")
 
-    rules = dict(zero_sharded=zero_stage >= 2, host_extra_bytes=float(optimizer_host_extra_bytes))
+    rules = dict(host_extra_bytes=float(optimizer_host_extra_bytes))
     tiers, proven, _ = _solve(state_bytes, updates, capacity, legal, rates, micro_batches_per_step, time_limit_s,
                               allow_overflow=False, **rules)
     feasible = tiers is not None
@@ -269,24 +266,23 @@ def place_model_states(
 
 
 def _solve(state_bytes, updates, capacity, legal, rates, micro_batches_per_step, time_limit_s, *,
-           allow_overflow: bool, zero_sharded: bool, host_extra_bytes: float = 0.0
-           ) -> tuple[dict[str, Tier] | None, bool, float]:
-    """Build and solve the CP-SAT model (`zero_sharded`: ZeRO 2/3's rules, parameters and gradients leave the GPU
-    together and take the optimizer with them; `host_extra_bytes`: the optimizer's host bytes beside parameters
-    on the GPU; module docstring). Returns ({state: tier} or None if infeasible, proven optimal, the model's own
-    transfer seconds for that placement: a cross-check of ``transfer_times``)."""
+           allow_overflow: bool, host_extra_bytes: float = 0.0) -> tuple[dict[str, Tier] | None, bool, float]:
+    """Build and solve the CP-SAT model (`legal`: the placements allowed, enumerate_legal_placements;
+    `host_extra_bytes`: the optimizer's host bytes beside parameters on the GPU; module docstring). Returns
+    ({state: tier} or None if infeasible, proven optimal, the model's own transfer seconds for that placement: a
+    cross-check of ``transfer_times``)."""
     model = cp_model.CpModel()
     on = {(s, t): model.new_bool_var(f"{s}_on_{t}") for s in STATES for t in TIERS}
     for s in STATES:
         model.add_exactly_one(on[s, t] for t in TIERS)
         for t in TIERS:
-            if t not in legal[s]:
+            if all(placement[s] != t for placement in legal):
                 model.add(on[s, t] == 0)
+    allowed = {tuple(placement[s] for s in STATES) for placement in legal}
+    for combo in itertools.product(TIERS, repeat=len(STATES)):
+        if combo not in allowed:  # not this combination
+            model.add_bool_or([~on[s, t] for s, t in zip(STATES, combo, strict=True)])
     optimizer_off, params_off = ~on["optimizer", "gpu"], ~on["params", "gpu"]
-    model.add_implication(on["grads", "cpu"], optimizer_off)  # gradients go down only to feed CPU Adam
-    if zero_sharded:  # FSDP2's CPUOffloadPolicy moves the parameter and gradient shards, and the step with them
-        model.add(on["params", "gpu"] == on["grads", "gpu"])
-        model.add_implication(params_off, optimizer_off)
 
     def both(a, b, name):
         """A boolean equal to a AND b."""
@@ -374,19 +370,3 @@ def _solver(time_limit_s: float) -> cp_model.CpSolver:
     solver.parameters.max_time_in_seconds = float(time_limit_s)
     solver.parameters.random_seed = 0
     return solver
-
-
-def enumerate_legal_placements(zero_stage: int, offload: str, pinned: bool = False) -> list[dict[str, Tier]]:
-    """Every placement the offload tier (`pinned`: the user's pin) and ZeRO stage allow (at most 18); for
-    explanations and tests."""
-    legal = {state: legal_tiers(state, zero_stage, offload, pinned) for state in STATES}
-    placements = []
-    for combo in itertools.product(*(legal[s] for s in STATES)):
-        tiers = dict(zip(STATES, combo, strict=True))
-        if tiers["grads"] == "cpu" and tiers["optimizer"] == "gpu":
-            continue
-        params_off = tiers["params"] != "gpu"  # ZeRO 2/3: FSDP2's CPUOffloadPolicy, gradients and step with them
-        if zero_stage >= 2 and (params_off != (tiers["grads"] != "gpu") or params_off and tiers["optimizer"] == "gpu"):
-            continue
-        placements.append(tiers)
-    return placements

@@ -6,7 +6,7 @@ and gradient shards off it too unless they fit there (planner.cost.memory); the 
 whatever fits there, which only removes transfers. An --offload pin is a requirement, not an allowance: the
 optimizer states go to the pinned tier (``none``: the GPU), and the parameters and gradients stay on the GPU
 where they fit (planner.placement): under ZeRO 2/3 the optimizer alone is then offloaded (the runtime's
-runtime.optim.sharded_cpu_adam), and FSDP2's CPUOffloadPolicy takes the parameter and gradient shards to the
+runtime.optim.host_states), and FSDP2's CPUOffloadPolicy takes the parameter and gradient shards to the
 host only when the GPU cannot hold them.
 
 Delayed parameter update (Ren et al., ZeRO-Offload, USENIX ATC'21, Sec. 5.2): the CPU optimizer step of
@@ -39,6 +39,7 @@ from zplan.planner.cost.memory import (
 )
 from zplan.planner.cost.step import StepEstimate, gpu_adam_step_s
 from zplan.planner.placement import PlacementResult, place_model_states
+from zplan.schemas import legality
 from zplan.schemas.cluster import ClusterSpec
 from zplan.schemas.plan import DelayedUpdate, Placement
 from zplan.schemas.spec import TrainSpec
@@ -46,6 +47,7 @@ from zplan.schemas.spec import TrainSpec
 # Fraction of the predicted step (without the delay) the overlap must save before auto turns it on; the help of
 # `zplan compile --delayed-update` (zplan/cli.py) quotes it.
 DELAYED_UPDATE_MIN_SAVING = 0.10
+STATE_TO_OFFLOAD = dict(zip(legality.STATE_TIERS, legality.OFFLOAD_TIERS, strict=True))  # gpu -> none ...
 
 
 @dataclass(frozen=True)
@@ -94,12 +96,12 @@ def place(cand: Candidates, est: StepEstimate, cluster: ClusterSpec, train: Trai
         param_fetches_per_step=1 if z == 2 else None,
         # this rank's shard, once a step with the optimizer alone off the GPU: ZeRO-1 its owned rows (priced as
         # ZeRO-Offload's 16-bit copies), ZeRO 2/3 FSDP2's fp32 gradient shard down and fp32 parameter shard up
-        # (runtime.optim.sharded_cpu_adam), i.e. the `grads` and `weights` bytes themselves
+        # (runtime.optim.host_states), i.e. the `grads` and `weights` bytes themselves
         **({} if z >= 2 else dict(param_update_bytes=elem * optim_params, grad_update_bytes=elem * optim_params)),
         # zplan's CPU Adam beside parameters on the GPU: the fp32 master of the shard (unless the optimizer's states
         # hold it already: 16-bit parameters) and the gradient buffers
         optimizer_host_extra_bytes=(HOST_OPTIMIZER_BYTES + HOST_GRAD_BUFFER_BYTES) * optim_params - optim,
-        # on NVMe, a 16-bit parameter's master stays in host memory (runtime.optim.nvme_optimizer)
+        # on NVMe, a 16-bit parameter's master stays in host memory (runtime.optim.nvme_states)
         optimizer_nvme_host_bytes=MASTER_BYTES * optim_params if sixteen_bit else 0.0,
     )
     on_gpu = {"params": result.param_tier == "gpu", "grads": result.grad_tier == "gpu",
@@ -135,7 +137,9 @@ def decide_delayed_update(requested: str, zero_stage: int, placed: PlacedStates,
                    + est.pipeline_p2p_s[0])
     step = float(est.step_time_s[0] - est.offload_s[0] - est.optimizer_s[0]) + placed.offload_s + placed.optimizer_s
     optimizer_tier = placed.placement.optimizer
-    if optimizer_tier != "cpu" or zero_stage != 1:
+    # the run's offload is the optimizer's tier here: ZeRO 1 keeps the parameters and gradients on the GPU
+    delayed = legality.config(delayed_update=1, zero=zero_stage, offload=STATE_TO_OFFLOAD[optimizer_tier])
+    if legality.violations(delayed, [legality.BY_NAME["delayed_update_needs_zero1_cpu"]]):
         if optimizer_tier == "gpu":
             why, fix = ("the optimizer states stay on the GPU (they fit there, where they cost no transfers), so "
                         "there is no CPU step to delay", "drop --delayed-update on")

@@ -122,5 +122,6 @@ def choose(summary: ModelSummary, cluster: ClusterSpec, gpus: int, train: TrainS
             break
     choices = [c for c in refined.values() if c is not None]
     if not choices:
-        raise_infeasible(summary, cluster, gpus, train, pins, scored)
+        raise_infeasible(summary, cluster, gpus, pins, scored,
+                         fits=lambda n, relaxed: len(score(summary, cluster, n, train, relaxed).order) > 0)
     return min(choices, key=lambda c: float(c.estimate.step_time_s[0])), refined

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -28,9 +29,10 @@ from torch import nn
 
 from zplan.errors import SpecError, TraceError
 from zplan.model.model_file import hf_models_see_whole_sequences, load_model_file, next_token_loss
+from zplan.model.modules import is_conv1d, parent_path
 from zplan.planner.graph import ModelGraph
 from zplan.planner.tracers import DROPOUT_OPS, SDPA, TRACER_FUNCTIONS, MetaOpCache, RawTrace, TracedOp, as_call
-from zplan.planner.traits import find_traits, fused_parts, is_conv1d, parent_path
+from zplan.planner.traits import find_traits, fused_parts
 from zplan.schemas.capability import ModelTrait
 from zplan.schemas.model import LayerCost, ModelSummary, TensorParallelRule
 
@@ -79,8 +81,8 @@ def element_bytes(precision: str) -> int:
 # --- public entry points ------------------------------------------------------------------------------
 
 def trace_model_file(path: str | Path, seq_len: int | None, precision: str, *,
-                     build_overrides: dict[str, Any] | None = None,
-                     tracers: tuple[str, ...] = TRACERS) -> tuple[ModelGraph, ModelSummary]:
+                     build_overrides: dict[str, Any] | None = None, tracers: tuple[str, ...] = TRACERS,
+                     runtime_checks: ModuleType | None = None) -> tuple[ModelGraph, ModelSummary]:
     """Load a model file, build it on meta and trace one sample of seq_len tokens (None: the file's
     SEQ_LEN, else DEFAULT_SEQ_LEN); see trace_module."""
     model_file = load_model_file(path)
@@ -88,7 +90,8 @@ def trace_model_file(path: str | Path, seq_len: int | None, precision: str, *,
     model = model_file.build(device="meta", **(build_overrides or {}))
     with torch.device("meta"):
         inputs = model_file.example_inputs(1, seq_len)
-    graph, summary = trace_module(model, inputs, seq_len, precision, name=model_file.name, tracers=tracers)
+    graph, summary = trace_module(model, inputs, seq_len, precision, name=model_file.name, tracers=tracers,
+                                  runtime_checks=runtime_checks)
     if model_file.loss_fn is not next_token_loss:  # context parallel splits only the default loss
         own = ModelTrait(kind="own_loss", module="", detail="the model file defines loss_fn")
         summary = summary.model_copy(update={"traits": [*summary.traits, own]})
@@ -96,14 +99,16 @@ def trace_model_file(path: str | Path, seq_len: int | None, precision: str, *,
 
 
 def trace_module(model: nn.Module, example_inputs: Any, seq_len: int, precision: str, *, name: str = "model",
-                 tracers: tuple[str, ...] = TRACERS) -> tuple[ModelGraph, ModelSummary]:
-    """Trace `model` (ideally on meta) called with `example_inputs` (a Tensor, tuple or dict of one sample)."""
+                 tracers: tuple[str, ...] = TRACERS, runtime_checks: ModuleType | None = None
+                 ) -> tuple[ModelGraph, ModelSummary]:
+    """Trace `model` (ideally on meta) called with `example_inputs` (a Tensor, tuple or dict of one sample);
+    `runtime_checks`: the runtime's answers to what it can run on it (planner/traits.py find_traits)."""
     element_bytes(precision)
     hf_models_see_whole_sequences()  # a module handed in directly, not built from a model file
     prefix, num_blocks = find_block_container(model)
     raw = run_tracers(model, example_inputs, tracers)
     graph = _build_graph(raw, model, prefix, num_blocks, seq_len, precision)
-    return graph, _summarize(graph, raw, model, name, as_call(example_inputs))
+    return graph, _summarize(graph, raw, model, name, as_call(example_inputs), runtime_checks)
 
 
 # --- running the tracers (zplan.planner.tracers: a model and one sample -> TracedOps) ------------------
@@ -332,7 +337,7 @@ def _mark_tensor_parallel(graph: ModelGraph, model: nn.Module, blocks: range) ->
 # --- summary --------------------------------------------------------------------------------------------
 
 def _summarize(graph: ModelGraph, raw: RawTrace, model: nn.Module, name: str,
-               example_call: tuple[tuple, dict]) -> ModelSummary:
+               example_call: tuple[tuple, dict], runtime_checks: ModuleType | None) -> ModelSummary:
     prefix, num_blocks = graph.block_prefix, graph.num_blocks
     by_name = {op.name: op for op in raw.ops}
     units = ["embedding"] + [f"{prefix}.{i}" for i in range(num_blocks)] + ["head"]
@@ -384,7 +389,7 @@ def _summarize(graph: ModelGraph, raw: RawTrace, model: nn.Module, name: str,
         parts, groups = (fused_parts(graph, model, module) if style == "colwise" else None) or ([], 1)
         rules.append(TensorParallelRule(module=module[len(f"{prefix}.0."):], style=style, parts=parts,
                                         groups=max(groups, 1)))
-    traits = find_traits(model, graph, rules, layers, example_call)
+    traits = find_traits(model, graph, rules, layers, example_call, runtime_checks)
     return ModelSummary(
         name=name, source="file", tracer=graph.tracer, num_blocks=num_blocks, hidden=hidden, heads=heads,
         kv_heads=kv_heads, ffn_hidden=ffn_hidden, vocab=vocab, seq_len=graph.seq_len,

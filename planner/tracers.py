@@ -21,6 +21,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from zplan.model.meta_ops import (
+    MetaOpCache,
+    function_name,
+    is_inplace,
+    tensors_in,
+)
+
 SDPA = "scaled_dot_product_attention"  # normalised name of attention in any of its forms (see _op_name)
 DROPOUT_OPS = {"dropout", "native_dropout", "feature_dropout"}  # their attrs carry dropout_p
 
@@ -62,89 +69,10 @@ _OPERATOR_NAMES = {
 }
 _MODULE_OPS = {nn.Linear: "linear", nn.Embedding: "embedding", nn.LayerNorm: "layer_norm", nn.RMSNorm: "rms_norm",
                nn.GroupNorm: "group_norm", nn.Dropout: "dropout", nn.Identity: "identity"}
-_CONSTANT_TYPES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.Size, torch.layout,
-                   torch.memory_format, type(Ellipsis))
-_UNCACHEABLE = object()
-
-
 def _op_name(raw: str) -> str:
     if "scaled_dot_product" in raw:
         return SDPA  # F.scaled_dot_product_attention and its aten kernels
     return _OPERATOR_NAMES.get(raw, raw)
-
-
-def _is_inplace(raw: str) -> bool:
-    return (raw.endswith("_") and not raw.startswith("_")) or raw in {"__iadd__", "__imul__", "iadd", "imul",
-                                                                        "__isub__", "__itruediv__", "__setitem__"}
-
-
-def _function_name(func: Any) -> str:
-    name = getattr(func, "__name__", None) or str(func)
-    if name == "__get__":  # a property such as Tensor.T or Tensor.data
-        name = getattr(getattr(func, "__self__", None), "__name__", "get")
-    return name
-
-
-def _cache_key(value: Any) -> Any:
-    """A hashable description of an argument: tensors by metadata, constants by value."""
-    if isinstance(value, torch.Tensor):
-        if value.device.type != "meta" or type(value) not in (torch.Tensor, nn.Parameter):
-            return _UNCACHEABLE  # a DTensor's op gives a DTensor: never the plain output cached for its shape
-        return ("T", tuple(value.shape), value.stride(), value.dtype, value.requires_grad)
-    if isinstance(value, (tuple, list)):
-        parts = tuple(_cache_key(item) for item in value)
-        return _UNCACHEABLE if any(p is _UNCACHEABLE for p in parts) else (type(value).__name__, parts)
-    if isinstance(value, dict):
-        parts = tuple((key, _cache_key(item)) for key, item in value.items())
-        return _UNCACHEABLE if any(p is _UNCACHEABLE for _, p in parts) else ("dict", parts)
-    if isinstance(value, slice):
-        return _cache_key((value.start, value.stop, value.step))
-    if isinstance(value, _CONSTANT_TYPES):
-        return (type(value).__name__, value)
-    return _UNCACHEABLE
-
-
-class MetaOpCache:
-    """Outputs of operations on meta tensors, keyed by the operation and its arguments' metadata.
-
-    Meta kernels cost about a millisecond an operation (Python decompositions); blocks repeat, so a
-    96-block GPT runs each distinct operation once instead of 96 times (175B: 5 s -> 0.3 s)."""
-
-    def __init__(self) -> None:
-        self.specs: dict[Any, Any] = {}
-
-    def call(self, head: Any, fn: Any, args: tuple, kwargs: dict) -> Any:
-        key = _cache_key((args, kwargs))
-        if key is not _UNCACHEABLE:
-            key = (head, key)
-            try:
-                hash(key)
-            except TypeError:  # e.g. an unhashable callable as the operation
-                key = _UNCACHEABLE
-        if key is not _UNCACHEABLE and key in self.specs:
-            return self._rebuild(self.specs[key])
-        out = fn(*args, **kwargs)
-        spec = self._spec(out)
-        if key is not _UNCACHEABLE and spec is not _UNCACHEABLE:
-            self.specs[key] = spec
-        return out
-
-    def _spec(self, value: Any) -> Any:
-        if type(value) is torch.Tensor and value.device.type == "meta":
-            return ("T", tuple(value.shape), value.stride(), value.dtype, value.requires_grad)
-        if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
-            parts = [self._spec(item) for item in value]
-            return _UNCACHEABLE if any(p is _UNCACHEABLE for p in parts) else (type(value), parts)
-        return ("C", value) if isinstance(value, _CONSTANT_TYPES) else _UNCACHEABLE
-
-    def _rebuild(self, spec: Any) -> Any:
-        if spec[0] == "T":
-            _, shape, stride, dtype, grad = spec
-            tensor = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-            return tensor.requires_grad_() if grad and (dtype.is_floating_point or dtype.is_complex) else tensor
-        if spec[0] == "C":
-            return spec[1]
-        return spec[0](self._rebuild(item) for item in spec[1])
 
 
 class _ParamNames:
@@ -156,17 +84,6 @@ class _ParamNames:
     def arg(self, value: torch.Tensor, producer: str | None) -> TensorArg:
         return TensorArg(producer=None if id(value) in self.params else producer, param=self.params.get(id(value)),
                          shape=tuple(value.shape), dtype=value.dtype)
-
-
-def _tensors_in(value: Any) -> list[torch.Tensor]:
-    """Tensors inside nested tuples, lists, dicts and Hugging Face ModelOutputs, in order."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (tuple, list)):
-        return [t for item in value for t in _tensors_in(item)]
-    return []
 
 
 def _input_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -223,12 +140,12 @@ class _CachingInterpreter(torch.fx.Interpreter):
         return self.cache.call(("module", type(module), module.extra_repr(), shapes), module, args, kwargs)
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
-        if _is_inplace(_function_name(target)):
+        if is_inplace(function_name(target)):
             return target(*args, **kwargs)
         return self.cache.call(("function", target), target, args, kwargs)
 
     def call_method(self, target: str, args: tuple, kwargs: dict) -> Any:
-        if _is_inplace(target):
+        if is_inplace(target):
             return getattr(args[0], target)(*args[1:], **kwargs)
         return self.cache.call(("method", target), lambda s, *a, **k: getattr(s, target)(*a, **k), args, kwargs)
 
@@ -244,7 +161,7 @@ def _trace_fx(model: nn.Module, args: tuple, kwargs: dict, cache: MetaOpCache) -
     values, names, ops = interpreter.env, _ParamNames(model), []
     for node in module.graph.nodes:
         value = values.get(node)
-        if node.op in ("get_attr", "output") or not _tensors_in(value):
+        if node.op in ("get_attr", "output") or not tensors_in(value):
             continue
         stack = list((node.meta.get("nn_module_stack") or {}).values())
         path, module_type = (stack[-1][0], stack[-1][1]) if stack else ("", None)
@@ -253,7 +170,7 @@ def _trace_fx(model: nn.Module, args: tuple, kwargs: dict, cache: MetaOpCache) -
             arg_value = values.get(arg_node)
             if isinstance(arg_value, torch.Tensor):
                 args_out.append(names.arg(arg_value, None if arg_node.op == "get_attr" else arg_node.name))
-            elif _tensors_in(arg_value):
+            elif tensors_in(arg_value):
                 args_out.append(TensorArg(arg_node.name, None, None, None))
         leaf = module.get_submodule(node.target) if node.op == "call_module" else None
         if leaf is not None:
@@ -262,7 +179,7 @@ def _trace_fx(model: nn.Module, args: tuple, kwargs: dict, cache: MetaOpCache) -
         elif node.op == "placeholder":
             raw = "input"
         else:
-            raw = node.target if node.op == "call_method" else _function_name(node.target)
+            raw = node.target if node.op == "call_method" else function_name(node.target)
         op = _op_name(raw)
         single = isinstance(value, torch.Tensor)
         ops.append(TracedOp(
@@ -271,41 +188,6 @@ def _trace_fx(model: nn.Module, args: tuple, kwargs: dict, cache: MetaOpCache) -
             attrs=_attrs(op, node.args, node.kwargs, module=leaf),
         ))
     return ops
-
-
-# Grouped GEMMs (mixture-of-experts layers): torch 2.13's meta kernel accepts bf16 only, the CPU and CUDA kernels
-# fp32 too; on meta tensors the shape is all that matters, so CachedMetaOps runs them in bf16 and casts back.
-GROUPED_GEMMS = tuple(f for f in (getattr(torch, "_grouped_mm", None),
-                                  getattr(torch.nn.functional, "grouped_mm", None)) if f is not None)
-
-
-def _grouped_gemm_in_bf16(func: Any, args: tuple, kwargs: dict) -> Any:
-    dtype = next(t.dtype for t in _tensors_in(args))
-
-    def cast(value: Any) -> Any:
-        return value.to(torch.bfloat16) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
-
-    return func(*[cast(a) for a in args], **{k: cast(v) for k, v in kwargs.items()}).to(dtype)
-
-
-class CachedMetaOps(torch.overrides.TorchFunctionMode):
-    """Runs the torch functions called inside it through `cache` (each distinct operation on meta tensors once):
-    a forward of a deep model on the meta device in the time of a few blocks. Grouped GEMMs on meta tensors of
-    another dtype than bf16 run in bf16 (GROUPED_GEMMS)."""
-
-    def __init__(self, cache: MetaOpCache) -> None:
-        super().__init__()
-        self.cache = cache
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if _is_inplace(_function_name(func)):
-            return func(*args, **kwargs)
-        tensors = _tensors_in(args)
-        if func in GROUPED_GEMMS and tensors and tensors[0].is_meta and tensors[0].dtype != torch.bfloat16:
-            return self.cache.call(("function", func), lambda *a, **k: _grouped_gemm_in_bf16(func, a, k), args,
-                                   kwargs)
-        return self.cache.call(("function", func), func, args, kwargs)
 
 
 class _FunctionRecorder(torch.overrides.TorchFunctionMode):
@@ -332,15 +214,15 @@ class _FunctionRecorder(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        raw = _function_name(func)
-        if _is_inplace(raw):
+        raw = function_name(func)
+        if is_inplace(raw):
             out = func(*args, **kwargs)
         else:
             out = self.cache.call(("function", func), func, args, kwargs)
-        outputs = _tensors_in(out) if isinstance(out, (torch.Tensor, tuple, list)) else []
+        outputs = tensors_in(out) if isinstance(out, (torch.Tensor, tuple, list)) else []
         if outputs:
             op = _op_name(raw)
-            tensor_args = [self.names.arg(t, self.producer.get(id(t))) for t in _tensors_in((args, kwargs))]
+            tensor_args = [self.names.arg(t, self.producer.get(id(t))) for t in tensors_in((args, kwargs))]
             single = isinstance(out, torch.Tensor)
             self.add(TracedOp(f"{op}_{len(self.ops)}", op, raw, self.module_stack[-1] if self.module_stack else "",
                               tensor_args, tuple(out.shape) if single else None, out.dtype if single else None,
@@ -351,7 +233,7 @@ class _FunctionRecorder(torch.overrides.TorchFunctionMode):
 def _trace_hooks(model: nn.Module, args: tuple, kwargs: dict, cache: MetaOpCache) -> list[TracedOp]:
     stack: list[str] = []
     recorder = _FunctionRecorder(_ParamNames(model), cache, stack)
-    for index, tensor in enumerate(_tensors_in((args, kwargs))):
+    for index, tensor in enumerate(tensors_in((args, kwargs))):
         recorder.add(TracedOp(f"input_{index}", "input", "input", "", [], tuple(tensor.shape), tensor.dtype),
                      [tensor])
 
@@ -382,7 +264,7 @@ class _TensorOutputs(nn.Module):
         self.inner = inner
 
     def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
-        return tuple(_tensors_in(self.inner(*args, **kwargs)))
+        return tuple(tensors_in(self.inner(*args, **kwargs)))
 
 
 @contextlib.contextmanager
@@ -407,7 +289,7 @@ def _trace_export(model: nn.Module, args: tuple, kwargs: dict, cache: MetaOpCach
     user_inputs, ops = set(signature.user_inputs), []
     for node in program.graph.nodes:
         value = node.meta.get("val")
-        if node.op != "call_function" and node.name not in user_inputs or not _tensors_in(value):
+        if node.op != "call_function" and node.name not in user_inputs or not tensors_in(value):
             continue
         stack = list((node.meta.get("nn_module_stack") or {}).values())
         path = stack[-1][0].removeprefix("inner").removeprefix(".") if stack else ""
@@ -419,10 +301,10 @@ def _trace_export(model: nn.Module, args: tuple, kwargs: dict, cache: MetaOpCach
             elif isinstance(arg_value, torch.Tensor):
                 producer = arg.name if arg.op == "call_function" or arg.name in user_inputs else None
                 args_out.append(TensorArg(producer, None, tuple(arg_value.shape), arg_value.dtype))
-            elif _tensors_in(arg_value):
+            elif tensors_in(arg_value):
                 args_out.append(TensorArg(arg.name, None, None, None))
         schema = getattr(node.target, "_schema", None)
-        raw = "input" if node.op == "placeholder" else getattr(node.target, "_opname", _function_name(node.target))
+        raw = "input" if node.op == "placeholder" else getattr(node.target, "_opname", function_name(node.target))
         op = _op_name(raw)
         single = isinstance(value, torch.Tensor)
         ops.append(TracedOp(node.name, op, str(node.target), path, args_out,

@@ -2,7 +2,9 @@
 (schemas/capability.py, where RULES says what each rules out).
 
 Each finder mirrors one thing the runtime does (the module docstrings of runtime/parallel/tensor_parallel.py and
-runtime/parallel/pipeline.py state those contracts):
+runtime/parallel/pipeline.py state those contracts). What the graph shows is judged here; what only running the
+runtime's own code on the meta device can tell is asked of `runtime_checks`, which the API layer hands in
+(runtime/plan/model_checks.py; without it the planner records only what the graph shows):
   tensor parallel  splits the nn.Linear (or Conv1D) pairs the trace marked colwise / rowwise, whole heads per
                    rank, a fused projection by its parts (which the trace must tell); a module with parameters
                    inside a module that holds split Linears (a q/k norm, a post-LN LayerNorm, a relative
@@ -17,19 +19,18 @@ runtime/parallel/pipeline.py state those contracts):
 
 from __future__ import annotations
 
-import copy
 import math
 from collections import deque
+from types import ModuleType
 from typing import TYPE_CHECKING
 
-import torch
 from torch import nn
 
-from zplan.model.modules import is_conv1d, is_norm, parent_path, unsplit_parameter_owners
-from zplan.schemas.capability import FP8_DIM_MULTIPLE, NVFP4_DIM_MULTIPLE, ModelTrait
+from zplan.model.modules import is_norm, parent_path, unsplit_parameter_owners
+from zplan.schemas.capability import ModelTrait
 from zplan.schemas.model import LayerCost, TensorParallelRule
 
-if TYPE_CHECKING:  # runtime/parallel/tensor_parallel.py imports this module: no networkx at run time
+if TYPE_CHECKING:
     from zplan.planner.graph import ModelGraph
 
 SLICING_OPS = {"getitem", "split", "chunk", "narrow", "unbind", "split_with_sizes", "tensor_split"}
@@ -37,96 +38,27 @@ PASS_THROUGH_OPS = {"dropout", "to", "contiguous", "view", "reshape", "type_as"}
 
 
 def find_traits(model: nn.Module, graph: ModelGraph, tp_rules: list[TensorParallelRule], layers: list[LayerCost],
-                example_call: tuple[tuple, dict]) -> list[ModelTrait]:
+                example_call: tuple[tuple, dict], runtime_checks: ModuleType | None = None) -> list[ModelTrait]:
     """Every trait of `model` (on the meta device; `graph` its trace, `tp_rules` the split of each projection of a
-    block, `layers` its units in order, `example_call` the (args, kwargs) of one sample)."""
+    block, `layers` its units in order, `example_call` the (args, kwargs) of one sample); `runtime_checks` the
+    runtime's own answers (runtime/plan/model_checks.py, handed in by the API layer), None for the graph's alone."""
     prefix = graph.block_prefix
-    block = model.get_submodule(f"{prefix}.0")
-    traits = _tensor_parallel_traits(model, block, f"{prefix}.0", graph, tp_rules)
+    block_name = f"{prefix}.0"
+    block = model.get_submodule(block_name)
+    traits = _tensor_parallel_traits(model, block, block_name, graph, tp_rules)
+    pipeline = _block_stacks(model, prefix)
+    if runtime_checks is None:
+        return [*traits, *pipeline]
     if tp_rules and not traits:
-        problem = _rank_block_problem(model, block, tp_rules, example_call)
+        problem = runtime_checks.rank_block_problem(model, block, tp_rules, example_call)
         if problem:
-            traits.append(ModelTrait(kind="forward_not_split_by_heads", module=f"{prefix}.0", detail=problem))
-    return [*traits, *_pipeline_traits(model, prefix, layers, example_call), *_fp8_traits(block, f"{prefix}.0"),
-            *_nvfp4_traits(block, f"{prefix}.0"), *_context_parallel_traits(model, block, example_call)]
-
-
-class _BlockDone(BaseException):  # raised after block 0's forward: the rest of the model need not run
-    pass
-
-
-def _context_parallel_traits(model: nn.Module, block: nn.Module, example_call: tuple[tuple, dict]
-                             ) -> list[ModelTrait]:
-    """What runtime/parallel/context_parallel.py needs of a forward: it takes position_ids, and its attention is causal
-    self-attention through F.scaled_dot_product_attention (the calls of the model's forward on meta up to the end of
-    block 0, as every block attends alike, are recorded: none, one without a causal flag or mask, one whose queries
-    and keys differ in length, or a config's sliding window)."""
-    from torch.overrides import TorchFunctionMode
-
-    from zplan.runtime.parallel.context_parallel import accepts_position_ids
-
-    traits = []
-    if not accepts_position_ids(model.forward):
-        traits.append(ModelTrait(kind="no_position_ids", module="", detail="forward() has no position_ids argument"))
-    calls: list[tuple[bool, bool]] = []  # (causal: is_causal or a mask, same query and key length)
-
-    class Record(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if func is torch.nn.functional.scaled_dot_product_attention:
-                q, k = args[0], args[1]
-                masked = kwargs.get("attn_mask", args[3] if len(args) > 3 else None) is not None
-                causal = bool(kwargs.get("is_causal", args[5] if len(args) > 5 else False))
-                calls.append((causal or masked, q.shape[-2] == k.shape[-2]))
-            return func(*args, **kwargs)
-
-    def done(module, inputs, output):
-        raise _BlockDone
-
-    args, kwargs = example_call
-    handle = block.register_forward_hook(done)
-    try:
-        with torch.no_grad(), Record():
-            model(*args, **kwargs)
-    except _BlockDone:
-        pass
-    except Exception as error:  # a forward the meta device cannot run: the other traits say so; record nothing here
-        return [*traits, ModelTrait(kind="attention_not_sdpa", module="",
-                                    detail=f"its forward did not run on the meta device ({type(error).__name__})")]
-    finally:
-        handle.remove()
-    window = getattr(getattr(model, "config", None), "sliding_window", None)
-    if not calls:
-        traits.append(ModelTrait(kind="attention_not_sdpa", module="",
-                                 detail="no F.scaled_dot_product_attention call in its first block"))
-    elif not all(causal and square for causal, square in calls) or window:
-        detail = f"a sliding window of {window}" if window else "an attention call that is not causal self-attention"
-        traits.append(ModelTrait(kind="attention_not_causal", module="", detail=detail))
-    return traits
-
-
-def _fp8_traits(block: nn.Module, block_name: str) -> list[ModelTrait]:
-    """A block with no Linear fp8 training converts (GPT-2's Conv1D projections, widths off the multiple)."""
-    from zplan.runtime.precision.float8 import (
-        fp8_convertible,  # torch only; torchao is imported by the conversion alone
-    )
-
-    if any(fp8_convertible(module) for module in block.modules()):
-        return []
-    return [ModelTrait(kind="no_fp8_linears", module=block_name,
-                       detail=f"no nn.Linear with both widths multiples of {FP8_DIM_MULTIPLE}")]
-
-
-def _nvfp4_traits(block: nn.Module, block_name: str) -> list[ModelTrait]:
-    """A block with no Linear nvfp4 training converts (runtime/precision/nvfp4.py: widths multiples of 16)."""
-    from zplan.runtime.precision.nvfp4 import (
-        nvfp4_convertible,  # torch only; torchao is imported by the conversion alone
-    )
-
-    if any(nvfp4_convertible(module) for module in block.modules()):
-        return []
-    return [ModelTrait(kind="no_nvfp4_linears", module=block_name,
-                       detail=f"no nn.Linear with both widths multiples of {NVFP4_DIM_MULTIPLE}")]
+            traits.append(ModelTrait(kind="forward_not_split_by_heads", module=block_name, detail=problem))
+    problem = "" if pipeline else runtime_checks.split_problem(model, layers, example_call)
+    if problem:
+        pipeline.append(ModelTrait(kind="forward_not_split_by_stages", module="", detail=problem))
+    return [*traits, *pipeline, *runtime_checks.fp8_traits(block, block_name),
+            *runtime_checks.nvfp4_traits(block, block_name),
+            *runtime_checks.context_parallel_traits(model, block, example_call)]
 
 
 # ---- tensor and sequence parallel -----------------------------------------------------------------------------
@@ -197,70 +129,6 @@ def fused_parts(graph: ModelGraph, model: nn.Module, module: str) -> tuple[list[
     return parts, math.gcd(*(p // unit for p in parts))
 
 
-class _BlockInputs(BaseException):  # raised by the pre-hook: the rest of the model does not run
-    pass
-
-
-def _rank_block_problem(model: nn.Module, block: nn.Module, tp_rules: list[TensorParallelRule],
-                        example_call: tuple[tuple, dict], tp: int = 2) -> str:
-    """Why block 0, run as one of `tp` tensor-parallel ranks runs it (on meta, shapes only: each split projection
-    with this rank's slice of its weight, the head counts of modules slicing a fused projection made this rank's,
-    as runtime/parallel/tensor_parallel.py does), does not give the block's output shape ('' when it does)."""
-    from zplan.model.fused_layout import FusedLayout
-    from zplan.runtime.parallel.tensor_parallel import localize_head_counts, projection_features
-
-    def capture(module, args, kwargs):
-        raise _BlockInputs(args, kwargs)
-
-    handle = block.register_forward_pre_hook(capture, with_kwargs=True)
-    try:
-        args, kwargs = example_call
-        with torch.no_grad():
-            model(*args, **kwargs)
-        return ""  # block 0 did not run
-    except _BlockInputs as inputs:
-        block_args, block_kwargs = inputs.args
-    finally:
-        handle.remove()
-    rank = copy.deepcopy(block)
-    for rule in tp_rules:
-        projection = rank.get_submodule(rule.module)
-        features = projection_features(projection)
-        if features is None or features[rule.style == "colwise"] % tp:
-            return ""  # the enumerator's divisibility rules decide
-        _shrink(projection, rule.style, tp)
-        if rule.parts and rule.groups % tp == 0:
-            holder = rank.get_submodule(parent_path(rule.module)) if parent_path(rule.module) else rank
-            localize_head_counts(holder, FusedLayout(parts=rule.parts, groups=rule.groups), tp)
-    def run(module: nn.Module):  # on a copy of the inputs: a key/value cache among them is updated by each call
-        args, kwargs = copy.deepcopy((block_args, block_kwargs))
-        return module(*args, **kwargs)
-
-    try:
-        with torch.no_grad():
-            expected, got = run(block), run(rank)
-    except Exception as error:
-        return f"one rank's part of the block fails ({type(error).__name__}: {str(error)[:200]})"
-    expected, got = (out if isinstance(out, torch.Tensor) else out[0] for out in (expected, got))
-    if tuple(got.shape) != tuple(expected.shape):
-        return f"one rank's part of the block gives {tuple(got.shape)}, the block {tuple(expected.shape)}"
-    return ""
-
-
-def _shrink(projection: nn.Module, style: str, tp: int) -> None:
-    """`projection` (an nn.Linear or Conv1D on meta) with one rank's slice of its weight: colwise, out/tp output
-    features (Conv1D's nf too, which its forward reads); rowwise, in/tp input features."""
-    conv1d = is_conv1d(projection)
-    dim = (1 if conv1d else 0) if style == "colwise" else (0 if conv1d else 1)
-    shape = list(projection.weight.shape)
-    shape[dim] //= tp
-    projection.weight = nn.Parameter(torch.empty(shape, device="meta"))
-    if style == "colwise" and getattr(projection, "bias", None) is not None:
-        projection.bias = nn.Parameter(torch.empty(projection.bias.shape[0] // tp, device="meta"))
-    if conv1d and style == "colwise":
-        projection.nf //= tp
-
-
 def _norm_before_residual(graph: ModelGraph, node: str, block: nn.Module) -> bool:
     """A rowwise Linear whose output reaches a norm module before any add (Gemma-2's post-attention norm)."""
     prefix = graph[node]["module"].split(".")
@@ -286,8 +154,8 @@ def _norm_before_residual(graph: ModelGraph, node: str, block: nn.Module) -> boo
 # ---- pipeline ------------------------------------------------------------------------------------------------
 
 
-def _pipeline_traits(model: nn.Module, prefix: str, layers: list[LayerCost],
-                     example_call: tuple[tuple, dict]) -> list[ModelTrait]:
+def _block_stacks(model: nn.Module, prefix: str) -> list[ModelTrait]:
+    """A second stack of blocks beside the one at `prefix`: the pipeline split cuts one stack."""
     traits = []
     stack_params = sum(p.numel() for p in model.get_submodule(prefix).parameters())
     for path, module in model.named_modules():
@@ -298,33 +166,5 @@ def _pipeline_traits(model: nn.Module, prefix: str, layers: list[LayerCost],
         if sum(p.numel() for p in module.parameters()) >= stack_params / 4:  # another stack of blocks, not a list
             traits.append(ModelTrait(kind="several_block_stacks", module=path,
                                      detail=f"a second stack of {len(module)} {type(module[0]).__name__}"))
-    problem = "" if traits else _split_problem(model, layers, example_call)
-    if problem:
-        traits.append(ModelTrait(kind="forward_not_split_by_stages", module="", detail=problem))
     return traits
 
-
-def _split_problem(model: nn.Module, layers: list[LayerCost], example_call: tuple[tuple, dict]) -> str:
-    """Why the runtime's own pipeline split (runtime/parallel/pipeline.py), cut in two in the middle of the blocks and
-    run on the meta device, does not reproduce the model's forward ('' when it does, or when there are too few
-    blocks)."""
-    from zplan.runtime.parallel.pipeline import (  # torch only, no process group
-        PipelineSplitError,
-        check_split,
-        split_model,
-    )
-
-    blocks = [index for index, layer in enumerate(layers) if layer.kind == "block"]
-    if len(blocks) < 2:
-        return ""
-    cut = blocks[len(blocks) // 2]
-    stages = [[path for layer in part for path in layer.modules] for part in (layers[:cut], layers[cut:])]
-    args, kwargs = example_call
-    if args and kwargs:
-        return "the model is called with positional and keyword inputs at once; a pipeline batch is one or the other"
-    batch = kwargs if kwargs else args[0] if len(args) == 1 else args
-    try:
-        check_split(model, split_model(model, stages), batch)
-    except PipelineSplitError as error:
-        return str(error).split(": every stage")[0]
-    return ""

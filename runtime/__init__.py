@@ -1,4 +1,5 @@
-"""zplan's runtime: what the emitted train.py calls, in this order (DESIGN.md decision 5).
+"""zplan's runtime: what the emitted train.py calls (train_main, runtime/training/main.py), in this order (DESIGN.md
+decision 5).
 
     run_distributed(run): ctx = init_distributed(); run(ctx); close_distributed(), where run does:
     plan = load_plan(...); check_plan(plan, model_path, ctx.world_size); warn_if_other_devices(plan, ctx)
@@ -41,6 +42,7 @@ _EXPORTS = {
     **dict.fromkeys(["check_plan", "load_plan", "model_file_sha256"], "zplan.runtime.plan.check"),
     **dict.fromkeys(["PlanFigures", "TrainConfig", "WarmupCosine", "train"], "zplan.runtime.training.loop"),
     "save_full_weights": "zplan.runtime.checkpoint.weights_file",
+    "train_main": "zplan.runtime.training.main",
 }
 __all__ = sorted(_EXPORTS)
 

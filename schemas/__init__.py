@@ -1,12 +1,12 @@
 """Pydantic models that cross module boundaries; their JSON Schema lives in schemas/json/."""
 
+from zplan.schemas.alternatives import Alternatives, Candidate, RejectedFamily
 from zplan.schemas.capability import ModelTrait
 from zplan.schemas.cluster import ClusterSpec, EfficiencySpec, GpuSpec
 from zplan.schemas.model import LayerCost, ModelSummary, TensorParallelRule
 from zplan.schemas.plan import (
     PLAN_SCHEMA_VERSION,
     Assumption,
-    Candidate,
     CompressionDecision,
     CompressionOption,
     Fingerprint,
@@ -15,15 +15,14 @@ from zplan.schemas.plan import (
     Placement,
     Plan,
     Prediction,
-    RejectedFamily,
     Stage,
     TimeBreakdown,
 )
 from zplan.schemas.spec import CompressionConfig, Pins, TrainSpec
 
 __all__ = [
-    "PLAN_SCHEMA_VERSION", "Assumption", "Candidate", "ClusterSpec", "CompressionConfig", "CompressionDecision",
-    "CompressionOption", "EfficiencySpec", "Fingerprint", "GpuSpec", "LayerCost", "MemoryBreakdown", "ModelSummary",
-    "ModelTrait", "ParallelConfig", "Pins", "Placement", "Plan",
+    "PLAN_SCHEMA_VERSION", "Alternatives", "Assumption", "Candidate", "ClusterSpec", "CompressionConfig",
+    "CompressionDecision", "CompressionOption", "EfficiencySpec", "Fingerprint", "GpuSpec", "LayerCost",
+    "MemoryBreakdown", "ModelSummary", "ModelTrait", "ParallelConfig", "Pins", "Placement", "Plan",
     "Prediction", "RejectedFamily", "Stage", "TensorParallelRule", "TimeBreakdown", "TrainSpec",
 ]

@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from zplan.schemas.alternatives import Alternatives, InferenceAlternatives
 from zplan.schemas.cluster import ClusterSpec
 from zplan.schemas.inference import InferencePlan
 from zplan.schemas.plan import Plan
 
 JSON_DIR = Path(__file__).resolve().parent / "json"
 SCHEMAS = {"plan.schema.json": Plan, "cluster.schema.json": ClusterSpec,
-           "inference_plan.schema.json": InferencePlan}
+           "inference_plan.schema.json": InferencePlan, "alternatives.schema.json": Alternatives,
+           "inference_alternatives.schema.json": InferenceAlternatives}
 
 
 def schema_text(model) -> str:

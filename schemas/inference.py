@@ -6,30 +6,30 @@ Serving splits the GPUs into `replicas` independent copies of the model, each te
 (W8A8: e4m3 weights with per-channel scales, activations cast per token, fp8 GEMMs) or kept at the compute
 precision, and live on the GPU or, when they do not fit, in host memory or NVMe
 files streamed to the GPU layer by layer (ZeRO-Inference, Aminabadi et al. 2022, Sec. 6).
+The scored alternatives and the prediction's assumptions are alternatives.json beside plan.json
+(schemas.alternatives.InferenceAlternatives).
 """
 
 from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from zplan.schemas.cluster import ClusterSpec
+from zplan.schemas.frozen import Frozen
 from zplan.schemas.model import ModelSummary
-from zplan.schemas.plan import Assumption, Fingerprint
+from zplan.schemas.plan import Fingerprint
 
-INFERENCE_PLAN_SCHEMA_VERSION = 1
+INFERENCE_PLAN_SCHEMA_VERSION = 2  # 2: the alternatives moved out to alternatives.json (schemas.alternatives)
 Target = Literal["latency", "throughput"]
 WeightPrecision = Literal["fp32", "bf16", "fp16", "int8", "int4", "fp8"]
 ComputeDtype = Literal["fp32", "bf16", "fp16"]
 WeightTier = Literal["gpu", "cpu", "nvme"]
 
 
-class _Frozen(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
-
-class InferenceSpec(_Frozen):
+class InferenceSpec(Frozen):
     """What the user asks for."""
 
     target: Target = Field(description="latency: the smallest time per output token (then time to first token); "
@@ -40,7 +40,7 @@ class InferenceSpec(_Frozen):
     gen_len: int = Field(gt=0, description="Generated tokens per sequence the prediction assumes.")
 
 
-class InferencePins(_Frozen):
+class InferencePins(Frozen):
     """Choices the user fixed; None leaves the choice to the planner."""
 
     tp: Optional[int] = Field(default=None, gt=0, description="Tensor-parallel degree.")
@@ -49,7 +49,7 @@ class InferencePins(_Frozen):
                                           "none is stored as gpu).")
 
 
-class InferenceParallel(_Frozen):
+class InferenceParallel(Frozen):
     """The chosen configuration: everything generate.py and serve.py need to build the engine."""
 
     tp: int = Field(gt=0, description="Tensor-parallel degree of one replica (GPUs per replica).")
@@ -75,7 +75,7 @@ class InferenceParallel(_Frozen):
     max_seq_len: int = Field(gt=0, description="Prompt plus generated tokens per sequence the KV cache holds.")
 
 
-class InferenceMemory(_Frozen):
+class InferenceMemory(Frozen):
     """Bytes per GPU."""
 
     weights: float = Field(ge=0, description="Resident weight bytes (streamed tiers: the layers in flight, plus "
@@ -91,7 +91,7 @@ class InferenceMemory(_Frozen):
     nvme_bytes_per_node: float = Field(ge=0, description="NVMe bytes of streamed weights per node.")
 
 
-class InferenceTime(_Frozen):
+class InferenceTime(Frozen):
     """Where the time goes, seconds. Prefill: the whole batch's prompts in one pass; decode: one token for
     every sequence of the batch."""
 
@@ -109,7 +109,7 @@ class InferenceTime(_Frozen):
     decode_stream_s: float = Field(ge=0, description="Per decode step: waiting for streamed weights, not hidden.")
 
 
-class InferencePrediction(_Frozen):
+class InferencePrediction(Frozen):
     ttft_s: float = Field(ge=0, description="Time to first token: prefill of the batch, s.")
     tpot_s: float = Field(ge=0, description="Time per output token: one decode step, s.")
     request_latency_s: float = Field(ge=0, description="ttft_s + (gen_len - 1) * tpot_s.")
@@ -120,7 +120,7 @@ class InferencePrediction(_Frozen):
     feasible: bool = Field(description="Fits device, host and NVMe capacity.")
 
 
-class InferenceCandidate(_Frozen):
+class InferenceCandidate(Frozen):
     """One evaluated configuration, for the report and the choice's explanation."""
 
     tp: int = Field(gt=0, description="Tensor-parallel degree.")
@@ -134,7 +134,7 @@ class InferenceCandidate(_Frozen):
     note: str = Field(default="", description="Why it lost or was refused, one sentence ('' for the chosen one).")
 
 
-class InferencePlan(_Frozen):
+class InferencePlan(Frozen):
     schema_version: int = Field(default=INFERENCE_PLAN_SCHEMA_VERSION, description="Inference plan format version.")
     mode: Literal["inference"] = Field(default="inference", description="Tells an inference plan.json from a "
                                        "training one.")
@@ -148,6 +148,3 @@ class InferencePlan(_Frozen):
     prediction: InferencePrediction = Field(description="Predicted latency, throughput and memory.")
     reason: str = Field(description="Why this configuration: the target, what it beat and by how much, and why "
                         "weights are quantized or streamed, in one to three sentences with the numbers.")
-    candidates_evaluated: int = Field(ge=0, description="Configurations the planner scored.")
-    alternatives: list[InferenceCandidate] = Field(description="Every scored configuration, best first.")
-    assumptions: list[Assumption] = Field(description="Every number the prediction assumed.")

@@ -1,26 +1,28 @@
-"""The plan: the only contract between compile time and run time (DESIGN.md decision 1)."""
+"""The plan: the only contract between compile time and run time (DESIGN.md decision 1).
+
+plan.json holds what the runtime executes and what it was predicted to do; what the search scored besides it (the
+alternatives and why other families lost) and what the prediction assumed are alternatives.json beside it
+(schemas.alternatives)."""
 
 from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from zplan.schemas.cluster import ClusterSpec
+from zplan.schemas.frozen import Frozen
 from zplan.schemas.model import ModelSummary
 from zplan.schemas.spec import CompressionConfig, Pins, Recompute, Tier, TrainSpec
 
-PLAN_SCHEMA_VERSION = 1
-MAX_PLAN_FILE_BYTES = 64 << 20  # bytes; a plan of a 175B model with its alternatives is under 1 MiB
+PLAN_SCHEMA_VERSION = 2  # 2: the search's alternatives moved out to alternatives.json (schemas.alternatives)
+MAX_PLAN_FILE_BYTES = 64 << 20  # bytes, of plan.json and of alternatives.json; a 175B model's are under 1 MiB
 Schedule = Literal["none", "1f1b", "interleaved-1f1b"]
 DelayedUpdateMode = Literal["auto", "on", "off"]
 
 
-class _Frozen(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
-
-class Fingerprint(_Frozen):
+class Fingerprint(Frozen):
     """What the plan was made for; the runtime refuses a run that differs."""
 
     model_ref: str = Field(description="Model path or family spec as given on the command line.")
@@ -29,7 +31,7 @@ class Fingerprint(_Frozen):
     world_size: int = Field(gt=0, description="Number of GPUs (processes) the plan needs.")
 
 
-class ParallelConfig(_Frozen):
+class ParallelConfig(Frozen):
     tp: int = Field(gt=0, description="Tensor-parallel degree (innermost mesh dim).")
     pp: int = Field(gt=0, description="Pipeline stages.")
     dp: int = Field(gt=0, description="Data-parallel replicas (mesh order pp, dp, cp, tp: tp innermost).")
@@ -54,7 +56,7 @@ class ParallelConfig(_Frozen):
                                            "communication (--compress); default: nothing compressed.")
 
 
-class Stage(_Frozen):
+class Stage(Frozen):
     index: int = Field(ge=0, description="Pipeline stage (with interleave: model chunk) index.")
     first_layer: int = Field(ge=0, description="Index of the first unit in ModelSummary.layers.")
     last_layer: int = Field(ge=0, description="Index of the last unit (inclusive).")
@@ -63,7 +65,7 @@ class Stage(_Frozen):
     params: int = Field(ge=0, description="Parameters held by the stage (before tp/ZeRO sharding).")
 
 
-class Placement(_Frozen):
+class Placement(Frozen):
     """Where each kind of model state lives, from planner.placement (CP-SAT)."""
 
     parameters: Literal["gpu", "cpu", "nvme"] = Field(description="Tier of the fp16/bf16 parameters.")
@@ -79,7 +81,7 @@ class Placement(_Frozen):
     cpu_optimizer_s: float = Field(default=0.0, ge=0, description="Time of the optimizer step on the CPU per step, s.")
 
 
-class DelayedUpdate(_Frozen):
+class DelayedUpdate(Frozen):
     """Why the planner turned the delayed parameter update (ParallelConfig.delayed_update) on or off."""
 
     requested: DelayedUpdateMode = Field(default="auto", description="--delayed-update as given: auto lets the "
@@ -94,7 +96,7 @@ class DelayedUpdate(_Frozen):
     reason: str = Field(default="", description="Why it is on or off, one sentence with the numbers.")
 
 
-class CompressionOption(_Frozen):
+class CompressionOption(Frozen):
     """One --compress setting priced by the cost model on the chosen configuration (planner.compression)."""
 
     compress: str = Field(description="The --compress value, e.g. 'grad=int8'.")
@@ -108,7 +110,7 @@ class CompressionOption(_Frozen):
     fits: bool = Field(description="The configuration still fits memory with it.")
 
 
-class CompressionDecision(_Frozen):
+class CompressionDecision(Frozen):
     """What compression does for the plan: the effect of --compress when given, and when data-parallel
     communication takes a large share of the step, what the options the configuration supports would save."""
 
@@ -122,7 +124,7 @@ class CompressionDecision(_Frozen):
     reason: str = Field(default="", description="What it saves or would save, one or two sentences with the numbers.")
 
 
-class MemoryBreakdown(_Frozen):
+class MemoryBreakdown(Frozen):
     """Bytes per GPU on the most loaded pipeline stage."""
 
     parameters: float = Field(description="Parameter bytes.")
@@ -140,7 +142,7 @@ class MemoryBreakdown(_Frozen):
     nvme_bytes_per_node: float = Field(description="NVMe bytes used by offloaded states, per node.")
 
 
-class TimeBreakdown(_Frozen):
+class TimeBreakdown(Frozen):
     """Seconds per optimizer step; the parts add up to step_time_s."""
 
     compute: float = Field(description="Forward, backward and recompute on the slowest stage.")
@@ -158,7 +160,7 @@ class TimeBreakdown(_Frozen):
     optimizer: float = Field(description="Optimizer step on the GPU.")
 
 
-class Prediction(_Frozen):
+class Prediction(Frozen):
     step_time_s: float = Field(description="Predicted seconds per optimizer step.")
     tokens_per_s: float = Field(description="Global tokens per second.")
     mfu: float = Field(description="Model FLOPs utilisation: model FLOPs / (time * gpus * peak).")
@@ -168,30 +170,15 @@ class Prediction(_Frozen):
     feasible: bool = Field(description="Fits device, host and NVMe capacity.")
 
 
-class Candidate(_Frozen):
-    """One evaluated configuration, for the report's Pareto chart and `zplan explain`."""
+class Assumption(Frozen):
+    """One number the prediction assumed (alternatives.json; schemas.alternatives)."""
 
-    parallel: ParallelConfig = Field(description="The configuration.")
-    step_time_s: float = Field(description="Predicted seconds per step.")
-    memory_per_gpu_bytes: float = Field(description="Predicted bytes per GPU.")
-    feasible: bool = Field(description="Fits memory.")
-
-
-class RejectedFamily(_Frozen):
-    family: str = Field(description="A group of configurations, e.g. 'pp=1 (no pipeline)'.")
-    reason: Literal["memory", "bubble", "communication", "compute", "illegal"] = Field(
-        description="Dominant reason its best member lost."
-    )
-    detail: str = Field(description="One sentence with the numbers.")
-
-
-class Assumption(_Frozen):
     name: str = Field(description="What is assumed.")
     value: str = Field(description="The value used, with units.")
     source: str = Field(description="Where it comes from.")
 
 
-class RankVerification(_Frozen):
+class RankVerification(Frozen):
     """One kind of rank as the dry run measured it (zplan.dryrun)."""
 
     rank: int = Field(ge=0, description="Global rank dry-run (dp rank 0, tp rank 0 of its stage).")
@@ -205,7 +192,7 @@ class RankVerification(_Frozen):
     host_peak_bytes: int = Field(ge=0, description="Offloaded states in host memory, peak.")
 
 
-class Verification(_Frozen):
+class Verification(Frozen):
     """`zplan compile --verify`: the plan's program run on fake tensors at its world size (zplan.dryrun)."""
 
     method: str = Field(description="How the numbers were obtained.")
@@ -217,7 +204,7 @@ class Verification(_Frozen):
     seconds: float = Field(description="Wall time of the dry run.")
 
 
-class Plan(_Frozen):
+class Plan(Frozen):
     schema_version: int = Field(default=PLAN_SCHEMA_VERSION, description="Plan format version.")
     zplan_version: str = Field(description="zplan version that wrote the plan.")
     fingerprint: Fingerprint = Field(description="Inputs the plan was made for.")
@@ -234,9 +221,5 @@ class Plan(_Frozen):
                                              "saves, or what it would save where data-parallel communication "
                                              "takes a large share of the step.")
     prediction: Prediction = Field(description="Predicted time and memory.")
-    candidates_evaluated: int = Field(description="Configurations the search scored.")
-    alternatives: list[Candidate] = Field(description="Best other configurations and the Pareto front.")
-    rejected: list[RejectedFamily] = Field(description="Why other families lost.")
-    assumptions: list[Assumption] = Field(description="Every number the prediction assumed.")
     verification: Optional[Verification] = Field(default=None, description="The dry run's measurement "
                                                  "(`zplan compile --verify`), or null when not run.")

@@ -95,3 +95,6 @@ class Pins(BaseModel):
 # (tests/unit/test_ds_config).
 ADAMW_DEFAULTS = {"lr": 3.0e-4, "betas": (0.9, 0.999), "eps": 1.0e-8, "weight_decay": 0.1}
 GRAD_CLIP = 1.0
+# 1-bit Adam's exact AdamW steps before it compresses: runtime OneBitGradients' default warmup_steps (DeepSpeed's
+# freeze_step in ds_config.json).
+ONE_BIT_WARMUP_STEPS = 100

@@ -3,6 +3,8 @@
 `sample_plan("gpt3-175b")`: GPT-3 175B (Brown et al. 2020, Table 2.1: 96 layers, h=12288, 96 heads,
 s=2048) on 64 dgx-a100-80g GPUs, tp=8 x pp=8 x dp=1, interleaved 1F1B with 2 chunks per stage.
 `sample_plan("tiny-dp")`: a 4-layer toy GPT, data parallel on 2 GPUs.
+`sample_alternatives(name)`: the same sample's search (alternatives.json): its alternatives, rejected families and
+assumptions.
 `runnable_plan(model_path, ...)`: a plan for a real model file on a few CPU processes, for the tests that
 run the emitted train.py.
 
@@ -20,6 +22,7 @@ from typing import Any
 from zplan.planner.clusters import BUILTIN_CLUSTERS
 from zplan.planner.cpu_local import CPU_LOCAL
 from zplan.schemas import (
+    Alternatives,
     Assumption,
     Candidate,
     Fingerprint,
@@ -229,14 +232,29 @@ def _merge(base: Any, override: Any) -> Any:
     return override
 
 
-def sample_plan(name: str = "gpt3-175b", **overrides: Any) -> Plan:
-    """A validated Plan; `overrides` replace top-level fields, nested dicts merge field by field."""
-    data = Plan(**SAMPLES[name]()).model_dump(mode="json")
+SEARCH_FIELDS = ("candidates_evaluated", "alternatives", "rejected", "assumptions")  # alternatives.json's
+
+
+def _validated(schema: Any, data: dict[str, Any], overrides: dict[str, Any]) -> Any:
     for key, value in overrides.items():
         if hasattr(value, "model_dump"):
             value = value.model_dump(mode="json")
         data[key] = _merge(data[key], value) if key in data else value
-    return Plan.model_validate(data)
+    return schema.model_validate(data)
+
+
+def sample_plan(name: str = "gpt3-175b", **overrides: Any) -> Plan:
+    """A validated Plan; `overrides` replace top-level fields, nested dicts merge field by field."""
+    inputs = {key: value for key, value in SAMPLES[name]().items() if key not in SEARCH_FIELDS}
+    return _validated(Plan, Plan(**inputs).model_dump(mode="json"), overrides)
+
+
+def sample_alternatives(name: str = "gpt3-175b", **overrides: Any) -> Alternatives:
+    """The sample's search as alternatives.json holds it; `overrides` as sample_plan's (a `fingerprint` override
+    must match the plan it goes with)."""
+    inputs = SAMPLES[name]()
+    search = Alternatives(fingerprint=inputs["fingerprint"], **{key: inputs[key] for key in SEARCH_FIELDS})
+    return _validated(Alternatives, search.model_dump(mode="json"), overrides)
 
 
 # ---- plans that run: a model file on tp x dp CPU processes -------------------------------------------
@@ -285,5 +303,4 @@ def runnable_plan(model_ref: str | Path, *, units: list[str], hidden: int, heads
                               memory=MemoryBreakdown(**dict.fromkeys(MemoryBreakdown.model_fields, 0.0)),
                               time=TimeBreakdown(**dict.fromkeys(TimeBreakdown.model_fields, 0.0)),
                               feasible=True),
-        candidates_evaluated=1, alternatives=[], rejected=[], assumptions=[],
     )

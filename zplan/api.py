@@ -10,18 +10,21 @@ from pathlib import Path
 import numpy as np
 
 from zplan import __version__
+from zplan.codegen.render import render_inference_outputs, render_outputs
 from zplan.errors import ClusterError, SpecError
+from zplan.model_input import summarize_model
 from zplan.out_dir import write_out_dir
 from zplan.planner.assumptions import assumptions
 from zplan.planner.clusters import load_cluster
 from zplan.planner.compression import check_compression, check_model_for_compression, compression_decision
 from zplan.planner.cost.inputs import ModelNumbers
 from zplan.planner.cost.step import StepEstimate, estimate_step
-from zplan.planner.enumerate import explain_no_candidates
+from zplan.planner.enumerate import explain_no_candidates, pin_words
 from zplan.planner.explain import alternatives, parallel_config, rejected_families
-from zplan.planner.model_input import summarize_model
 from zplan.planner.placement_choice import PlacedStates, decide_delayed_update, place
 from zplan.planner.search import choose, refine, score
+from zplan.schemas import legality
+from zplan.schemas.alternatives import Alternatives, InferenceAlternatives
 from zplan.schemas.capability import PIN_OF, capability_problems
 from zplan.schemas.cluster import ClusterSpec
 from zplan.schemas.inference import InferencePlan
@@ -109,6 +112,10 @@ def check_gpus(gpus: int, cluster: ClusterSpec) -> None:
         )
 
 
+# The pins check_pins reads as schemas.legality's fields (their names are the same).
+PINNED_FIELDS = ("tp", "pp", "cp", "zero", "offload", "sequence_parallel", "interleave")
+
+
 def check_pins(gpus: int, pins: Pins) -> None:
     """Contradicting pins fail here, before any search, with the fix."""
     tp, pp, dp, cp = pins.tp or 1, pins.pp or 1, pins.dp or 1, pins.cp or 1
@@ -118,13 +125,11 @@ def check_pins(gpus: int, pins: Pins) -> None:
     if pins.tp and pins.pp and pins.dp and tp * pp * dp * cp != gpus:
         raise SpecError(f"tp*pp*dp*cp = {tp * pp * dp * cp} but --gpus is {gpus}: drop one pin or make the product "
                         f"{gpus}.")
-    if pins.sequence_parallel and pins.tp == 1:
-        raise SpecError("--sequence-parallel needs tensor parallelism: drop it or pin --tp > 1.")
-    if pins.interleave and pins.interleave > 1 and pins.pp == 1:
-        raise SpecError("--interleave > 1 needs a pipeline: drop it or pin --pp > 1.")
-    if pins.offload in ("cpu", "nvme") and pins.zero == 0:
-        raise SpecError("offload needs ZeRO >= 1 (each rank steps its own optimizer shard): pass --zero 1, 2 "
-                        "or 3.")
+    # the combinations schemas.legality rules out; --compress is check_compression's, with the pins it needs
+    pinned = legality.config(**{f: getattr(pins, f) for f in PINNED_FIELDS})
+    for rule in legality.violations(pinned):
+        named = " and ".join(pin_words(pins, f) for f in rule.fields)
+        raise SpecError(f"the pins {named} conflict: {rule.reason}: {rule.fix}.")
 
 
 def check_pins_against_model(pins: Pins, summary: ModelSummary, precision: str = "bf16") -> None:
@@ -141,8 +146,9 @@ def check_delayed_update(mode: str, pins: Pins) -> None:
     """--delayed-update on with pins that rule out a ZeRO-1 CPU-offload plan fails here, before any search."""
     if mode not in ("auto", "on", "off"):
         raise SpecError(f"--delayed-update must be auto, on or off (got {mode!r}).")
-    pinned = (("zero", pins.zero, 1), ("offload", pins.offload, "cpu"))
-    conflicts = [f"--{name} {value}" for name, value, needed in pinned if value is not None and value != needed]
+    rules = legality.applicable(dict.fromkeys(("delayed_update", "zero", "offload")))
+    conflicts = [pin_words(pins, f) for f in ("zero", "offload") if getattr(pins, f) is not None and not
+                 legality.satisfiable(legality.config(delayed_update=1, **{f: getattr(pins, f)}), rules)]
     if mode == "on" and conflicts:
         raise SpecError(f"--delayed-update on needs ZeRO-1 with the optimizer offloaded to the CPU (the only case "
                         f"zplan's runtime delays the update), which {' and '.join(conflicts)} rule out: pin "
@@ -202,17 +208,18 @@ def deepest_tier(placement: Placement) -> str:
 def runnable_pins(req: Request) -> Pins:
     """The pins the search runs under: the request's, plus tp 1 under nvfp4 (runtime/precision/nvfp4.py runs without
     tensor parallel; `zplan estimate` still prices a tp > 1 layout, and train.py refuses it, runtime.plan.check)."""
-    if req.train.precision != "nvfp4":
+    rule = legality.BY_NAME["nvfp4_needs_tp1"]
+    if not legality.violations(legality.config(precision=req.train.precision, tp=2), [rule]):
         return req.pins
     if (req.pins.tp or 1) > 1:
-        raise SpecError(f"--precision nvfp4 runs with tensor parallel off (runtime/precision/nvfp4.py quantises "
-                        f"whole tensors on one rank), and --tp {req.pins.tp} asks for it: pin --tp 1, or "
-                        "--precision fp8 or bf16.")
+        raise SpecError(f"--precision {req.train.precision}: {rule.reason}, and --tp {req.pins.tp} asks for it: pin "
+                        "--tp 1, or --precision fp8 or bf16.")
     return req.pins.model_copy(update={"tp": 1})
 
 
-def compile_plan(req: Request) -> Plan:
-    """Search, refine and assemble the Plan (no files written)."""
+def compile_with_alternatives(req: Request) -> tuple[Plan, Alternatives]:
+    """Search, refine and assemble the Plan and what the search scored besides it (alternatives.json; no files
+    written)."""
     user_pins = req.pins
     search_pins = runnable_pins(req)
     scored = score(req.summary, req.cluster, req.gpus, req.train, search_pins)
@@ -239,15 +246,23 @@ def compile_plan(req: Request) -> Plan:
     # Every candidate of the search carries the pinned compression (planner.enumerate); so do their configs.
     others = [alt.model_copy(update={"parallel": alt.parallel.model_copy(update={"compression": compression})})
               for alt in alternatives(scored, refined, choice, req.summary, req.cluster, req.train)]
-    return Plan(
+    plan = Plan(
         zplan_version=__version__, fingerprint=fingerprint(req), model=req.summary, cluster=req.cluster,
         train=req.train, pins=user_pins, parallel=parallel, stages=stages, placement=placed.placement,
         delayed_update=decision,
         compression=compression_decision(req.summary, req.cluster, req.train, choice, predicted.step_time_s),
-        prediction=predicted, candidates_evaluated=len(scored.candidates), alternatives=others,
-        rejected=rejected_families(scored, choice, req.summary, req.cluster, req.train),
-        assumptions=assumptions(req.cluster, req.summary, req.train),
+        prediction=predicted,
     )
+    search = Alternatives(fingerprint=plan.fingerprint, candidates_evaluated=len(scored.candidates),
+                          alternatives=others,
+                          rejected=rejected_families(scored, choice, req.summary, req.cluster, req.train),
+                          assumptions=assumptions(req.cluster, req.summary, req.train))
+    return plan, search
+
+
+def compile_plan(req: Request) -> Plan:
+    """The Plan alone (plan.json), for callers that need no alternatives: compile_with_alternatives's first half."""
+    return compile_with_alternatives(req)[0]
 
 
 def estimate_config(req: Request) -> dict:
@@ -277,21 +292,21 @@ def estimate_config(req: Request) -> dict:
         "memory_per_gpu_bytes": pred.memory.total, "memory_breakdown": pred.memory.model_dump(),
         "time_breakdown": pred.time.model_dump(), "candidates_evaluated": len(cand),
         "compression": compression.model_dump() if compression is not None else None,
-        "runtime_runs_it": not (req.train.precision == "nvfp4" and cfg.tp > 1),  # runnable_pins
+        "runtime_runs_it": not legality.violations(legality.config(precision=req.train.precision, tp=cfg.tp)),
     }
 
 
-def write_outputs(plan: Plan | InferencePlan, out_dir: Path, model_ref: str, force: bool = False) -> list[Path]:
-    """Render everything (a training Plan or an InferencePlan) beside `out_dir` and swap it in all or nothing
-    (zplan.out_dir: a new folder is renamed into place; in an existing one, files zplan did not write are kept,
-    and a path in the way or a file changed since zplan wrote it is refused unless `force`)."""
-    from zplan.codegen.render import render_inference_outputs, render_outputs
-
+def write_outputs(plan: Plan | InferencePlan, out_dir: Path, model_ref: str, force: bool = False,
+                  alternatives: Alternatives | InferenceAlternatives | None = None) -> list[Path]:
+    """Render everything (a training Plan or an InferencePlan, and alternatives.json when `alternatives` is given)
+    beside `out_dir` and swap it in all or nothing (zplan.out_dir: a new folder is renamed into place; in an existing
+    one, files zplan did not write are kept, and a path in the way or a file changed since zplan wrote it is refused
+    unless `force`)."""
     render = render_inference_outputs if isinstance(plan, InferencePlan) else render_outputs
     model_path = Path(model_ref)
     script_model = (os.path.relpath(model_path.resolve(), Path(out_dir).resolve()) if model_path.is_file()
                     else None)
-    return write_out_dir(out_dir, lambda folder: render(plan, folder, script_model), force=force)
+    return write_out_dir(out_dir, lambda folder: render(plan, folder, script_model, alternatives), force=force)
 
 
-__all__ = ["Request", "compile_plan", "estimate_config", "prepare", "write_outputs"]
+__all__ = ["Request", "compile_plan", "compile_with_alternatives", "estimate_config", "prepare", "write_outputs"]

@@ -27,6 +27,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from zplan.api import Request, estimate_config
 from zplan.errors import ZplanError
 from zplan.schemas.cluster import ClusterSpec
 from zplan.schemas.plan import Plan
@@ -100,8 +101,6 @@ def plan_pins(plan: Plan) -> Pins:
 
 
 def predict_step_s(plan: Plan, cluster: ClusterSpec) -> float:
-    from zplan.api import Request, estimate_config
-
     p = plan.parallel
     request = Request(plan.fingerprint.model_ref, plan.model, cluster, p.tp * p.pp * p.dp, plan.train,
                       plan_pins(plan), "on" if p.delayed_update else "off")

@@ -17,8 +17,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from zplan.cli_render import load_plan_file
 from zplan.errors import ZplanError
+from zplan.out_dir import check_out_file, write_text_atomically
 from zplan.safe_files import UnsafeFileError, read_capped
+from zplan.schemas.plan import Plan
 
 err = Console(stderr=True)
 out = Console()
@@ -27,9 +30,7 @@ MAX_LOG_BYTES = 256 << 20
 
 def load_run(folder: Path, log_name: str):
     """A compiled folder and its train.py log as a MeasuredRun."""
-    from zplan.calibrate import CalibrationError, measured_run
-    from zplan.cli_render import load_plan_file
-    from zplan.schemas.plan import Plan
+    from zplan.calibrate import CalibrationError, measured_run  # start-up time: the planner loads on first use
 
     plan_file, log = folder / "plan.json", folder / log_name
     if not plan_file.exists():  # a special file is refused by kind when read
@@ -79,8 +80,7 @@ def calibrate_command(
     logs, and prints the prediction error before and after."""
     import yaml
 
-    from zplan.calibrate import CalibrationError, RunFigures, calibrate, predict_step_s
-    from zplan.out_dir import check_out_file, write_text_atomically
+    from zplan.calibrate import CalibrationError, RunFigures, calibrate, predict_step_s  # start-up time, as above
 
     try:
         check_out_file(output, "-o")

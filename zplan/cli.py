@@ -15,9 +15,24 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from zplan.calibrate_cli import calibrate_command
+from zplan.cli_render import (
+    default_out_dir,
+    load_alternatives_file,
+    load_plan_file,
+    print_clusters,
+    print_estimate,
+    print_explanation,
+    print_inference_explanation,
+    print_inference_summary,
+    print_plan_summary,
+)
 from zplan.dryrun_cli import dryrun_command
 from zplan.errors import ClusterError, SpecError, ZplanError, validation_message
+from zplan.out_dir import check_out_dir, check_out_file, write_text_atomically
+from zplan.planner.clusters import BUILTIN_CLUSTERS
 from zplan.reduce_cli import reduce_command
+from zplan.runtime.plan.check import runtime_gaps
+from zplan.schemas.inference import InferencePlan
 from zplan.schemas.spec import Pins
 
 # rich_markup_mode=None: click's plain help, which wraps each option's text beside its name at any width; rich's
@@ -86,7 +101,7 @@ MODEL_HELP = ("A Python file that defines build_model() (zplan runs it: only fil
 
 def _pins(tp, pp, dp, zero, offload, micro_batch, recompute, sequence_parallel, interleave, compress=None,
           cp=None) -> Pins:
-    from zplan.planner.compression import parse_compress
+    from zplan.planner.compression import parse_compress  # start-up time: numpy and the cost model
 
     if zero is not None and zero not in (0, 1, 2, 3):
         raise ZplanError(f"--zero must be 0, 1, 2 or 3 (got {zero}).")
@@ -141,8 +156,6 @@ def _cluster_or_default(cluster: Optional[str]) -> str:
     """--cluster as given, or DEFAULT_CLUSTER with one line on stderr naming the hardware the plan then assumes."""
     if cluster is not None:
         return cluster
-    from zplan.planner.clusters import BUILTIN_CLUSTERS
-
     spec = BUILTIN_CLUSTERS[DEFAULT_CLUSTER]
     err.print(f"note: no --cluster given: planned for {DEFAULT_CLUSTER} ({spec.gpus_per_node} x {spec.gpu.name} per "
               "node); pass --cluster NAME|FILE, see `zplan clusters`", markup=False, highlight=False, soft_wrap=True)
@@ -221,8 +234,9 @@ def compile(
 ) -> None:
     """Plan MODEL's training or serving and write its program.
 
-    Traces MODEL, searches the fastest plan that fits and writes plan.json, train.py, launch/, report.md/html and
-    ds_config.json (--mode inference: plan.json, generate.py, serve.py, launch/, report.md/html)."""
+    Traces MODEL, searches the fastest plan that fits and writes plan.json, alternatives.json, train.py, launch/,
+    report.md/html and ds_config.json (--mode inference: plan.json, alternatives.json, generate.py, serve.py,
+    launch/, report.md/html)."""
     given = {"--global-batch": global_batch is not None, "--seq": seq is not None, "--pp": pp is not None,
              "--dp": dp is not None, "--cp": cp is not None, "--zero": zero is not None,
              "--micro-batch": micro_batch is not None,
@@ -232,9 +246,6 @@ def compile(
              "--prompt-len": prompt_len is not None, "--gen-len": gen_len is not None,
              "--precision int8": precision is WeightPrecision.int8,
              "--precision int4": precision is WeightPrecision.int4}
-    from zplan.cli_render import default_out_dir
-    from zplan.out_dir import check_out_dir
-
     folder = Path(out_dir) if out_dir else default_out_dir(model)
     try:
         if out_dir == "":
@@ -249,8 +260,11 @@ def compile(
                            precision.value if precision else None, tp, offload.value if offload else None,
                            folder, force, as_json)
         return
-    from zplan.api import compile_plan, prepare, write_outputs
-    from zplan.cli_render import print_plan_summary
+    from zplan.api import (  # start-up time: torch and the planner load on first use
+        compile_with_alternatives,
+        prepare,
+        write_outputs,
+    )
 
     delayed_update = delayed_update or DelayedUpdate.auto
     try:
@@ -259,15 +273,13 @@ def compile(
             req = prepare(model, gpus, cluster, global_batch, seq, precision.value if precision else None, pins,
                           delayed_update.value)
             status.update(f"scoring configurations for {gpus} GPUs")
-            plan = compile_plan(req)
+            plan, alternatives = compile_with_alternatives(req)
         if verify:
-            plan = _verified(plan, req, model)
+            plan = _verified(plan, alternatives, req, model)
         with err.status("writing outputs", spinner="dots"):
-            files = write_outputs(plan, folder, model, force=force)
+            files = write_outputs(plan, folder, model, force=force, alternatives=alternatives)
     except ZplanError as exc:
         _fail(exc)
-    from zplan.runtime.plan.check import runtime_gaps
-
     gaps = runtime_gaps(plan)
     if as_json:
         print(json.dumps({"out_dir": str(folder), "parallel": plan.parallel.model_dump(),
@@ -276,19 +288,21 @@ def compile(
                           "delayed_update": plan.delayed_update.model_dump(),
                           "compression": plan.compression.model_dump(), "runtime_gaps": gaps}, indent=2))
     else:
-        print_plan_summary(out, plan, folder, files)
+        print_plan_summary(out, plan, alternatives, folder, files)
     for gap in gaps:
         err.print(f"warning: the emitted train.py cannot run this plan yet: {gap}.", soft_wrap=True)
 
 
-def _verified(plan, req, model: str):
-    """compile --verify (zplan.dryrun.verify): the plan with the dry run's numbers, or exit 1 with why."""
-    from zplan.dryrun import DryRunError, verify
+def _verified(plan, alternatives, req, model: str):
+    """compile --verify (zplan.dryrun.verify): the plan with the dry run's numbers, or exit 1 with why (the next of
+    `alternatives` that the dry run shows fits)."""
+    from zplan.dryrun import DryRunError, verify  # start-up time: the runtime and torch load on first use
 
     if plan.model.source == "family":
         raise SpecError("--verify runs the model's code, and a family spec has none: compile a model file")
     try:
-        verified, why = verify(plan, req, model, say=lambda message: err.print(f"zplan: {message}", highlight=False))
+        verified, why = verify(plan, req, model, say=lambda message: err.print(f"zplan: {message}", highlight=False),
+                               alternatives=alternatives)
     except DryRunError as exc:
         err.print(f"[bold red]the plan does not run:[/] {exc}", highlight=False, soft_wrap=True, markup=True)
         raise typer.Exit(code=1) from None
@@ -302,24 +316,23 @@ def _compile_inference(model: str, gpus: int, cluster: str, target: Target, batc
                        prompt_len: Optional[int], gen_len: Optional[int], precision: Optional[str],
                        tp: Optional[int], offload: Optional[str], folder: Path, force: bool, as_json: bool) -> None:
     """compile --mode inference: search the serving configuration and write its outputs."""
-    from zplan.api import write_outputs
-    from zplan.cli_render import print_inference_summary
-    from zplan.inference_api import compile_inference_plan, prepare
+    from zplan import api, inference_api  # start-up time: torch and the planner load on first use
 
     try:
         with err.status("tracing the model", spinner="dots") as status:
-            req = prepare(model, gpus, cluster, target.value, batch, prompt_len, gen_len, precision, tp, offload)
+            req = inference_api.prepare(model, gpus, cluster, target.value, batch, prompt_len, gen_len, precision, tp,
+                                        offload)
             status.update(f"scoring serving configurations for {gpus} GPUs")
-            plan = compile_inference_plan(req)
+            plan, alternatives = inference_api.compile_inference_with_alternatives(req)
             status.update("writing outputs")
-            files = write_outputs(plan, folder, model, force=force)
+            files = api.write_outputs(plan, folder, model, force=force, alternatives=alternatives)
     except ZplanError as exc:
         _fail(exc)
     if as_json:
         print(json.dumps({"out_dir": str(folder), "parallel": plan.parallel.model_dump(),
                           "prediction": plan.prediction.model_dump(), "reason": plan.reason}, indent=2))
     else:
-        print_inference_summary(out, plan, folder, files)
+        print_inference_summary(out, plan, alternatives, folder, files)
 
 
 @app.command()
@@ -336,8 +349,7 @@ def estimate(
     """Predict the step time and memory of one configuration.
 
     Choices not pinned (micro-batch, recompute, ...) take their best value."""
-    from zplan.api import estimate_config, prepare
-    from zplan.cli_render import print_estimate
+    from zplan.api import estimate_config, prepare  # start-up time: torch and the planner load on first use
 
     cluster = _cluster_or_default(cluster)
     try:
@@ -353,21 +365,20 @@ def estimate(
 
 
 @app.command()
-def explain(plan_json: Path = typer.Argument(..., help="A plan.json written by `zplan compile`.")) -> None:
+def explain(plan_json: Path = typer.Argument(..., help="A plan.json written by `zplan compile` (its "
+                                                       "alternatives.json beside it).")) -> None:
     """Show a plan's best alternatives and why the others lost.
 
     For an inference plan: its alternatives and the reason for the choice."""
-    from zplan.cli_render import load_plan_file, print_explanation, print_inference_explanation
-    from zplan.schemas.inference import InferencePlan
-
     try:
         plan = load_plan_file(plan_json)
+        alternatives = load_alternatives_file(plan_json, plan)
     except ZplanError as exc:
         _fail(exc)
     if isinstance(plan, InferencePlan):
-        print_inference_explanation(out, plan)
+        print_inference_explanation(out, plan, alternatives)
     else:
-        print_explanation(out, plan)
+        print_explanation(out, plan, alternatives)
 
 
 @app.command()
@@ -381,7 +392,7 @@ def export(
     """Merge a sharded training checkpoint into one safetensors file.
 
     The checkpoint is read chunk by chunk, once its files match its MANIFEST.json."""
-    from zplan.export import export_checkpoint
+    from zplan.export import export_checkpoint  # start-up time: torch loads on first use
 
     try:
         with err.status(f"exporting {checkpoint}", spinner="dots"):
@@ -394,8 +405,6 @@ def export(
 @app.command()
 def clusters(as_json: bool = JSON) -> None:
     """List the built-in cluster profiles and their numbers."""
-    from zplan.cli_render import print_clusters
-    from zplan.planner.clusters import BUILTIN_CLUSTERS
 
     if as_json:
         print(json.dumps({k: v.model_dump() for k, v in BUILTIN_CLUSTERS.items()}, indent=2))
@@ -416,8 +425,7 @@ def probe(
     host-GPU bandwidth."""
     import yaml
 
-    from zplan.out_dir import check_out_file, write_text_atomically
-    from zplan.probe import probe_this_machine
+    from zplan.probe import probe_this_machine  # start-up time: torch loads on first use
 
     # the inputs and the output file are checked before anything is measured
     if not 0 < seconds <= MAX_PROBE_SECONDS:

@@ -12,6 +12,7 @@ from rich.table import Table
 
 from zplan.errors import ZplanError, validation_message
 from zplan.safe_files import UnsafeFileError, read_capped
+from zplan.schemas.alternatives import ALTERNATIVES_FILE, Alternatives, InferenceAlternatives
 from zplan.schemas.cluster import ClusterSpec
 from zplan.schemas.inference import InferencePlan
 from zplan.schemas.plan import MAX_PLAN_FILE_BYTES, Plan
@@ -24,27 +25,58 @@ def default_out_dir(model_ref: str) -> Path:
     return Path("out") / stem
 
 
-def load_plan_file(path: Path) -> Plan | InferencePlan:
-    """A training or an inference plan.json (told apart by its "mode")."""
-    hint = "pass the plan.json written by `zplan compile`"
+def _read_json(path: Path, what: str, kind: str, hint: str) -> tuple[str, object]:
+    """The text of a JSON file zplan wrote and its parsed value; ZplanError saying why not (`what` names the file,
+    e.g. 'the plan', `kind` what it should be, e.g. 'a plan')."""
     try:
-        text = read_capped(path, MAX_PLAN_FILE_BYTES, "the plan").decode()
-        data = json.loads(text)
+        text = read_capped(path, MAX_PLAN_FILE_BYTES, what).decode()
+        return text, json.loads(text)
     except UnsafeFileError as exc:
         raise ZplanError(f"{exc}; {hint}.") from None
     except OSError as exc:
-        raise ZplanError(f"cannot read {path}: {exc.strerror}. Pass the plan.json written by `zplan compile`.") from exc
+        raise ZplanError(f"cannot read {path}: {exc.strerror}. {hint[0].upper()}{hint[1:]}.") from exc
     except RecursionError:
-        raise ZplanError(f"{path} is not a plan (its JSON is nested too deeply to read): {hint}.") from None
+        raise ZplanError(f"{path} is not {kind} (its JSON is nested too deeply to read): {hint}.") from None
     except ValueError as exc:
         raise ZplanError(f"{path} is not JSON ({exc}): {hint}.") from exc
+
+
+def load_plan_file(path: Path) -> Plan | InferencePlan:
+    """A training or an inference plan.json (told apart by its "mode"). A plan.json of an older zplan, with the
+    search's alternatives inside (plan schema v1), is refused with the fix: recompile."""
+    text, data = _read_json(path, "the plan", "a plan", "pass the plan.json written by `zplan compile`")
     inference = isinstance(data, dict) and data.get("mode") == "inference"
     schema, kind = (InferencePlan, "inference plan") if inference else (Plan, "plan")
+    if isinstance(data, dict) and "alternatives" in data:
+        version = schema.model_fields["schema_version"].default
+        raise ZplanError(f"{path} was written by an older zplan (plan schema v{data.get('schema_version')}, with the "
+                         f"alternatives inside); this zplan reads plan schema v{version}, with the alternatives in "
+                         f"{ALTERNATIVES_FILE} beside it: recompile it.")
     try:
         return schema.model_validate_json(text)
     except ValidationError as exc:
         raise ZplanError(f"{path} is not a zplan {kind} ({exc.error_count()} schema errors: "
                          f"{validation_message(exc)}): recompile it.") from None
+
+
+def load_alternatives_file(plan_path: Path, plan: Plan | InferencePlan) -> Alternatives | InferenceAlternatives:
+    """alternatives.json beside `plan_path`, checked to be of the same compile as `plan` (its fingerprint)."""
+    path = Path(plan_path).parent / ALTERNATIVES_FILE
+    hint = f"recompile the model: `zplan compile` writes {ALTERNATIVES_FILE} beside plan.json"
+    if not path.exists():
+        raise ZplanError(f"no {ALTERNATIVES_FILE} beside {plan_path}: {hint}.")
+    text, _ = _read_json(path, "the alternatives", "alternatives", hint)
+    schema = InferenceAlternatives if isinstance(plan, InferencePlan) else Alternatives
+    try:
+        alternatives = schema.model_validate_json(text)
+    except ValidationError as exc:
+        raise ZplanError(f"{path} is not the alternatives of a zplan {getattr(plan, 'mode', 'training')} plan "
+                         f"({exc.error_count()} schema errors: {validation_message(exc)}): {hint}.") from None
+    if alternatives.fingerprint != plan.fingerprint:
+        raise ZplanError(f"{path} is of another compile than {plan_path} (made for "
+                         f"{alternatives.fingerprint.model_ref} on {alternatives.fingerprint.world_size} x "
+                         f"{alternatives.fingerprint.cluster}): {hint}.")
+    return alternatives
 
 
 def _count(n: float) -> str:
@@ -73,7 +105,8 @@ def _config_line(p) -> str:
             f"{f' v={p.interleave}' if p.interleave > 1 else ''} offload={p.offload}")
 
 
-def print_plan_summary(console: Console, plan: Plan, out_dir: Path, files: list[Path]) -> None:
+def print_plan_summary(console: Console, plan: Plan, alternatives: Alternatives, out_dir: Path,
+                       files: list[Path]) -> None:
     pred, mem, t = plan.prediction, plan.prediction.memory, plan.prediction.time
     table = Table(title=f"zplan: {plan.model.name} on {plan.fingerprint.world_size}x {plan.cluster.gpu.name}",
                   show_header=False)
@@ -89,7 +122,7 @@ def print_plan_summary(console: Console, plan: Plan, out_dir: Path, files: list[
     table.add_row("memory/GPU", f"{mem.total / GiB:.1f} of {mem.capacity / GiB:.1f} GiB (weights "
                                 f"{mem.parameters / GiB:.1f}, grads {mem.gradients / GiB:.1f}, optimizer "
                                 f"{mem.optimizer / GiB:.1f}, activations {mem.activations / GiB:.1f})")
-    table.add_row("searched", f"{plan.candidates_evaluated:,} configurations")
+    table.add_row("searched", f"{alternatives.candidates_evaluated:,} configurations")
     table.add_row("written", f"{out_dir}/ ({len(files)} files: plan.json, train.py, launch/, report.html, ...)")
     console.print(table)
 
@@ -110,13 +143,13 @@ def print_estimate(console: Console, result: dict) -> None:
     console.print(table)
 
 
-def print_explanation(console: Console, plan: Plan) -> None:
+def print_explanation(console: Console, plan: Plan, alternatives: Alternatives) -> None:
     console.print(f"[bold]chosen:[/] {_config_line(plan.parallel)}: {plan.prediction.step_time_s:.3f} s/step, "
                   f"{plan.prediction.memory.total / GiB:.1f} GiB/GPU")
     table = Table(title="best alternatives")
     for col in ("#", "configuration", "step s", "vs chosen", "GiB/GPU"):
         table.add_column(col)
-    ranked = sorted((c for c in plan.alternatives if c.feasible), key=lambda c: c.step_time_s)[:10]
+    ranked = sorted((c for c in alternatives.alternatives if c.feasible), key=lambda c: c.step_time_s)[:10]
     for i, c in enumerate(ranked, 1):
         ratio = c.step_time_s / plan.prediction.step_time_s - 1
         table.add_row(str(i), _config_line(c.parallel), f"{c.step_time_s:.3f}", f"{ratio:+.1%}",
@@ -125,7 +158,7 @@ def print_explanation(console: Console, plan: Plan) -> None:
     rej = Table(title="why other families lost")
     for col in ("family", "reason", "detail"):
         rej.add_column(col)
-    for r in plan.rejected:
+    for r in alternatives.rejected:
         rej.add_row(r.family, r.reason, r.detail)
     console.print(rej)
 
@@ -135,7 +168,8 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:,.2f} s"
 
 
-def print_inference_summary(console: Console, plan: InferencePlan, out_dir: Path, files: list[Path]) -> None:
+def print_inference_summary(console: Console, plan: InferencePlan, alternatives: InferenceAlternatives, out_dir: Path,
+                            files: list[Path]) -> None:
     pred, mem, par, t = plan.prediction, plan.prediction.memory, plan.parallel, plan.prediction.time
     table = Table(title=f"zplan inference: {plan.model.name} on {plan.fingerprint.world_size}x "
                         f"{plan.cluster.gpu.name}", show_header=False)
@@ -154,12 +188,12 @@ def print_inference_summary(console: Console, plan: InferencePlan, out_dir: Path
                                 f"{mem.weights / GiB:.1f}, KV cache {mem.kv_cache / GiB:.1f}, activations "
                                 f"{mem.activations / GiB:.2f})")
     table.add_row("why", plan.reason)
-    table.add_row("searched", f"{plan.candidates_evaluated:,} configurations")
+    table.add_row("searched", f"{alternatives.candidates_evaluated:,} configurations")
     table.add_row("written", f"{out_dir}/ ({len(files)} files: plan.json, report.html, generate.py, serve.py, ...)")
     console.print(table)
 
 
-def print_inference_explanation(console: Console, plan: InferencePlan) -> None:
+def print_inference_explanation(console: Console, plan: InferencePlan, alternatives: InferenceAlternatives) -> None:
     par, pred = plan.parallel, plan.prediction
     console.print(f"[bold]chosen:[/] {par.replicas} x tp={par.tp} {par.weight_precision} weights on "
                   f"{par.weight_tier}, batch {plan.spec.batch}: TTFT {_ms(pred.ttft_s)}, TPOT {_ms(pred.tpot_s)}, "
@@ -168,7 +202,7 @@ def print_inference_explanation(console: Console, plan: InferencePlan) -> None:
     table = Table(title=f"alternatives (target {plan.spec.target}, best first)")
     for col in ("#", "configuration", "TTFT", "TPOT", "tokens/s", "GiB/GPU", "fits", "note"):
         table.add_column(col)
-    for i, c in enumerate(plan.alternatives, 1):
+    for i, c in enumerate(alternatives.alternatives, 1):
         table.add_row(str(i), f"tp={c.tp} {c.weight_precision} {c.weight_tier}", _ms(c.ttft_s), _ms(c.tpot_s),
                       f"{c.tokens_per_s:,.1f}", f"{c.memory_per_gpu_bytes / GiB:.1f}", "yes" if c.feasible else "no",
                       c.note)

@@ -18,12 +18,24 @@ the log-sum-exp as the GPU's flash and memory-efficient kernels do (O(s*h) per l
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+
+from zplan.api import compile_plan, write_outputs
 from zplan.errors import PlanMismatchError, ZplanError
+from zplan.runtime.dryrun.dry_run import TrainSettings, dry_run_rank
+from zplan.runtime.dryrun.fake_world import MAILBOX
+from zplan.runtime.plan.check import check_plan, load_plan
+from zplan.runtime.plan.origin import check_plan_origin
+from zplan.schemas.plan import RankVerification, Verification
+from zplan.schemas.spec import Pins
 
 DRYRUN_STEPS = 2  # optimizer steps: the first makes the optimizer's states, the second runs with them
 
@@ -106,9 +118,6 @@ class Program:
 def load_program(out_dir: Path, model: Path | None = None) -> Program:
     """OUT/plan.json and the settings of OUT/train.py, checked as train.py checks them (plan_origin, check_plan):
     PlanMismatchError on a folder that is not a compiled training plan or a model file that changed."""
-    from zplan.runtime.plan.check import check_plan, load_plan
-    from zplan.runtime.plan.origin import check_plan_origin
-
     out_dir = Path(out_dir)
     script = out_dir / "train.py"
     if not (out_dir / "plan.json").is_file() or not script.is_file():
@@ -130,7 +139,6 @@ def load_program(out_dir: Path, model: Path | None = None) -> Program:
     check_plan_origin(plan, planned_for, digest, model_path)
     world = plan.parallel.tp * plan.parallel.pp * plan.parallel.dp * plan.parallel.cp
     check_plan(plan, model_path, world)
-    from zplan.runtime.dryrun.dry_run import TrainSettings
 
     return Program(plan, model_path, TrainSettings(*settings))
 
@@ -141,8 +149,6 @@ TRAIN_SCRIPT_CONSTANTS = ("MODEL_FILE", "PLANNED_FOR", "PLAN_DIGEST", "LR", "WEI
 def train_script_constants(script: Path) -> dict:
     """TRAIN_SCRIPT_CONSTANTS as an emitted train.py assigns them at its top level, parsed with ast (literals
     only: ValueError otherwise); a missing one is absent from the result."""
-    import ast
-
     constants = {}
     for node in ast.parse(script.read_text()).body:
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
@@ -177,9 +183,6 @@ def dry_run(program: Program, *, steps: int = DRYRUN_STEPS, stages: list[int] | 
     """Dry-run every kind of rank of the program (load_program) (module docstring), or those of the pipeline stages
     in `stages` (a stage whose predecessor was not run receives the shapes the last stage run sent:
     runtime.dryrun.fake_world). DryRunError when the program fails on a rank."""
-    from zplan.runtime.dryrun.dry_run import dry_run_rank
-    from zplan.runtime.dryrun.fake_world import MAILBOX
-
     reason = unsupported_reason(program.plan)
     if reason:
         raise DryRunUnsupported(f"cannot dry-run this plan: {reason}")
@@ -217,10 +220,6 @@ VERIFY_METHOD = ("zplan dryrun: the emitted program's runtime calls on fake tens
 
 def verification_of(result: DryRunResult):
     """The plan.json record (schemas.plan.Verification) of a dry run."""
-    import torch
-
-    from zplan.schemas.plan import RankVerification, Verification
-
     ranks = [RankVerification(rank=r.rank, stage=r.stage, role=r.role, measured_peak_bytes=r.measured_peak_bytes,
                               predicted_peak_bytes=r.predicted_peak_bytes, capacity_bytes=r.capacity_bytes,
                               by_category={k: int(v) for k, v in r.by_category.items()},
@@ -231,10 +230,6 @@ def verification_of(result: DryRunResult):
 
 def dry_run_plan(plan, model_ref: str, say: Callable[[str], None] = print) -> DryRunResult:
     """Dry-run the end stages of a plan not written yet: its outputs go to a temporary folder first."""
-    import tempfile
-
-    from zplan.api import write_outputs
-
     with tempfile.TemporaryDirectory(prefix="zplan-verify-") as folder:
         out = Path(folder) / "out"
         write_outputs(plan, out, model_ref)
@@ -245,8 +240,6 @@ def dry_run_plan(plan, model_ref: str, say: Callable[[str], None] = print) -> Dr
 
 def pins_of(parallel):
     """The Pins that compile exactly `parallel` (a schemas.plan.ParallelConfig), and their command-line flags."""
-    from zplan.schemas.spec import Pins
-
     p = parallel
     pins = Pins(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, zero=p.zero_stage, offload=p.offload, micro_batch=p.micro_batch,
                 recompute=p.recompute, sequence_parallel=p.sequence_parallel, interleave=p.interleave)
@@ -257,15 +250,11 @@ def pins_of(parallel):
     return pins, flags
 
 
-def verify(plan, request, model_ref: str, say: Callable[[str], None], tries: int = 3):
+def verify(plan, request, model_ref: str, say: Callable[[str], None], *, alternatives, tries: int = 3):
     """`zplan compile --verify`: (the plan with its Verification, None) when the dry run shows it fits, (the plan as it
     is, None) when the dry run cannot run it (unsupported_reason, said through `say`); else (None, why): the measured
-    numbers and the first of the plan's next `tries` alternatives that the dry run shows fits (each compiled with its
-    pins and dry-run), or that none did."""
-    import dataclasses
-
-    from zplan.api import compile_plan
-
+    numbers and the first of the next `tries` of `alternatives` (the search's, schemas.alternatives.Alternatives)
+    that the dry run shows fits (each compiled with its pins and dry-run), or that none did."""
     reason = unsupported_reason(plan)
     if reason:
         say(f"verify: not verified, {reason}")
@@ -279,7 +268,7 @@ def verify(plan, request, model_ref: str, say: Callable[[str], None], tries: int
            f"{worst.measured_peak_bytes / gib:.2f} GiB at its peak (planned {worst.predicted_peak_bytes / gib:.2f}) "
            f"of {worst.capacity_bytes / gib:.2f} GiB")
     tried = 0
-    for alternative in plan.alternatives:
+    for alternative in alternatives.alternatives:
         if tried == tries:
             break
         if not alternative.feasible or alternative.parallel == plan.parallel or alternative.parallel.offload != "none":

@@ -16,6 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from zplan.cli_render import load_alternatives_file
 from zplan.errors import ZplanError
 
 err = Console(stderr=True)
@@ -60,15 +61,15 @@ def print_result(console: Console, result, plan) -> None:
                   "rank)", highlight=False)
 
 
-def next_plan_that_fits(result, plan) -> str | None:
-    """The fastest of the plan's alternatives that fits once scaled by how far the dry run found the plan off (an
-    estimate: dry-run it to prove it)."""
-    from zplan.dryrun import pins_of
+def next_plan_that_fits(result, plan, alternatives) -> str | None:
+    """The fastest of the search's `alternatives` (alternatives.json) that fits once scaled by how far the dry run
+    found the plan off (an estimate: dry-run it to prove it)."""
+    from zplan.dryrun import pins_of  # start-up time: the runtime and torch load on first use
 
     top = max(result.ranks, key=lambda r: r.measured_peak_bytes)
     scale = top.measured_peak_bytes / max(1.0, top.predicted_peak_bytes)
     reserve = plan.prediction.memory.reserve
-    for alternative in plan.alternatives:
+    for alternative in alternatives.alternatives:
         expected = (alternative.memory_per_gpu_bytes - reserve) * scale
         if alternative.feasible and expected <= top.capacity_bytes:
             return f"{pins_of(alternative.parallel)[1]} (planned {_gib(expected)} GiB at the dry run's scale)"
@@ -88,7 +89,7 @@ def dryrun_command(
 
     The plan's program runs at its full world size, one rank per pipeline stage, and the memory it allocates is
     compared with the plan's (what it proves and what it cannot: README, "Dry run")."""
-    from zplan.dryrun import DryRunError, dry_run, load_program
+    from zplan.dryrun import DryRunError, dry_run, load_program  # start-up time, as above
 
     began = time.perf_counter()
 
@@ -111,13 +112,18 @@ def dryrun_command(
     else:
         print_result(out, result, program.plan)
     if not result.fits:
-        fix = next_plan_that_fits(result, program.plan)
+        try:
+            alternatives, missing = load_alternatives_file(out_dir / "plan.json", program.plan), ""
+        except ZplanError as exc:  # the verdict stands; only the suggestion needs the search's alternatives
+            alternatives, missing = None, f" ({exc})"
+        fix = next_plan_that_fits(result, program.plan, alternatives) if alternatives is not None else None
         over = [r for r in result.ranks if not r.fits]
         worst = max(over, key=lambda r: r.measured_peak_bytes)
         err.print(f"[bold red]over capacity:[/] rank {worst.rank} ({worst.role}) allocates "
                   f"{_gib(worst.measured_peak_bytes)} GiB at its peak (planned {_gib(worst.predicted_peak_bytes)}); "
                   f"the device holds {_gib(worst.capacity_bytes)}. "
                   + (f"Recompile with {fix} and dry-run it." if fix else
-                     "No alternative in plan.json fits: more GPUs, recompute or offload (`zplan compile --help`)."),
+                     f"No alternative in alternatives.json fits{missing}: more GPUs, recompute or offload (`zplan "
+                     "compile --help`)."),
                   highlight=False, soft_wrap=True)
         raise typer.Exit(code=1)

@@ -36,11 +36,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from zplan.errors import ExportError
 from zplan.model.fused_layout import layouts_from_json, to_original
+from zplan.model.safetensors_format import SAFETENSORS_DTYPES
 from zplan.runtime.checkpoint.manifest import has_manifest, no_manifest_problem, verify
 from zplan.runtime.checkpoint.save import (
     ALLOW_UNVERIFIED_FLAG,
     TRAIN_STATE_FILE,
     CheckpointError,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
     describe_dcp_error,
     read_train_state,
     resolve_checkpoint,
@@ -48,19 +51,11 @@ from zplan.runtime.checkpoint.save import (
 
 MODEL_PREFIX = "model."
 DEFAULT_MAX_CHUNK_BYTES = 1 << 30  # 1 GiB of tensors in memory at a time
-# torch dtype -> safetensors dtype name (the safetensors format specification)
-SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}
 
 
 def _model_tensors(checkpoint: Path) -> dict[str, tuple[torch.dtype, torch.Size]]:
     """{checkpoint key: (dtype, full shape)} of the model's tensors, from DCP's metadata alone."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from zplan.runtime.checkpoint.save import SafeFileSystemReader
 
     try:
         metadata = SafeFileSystemReader(checkpoint).read_metadata()
@@ -112,8 +107,6 @@ def _chunks(keys: list[str], sizes: dict[str, int], max_chunk_bytes: int) -> Ite
 def _load_chunk(checkpoint: Path, tensors: dict[str, tuple[torch.dtype, torch.Size]], keys: list[str]):
     """The full tensors `keys`, assembled by DCP from whatever shards wrote them, in this process only."""
     import torch.distributed.checkpoint as dcp
-
-    from zplan.runtime.checkpoint.save import SafeFileSystemReader, SafeLoadPlanner
 
     chunk = {key: torch.empty(tensors[key][1], dtype=tensors[key][0]) for key in keys}
     with warnings.catch_warnings():  # no_dist=True is what we mean; DCP warns about it on every call

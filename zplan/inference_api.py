@@ -1,5 +1,6 @@
-"""Public API of inference planning: check a request (`prepare`) and compile it into an InferencePlan
-(`compile_inference_plan`); zplan.api.write_outputs writes it. Cluster and model loading, the GPU-count check and
+"""Public API of inference planning: check a request (`prepare`) and compile it into an InferencePlan and its scored
+alternatives (`compile_inference_with_alternatives`; `compile_inference_plan`: the plan alone); zplan.api.write_outputs
+writes them. Cluster and model loading, the GPU-count check and
 the fingerprint are zplan.api's."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 from zplan import __version__
 from zplan.api import check_gpus, default_compute_dtype, fingerprint
 from zplan.errors import SpecError
+from zplan.model_input import summarize_model
 from zplan.planner.clusters import load_cluster
 from zplan.planner.inference.assumptions import inference_assumptions
 from zplan.planner.inference.cost import (
@@ -33,7 +35,7 @@ from zplan.planner.inference.search import (
     reason,
     score,
 )
-from zplan.planner.model_input import summarize_model
+from zplan.schemas.alternatives import InferenceAlternatives
 from zplan.schemas.cluster import ClusterSpec
 from zplan.schemas.inference import (
     InferenceCandidate,
@@ -153,8 +155,9 @@ def search_space(req: InferenceRequest) -> SearchSpace:
     return SearchSpace(tps=tps, precisions=precisions, tiers=tiers, batches=batches)
 
 
-def compile_inference_plan(req: InferenceRequest) -> InferencePlan:
-    """Search, choose and assemble the InferencePlan (no files written)."""
+def compile_inference_with_alternatives(req: InferenceRequest) -> tuple[InferencePlan, InferenceAlternatives]:
+    """Search, choose and assemble the InferencePlan and every scored configuration (alternatives.json; no files
+    written)."""
     model, work, cluster = req.model, req.workload, req.cluster
     space = search_space(req)
     scored = score(model, cluster, work, space)
@@ -180,14 +183,20 @@ def compile_inference_plan(req: InferenceRequest) -> InferencePlan:
                   + (f" At batch {cand.batch[i]}." if req.batch is None and i != chosen else "")).strip())
         for i in order
     ]
-    return InferencePlan(
+    plan = InferencePlan(
         zplan_version=__version__, fingerprint=fingerprint(req), model=req.summary, cluster=cluster,
         spec=InferenceSpec(target=req.target, batch=batch, prompt_len=work.prompt_len, gen_len=work.gen_len),
         pins=req.pins, parallel=parallel, prediction=prediction(est, chosen, capacity),
         reason=reason(scored, chosen, req.target, order, req.pins, req.batch is None, req.gpus, capacity),
-        candidates_evaluated=len(cand), alternatives=alternatives,
-        assumptions=inference_assumptions(cluster, req.summary, model, work, fp8="fp8" in space.precisions),
     )
+    return plan, InferenceAlternatives(
+        fingerprint=plan.fingerprint, candidates_evaluated=len(cand), alternatives=alternatives,
+        assumptions=inference_assumptions(cluster, req.summary, model, work, fp8="fp8" in space.precisions))
+
+
+def compile_inference_plan(req: InferenceRequest) -> InferencePlan:
+    """The InferencePlan alone (plan.json): compile_inference_with_alternatives's first half."""
+    return compile_inference_with_alternatives(req)[0]
 
 
 def prediction(est: InferenceEstimate, i: int, capacity: float) -> InferencePrediction:
@@ -207,4 +216,4 @@ def prediction(est: InferenceEstimate, i: int, capacity: float) -> InferencePred
     )
 
 
-__all__ = ["InferenceRequest", "compile_inference_plan", "prepare"]
+__all__ = ["InferenceRequest", "compile_inference_plan", "compile_inference_with_alternatives", "prepare"]

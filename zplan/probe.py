@@ -63,25 +63,47 @@ What each number is:
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
+from zplan.probe_collectives import (
+    COLLECTIVE_LARGE_BYTES,
+    COLLECTIVE_SMALL_BYTES,
+    collective_costs,
+    gloo_two_processes,
+)
+from zplan.probe_overheads import (
+    count_aten_ops,
+    host_seconds_per_op,
+    host_seconds_per_recompute,
+    reference_input,
+    reference_stack,
+)
+from zplan.probe_rates import (
+    copy_bandwidth_Bps,
+    cpu_adam_params_per_s,
+    disk_bandwidths_Bps,
+    elementwise_bandwidth_Bps,
+    fit_saturating_curve,
+    host_device_bandwidths_Bps,
+    host_memory_bytes,
+    matmul_flops_per_s,
+    mlp_gemm_flops_per_s,
+    transformer_elementwise_Bps,
+)
 from zplan.schemas.cluster import (
     CPU_PROCESS_GPU,
     ClusterSpec,
-    CollectiveCost,
-    CollectiveCosts,
     EfficiencySpec,
     GpuSpec,
     HostOverheads,
 )
+
+__all__ = ["COLLECTIVE_LARGE_BYTES", "COLLECTIVE_SMALL_BYTES", "collective_costs", "count_aten_ops",
+           "disk_bandwidths_Bps", "fit_saturating_curve", "probe_this_machine", "reference_input", "reference_stack"]
 
 GiB = 1024**3
 HOST_SHARE_FOR_DEVICES = 0.7  # fraction of host RAM handed to the device processes
@@ -90,365 +112,8 @@ MLP_GEMM_SHAPES = ((64, 32), (256, 32), (64, 64), (256, 64), (1024, 64), (256, 1
                    (2048, 512))
 HALF_PRECISION_SIZE = 256  # n of the bf16/fp16 GEMM (slow paths on CPUs without native support)
 ELEMENTWISE_BYTES = 16 * 2**20  # tensor size for the memory-bound ops (beyond the L2 cache)
-COLLECTIVE_SMALL_BYTES = 8  # two fp32 elements, so that all-gather and reduce-scatter halves are whole
-COLLECTIVE_LARGE_BYTES = 8 * 2**20
-REFERENCE_WIDTH, REFERENCE_HEADS, REFERENCE_TOKENS = 8, 2, 4  # negligible sizes: time = host overhead
-OVERHEAD_BLOCKS = 4  # reference blocks in the op-overhead stack
-FSDP_UNITS = (1, 5)  # stack depths whose difference gives the per-unit FSDP2 cost
 CPU_ADAM_PARAMS = 16 * 2**20  # fp32 parameters of the CPU Adam measurement: 4 states of 64 MiB each
 HOST_DEVICE_BYTES = 256 * 2**20  # size of the pinned host <-> GPU copies
-
-
-def _best_time_s(fn: Callable[[], object], seconds: float, min_repeats: int = 3,
-                 clock: Callable[[], float] = time.perf_counter) -> float:
-    """Fastest of repeated calls of `fn` (after one warm-up call) within about `seconds`, by `clock`
-    (wall time; time.process_time for the host work of a call, which other processes' load inflates less)."""
-    fn()
-    best, deadline, repeats = float("inf"), time.perf_counter() + seconds, 0
-    while repeats < min_repeats or time.perf_counter() < deadline:
-        start = clock()
-        fn()
-        best = min(best, clock() - start)
-        repeats += 1
-    return best
-
-
-# ---- compute ---------------------------------------------------------------------------------------
-
-
-def matmul_flops_per_s(n: int, dtype: torch.dtype, seconds: float) -> float:
-    """FLOP/s of an n x n by n x n matmul (2 n^3 FLOPs) on the current torch threads."""
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    return 2.0 * n**3 / _best_time_s(lambda: torch.mm(a, b), seconds, clock=time.process_time)
-
-
-def mlp_gemm_flops_per_s(tokens: int, hidden: int, seconds: float) -> tuple[float, float]:
-    """(x, FLOP/s) of Linear(h, 4h)'s forward + backward GEMMs on `tokens` rows, x = 2 t h 4h the forward's
-    FLOPs: Y = X W^T (t x h x 4h), dX = dY W (t x 4h x h), dW = dY^T X (4h x t x h), 3 x FLOPs in all."""
-    x, w = torch.randn(tokens, hidden), torch.randn(4 * hidden, hidden)
-    dy = torch.randn(tokens, 4 * hidden)
-
-    def forward_backward():
-        torch.mm(x, w.t())
-        torch.mm(dy, w)
-        torch.mm(dy.t(), x)
-
-    flops = 2.0 * tokens * hidden * 4 * hidden
-    return flops, 3.0 * flops / _best_time_s(forward_backward, seconds, clock=time.process_time)
-
-
-def fit_saturating_curve(sizes_flops: list[float], rates: list[float]) -> tuple[float, float]:
-    """(R, x_half) of r(x) = R * x / (x + x_half), by least squares of 1/r = 1/R + (x_half/R) / x."""
-    xs = [1.0 / x for x in sizes_flops]
-    ys = [1.0 / r for r in rates]
-    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sum(
-        (x - mean_x) ** 2 for x in xs
-    )
-    intercept = mean_y - slope * mean_x
-    if intercept <= 0:  # no saturation seen: take the fastest measured rate as the asymptote
-        return max(rates), min(sizes_flops)
-    return 1.0 / intercept, max(slope / intercept, 1.0)
-
-
-def copy_bandwidth_Bps(num_bytes: int, seconds: float, clock: Callable[[], float] = time.perf_counter) -> float:
-    """Bytes read + written per second by dst.copy_(src) of `num_bytes` (by wall time: all threads)."""
-    src = torch.ones(num_bytes // 4)
-    dst = torch.empty_like(src)
-    return 2.0 * num_bytes / _best_time_s(lambda: dst.copy_(src), seconds, clock=clock)
-
-
-def elementwise_bandwidth_Bps(num_bytes: int, seconds: float) -> float:
-    """Bytes read + written per second by torch.add(a, b, out=c) on tensors of `num_bytes`."""
-    a, b = torch.ones(num_bytes // 4), torch.ones(num_bytes // 4)
-    c = torch.empty_like(a)
-    return 3.0 * num_bytes / _best_time_s(lambda: torch.add(a, b, out=c), seconds, clock=time.process_time)
-
-
-def transformer_elementwise_Bps(num_bytes: int, seconds: float) -> float:
-    """Bytes read + written per second by one call each of LayerNorm, tanh-GELU, softmax (rows of 64) and a
-    residual add on fp32 tensors of `num_bytes`: a transformer block's memory-bound ops, equal bytes each."""
-    a, b = torch.randn(num_bytes // 4), torch.randn(num_bytes // 4)
-    rows = a.view(-1, 64)
-    ops = (
-        (lambda: F.layer_norm(rows, (64,)), 2),  # bytes moved per input byte: read x, write y
-        (lambda: F.gelu(a, approximate="tanh"), 2),
-        (lambda: torch.softmax(rows, dim=-1), 2),
-        (lambda: torch.add(a, b), 3),  # read a, b; write the sum
-    )
-    total_s = sum(_best_time_s(fn, seconds / len(ops), clock=time.process_time) for fn, _ in ops)
-    return sum(moved for _, moved in ops) * num_bytes / total_s
-
-
-def cpu_adam_params_per_s(num_params: int, seconds: float) -> tuple[float, str]:
-    """(parameters per second, backend) of zplan.cuda.cpu_adam.adamw_step_ on fp32 weights, gradients and
-    Adam moments of `num_params` each, on torch's current threads (the kernel's default), by wall time."""
-    from zplan.cuda.cpu_adam import adamw_step_
-
-    weights, grads = torch.randn(num_params), torch.randn(num_params) * 1e-3
-    exp_avg, exp_avg_sq = torch.zeros(num_params), torch.zeros(num_params)
-    steps, backends = iter(range(1, 1 << 30)), []
-
-    def one_step():
-        backends.append(adamw_step_(weights, grads, exp_avg, exp_avg_sq, lr=1e-4, weight_decay=0.01,
-                                    step=next(steps)))
-
-    return num_params / _best_time_s(one_step, seconds), backends[-1]
-
-
-def host_device_bandwidths_Bps(num_bytes: int, seconds: float) -> tuple[float, float] | None:
-    """(host to device, device to host) bytes/s of copies of `num_bytes` between pinned host memory and GPU 0,
-    each direction's bytes counted once; None without a GPU."""
-    if not torch.cuda.is_available():
-        return None
-    host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
-    device = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
-
-    def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-
-    return (num_bytes / _best_time_s(lambda: copy(device, host), seconds),
-            num_bytes / _best_time_s(lambda: copy(host, device), seconds))
-
-
-# ---- host overhead per op ----------------------------------------------------------------------------
-
-
-class ReferenceBlock(nn.Module):
-    """A pre-LayerNorm GPT block (examples/gpt.py's structure) to time host overheads at negligible sizes."""
-
-    def __init__(self, hidden: int = REFERENCE_WIDTH, heads: int = REFERENCE_HEADS):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
-        self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden) for _ in range(4))
-        self.up, self.down = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, h)
-        batch, seq, hidden = x.shape
-        y = self.ln1(x)
-        q, k, v = (proj(y).view(batch, seq, self.heads, -1).transpose(1, 2) for proj in (self.q, self.k, self.v))
-        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, a, T, d)
-        x = x + self.o(attention.transpose(1, 2).reshape(batch, seq, hidden))
-        return x + self.down(F.gelu(self.up(self.ln2(x)), approximate="tanh"))
-
-
-class ReferenceStack(nn.Module):
-    """`blocks` reference blocks in a ModuleList named 'blocks', as zplan's runtime finds a model's blocks."""
-
-    def __init__(self, blocks: int):
-        super().__init__()
-        self.blocks = nn.ModuleList(ReferenceBlock() for _ in range(blocks))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, h)
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
-def reference_stack(blocks: int) -> ReferenceStack:
-    return ReferenceStack(blocks)
-
-
-def reference_input() -> torch.Tensor:
-    return torch.randn(1, REFERENCE_TOKENS, REFERENCE_WIDTH)  # (B, T, h)
-
-
-def count_aten_ops(fn: Callable[[], object]) -> int:
-    """aten ops dispatched by one call of `fn` (the ops the cost model counts per block)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Counter(TorchDispatchMode):
-        ops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Counter.ops += 1
-            return func(*args, **(kwargs or {}))
-
-    with Counter():
-        fn()
-    return Counter.ops
-
-
-def host_seconds_per_op(seconds: float) -> float:
-    """Forward + backward of OVERHEAD_BLOCKS reference blocks at negligible sizes, per aten op dispatched."""
-    model, x = reference_stack(OVERHEAD_BLOCKS), reference_input()
-
-    def forward_backward():
-        model(x).sum().backward()
-
-    forward_backward()  # gradients exist from here on, as in every micro-batch after a step's first
-    return _best_time_s(forward_backward, seconds, clock=time.process_time) / count_aten_ops(forward_backward)
-
-
-def host_seconds_per_recompute(mode: str, seconds: float) -> float:
-    """CPU seconds activation recompute (zplan's runtime: runtime.training.recompute.apply_recompute) adds per block to
-    a forward + backward of OVERHEAD_BLOCKS reference blocks at negligible sizes: its machinery and re-run ops."""
-    from zplan.runtime.training.recompute import apply_recompute
-
-    x = reference_input()
-    times = []
-    for recompute in ("none", mode):
-        model = apply_recompute(reference_stack(OVERHEAD_BLOCKS), recompute, "blocks")
-        times.append(_best_time_s(lambda model=model: model(x).sum().backward(), seconds / 2, clock=time.process_time))
-    return max(0.0, (times[1] - times[0]) / OVERHEAD_BLOCKS)
-
-
-# ---- two processes: gloo collectives, FSDP2 ------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _synced_best_s(fn: Callable[[], object], seconds: float, min_repeats: int,
-                   clock: Callable[[], float] = time.perf_counter) -> float:
-    """Fastest call of `fn` on this rank by `clock`, each call started after a barrier so that both ranks
-    enter together."""
-    import torch.distributed as dist
-
-    def after_barrier():
-        dist.barrier()
-        start = clock()
-        fn()
-        return clock() - start
-
-    def any_rank_continues(more: bool) -> bool:  # every rank must run the same number of calls
-        flag = torch.tensor([1.0 if more else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-    after_barrier()
-    best, deadline, repeats = float("inf"), time.perf_counter() + seconds, 0
-    while any_rank_continues(repeats < min_repeats or time.perf_counter() < deadline):
-        best = min(best, after_barrier())
-        repeats += 1
-    return best
-
-
-def _collective_times_s(seconds: float) -> dict[str, tuple[float, float]]:
-    """Per collective type, (time of the small message, time of the large one), S = the full tensor."""
-    import torch.distributed as dist
-
-    times = {}
-    for kind in ("all_reduce", "all_gather", "reduce_scatter"):
-        pair = []
-        for size in (COLLECTIVE_SMALL_BYTES, COLLECTIVE_LARGE_BYTES):
-            full, half = torch.ones(size // 4), torch.ones(size // 8)
-            run = {
-                "all_reduce": lambda full=full: dist.all_reduce(full),
-                "all_gather": lambda full=full, half=half: dist.all_gather_into_tensor(full, half),
-                "reduce_scatter": lambda full=full, half=half: dist.reduce_scatter_tensor(half, full),
-            }[kind]
-            small = size == COLLECTIVE_SMALL_BYTES
-            pair.append(_synced_best_s(run, seconds / 8, min_repeats=20 if small else 3))
-        times[kind] = (pair[0], pair[1])
-    return times
-
-
-def collective_costs(times: dict[str, tuple[float, float]]) -> CollectiveCosts:
-    """Read two-rank times through the ring formulas of planner/cost/comm.py: all-reduce t = S/B + 2 lat;
-    all-gather, reduce-scatter t = S/(2B) + lat."""
-    ring = {"all_reduce": (1.0, 2.0), "all_gather": (0.5, 1.0), "reduce_scatter": (0.5, 1.0)}
-    costs = {}
-    for kind, (small_s, large_s) in times.items():
-        share, steps = ring[kind]
-        per_byte_s = max(large_s - small_s, 1e-12) / (COLLECTIVE_LARGE_BYTES - COLLECTIVE_SMALL_BYTES)
-        costs[kind] = CollectiveCost(latency_s=small_s / steps, bandwidth_Bps=share / per_byte_s)
-    return CollectiveCosts(**costs)
-
-
-def _fsdp_stack_cpu_s(blocks: int, sharded: bool, seconds: float) -> float:
-    """Forward + backward CPU seconds of a stack of reference blocks, each an FSDP2 unit when `sharded`."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    model, x = reference_stack(blocks), reference_input()
-    if sharded:
-        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=True)
-        fully_shard(model, mesh=mesh, reshard_after_forward=True)
-    return _synced_best_s(lambda: model(x).sum().backward(), seconds, min_repeats=5, clock=time.process_time)
-
-
-def sharded_unit_overhead_s(seconds: float) -> float:
-    """Host CPU seconds an FSDP2 unit adds per forward + backward: the slope over units of the FSDP2 stack less
-    that of the plain stack. CPU time leaves out the waits inside the collectives, which the cost model
-    prices with the collective costs."""
-    few, many = FSDP_UNITS
-    fsdp = _fsdp_stack_cpu_s(many, True, seconds / 4) - _fsdp_stack_cpu_s(few, True, seconds / 4)
-    plain = _fsdp_stack_cpu_s(many, False, seconds / 4) - _fsdp_stack_cpu_s(few, False, seconds / 4)
-    return max(0.0, (fsdp - plain) / (many - few))
-
-
-def _two_process_worker(rank: int, port: int, seconds: float, results) -> None:
-    from zplan.runtime.launch.distributed import run_distributed
-
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-
-    def measure(ctx) -> None:
-        costs = collective_costs(_collective_times_s(seconds / 2))
-        unit_s = sharded_unit_overhead_s(seconds / 2)
-        if rank == 0:
-            results.put((costs.model_dump(), unit_s, _resident_bytes()))
-
-    run_distributed(measure)
-
-
-def gloo_two_processes(seconds: float) -> tuple[CollectiveCosts, float, int]:
-    """(collective costs, FSDP2 host seconds per unit, resident bytes of one worker) from two spawned
-    processes joined by gloo over TCP loopback."""
-    import torch.multiprocessing as mp
-
-    context = mp.get_context("spawn")
-    results = context.SimpleQueue()
-    mp.spawn(_two_process_worker, args=(_free_port(), seconds, results), nprocs=2, join=True)
-    costs, unit_s, resident = results.get()
-    return CollectiveCosts.model_validate(costs), unit_s, resident
-
-
-# ---- host memory and disk ------------------------------------------------------------------------------
-
-
-def host_memory_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def _resident_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def disk_write_Bps(directory: str, num_bytes: int = 128 * 2**20) -> float:
-    """fsync'ed sequential write rate of `num_bytes` into `directory`."""
-    return disk_bandwidths_Bps(directory, num_bytes)[0]
-
-
-def disk_bandwidths_Bps(directory: str, num_bytes: int = 128 * 2**20) -> tuple[float, float]:
-    """(write, read) sequential rates of a `num_bytes` file in `directory`, bytes/s: the write fsync'ed,
-    the read after its pages were dropped from the page cache (posix_fadvise DONTNEED: works without
-    root for clean pages), so that both rates are the device's, not memory's."""
-    block = os.urandom(2**20)
-    with tempfile.NamedTemporaryFile(dir=directory) as f:
-        start = time.perf_counter()
-        for _ in range(num_bytes // len(block)):
-            f.write(block)
-        f.flush()
-        os.fsync(f.fileno())
-        write_Bps = num_bytes / (time.perf_counter() - start)
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        start = time.perf_counter()
-        with open(f.name, "rb", buffering=0) as reader:
-            while reader.read(len(block)):
-                pass
-        return write_Bps, num_bytes / (time.perf_counter() - start)
 
 
 # ---- the profile ----------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 
 from zplan.errors import ZplanError
+from zplan.out_dir import check_out_file
 
 err = Console(stderr=True)
 
@@ -58,8 +59,7 @@ def reduce_command(
     """Write a smaller model file: fewer layers and attention heads.
 
     The teacher's layers you keep and the heads you prune make a model file for `zplan compile`."""
-    from zplan.model_reduction import write_reduced_model_file
-    from zplan.out_dir import check_out_file
+    from zplan.model_reduction import write_reduced_model_file  # start-up time: torch loads on first use
 
     try:
         check_options(calibration_batches, blocks)

@@ -6,39 +6,9 @@ allocation does not count (CUDA context, NCCL's buffers, kernel workspaces, the 
 fragmentation). The peak is of one moment (memory_per_gpu's peak): the loss's temporaries and the backward's
 buffers are not live together.
 
-Model states as zplan's runtime holds them (Rajbhandari et al., ZeRO, SC'20, Sec. 3 and 5, for the
-partitioning; schemas.model_states says which layout runs where):
-  - ZeRO 0/1 with mixed precision: the paper's layout. 16-bit parameters and gradients on every rank, the fp32
-    master weights and Adam's m and v in the optimizer (runtime.optim.zero1): 2 + 2 + 12 bytes per parameter, the 12
-    sharded over dp by ZeRO-1: 4 + 12/dp (the paper's K = 12). The gradients accumulate over micro-batches in the
-    16-bit dtype (DDP's buckets) and are reduced in it once a step.
-  - fp32, ZeRO 2/3 and 1-bit Adam: fp32 parameters (the masters: FSDP2's MixedPrecisionPolicy under ZeRO 2/3, or
-    autocast under 1-bit Adam, make 16-bit copies for compute), fp32 gradients (FSDP2's reduce dtype: ZeRO 2/3
-    accumulate over micro-batches in fp32), fp32 m and v: 4 + 4 + 8. ZeRO 2 shards the gradients and (FSDP2 holds
-    only shards at rest) the weights too, so 16/dp at rest, 2 + 16/dp at the peak with the gathered 16-bit
-    parameters (the paper's 2 + 14/dp, its gradient shard 16-bit); ZeRO 3 16/dp.
-The 16-bit copies for compute are transient, a term of the peak (compute_copy_bytes, in comm_buffers): under
-ZeRO 2 every unit's gathered parameters (FSDP2 with reshard_after_forward=False), held from its forward until its
-backward; ZeRO-3's two in-flight units; with 1-bit Adam autocast's cached copies of the weights.
-Activations per block (Korthikanti et al., MLSys'23, Table 2): of the block's saved bytes, 10*s*b*h
-(16-bit; layer-norm inputs, dropout masks, first-linear inputs) stay replicated under tensor parallel
-unless sequence parallel shards them; the rest is divided by tp. Selective recompute keeps the projections'
-outputs and the block input (the runtime's policy, runtime.training.recompute); full recompute keeps only the block
-input (2*s*b*h, /tp with sequence parallel) plus one block's activations live while it is recomputed.
-Tensor parallel splits the blocks only: the runtime (runtime/parallel/tensor_parallel.py) replicates the embedding,
-the final norm and the output head over the tp ranks, so every tp rank holds their whole parameters, their
-gradients and optimizer states (sharded over dp by ZeRO like every parameter, never divided by tp), and
-computes the whole logits (B, T, V) and the loss on them. The loss's peak (logits_loss_bytes) is
-LOSS_BYTES_PER_LOGIT bytes per logit, measured, not divided by tp.
-Context parallel (runtime/parallel/context_parallel.py): a GPU holds the activations of b/cp sequences' worth of tokens;
-each block's attention keeps the keys and values gathered from the other cp - 1 ranks (gathered_kv_bytes), and one
-(s/cp, s) attention mask serves every block (context_parallel_mask_bytes).
-Pipeline in-flight micro-batches on the first stage: 1F1B min(p, m); interleaved with v chunks
-multiplies by (1 + (p-1)/(p*v)) (Korthikanti et al., Sec. 4.2.3); each in-flight micro-batch keeps each of the rank's
-v chunks' outputs (torch.distributed.pipelining's fwd_cache), and the last stage its logits, for its backward. Beside
-them torch's PipelineStage allocates one receive buffer per micro-batch of the step for every hidden state and
-gradient a stage receives (pipeline_receive_buffer_bytes), live the whole step; a tied embedding and head sum their
-table's gradient over their two ranks after the backward (one received copy).
+Model states (weights, gradients, optimizer states, compute copies): planner.cost.memory_states. Activations,
+the loss, context parallel and pipeline buffers: planner.cost.memory_activations.
+
 Gradients as bucket views (ZeRO 0/1) are made whole by autograd before they are added into their views: the largest,
 a (V, h) table, is a term of the backward. Under ZeRO 2/3 FSDP2's root unit (the embedding, the final norm and head:
 whole on every tp rank) reduces its gradients once the blocks' are reduced, through 4 (1 + 1/dp) bytes a parameter;
@@ -46,7 +16,7 @@ in a pipeline its first stage does so while the other micro-batches in flight ke
 stage holds the head gathered at the loss and its unsharded gradients through each micro-batch's backward. These
 terms were measured with the dry run on the plans of benchmarks/dryrun_memory.py (which print where they bind).
 Offload (planner.cost.offload for its traffic): the optimizer states leave the GPU; under ZeRO 2/3 the weight
-and gradient shards stay on the GPU where they fit (the optimizer alone on the host, runtime.optim.sharded_cpu_adam),
+and gradient shards stay on the GPU where they fit (the optimizer alone on the host, runtime.optim.host_states),
 else go to the host with it (FSDP2's CPUOffloadPolicy: parameters_offloaded). Host bytes per parameter of this
 rank's shard: beside device parameters zplan's CPU Adam keeps an fp32 master, m and v and a gradient buffer
 (HOST_OPTIMIZER_BYTES + HOST_GRAD_BUFFER_BYTES); under CPUOffloadPolicy the shards and the optimizer's states.
@@ -69,107 +39,44 @@ from zplan.planner.cost.compression import (
     ONE_BIT_STEP_BYTES_PER_PARAM,
 )
 from zplan.planner.cost.inputs import Candidates, ModelNumbers, gpu_sequences, gradient_group
+from zplan.planner.cost.memory_activations import (
+    FP8_CAST_TEMPORARY_BYTES_PER_ELEMENT,
+    LOSS_BYTES_PER_LOGIT,
+    NVFP4_CAST_TEMPORARY_BYTES_PER_ELEMENT,
+    block_activation_bytes,
+    blocks_per_stage,
+    context_parallel_mask_bytes,
+    fp8_cast_bytes,
+    gathered_kv_bytes,
+    inflight_microbatches,
+    logits_loss_bytes,
+    pipeline_receive_buffer_bytes,
+)
+from zplan.planner.cost.memory_states import (
+    ADAM_BYTES,
+    GRAD_BYTES,
+    HOST_GRAD_BUFFER_BYTES,
+    HOST_OPTIMIZER_BYTES,
+    MASTER_BYTES,
+    PARAM_BYTES,
+    compute_copy_bytes,
+    element_bytes,
+    optimizer_bytes_per_param,
+    sixteen_bit_states,
+    state_bytes_per_param,
+)
 from zplan.schemas.cluster import ClusterSpec
-from zplan.schemas.spec import compute_dtype
+
+__all__ = ["ADAM_BYTES", "DDP_BUCKET_BYTES", "FP8_CAST_TEMPORARY_BYTES_PER_ELEMENT", "GRAD_BYTES",
+           "HOST_GRAD_BUFFER_BYTES", "HOST_OPTIMIZER_BYTES", "HOST_USABLE_FRACTION", "LOSS_BYTES_PER_LOGIT",
+           "MASTER_BYTES", "NVFP4_CAST_TEMPORARY_BYTES_PER_ELEMENT", "PARAM_BYTES", "MemoryEstimate",
+           "block_activation_bytes", "blocks_per_stage", "compute_copy_bytes", "context_parallel_mask_bytes",
+           "element_bytes", "fp8_cast_bytes", "gathered_kv_bytes", "inflight_microbatches", "logits_loss_bytes",
+           "memory_per_gpu", "optimizer_bytes_per_param", "pipeline_receive_buffer_bytes", "sixteen_bit_states",
+           "state_bytes_per_param"]
 
 DDP_BUCKET_BYTES = 25 * 1024**2  # torch DDP default bucket_cap_mb=25
 HOST_USABLE_FRACTION = 0.9  # leave 10% of host memory / NVMe to the OS and the data loader
-
-
-PARAM_BYTES = 4.0  # fp32 parameters: the master weights (fp32 runs, ZeRO 2/3's FSDP2 shards, 1-bit Adam)
-GRAD_BYTES = 4.0  # fp32 gradients (fp32 runs; FSDP2's reduce_dtype=fp32; 1-bit Adam's autocast)
-ADAM_BYTES = 8.0  # fp32 m and v
-MASTER_BYTES = 4.0  # the optimizer's fp32 master of a 16-bit parameter (ZeRO 0/1 with mixed precision)
-# zplan's CPU Adam beside parameters kept on the device (ZeRO-1's runtime.optim.cpu_adam_optimizer, ZeRO 2/3's
-# runtime.optim.sharded_cpu_adam), per parameter of this rank's shard, in host memory: an fp32 master copy, m and
-# v (12), and the buffers the gradient shard is copied down into before the step (4, with a GPU: fp32, or a 16-bit
-# parameter's 16-bit gradient and the 16-bit rows the kernel writes for the copy back up).
-HOST_OPTIMIZER_BYTES = 12.0
-HOST_GRAD_BUFFER_BYTES = 4.0
-
-# Peak live bytes per logit while the runtime's default loss (model.model_file.next_token_loss: cross-entropy on
-# logits[:, :-1].flatten(0, 1).float()) runs its forward and backward on the (B, T, V) logits the head's matmul made:
-# at the peak (the log-softmax backward) the fp32 log-softmax output, its gradient and the gradient of its input,
-# 3 * 4 bytes; nothing holds the logits themselves by then (the train loop drops them once the loss is computed, and
-# the head's backward needs its input, not its output), and the forward's own peak (the logits, the copy flatten
-# makes when B > 1, the fp32 upcast, the log-softmax output) is no higher. Measured exactly, counting live storages
-# with a TorchDispatchMode on fake tensors (torch 2.13, CPU), and the same in the dry run (zplan dryrun):
-#     .venv/bin/python benchmarks/loss_memory.py --json
-# which prints 12.0 bytes per logit (within 0.2 %) for several (B, T, V) in every precision.
-LOSS_BYTES_PER_LOGIT = {"fp32": 12.0, "bf16": 12.0, "fp16": 12.0}  # fp8: bf16's (compute_dtype), the head is bf16
-
-
-# fp8 (runtime/precision/float8.py, torchao's Float8Linear in eager mode): its activations are bf16's (torchao saves the
-# bf16 input and weight for backward and casts them again there), but each cast to fp8 makes fp32 temporaries of the
-# tensor it casts (x.float() * scale, clamped, then the 1-byte copy), live during one Linear's backward at a time. The
-# largest is an MLP projection's (b, s, ffn) input or output gradient. Measured with the dry run (zplan dryrun, fake
-# tensors, torch._scaled_mm's meta kernel) on tiny Llamas (b 4, s 256; h 256 / 512, ffn 1024 / 2048, 2 or 4 layers; ZeRO
-# 1 and 3, recompute none / full), the fp8 peak less the same plan's bf16 peak: 6.25 to 7.5 bytes per (b, s, ffn)
-# element where the backward binds, independent of the number of layers; budgeted at the most. With it the 12 plans'
-# fp8 predictions err as their bf16 twins' do (within 1.5 points, or above); without it up to 10 % under the dry run
-# (tests/unit/test_float8_plan.py checks one).
-FP8_CAST_TEMPORARY_BYTES_PER_ELEMENT = 7.5
-# nvfp4 (runtime/precision/nvfp4.py): activations are bf16's likewise (an NVFP4Linear saves its bf16 input and weight),
-# and each quantisation runs torchao 0.18's eager nvfp4_quantize, whose fp32 temporaries (the upcast, |x|, the scaled
-# values, their clamp, the integer bit manipulation of f32_to_f4_unpacked) and the transposed copies the backward's
-# operands need (G^T, X^T blocked along the tokens) are live during one Linear's backward. Measured as fp8's was (the
-# dry run, whose fake tensors run the GPU's code path through torch._scaled_mm's meta kernel; the tiny Llama of
-# tests/unit/test_float8_plan.py, b 4, s 256, h 256, ffn 2048, ZeRO 3, dgx-b200): the nvfp4 peak less the bf16 peak is
-# 29.88 bytes per (b, s, ffn) element with recompute full and none alike; budgeted at 30, the nvfp4 predictions are
-# +4.5 % (full) and +8.0 % (none) over the dry run, their bf16 twins +8.1 % and +13.5 %. Transformer Engine's fused
-# NVFP4 cast kernels make far fewer: this is zplan's runtime, not theirs.
-NVFP4_CAST_TEMPORARY_BYTES_PER_ELEMENT = 30.0
-
-
-def fp8_cast_bytes(model: ModelNumbers, cand: Candidates, precision: str) -> np.ndarray:
-    """fp8's (nvfp4's) cast temporaries in a block Linear's backward (FP8_CAST_TEMPORARY_BYTES_PER_ELEMENT,
-    NVFP4_CAST_TEMPORARY_BYTES_PER_ELEMENT), 0 in other precisions."""
-    per_element = {"fp8": FP8_CAST_TEMPORARY_BYTES_PER_ELEMENT,
-                   "nvfp4": NVFP4_CAST_TEMPORARY_BYTES_PER_ELEMENT}.get(precision, 0.0)
-    widest = max(model.ffn_hidden, model.hidden)  # the MLP's (b, s, ffn) tensors, split by tp
-    return per_element * gpu_sequences(cand) * model.seq_len * widest / cand.tp
-
-
-def element_bytes(precision: str) -> int:
-    """Bytes of one value in the compute dtype."""
-    return 4 if precision == "fp32" else 2
-
-
-def logits_loss_bytes(model: ModelNumbers, micro_batch, precision: str):
-    """Peak bytes of the logits (b, s, V) and the loss on them for one micro-batch, on every tp rank alike: the
-    runtime's head is replicated, not vocabulary-parallel, so nothing here is divided by tp."""
-    return (np.asarray(micro_batch, dtype=float) * model.seq_len * model.vocab
-            * LOSS_BYTES_PER_LOGIT[compute_dtype(precision)])
-
-
-def sixteen_bit_states(zero, precision: str, grad_compress) -> np.ndarray:
-    """Per candidate: parameters and gradients in the 16-bit compute dtype, the fp32 masters in the optimizer
-    (schemas.model_states.parameters_in_compute_dtype, vectorised; grad_compress 2 is 1-bit Adam)."""
-    return (np.asarray(zero) <= 1) & (compute_dtype(precision) in ("bf16", "fp16")) & (np.asarray(grad_compress) != 2)
-
-
-def optimizer_bytes_per_param(precision: str) -> int:
-    """Adam with ZeRO-Offload's CPU step (planner.cost.offload, planner.placement): fp32 master + m + v
-    (mixed precision, K=12) or m + v (fp32, the weight is the master)."""
-    return 8 if precision == "fp32" else 12
-
-
-def state_bytes_per_param(zero, dp, offloaded, parameters_offloaded=None, sixteen_bit=False) -> tuple:
-    """(weights, gradients, optimizer) bytes per parameter on the GPU, arrays or scalars alike: the
-    runtime's 4 + 4 + 8, or with `sixteen_bit` (sixteen_bit_states) 2 + 2 + 12, sharded by ZeRO stage; offloaded
-    states leave the GPU: the optimizer always (ZeRO-1:
-    runtime.optim.cpu_adam_optimizer; ZeRO 2/3 with the parameters on the GPU: runtime.optim.sharded_cpu_adam),
-    and under ZeRO 2/3 where `parameters_offloaded` the weight and gradient shards with it (FSDP2's
-    CPUOffloadPolicy; planner.placement places them so). Default: every offloaded ZeRO 2/3 candidate offloads
-    its parameters too (the conservative end, the least GPU memory)."""
-    zero, dp, offloaded = np.asarray(zero), np.asarray(dp, dtype=float), np.asarray(offloaded, dtype=bool)
-    params_off = offloaded & (zero >= 2) if parameters_offloaded is None else np.asarray(parameters_offloaded, bool)
-    sixteen = np.asarray(sixteen_bit, dtype=bool)
-    sharded = np.where(zero >= 2, dp, 1.0)
-    weights = np.where(params_off, 0.0, np.where(sixteen, 2.0, PARAM_BYTES) / sharded)
-    grads = np.where(params_off, 0.0, np.where(sixteen, 2.0, GRAD_BYTES) / sharded)
-    optim = np.where(offloaded, 0.0, (ADAM_BYTES + np.where(sixteen, MASTER_BYTES, 0.0)) / np.where(zero >= 1, dp, 1.0))
-    return weights, grads, optim
 
 
 @dataclass(frozen=True)
@@ -190,98 +97,6 @@ class MemoryEstimate:
     stage_params: np.ndarray  # parameters per GPU on the most loaded stage (blocks / tp, embedding and head whole)
     peak_stage_params: np.ndarray  # parameters per GPU on the end stage whose memory peaks (`total`'s stage)
     parameters_offloaded: np.ndarray  # bool: ZeRO 2/3 offload with the weight and gradient shards on the host too
-
-
-def blocks_per_stage(model: ModelNumbers, cand: Candidates) -> np.ndarray:
-    """Most blocks any stage holds (uniform split rounded up)."""
-    return np.ceil(model.num_blocks / cand.pp)
-
-
-def inflight_microbatches(cand: Candidates, num_micro_batches: np.ndarray) -> np.ndarray:
-    p, v = cand.pp.astype(float), cand.interleave.astype(float)
-    base = np.minimum(p, num_micro_batches)
-    return np.where(v > 1, base * (1.0 + (p - 1.0) / (p * v)), base)
-
-
-def gathered_kv_bytes(model: ModelNumbers, cand: Candidates, precision: str) -> np.ndarray:
-    """Bytes a block saves beyond its own tokens' under context parallel without recompute: the keys and values
-    all-gathered from the other cp - 1 ranks (runtime/parallel/context_parallel.py), which the attention keeps for its
-    backward; (b/cp, s, kv features / tp) each of K and V from every other rank. Recompute (selective keeps only the
-    projections' outputs) gathers them again in the backward."""
-    kv_features = model.hidden * (model.kv_heads or model.heads) / model.heads
-    elem = element_bytes(precision)
-    return (cand.cp - 1.0) * 2.0 * gpu_sequences(cand) * model.seq_len * kv_features * elem / cand.tp
-
-
-def context_parallel_mask_bytes(model: ModelNumbers, cand: Candidates, precision: str) -> np.ndarray:
-    """Bytes of context parallel's attention mask on a GPU, 0 at cp 1: (s/cp) * s elements in the compute dtype, the
-    additive causal mask of this rank's s/cp queries over the whole sequence's s keys
-    (runtime/parallel/context_parallel.py: causal_bias, rows padded to 16 elements). ContextParallelAttention makes it
-    once per scope (a micro-batch's forward and backward; a pipeline's step) and every block's
-    scaled_dot_product_attention saves that one tensor for its backward (a recomputed block's too), so it is live from
-    the first block's forward until the last block's backward, once: not per block, not per micro-batch in flight, not
-    divided by tp (every tp rank holds it whole) nor multiplied by the micro-batch (broadcast over its sequences and
-    heads). E.g. s = 8192, cp 2, bf16: 4096 * 8192 * 2 = 64 MiB (a mask per block, as the runtime held before, was 2 GiB
-    over Llama-3-8B's 32)."""
-    s = float(model.seq_len)
-    return np.where(cand.cp > 1, s / cand.cp * s * element_bytes(precision), 0.0)
-
-
-def block_activation_bytes(model: ModelNumbers, cand: Candidates, precision: str) -> np.ndarray:
-    """Saved bytes of one block for one micro-batch on one GPU, by recompute mode."""
-    elem = element_bytes(precision)
-    b, t, sp = gpu_sequences(cand), cand.tp.astype(float), cand.sp.astype(bool)
-    s, h = model.seq_len, model.hidden
-    total = b * model.block_act_bytes
-    replicated = np.minimum(total, 5.0 * s * h * elem * b)  # 10*s*b*h at 16-bit
-    sharded = total - replicated
-    # Sequence parallel shards the norms' inputs, but torch's tensor parallel all-gathers the inputs of the
-    # column-parallel projections (attention, MLP: 2*s*b*h) and their matmuls save them whole (Megatron re-gathers
-    # them in backward instead); measured by the dry run.
-    gathered = np.minimum(replicated, 2.0 * s * h * elem * b)
-    none = sharded / t + np.where(sp, (replicated - gathered) / t + gathered, replicated)
-    none = none + gathered_kv_bytes(model, cand, precision)  # selective and full recompute re-gather them
-    block_input = np.where(sp, s * b * h * elem / t, s * b * h * elem)
-    # Selective: the runtime keeps the projections' outputs and recomputes everything else (runtime.training.recompute's
-    # policy: aten.mm / addmm saved), plus the block input the checkpoint keeps. Under tp the column-parallel outputs
-    # are split; the two row-parallel ones (attention out, MLP down: 2*s*h) are whole partial sums, also under
-    # sequence parallel (the mm's output, before its reduce-scatter). A trace without the projections' outputs
-    # (older summaries) keeps the attention-core rule.
-    gemm = b * model.block_gemm_out_bytes
-    rowwise = np.minimum(gemm, 2.0 * s * h * elem * b)
-    kept = (gemm - rowwise) / t + rowwise + block_input
-    selective = np.where(gemm > 0, np.minimum(kept, none),
-                         none - b * model.block_attention_core_bytes / t)
-    full = block_input
-    return np.select([cand.recompute == 0, cand.recompute == 1], [none, selective], full)
-
-
-def pipeline_receive_buffer_bytes(model: ModelNumbers, cand: Candidates, num_micro_batches: np.ndarray,
-                                  precision: str) -> np.ndarray:
-    """Bytes an end rank of a pipeline holds for the hidden states and their gradients that cross stages:
-    torch.distributed.pipelining's PipelineStage allocates, when the schedule is built, one receive buffer per
-    micro-batch of the step for each input a stage receives (every stage but the first) and for each gradient it
-    receives back (every stage but the last), (b, s, h) each, whole (the runtime gathers a sequence-parallel hidden
-    state at stage edges), in the compute dtype or as int8 rows (H bytes and a 4-byte scale) under --compress
-    act=int8. Pipeline rank 0 (and the last) hold v chunks: 2v - 1 kinds of buffer, m of each."""
-    p, v, b = cand.pp, cand.interleave.astype(float), gpu_sequences(cand)
-    s, h = model.seq_len, model.hidden
-    per_element = np.where(cand.act_compress > 0, 1.0 + 4.0 / h, float(element_bytes(precision)))
-    buffers = (2.0 * v - 1.0) * np.asarray(num_micro_batches, dtype=float)
-    return np.where(p > 1, buffers * b * s * h * per_element, 0.0)
-
-
-def compute_copy_bytes(params_gpu: np.ndarray, zero: np.ndarray, precision: str,
-                       uncast_params: np.ndarray | float = 0.0, grad_compress: np.ndarray | int = 0) -> np.ndarray:
-    """Parameters held in the compute dtype besides the fp32 ones, from forward until backward: ZeRO-2
-    (FSDP2, reshard_after_forward=False) the stage's whole parameters, gathered unit by unit; ZeRO 0/1 with
-    mixed precision and 1-bit Adam (grad_compress 2: fp32 parameters under autocast) autocast's cached 16-bit
-    copies of the weights it casts, which are all but `uncast_params` (an embedding lookup is not an autocast op:
-    its table is read in fp32); 0 otherwise (ZeRO 0/1 compute on their 16-bit parameters themselves; ZeRO-3 frees
-    each unit after its forward: its two in-flight blocks are counted in comm_buffers)."""
-    autocast = (zero <= 1) & (precision != "fp32") & (np.asarray(grad_compress) == 2)
-    cast = np.where(autocast, params_gpu - uncast_params, params_gpu)
-    return np.where((zero == 2) | autocast, element_bytes(precision) * cast, 0.0)
 
 
 def memory_per_gpu(

@@ -55,7 +55,7 @@ def offload_time_s(cand: Candidates, params_gpu: np.ndarray, num_micro_batches: 
     elem = element_bytes(precision)
     z, dp, m = cand.zero, gradient_group(cand).astype(float), num_micro_batches  # ZeRO shards over dp * cp
     params_off = z >= 2 if parameters_offloaded is None else np.asarray(parameters_offloaded, dtype=bool)
-    beside_device = (z >= 2) & ~params_off  # ZeRO 2/3, the optimizer alone on the host (sharded_cpu_adam)
+    beside_device = (z >= 2) & ~params_off  # ZeRO 2/3, the optimizer alone on the host (runtime.optim.host_states)
     shard = params_gpu / np.where(z >= 1, dp, 1.0)
     grads = elem * shard
     optim = optimizer_bytes_per_param(precision) * shard

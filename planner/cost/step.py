@@ -2,7 +2,8 @@
 
 Pipeline (Narayanan et al., SC'21, Sec. 2.2): with m micro-batches, p stages and v chunks per stage,
     step = m * t_stage + (p - 1) / v * t_stage        (1F1B; interleaving divides the bubble by v)
-where t_stage is one micro-batch's forward+backward on the slowest stage. Interleaving multiplies
+where t_stage is one micro-batch's forward+backward on the slowest stage; the bubble's (p - 1) / v is
+schemas.pipeline_schedule.bubble_stage_times, the schedule the report replays. Interleaving multiplies
 stage-to-stage sends by v; sends use the scatter/gather optimisation (b*s*h/tp bytes, Sec. 4.1).
 Tensor parallel (Megatron, Shoeybi et al. 2019): 2 all-reduces of b*s*h in the forward and 2 in the
 backward per block (+2 for a full recompute); with sequence parallel the same volume as
@@ -14,7 +15,7 @@ recompute) and reduce-scatters their gradients in the backward (context_parallel
 gradients are averaged, and ZeRO shards, over dp * cp (gradient_group).
 Data parallel / ZeRO (Rajbhandari et al. SC'20, Sec. 7), as zplan's runtime runs them: stages 0-1
 all-reduce the gradients once per step, overlapped with the last micro-batch's backward (DDP buckets),
-and stage 1 then all-gathers the updated weights (runtime/optim/zero1.py: buckets of DDP_BUCKET_BYTES, one
+and stage 1 then all-gathers the updated weights (runtime/optim/layouts.py: buckets of DDP_BUCKET_BYTES, one
 all-gather each; its in-place broadcasts of large tensors move the same bytes); stages 2-3 (FSDP2, one
 unit per block plus the root) reduce-scatter each unit's gradients in every micro-batch's backward;
 stage 3 all-gathers a unit's weights before its forward and again before its backward in every
@@ -67,6 +68,7 @@ from zplan.planner.cost.memory import (
 )
 from zplan.planner.cost.offload import offload_time_s
 from zplan.schemas.cluster import ClusterSpec
+from zplan.schemas.pipeline_schedule import bubble_stage_times
 
 ADAM_BYTES_PER_PARAM = 30.0  # reads fp32 w, g, m, v (16) + writes w, m, v (12) + 16-bit copy (2)
 # clip_grad_norm_ (8: _foreach_norm, stack, norm, add, reciprocal, mul, clamp, _foreach_mul_), fused AdamW (4),
@@ -227,7 +229,7 @@ def estimate_step(
     cp_mb = np.floor(load) * context_parallel_block_s(model, cand, cluster, elem)
     stage_s = compute_mb + tp_mb + cp_mb
 
-    bubble = (p - 1) / v * stage_s
+    bubble = bubble_stage_times(p, v) * stage_s
     crosses_node = t * cand.cp * dp >= cluster.link_domain()
     p2p = np.where(p > 1, 2.0 * v * m * p2p_s(b * s * h * elem / t, crosses_node, cluster), 0.0)
     # int8 activations: each crossing sends the compressed bytes and is encoded and decoded on the way.

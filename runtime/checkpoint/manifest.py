@@ -1,5 +1,5 @@
 """A checkpoint's MANIFEST.json: the size and XXH3-64 hash of every file in it, so that a flipped byte or a
-file cut short is found before its numbers are trained on or exported (issue 13).
+file cut short is found before its numbers are trained on or exported.
 
     {"format": 1, "hash": "xxh3_64", "files": {"__0_0.distcp": {"bytes": 123, "xxh3_64": "9f..."}, ...}}
 

@@ -4,7 +4,7 @@ masters in place of 16-bit parameters), the fused layouts, each rank's RNG state
 Resharding: tensors are saved as what get_state_dict returns with the default options, i.e. each
 rank's DTensor shards under FSDP2 (ZeRO 2/3) and replicated plain tensors under DDP (ZeRO 0/1; DCP
 writes each once), named by parameter FQN without wrapper prefixes; the optimizer's state is flattened
-to one entry per parameter (`optimizer.state.<fqn>.exp_avg`). ZeRO-1's optimizer (runtime.optim.zero1) holds
+to one entry per parameter (`optimizer.state.<fqn>.exp_avg`). ZeRO-1's optimizer (runtime.optim.layouts) holds
 each moment as a DTensor of the parameter's shape, Shard(0) over dp, the layout FSDP2 gives it too
 (with tensor parallel: on the (dp, tp) mesh, laid out as FSDP2 lays out a tensor-parallel parameter).
 Loading asks DCP for the tensors in the layout of the run that loads, whatever layout wrote them, so a
@@ -24,7 +24,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from zplan.errors import CheckpointError
-from zplan.runtime.optim.zero1 import with_master_weights
+from zplan.model.fused_layout import layouts_as_json, stored_layouts
+from zplan.runtime.optim.layouts import with_master_weights
+from zplan.runtime.training.materialize import weight_roots
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # per-parameter keys: reshardable
 
@@ -95,9 +97,6 @@ def describe_dcp_error(error: BaseException) -> str:
 
 def model_fused_layouts(model: nn.Module) -> dict[str, dict]:
     """{parameter name: its fused layout as JSON} of the whole model, on every rank (collective)."""
-    from zplan.model.fused_layout import layouts_as_json, stored_layouts
-    from zplan.runtime.training.materialize import weight_roots
-
     local = {name: layout for root in weight_roots(model) for name, layout in stored_layouts(root).items()}
     gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, layouts_as_json(local))

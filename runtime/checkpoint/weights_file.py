@@ -17,7 +17,8 @@ from torch.distributed.tensor import DTensor
 
 from zplan.model.fused_layout import stored_layouts, to_original_state
 from zplan.runtime.launch.distributed import RunContext
-from zplan.runtime.optim.zero1 import with_master_weights
+from zplan.runtime.optim.layouts import with_master_weights
+from zplan.runtime.parallel.pipeline import PipelineRun, gather_full_state_dict
 from zplan.runtime.training.outputs import write_atomically
 
 
@@ -30,9 +31,7 @@ def save_full_weights(model: nn.Module, path: str | Path, ctx: RunContext,
                       optimizer: torch.optim.Optimizer | None = None) -> None:
     """torch.save {parameter name: full CPU tensor} on rank 0, atomically (runtime.training.outputs); names as the model
     file defines them (no DDP 'module.' prefix); a 16-bit parameter's fp32 master where `optimizer` keeps one
-    (runtime.optim.zero1). Every rank must call it: gathering the shards is a collective."""
-    from zplan.runtime.parallel.pipeline import PipelineRun, gather_full_state_dict
-
+    (runtime.optim.layouts). Every rank must call it: gathering the shards is a collective."""
     if isinstance(model, PipelineRun):  # each pipeline rank holds its stages: gather them to rank 0
         state = gather_full_state_dict(model, optimizer)
     else:

@@ -15,13 +15,12 @@ Per rank that sends 2 (W-1)/W x compressed(N) bytes, as a ring all-reduce sends 
         scale per chunk ended 34 % above the fp32 loss, one per 256 elements within 3 %.)
 
 int8 is a DDP communication hook (`int8_hook`): gradients are averaged approximately, the optimizer is
-unchanged, so it works under ZeRO 0 and ZeRO 1 (runtime.optim.zero1 reads DDP's averaged gradients). 1-bit is not
+unchanged, so it works under ZeRO 0 and ZeRO 1 (runtime.optim.layouts reads DDP's averaged gradients). 1-bit is not
 a gradient hook: signs of gradients fed to Adam do not converge (1-bit Adam sec. 3.1, the variance term is not
-linear); `OneBitAdamW` runs exact AdamW for `warmup_steps` steps, then freezes Adam's variance and all-reduces
-the momentum through the 1-bit compressed all-reduce (DDP's hook then sends nothing). It needs every rank to
-hold whole parameters and the whole optimizer: ZeRO 0. Under ZeRO 1 (`OneBitZeroOneAdamW`) the ranks hold
-their rows' momentum only: there the gradients are 1-bit all-reduced with error feedback once the variance is
-frozen (the update is then linear in them).
+linear); `OneBitGradients` (a part of runtime.optim.sharded_adamw.ShardedAdamW) runs exact AdamW for
+`warmup_steps` steps, then freezes Adam's variance and all-reduces the momentum through the 1-bit compressed
+all-reduce (DDP's hook then sends nothing). Every rank then holds the whole momentum: under ZeRO 0 its state, under
+ZeRO 1 (states in rows) a full copy gathered when the warm-up ends.
 
 Bytes on the wire are counted at the collective calls (`WireBytes`) with the per-rank formulas of the ring
 and direct algorithms: all-reduce 2 (W-1)/W x size, all-to-all (W-1)/W x size, all-gather (W-1) x size of the
@@ -34,7 +33,6 @@ import torch
 import torch.distributed as dist
 
 from zplan.cuda.comm_quant import dequantize_int8_blocks, pack_signs, quantize_int8_blocks, unpack_signs
-from zplan.runtime.optim.zero1 import ZeroOneAdamW, _local
 
 # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -170,7 +168,7 @@ def int8_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future
 
 
 def local_gradients_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP hook that sends nothing: each rank keeps its own gradients (OneBitAdamW after its warm-up)."""
+    """DDP hook that sends nothing: each rank keeps its own gradients (1-bit Adam after its warm-up)."""
     return _done(bucket.buffer())
 
 
@@ -195,137 +193,108 @@ def _adamw_update_(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch
     param.addcdiv_(exp_avg, denom, value=-group["lr"] / (1 - beta1**step))
 
 
-class OneBitAdamW(torch.optim.Optimizer):
-    """1-bit Adam (Tang et al. 2021, Algorithm 1) with decoupled weight decay, for a DDP model (ZeRO 0).
+class OneBitGradients:
+    """1-bit Adam (Tang et al. 2021, Algorithm 1) with decoupled weight decay, the gradients part of
+    runtime.optim.sharded_adamw.ShardedAdamW for a DDP model (tp = pp = 1); `group`: the data-parallel group.
 
-    Steps 1..warmup_steps: AdamW on DDP's averaged gradients (as torch.optim.AdamW, bias-corrected). Then
-    the variance v is frozen, DDP's all-reduce is switched off (local_gradients_hook), and each step
+    Whole parameters on every rank (the WholeShards layout, ZeRO 0): steps 1..warmup_steps are AdamW on DDP's
+    averaged gradients (as torch.optim.AdamW, bias-corrected). Then the variance v is frozen, DDP's all-reduce is
+    switched off (local_gradients_hook), and each step
         m = beta1 m + (1 - beta1) g_local;  m = one_bit_all_reduce_mean(m)  (error feedback)
         p = p (1 - lr wd) - lr (m / (1 - beta1^t)) / (sqrt(v / (1 - beta2^T_w)) + eps)
-    with T_w the last warm-up step. Every rank computes the same m, so the parameters stay equal."""
+    with T_w the last warm-up step. Every rank computes the same m, so the parameters stay equal.
 
-    def __init__(self, params, ddp: torch.nn.parallel.DistributedDataParallel, group, *, lr: float = 1e-3,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
-                 warmup_steps: int = 100):
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+    ZeRO-1's rows (the RowShards layout): the warm-up is the states part's exact step (states sharded by rows).
+    Then, as above: DDP sends nothing, each rank keeps its rows of the frozen v, and the momentum is all-reduced in
+    1 bit with error feedback. 1-bit Adam needs every rank's whole momentum for that, so from the warm-up's end each
+    rank holds a full momentum (4 bytes per parameter more than ZeRO-1's rows; gathered once from the rows when the
+    warm-up ends); each rank updates its rows with m's rows and its frozen v, and the layout publishes the rows.
+    (Compressing the averaged gradients instead, with the momentum kept in rows, ended 19-21 % above the fp32 loss
+    on the tiny GPT, against -0.5 % for this.)"""
+
+    def __init__(self, ddp: torch.nn.parallel.DistributedDataParallel, group, *, warmup_steps: int = 100):
         self.ddp, self.group, self.warmup_steps = ddp, group, warmup_steps
-        self.wire = WireBytes()
+        self.hook_state = HookState(group, compress=False)
+        self.wire = self.hook_state.wire
         self.errors = OneBitErrors()
-        self.steps = 0
-        self.hook_state = HookState(group, self.wire, compress=False)
-        ddp.register_comm_hook(self.hook_state, _warmup_or_local_hook)
+        self.steps = 0  # whole parameters: step() calls so far
+        self.momentum: dict[torch.Tensor, torch.Tensor] = {}  # rows: full local momentum per parameter, after warm-up
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """As torch's; the step count (and so the warm-up's end) from the loaded states' steps."""
-        super().load_state_dict(state_dict)
-        self.steps = int(max((float(s["step"]) for s in self.state.values() if "step" in s), default=0))
-        self.hook_state.compress = self.compressing
+    def bind(self, opt) -> None:
+        self.ddp.register_comm_hook(self.hook_state, _warmup_or_local_hook)
 
-    @property
-    def compressing(self) -> bool:
-        return self.steps >= self.warmup_steps
+    def loaded(self, opt) -> None:
+        """Whole parameters: the step count (and so the warm-up's end) from the loaded states' steps (rows: read
+        from the states at every step)."""
+        if not opt.layout.keeps_rows_of_replicas:
+            self.steps = int(max((float(s["step"]) for s in opt.state.values() if "step" in s), default=0))
+            self.hook_state.compress = self.steps >= self.warmup_steps
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        compressing = self.compressing  # the warm-up is over
+    def _steps_done(self, opt) -> int:
+        if opt.layout.keeps_rows_of_replicas:
+            return int(min((float(s["step"]) for s in opt.state.values()), default=0))
+        return self.steps
+
+    def update(self, opt) -> bool:
+        if not opt.layout.keeps_rows_of_replicas:
+            self._whole_step(opt)
+        elif self._steps_done(opt) < self.warmup_steps:
+            opt.states.update(opt)
+        else:
+            self._rows_step(opt)
+        self.hook_state.compress = self._steps_done(opt) >= self.warmup_steps  # from the next backward on
+        return True
+
+    def _whole_step(self, opt) -> None:
+        compressing = self.steps >= self.warmup_steps  # the warm-up is over
         self.steps += 1
-        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
         for p in params:
-            state = self.state[p]
-            if not state:
-                state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
-            state["step"] = torch.tensor(float(self.steps))  # as torch's AdamW keeps it: checkpoints interchange
-        for group in self.param_groups:
+            opt.state[p]["step"] = torch.tensor(float(self.steps))  # as torch's AdamW keeps it
+        for group in opt.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
                 if p.grad is not None:
-                    self.state[p]["exp_avg"].lerp_(p.grad, 1 - beta1)
+                    opt.state[p]["exp_avg"].lerp_(p.grad, 1 - beta1)
                     if not compressing:
-                        self.state[p]["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                        opt.state[p]["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
         if compressing:  # the momenta of all parameters, averaged over ranks in one 1-bit all-reduce
-            _average_in_one_bit([self.state[p]["exp_avg"] for p in params], self.group, self.wire, self.errors)
+            _average_in_one_bit([opt.state[p]["exp_avg"] for p in params], self.group, self.wire, self.errors)
         variance_steps = min(self.steps, self.warmup_steps)
-        for group in self.param_groups:
+        for group in opt.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    state = self.state[p]
+                    state = opt.state[p]
                     _adamw_update_(p, state["exp_avg"], state["exp_avg_sq"], group, self.steps, variance_steps)
-        self.hook_state.compress = self.compressing  # from the next backward on, DDP sends nothing
-        return loss
 
-
-def _warmup_or_local_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """OneBitAdamW's DDP hook: the counted fp32 all-reduce during the warm-up, nothing after it."""
-    if state.compress:
-        return local_gradients_hook(state, bucket)
-    return _done(all_reduce_mean(bucket.buffer(), state.group, state.wire).view_as(bucket.buffer()))
-
-
-# ---- 1-bit with ZeRO-1 ----------------------------------------------------------------------------------------
-
-
-class OneBitZeroOneAdamW(ZeroOneAdamW):
-    """1-bit Adam under ZeRO-1 (runtime.optim.zero1.ZeroOneAdamW), for a DDP model with tp = pp = 1.
-
-    Warm-up: ZeroOneAdamW as it is (exact AdamW, states sharded by rows). Then, as OneBitAdamW: DDP sends
-    nothing, Adam's variance is frozen (each rank keeps its rows of v), and the momentum is all-reduced in 1 bit
-    with error feedback. 1-bit Adam needs every rank's whole momentum for that, so from the warm-up's end each
-    rank holds a full momentum (4 bytes per parameter more than ZeRO-1's rows; gathered once from the rows when
-    the warm-up ends): m = beta1 m + (1 - beta1) g_local; m = one_bit_all_reduce_mean(m); each rank updates its
-    rows with m's rows and its frozen v, and the rows are all-gathered as in ZeroOneAdamW. (Compressing the
-    averaged gradients instead, with the momentum kept in rows, ended 19-21 % above the fp32 loss on the tiny
-    GPT, against -0.5 % for this.)"""
-
-    def __init__(self, params, dp_mesh, ddp: torch.nn.parallel.DistributedDataParallel, *,
-                 warmup_steps: int = 100, **kwargs):
-        super().__init__(params, dp_mesh, **kwargs)
-        self.warmup_steps = warmup_steps
-        self.hook_state = HookState(dp_mesh.get_group(), compress=False)
-        self.wire = self.hook_state.wire
-        self.errors = OneBitErrors()
-        self.momentum: dict[torch.Tensor, torch.Tensor] = {}  # full local momentum per parameter, after warm-up
-        ddp.register_comm_hook(self.hook_state, _warmup_or_local_hook)
-
-    def _steps_done(self) -> int:
-        return int(min((float(s["step"]) for s in self.state.values()), default=0))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        if self._steps_done() < self.warmup_steps:
-            loss = super().step(closure)
-        else:
-            loss = None
-            if closure is not None:
-                with torch.enable_grad():
-                    loss = closure()
-            self._one_bit_step()
-            self._all_gather_parameters()
-        self.hook_state.compress = self._steps_done() >= self.warmup_steps  # from the next backward on
-        return loss
-
-    def _one_bit_step(self) -> None:
-        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+    def _rows_step(self, opt) -> None:
+        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
         if not self.momentum:  # the warm-up's momentum, whole on every rank (one fp32 all-gather)
-            self.momentum = {p: self.state[p]["exp_avg"].full_tensor() for g in self.param_groups
+            self.momentum = {p: opt.state[p]["exp_avg"].full_tensor() for g in opt.param_groups
                              for p in g["params"]}
-        for group in self.param_groups:
+        for group in opt.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
                     self.momentum[p].lerp_(p.grad, 1 - group["betas"][0])
-        _average_in_one_bit([self.momentum[p] for p in params], self.hook_state.group, self.wire, self.errors)
-        for group in self.param_groups:
+        _average_in_one_bit([self.momentum[p] for p in params], self.group, self.wire, self.errors)
+        layout = opt.layout
+        for group in opt.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                rows, state = self._rows[p], self.state[p]
+                rows, state = layout.rows[p], opt.state[p]
                 state["step"] += 1
                 if rows.stop == rows.start:
                     continue
                 m_rows = self.momentum[p][rows.start:rows.stop]
                 state["exp_avg"].to_local().copy_(m_rows)  # the rows a checkpoint saves
-                _adamw_update_(_local(p.detach())[rows.start:rows.stop], m_rows, state["exp_avg_sq"].to_local(),
-                               group, float(state["step"]), self.warmup_steps)
+                _adamw_update_(layout.owned(p), m_rows, state["exp_avg_sq"].to_local(), group,
+                               float(state["step"]), self.warmup_steps)
+        layout.publish()
+
+
+def _warmup_or_local_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """OneBitGradients' DDP hook: the counted fp32 all-reduce during the warm-up, nothing after it."""
+    if state.compress:
+        return local_gradients_hook(state, bucket)
+    return _done(all_reduce_mean(bucket.buffer(), state.group, state.wire).view_as(bucket.buffer()))

@@ -20,8 +20,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from zplan.model.model_file import load_model_file
+from zplan.runtime.dryrun.fake_world import drop_cached_tensors, fake_tensors, fake_world
 from zplan.runtime.dryrun.live_memory import LiveMemory, local_tensor
-from zplan.runtime.training.materialize import _cpu_offloaded, weight_roots
+from zplan.runtime.plan.apply import parallelize, plan_data_iter, plan_loss_fn, plan_mesh, plan_optimizer
+from zplan.runtime.training.data import make_data_iter
+from zplan.runtime.training.loop import clear_gradients, loss_scaler, optimizer_step
+from zplan.runtime.training.materialize import _cpu_offloaded, build_meta_model, weight_roots
+from zplan.schemas.spec import Tier
 
 
 @dataclass(frozen=True)
@@ -82,7 +88,7 @@ class StateStorages:
         grads = {_storage_id(p.grad) for p in self.params if p.grad is not None}
         return {**self.ids, "gradients": grads}
 
-    def host_ids(self, offload: str) -> set[int]:
+    def host_ids(self, offload: Tier) -> set[int]:
         """Storage ids of what an offload keeps in host memory (LiveMemory.mark_host): with an offload tier every
         optimizer state and buffer (the optimizer steps on the CPU: runtime.offload), and the parameter and
         gradient shards that FSDP2's CPUOffloadPolicy keeps on the host."""
@@ -102,13 +108,6 @@ def measure_steps(plan, model_path: Path, settings: TrainSettings, steps: int, c
     on fake tensors (`fake`, inside runtime.dryrun.fake_world), or on real ones in a real process group (the dry run's
     honesty check, tests/distributed/test_dry_run_vs_real.py: the same code, the same meter)."""
     import contextlib
-
-    from zplan.model.model_file import load_model_file
-    from zplan.runtime.dryrun.fake_world import drop_cached_tensors, fake_tensors
-    from zplan.runtime.plan.apply import parallelize, plan_data_iter, plan_loss_fn, plan_mesh, plan_optimizer
-    from zplan.runtime.training.data import make_data_iter
-    from zplan.runtime.training.loop import clear_gradients, loss_scaler, optimizer_step
-    from zplan.runtime.training.materialize import build_meta_model
 
     p = plan.parallel
     model_file = load_model_file(model_path)
@@ -170,8 +169,6 @@ def plan_words(plan) -> str:
 def dry_run_rank(plan, model_path: Path, rank: int, settings: TrainSettings, steps: int,
                  say: Callable[[str], None]) -> RankFigures:
     """Be `rank` of the plan's world, alone in a fake world, and measure_steps on fake tensors."""
-    from zplan.runtime.dryrun.fake_world import fake_world
-
     p = plan.parallel
     with fake_world(rank, p.tp * p.pp * p.dp * p.cp, plan.cluster.gpus_per_node) as ctx:
         return measure_steps(plan, model_path, settings, steps, ctx, say, fake=True)

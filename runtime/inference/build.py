@@ -24,9 +24,14 @@ from pydantic import ValidationError
 from torch import nn
 
 from zplan.errors import ModelLoadError, PlanMismatchError, SpecError, validation_message
+from zplan.model.model_file import load_model_file
+from zplan.model.safetensors_format import SAFETENSORS_DTYPES
+from zplan.runtime.inference.engine import InferenceEngine
+from zplan.runtime.inference.tokenizer import ByteTokenizer
 from zplan.runtime.launch.distributed import RunContext, init_distributed
 from zplan.runtime.plan.check import model_file_problems, raise_mismatch
-from zplan.schemas.inference import INFERENCE_PLAN_SCHEMA_VERSION, InferencePlan
+from zplan.runtime.training.materialize import build_model
+from zplan.schemas.inference import INFERENCE_PLAN_SCHEMA_VERSION, InferencePlan, WeightPrecision, WeightTier
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -36,10 +41,10 @@ class EngineSettings:
     """The plan's engine choices (InferencePlan.parallel); the emitted scripts state them as constants."""
 
     tp: int  # tensor-parallel degree: processes of this replica
-    weight_precision: str  # fp32 | bf16 | fp16 | int8 | int4 | fp8 (block Linears' weights; fp8: W8A8)
+    weight_precision: WeightPrecision  # fp32 | bf16 | fp16 | int8 | int4 | fp8 (block Linears' weights; fp8: W8A8)
     group_size: int  # input features per quantization scale (int8/int4)
     compute_dtype: str  # fp32 | bf16 | fp16 (activations, KV cache)
-    weight_tier: str  # gpu (resident) | cpu | nvme (streamed layer by layer)
+    weight_tier: WeightTier  # gpu (resident) | cpu | nvme (streamed layer by layer)
     prefetch_layers: int  # layers streamed ahead of the one computing
     max_batch: int  # sequences per engine batch (the KV cache is preallocated for them)
     max_seq_len: int  # prompt + generated tokens per sequence
@@ -98,8 +103,6 @@ def check_inference_plan(plan: InferencePlan, model_path: str | Path | None, wor
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     """{name: tensor} of a .safetensors file: 8 bytes header length (little-endian u64), the JSON header,
     then the tensors' bytes (the layout zplan.export writes)."""
-    from zplan.export import SAFETENSORS_DTYPES
-
     dtypes = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
     data = bytearray(path.read_bytes())  # writable: the tensors below are views of it
     try:
@@ -211,11 +214,6 @@ def engine_from_plan(plan: InferencePlan, model_file: str | Path | None, *, weig
     torch.save state dict (None: `torch.manual_seed(seed); build_model()`, noise); nvme_dir: folder for the
     streamed weights' files (weight tier nvme); settings: the engine's choices, default the plan's."""
     from torch.distributed.device_mesh import init_device_mesh
-
-    from zplan.model.model_file import load_model_file
-    from zplan.runtime.inference.engine import InferenceEngine
-    from zplan.runtime.inference.tokenizer import ByteTokenizer
-    from zplan.runtime.training.materialize import build_model
 
     settings = settings or EngineSettings.from_plan(plan)
     ctx = init_distributed()

@@ -22,7 +22,11 @@ from zplan.runtime.inference.build import (
     engine_from_plan,
     load_inference_plan,
 )
+from zplan.runtime.inference.sampling import SamplingParams
+from zplan.runtime.inference.server import ServerLimits, serve
+from zplan.runtime.inference.tokenizer import ByteTokenizer
 from zplan.runtime.launch.arguments import MAX_SEED
+from zplan.runtime.launch.distributed import run_distributed
 from zplan.runtime.launch.torchrun import ArgumentParser, report_error
 
 
@@ -136,9 +140,6 @@ def _share_prompts(prompt_ids: list[list[int]] | None, world_size: int) -> list[
 
 def run_generate(args: argparse.Namespace, plan_path: Path, model_path: Path | None,
                  settings: EngineSettings) -> None:
-    from zplan.runtime.inference.sampling import SamplingParams
-    from zplan.runtime.inference.tokenizer import ByteTokenizer
-
     plan = load_inference_plan(plan_path)
     if args.batch is not None and not 1 <= args.batch <= settings.max_batch:
         raise SpecError(f"--batch {args.batch}: the engine runs 1 to {settings.max_batch} (the plan's max batch) "
@@ -180,8 +181,6 @@ def run_generate(args: argparse.Namespace, plan_path: Path, model_path: Path | N
 def generate_main(plan_path: Path, model_path: Path | None, settings: EngineSettings, default_max_new_tokens: int,
                   argv: list[str] | None = None) -> int:
     """generate.py: completions of the prompts, one line each, on rank 0's standard output."""
-    from zplan.runtime.launch.distributed import run_distributed
-
     args = _generate_parser(default_max_new_tokens).parse_args(argv)
     try:
         check_generate_arguments(args)  # before the process group and the engine
@@ -234,8 +233,6 @@ def check_serve_arguments(args: argparse.Namespace) -> None:
 def serve_main(plan_path: Path, model_path: Path | None, settings: EngineSettings, default_max_new_tokens: int,
                argv: list[str] | None = None) -> int:
     """serve.py: the HTTP server on rank 0, the batch followers on the other tensor-parallel ranks."""
-    from zplan.runtime.launch.distributed import run_distributed
-
     args = _serve_parser(default_max_new_tokens).parse_args(argv)
     try:
         check_serve_arguments(args)  # before the process group and the engine
@@ -245,8 +242,6 @@ def serve_main(plan_path: Path, model_path: Path | None, settings: EngineSetting
 
 
 def run_serve(args: argparse.Namespace, plan_path: Path, model_path: Path | None, settings: EngineSettings) -> int:
-    from zplan.runtime.inference.server import ServerLimits, serve
-
     plan = load_inference_plan(plan_path)
     if not 1 <= args.max_new_tokens < settings.max_seq_len:
         raise SpecError(f"--max-new-tokens {args.max_new_tokens}: must be 1 to {settings.max_seq_len - 1} "

@@ -37,6 +37,8 @@ from zplan.runtime.inference.decoder import DecoderSpec, Shards, UnsupportedMode
 from zplan.runtime.inference.kv_cache import KVCache
 from zplan.runtime.inference.sampling import FAILED, SamplingFailure, SamplingParams, make_generators, sample_next
 from zplan.runtime.inference.weight_store import ResidentWeights, WeightStore, tensor_bytes
+from zplan.runtime.inference.zero_inference import StreamedWeights
+from zplan.schemas.inference import WeightPrecision, WeightTier
 from zplan.schemas.model import ModelSummary
 
 WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -72,7 +74,7 @@ class InferenceEngine:
     @torch.no_grad()
     def from_model(cls, model: nn.Module, summary: ModelSummary, *, compute_dtype: torch.dtype = torch.float32,
                    device: torch.device = torch.device("cpu"), max_batch: int = 8, max_seq_len: int = 256,
-                   weight_precision: str = "fp32", group_size: int = 128, weight_tier: str = "gpu",
+                   weight_precision: WeightPrecision = "fp32", group_size: int = 128, weight_tier: WeightTier = "gpu",
                    nvme_dir: str | None = None, prefetch_layers: int = 1, tp_mesh=None) -> InferenceEngine:
         """Recognise `model` (materialised, on the CPU; the same on every tp rank), pack and place its weights,
         and check the engine's logits against model(idx) on a short input (UnsupportedModelError if they
@@ -110,7 +112,7 @@ class InferenceEngine:
         engine._check_against(model, weight_precision, compute_dtype)
         return engine
 
-    def _check_against(self, model: nn.Module, weight_precision: str, compute_dtype: torch.dtype) -> None:
+    def _check_against(self, model: nn.Module, weight_precision: WeightPrecision, compute_dtype: torch.dtype) -> None:
         """The engine's uncached logits against model(idx) on CHECK_TOKENS fixed tokens: fp32 within float
         rounding, other precisions by cosine similarity (CHECK_MIN_COSINE)."""
         length = min(CHECK_TOKENS, self.max_seq_len)
@@ -326,7 +328,8 @@ class InferenceEngine:
         self.store.close()
 
 
-def _check_choices(weight_precision: str, weight_tier: str, max_batch: int, max_seq_len: int) -> None:
+def _check_choices(weight_precision: WeightPrecision, weight_tier: WeightTier, max_batch: int,
+                   max_seq_len: int) -> None:
     if weight_precision not in (*WEIGHT_DTYPES, *decoder.QUANT_BITS, "fp8"):
         raise ZplanError(f"weight_precision {weight_precision!r}: use one of fp32, bf16, fp16, int8, int4, fp8")
     if weight_tier not in WEIGHT_TIERS:
@@ -354,13 +357,11 @@ def _pack_layers(blocks: nn.Module, spec: DecoderSpec, shards: Shards, weight_dt
     return layers
 
 
-def _weight_store(layers: list[dict[str, torch.Tensor]], device: torch.device, tier: str, nvme_dir: str | None,
+def _weight_store(layers: list[dict[str, torch.Tensor]], device: torch.device, tier: WeightTier, nvme_dir: str | None,
                   prefetch_layers: int, onednn_batch: int) -> WeightStore:
     """Blocks resident on `device` (tier "gpu"; oneDNN-packed for batches of onednn_batch when > 0), or streamed
     from host memory / NVMe by ZeRO-Inference's StreamedWeights (tiers "cpu", "nvme")."""
     if tier != "gpu":
-        from zplan.runtime.inference.zero_inference import StreamedWeights
-
         return StreamedWeights(layers, device, tier, nvme_dir, prefetch_layers)
     layers = [{name: t.to(device) for name, t in layer.items()} for layer in layers]
     if onednn_batch:

@@ -45,6 +45,7 @@ import torch
 from zplan.errors import SpecError, SwapError
 from zplan.runtime.inference.weight_store import tensor_bytes
 from zplan.runtime.offload import nvme
+from zplan.schemas.inference import WeightTier
 
 TIERS = ("cpu", "nvme")
 SLOT_ALIGN_BYTES = 256  # every tensor of a slot starts at a multiple of this (any dtype's alignment; coalescing)
@@ -112,7 +113,7 @@ def _host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
 class StreamedWeights:
     """Layer weights streamed to `device` from host memory or NVMe, `prefetch_layers` ahead (module docstring)."""
 
-    def __init__(self, layers: list[dict[str, torch.Tensor]], device: torch.device | str, tier: str = "cpu",
+    def __init__(self, layers: list[dict[str, torch.Tensor]], device: torch.device | str, tier: WeightTier = "cpu",
                  nvme_dir: str | None = None, prefetch_layers: int = 1):
         if tier not in TIERS:
             raise SpecError(f"weight tier {tier!r} is not one of {TIERS}: pass tier='cpu' or tier='nvme'")

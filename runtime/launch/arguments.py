@@ -1,11 +1,7 @@
-"""The values of the emitted train.py's command line, checked when it is parsed: before the process group, the model
-or any file, each value against its range, and the few values that only make sense together.
+"""The emitted train.py's command line (train_argument_parser), its values checked when it is parsed: before the process
+group, the model or any file, each value against its range, and the few values that only make sense together.
 
-    parser.add_argument("--steps", type=integer(1, MAX_STEPS), default=20)
-    parser.add_argument("--lr", type=learning_rate, default=LR)
-    parser.add_argument("--log-json", type=path_name)
-    problem = train_arguments_problem(args)   # after parse_args: --warmup-steps within --steps, ...
-    if problem: parser.error(problem)
+    args = parse_train_arguments(doc=__doc__, lr=LR)   # train.py's docstring as --help's text, its LR the default
 
 A type here raises argparse.ArgumentTypeError, which argparse reports as `argument --steps: must be ... (got '0')`
 and runtime.launch.torchrun.ArgumentParser prints once (through the launcher too) with exit status 2, no traceback. A
@@ -15,7 +11,6 @@ a seed's low 32 bits: seed 2^32 is seed 0, seed -1 is seed 2^32 - 1), an empty p
 the current folder), --checkpoint-every or --keep without --checkpoint-dir (no checkpoint would be written).
 generate.py and serve.py check theirs in runtime.inference.cli (check_generate_arguments, check_serve_arguments).
 """
-
 from __future__ import annotations
 
 import argparse
@@ -23,6 +18,7 @@ import math
 from collections.abc import Callable
 
 from zplan.runtime.checkpoint.folders import LATEST, LATEST_VALID
+from zplan.runtime.launch.torchrun import ArgumentParser
 
 # Optimizer steps at most: far beyond any run (GPT-3 175B trained for about 94,000 steps), and what --keep,
 # --checkpoint-every and --warmup-steps count up to as well.
@@ -93,3 +89,54 @@ def train_arguments_problem(args: argparse.Namespace) -> str | None:
             word = "" if args.resume == LATEST else f" {LATEST_VALID}"
             return f"--resume{word} without a checkpoint path needs --checkpoint-dir DIR (the folder to resume from)"
     return None
+
+
+def train_argument_parser(doc: str | None, lr: float) -> ArgumentParser:
+    """train.py's options; `doc` (its docstring) heads --help, `lr` (its LR) is --lr's default."""
+    parser = ArgumentParser(  # argparse; its errors are printed once through launch/torchrun.sh, exit status 2
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=integer(1, MAX_STEPS), default=20, help="optimizer steps (default 20)")
+    parser.add_argument("--log-json", type=path_name, metavar="FILE", help="write one JSON line per step (rank 0)")
+    parser.add_argument("--lr", type=learning_rate, default=lr, help=f"peak learning rate, 0 < LR <= 1 (default {lr})")
+    parser.add_argument("--warmup-steps", type=integer(0, MAX_STEPS),
+                        help="linear warmup steps, at most --steps (default: steps // 10, >= 1)")
+    parser.add_argument("--seed", type=integer(0, MAX_SEED), default=0,
+                        help="weights and synthetic data seed, 0 to 2^32 - 1 (default 0)")
+    parser.add_argument("--model", type=path_name, metavar="PATH", help="model file (default: MODEL_FILE)")
+    parser.add_argument("--save-weights", type=path_name, metavar="FILE", help="save the trained weights as one file")
+    parser.add_argument("--checkpoint-dir", type=path_name, metavar="DIR",
+                        help="write checkpoints (step-N folders) here")
+    parser.add_argument("--checkpoint-every", type=integer(0, MAX_STEPS), default=0, metavar="N",
+                        help="checkpoint every N steps (default 0: only after the last step)")
+    parser.add_argument("--keep", type=integer(1, MAX_STEPS), metavar="K",
+                        help="keep the last K checkpoints (default 3)")
+    parser.add_argument("--resume", type=resume_value, nargs="?", const="latest", metavar="CKPT",
+                        help="go on from checkpoint CKPT, or without CKPT from the newest complete one in "
+                             "--checkpoint-dir (from step 0 when there is none yet); 'latest-valid': the newest "
+                             "whose files match their checksums, passing over damaged and unverified ones (each "
+                             "file is checked before a resume either way)")
+    parser.add_argument("--allow-unverified", action="store_true",
+                        help="resume from a checkpoint that has no MANIFEST.json (its files cannot be checked: "
+                             "damage goes unnoticed); --resume latest-valid never takes one")
+    parser.add_argument("--allow-nonfinite-loss", action="store_true",
+                        help="go on after a NaN or infinite loss (default: stop with exit status 2, the last "
+                             "checkpoint kept); no checkpoint is written of a step whose loss is not finite")
+    parser.add_argument("--nvme-path", type=path_name, metavar="DIR",
+                        help="folder on a local NVMe drive for the swap files of a plan that offloads to NVMe (one "
+                             "subfolder per rank, removed at exit); it must hold 8 bytes per parameter a rank updates")
+    parser.add_argument("--onebit-warmup-steps", type=integer(1, MAX_STEPS), metavar="N",
+                        help="with 1-bit Adam: exact AdamW steps before it freezes Adam's variance and compresses "
+                             "(default: the planner's, or 30%% of --steps when that is fewer)")
+    return parser
+
+
+def parse_train_arguments(doc: str | None, lr: float, argv: list[str] | None = None) -> argparse.Namespace:
+    """train.py's arguments (`argv`, default sys.argv[1:]), each checked, then taken together
+    (train_arguments_problem); a problem exits with status 2 through the parser's error."""
+    parser = train_argument_parser(doc, lr)
+    args = parser.parse_args(argv)
+    problem = train_arguments_problem(args)
+    if problem:
+        parser.error(problem)
+    return args

@@ -16,30 +16,10 @@ offsets and lengths: buffers from `aligned_empty`/`aligned_tensor` (carved from 
 uint8 tensor) are used as they are; any other tensor, and the tail of one whose storage ends before
 the next 4096-byte boundary, goes through a per-worker aligned bounce buffer (one extra memory copy).
 
-Why a thread pool and not Linux AIO. Measured on this repository's development machine (2 cores, ext4
-on a virtual disk, shared with other work, load average 2.4-2.5): 1 GiB in 16 MiB O_DIRECT requests,
-4 in flight, three rounds each, alternating: the thread pool wrote 0.40-0.68 GB/s and read 1.39-2.39 GB/s,
-python-libaio 0.9.5 (a ctypes binding of libaio) 0.65-0.70 and 1.03-2.35 GB/s: the same within this
-machine's noise, because both keep the device's queue full and the GIL is released during each request.
-libaio would add a system library (libaio1) and a PyPI package for no measured gain, and kernel AIO is
-only asynchronous with O_DIRECT (it blocks on buffered files, this engine's fallback); the Python
-bindings of io_uring are young. `benchmarks/nvme_swap.py` measures the engine against raw sequential
-I/O on the same path.
+The choice of a thread pool over Linux AIO is explained in swap_buffers.py.
 
-Integrity. Each file starts with a header (`header_bytes`, a multiple of 4096 so the data stays
-aligned) holding the tensor's name, dtype, shape, byte size, chunk size and one 64-bit XXH3 hash per
-chunk (the `xxhash` package: 7.6 GB/s per core here and GIL-free, against 2.8 GB/s for zlib's CRC-32,
-which was as slow as this machine's disk reads and capped the engine at half the raw read rate; computed
-by the worker that moves the chunk, in parallel with the I/O), plus a CRC-32 of the header itself. A
-read checks the file's size, the header against what the engine wrote, and every chunk's hash: a missing,
-truncated or corrupted file raises `SwapError` naming the tensor and the file.
-
-Lifetime. The engine owns one subfolder per instance and removes it on `close()`, on leaving a
-`with` block, at interpreter exit (atexit) and on SIGTERM (a handler that removes the folders of all
-live engines, then runs the previous handler, or the default one, which ends the process). At start it
-removes the subfolders that earlier processes of this host left behind (a process killed with
-SIGKILL cannot clean up): those whose pid is no longer alive. `check_space` refuses a swap folder that
-cannot hold what a run will swap, before training starts.
+Integrity (a checksummed header, then the data) is described in swap_format.py; the run folder's lifetime
+(removal on close, at exit, on SIGTERM, and of stale folders) in swap_folders.py.
 
 Usage contract: a tensor passed to `swap_out` and a buffer passed to `swap_in(out=...)` must not be
 changed or read until their future is done; calls on one name are ordered (a swap-in of a name whose
@@ -48,8 +28,6 @@ swap-out is in flight waits for it); the engine is driven from one thread.
 
 from __future__ import annotations
 
-import atexit
-import ctypes
 import dataclasses
 import errno
 import hashlib
@@ -57,249 +35,51 @@ import logging
 import os
 import re
 import shutil
-import signal
-import socket
 import struct
 import threading
-import weakref
-import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import xxhash
 
 from zplan.errors import SwapError
+from zplan.runtime.offload.swap_buffers import (
+    ALIGN_BYTES,
+    _byte_view,
+    _bytes_of,
+    _in_place_ok,
+    _pread_all,
+    _probe_o_direct,
+    _pwrite_all,
+    aligned_empty,
+    aligned_tensor,
+    round_up,
+)
+from zplan.runtime.offload.swap_folders import (
+    _LIVE_ENGINES,
+    FOLDER_PREFIX,
+    _host_tag,
+    _install_sigterm_handler,
+    check_space,
+    remove_stale_folders,
+)
+from zplan.runtime.offload.swap_format import (
+    SwapRecord,
+    _checksum,
+    _dtype_name,
+    _header_bytes,
+    _pack_header,
+    _unpack_header,
+)
 
 log = logging.getLogger(__name__)
 
-ALIGN_BYTES = 4096  # O_DIRECT alignment of addresses, offsets and lengths (logical block size <= 4096)
 DEFAULT_CHUNK_BYTES = 64 * 2**20  # per request; benchmarks/nvme_swap.py: 16 and 64 MiB read alike here
 DEFAULT_WORKERS = 4  # requests in flight (and hashing threads); each allocates a chunk-sized bounce buffer if needed
-FOLDER_PREFIX = "zplan-swap-"
-_MAGIC = b"ZPLANSWP"
-_VERSION = 2  # 2: XXH3-64 chunk checksums (1 had CRC-32)
-_FIXED = struct.Struct("<8sIIQQI")  # magic, version, header_bytes, nbytes, chunk_bytes, ndim
-
-
-def _checksum(data) -> int:
-    """XXH3-64 of a bytes-like chunk (releases the GIL)."""
-    return xxhash.xxh3_64_intdigest(data)
-
-
-def round_up(n: int, multiple: int = ALIGN_BYTES) -> int:
-    return -(-n // multiple) * multiple
-
-
-# ---- aligned buffers ---------------------------------------------------------------------------------------
-
-
-def aligned_empty(nbytes: int, alignment: int = ALIGN_BYTES) -> torch.Tensor:
-    """An uninitialised uint8 tensor of `nbytes` whose first byte sits at an `alignment` boundary and whose
-    storage extends to the next boundary after its end (so O_DIRECT can move whole blocks in place)."""
-    padded = round_up(max(nbytes, 0), alignment)
-    raw = torch.empty(padded + alignment, dtype=torch.uint8)
-    offset = (-raw.data_ptr()) % alignment
-    return raw[offset : offset + nbytes]
-
-
-def aligned_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised, contiguous CPU tensor of `shape` and `dtype` in an aligned buffer (`aligned_empty`)."""
-    shape = tuple(int(s) for s in shape)
-    numel = 1
-    for s in shape:
-        numel *= s
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    return aligned_empty(nbytes).view(dtype).view(shape)
-
-
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    """A writable memoryview of contiguous uint8 CPU tensor `t`'s bytes (the tensor must outlive it). Not
-    t.numpy(): that makes the storage non-resizable for good, and runtime.offload.param_swap frees parameter
-    storages (resize to 0) and brings them back."""
-    if t.numel() == 0:
-        return memoryview(bytearray(0))
-    return memoryview((ctypes.c_ubyte * t.numel()).from_address(t.data_ptr())).cast("B")
-
-
-def _byte_view(t: torch.Tensor, nbytes: int) -> torch.Tensor:
-    """uint8 view of `nbytes` bytes of contiguous `t`'s storage, starting at its first element."""
-    start = t.storage_offset() * t.element_size()
-    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage(), start, (nbytes,))
-
-
-def _in_place_ok(t: torch.Tensor, nbytes: int) -> bool:
-    """Can O_DIRECT move `t`'s bytes without a bounce buffer: aligned start, storage up to the next boundary."""
-    start = t.storage_offset() * t.element_size()
-    return t.data_ptr() % ALIGN_BYTES == 0 and t.untyped_storage().nbytes() - start >= round_up(nbytes)
-
-
-# ---- disk space and stale folders ------------------------------------------------------------------------
-
-
-def check_space(folder: str | os.PathLike, needed_bytes: int) -> int:
-    """Raise SwapError unless the file system of `folder` has `needed_bytes` free; returns the free bytes."""
-    folder = Path(folder)
-    probe = folder
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
-    if free < needed_bytes:
-        raise SwapError(
-            f"the swap folder {folder} has {free} bytes ({free / 2**30:.2f} GiB) free but {needed_bytes} bytes "
-            f"({needed_bytes / 2**30:.2f} GiB) are needed: free space there or choose another --nvme-path"
-        )
-    return free
-
-
-def _host_tag() -> str:
-    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
-
-
-_FOLDER_RE = re.compile(re.escape(FOLDER_PREFIX) + r"(?P<host>.+)-(?P<pid>\d+)-(?P<k>\d+)$")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
-def remove_stale_folders(folder: str | os.PathLike) -> list[Path]:
-    """Remove the swap subfolders of `folder` that processes of this host left behind (their pid is not alive,
-    or it is this process's pid but no live engine owns the folder); returns what was removed. Folders of
-    other hosts (a shared file system) are kept: their pids mean nothing here."""
-    removed: list[Path] = []
-    owned = {e.run_folder for e in list(_LIVE_ENGINES)}
-    try:
-        entries = list(Path(folder).iterdir())
-    except FileNotFoundError:
-        return removed
-    for entry in entries:
-        match = _FOLDER_RE.match(entry.name)
-        if not match or match["host"] != _host_tag() or not entry.is_dir():
-            continue
-        pid = int(match["pid"])
-        if (pid == os.getpid() and entry not in owned) or (pid != os.getpid() and not _pid_alive(pid)):
-            shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
-            log.info("removed stale swap folder %s (process %d is gone)", entry, pid)
-    return removed
-
-
-# ---- cleanup on exit and SIGTERM ---------------------------------------------------------------------------
-
-_LIVE_ENGINES: weakref.WeakSet[SwapEngine] = weakref.WeakSet()
 _COUNTER_LOCK = threading.Lock()
 _counter = 0
-_previous_sigterm: object = None
-_sigterm_installed = False
-
-
-def _remove_all_folders() -> None:
-    for engine in list(_LIVE_ENGINES):
-        engine._remove_folder()
-
-
-def _on_sigterm(signum, frame) -> None:
-    _remove_all_folders()
-    previous = _previous_sigterm
-    if callable(previous):
-        previous(signum, frame)
-    else:  # SIG_DFL (or a handler not installed from Python): the default action, termination
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _install_sigterm_handler() -> None:
-    global _previous_sigterm, _sigterm_installed
-    if _sigterm_installed or threading.current_thread() is not threading.main_thread():
-        return  # signal handlers can only be set from the main thread; atexit still cleans up
-    previous = signal.getsignal(signal.SIGTERM)
-    if previous is signal.SIG_IGN:
-        return  # the process chose to ignore SIGTERM: keep it that way
-    _previous_sigterm = previous
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    _sigterm_installed = True
-
-
-atexit.register(_remove_all_folders)
-
-
-# ---- the file format ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SwapRecord:
-    """What the engine wrote for one tensor (also in the file's header)."""
-
-    name: str
-    path: Path
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    nbytes: int
-    chunk_bytes: int
-    header_bytes: int
-    checksums: tuple[int, ...]  # XXH3-64 of each chunk
-
-    def chunk(self, i: int) -> tuple[int, int]:
-        """Byte range [lo, hi) of chunk i in the tensor's data."""
-        lo = i * self.chunk_bytes
-        return lo, min(lo + self.chunk_bytes, self.nbytes)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _header_bytes(name: str, dtype: torch.dtype, shape: tuple[int, ...], n_chunks: int) -> bytes:
-    """The header with zero checksums, only to size it (its length does not depend on their values)."""
-    return _pack_header(SwapRecord(name, Path(), dtype, shape, 0, 1, 0, (0,) * n_chunks))
-
-
-def _pack_header(rec: SwapRecord) -> bytes:
-    name = rec.name.encode()
-    dtype = _dtype_name(rec.dtype).encode()
-    body = (_FIXED.pack(_MAGIC, _VERSION, rec.header_bytes, rec.nbytes, rec.chunk_bytes, len(rec.shape))
-            + struct.pack(f"<{len(rec.shape)}Q", *rec.shape)
-            + struct.pack("<H", len(dtype)) + dtype
-            + struct.pack("<I", len(name)) + name
-            + struct.pack(f"<I{len(rec.checksums)}Q", len(rec.checksums), *rec.checksums))
-    return body + struct.pack("<I", zlib.crc32(body))
-
-
-def _unpack_header(data: bytes) -> dict:
-    """Parse a header; raises ValueError on anything malformed."""
-    magic, version, header_bytes, nbytes, chunk_bytes, ndim = _FIXED.unpack_from(data, 0)
-    if magic != _MAGIC or version != _VERSION:
-        raise ValueError(f"not a zplan swap file (magic {magic!r}, version {version})")
-    pos = _FIXED.size
-    shape = struct.unpack_from(f"<{ndim}Q", data, pos)
-    pos += 8 * ndim
-    (n,) = struct.unpack_from("<H", data, pos)
-    dtype = data[pos + 2 : pos + 2 + n].decode()
-    pos += 2 + n
-    (n,) = struct.unpack_from("<I", data, pos)
-    name = data[pos + 4 : pos + 4 + n].decode()
-    pos += 4 + n
-    (n,) = struct.unpack_from("<I", data, pos)
-    checksums = struct.unpack_from(f"<{n}Q", data, pos + 4)
-    pos += 4 + 8 * n
-    (crc,) = struct.unpack_from("<I", data, pos)
-    if crc != zlib.crc32(data[:pos]):
-        raise ValueError("the header's checksum does not match")
-    return dict(name=name, dtype=dtype, shape=tuple(shape), nbytes=nbytes, chunk_bytes=chunk_bytes,
-                header_bytes=header_bytes, checksums=tuple(checksums))
-
-
-# ---- the engine ----------------------------------------------------------------------------------------------
 
 
 class _Job:
@@ -659,34 +439,3 @@ class SwapEngine:
 
 def _nothing(job: _Job) -> None:
     pass
-
-
-def _probe_o_direct(path: Path) -> None:
-    """Write one aligned block with O_DIRECT (raises OSError EINVAL where the file system refuses it)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
-    try:
-        block = aligned_empty(ALIGN_BYTES)
-        block.zero_()
-        os.pwrite(fd, block.numpy(), 0)
-    finally:
-        os.close(fd)
-        path.unlink(missing_ok=True)
-
-
-def _pwrite_all(fd: int, data, offset: int) -> None:
-    view = memoryview(data).cast("B")
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], offset + done)
-
-
-def _pread_all(fd: int, data, offset: int, need: int) -> None:
-    """Read into `data` from `offset` until at least `need` bytes arrived (the rest may lie past the end of file,
-    as the padding of the last O_DIRECT block does); EOFError when the file ends before."""
-    view = memoryview(data).cast("B")
-    done = 0
-    while done < need:
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n == 0:
-            raise EOFError(f"end of file at {offset + done}")
-        done += n

@@ -5,8 +5,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel
 
+from zplan.runtime.compression.grad_compression import OneBitGradients
+from zplan.runtime.optim.device_states import DeviceStates
+from zplan.runtime.optim.host_states import HostStates
+from zplan.runtime.optim.layouts import RowShards, WholeShards
+from zplan.runtime.optim.nvme_states import NvmeStates
+from zplan.runtime.optim.sharded_adamw import ShardedAdamW
+from zplan.schemas import legality
 from zplan.schemas.model_states import parameters_in_compute_dtype
+from zplan.schemas.spec import GradCompression, Precision, Tier
 
 
 def adamw_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -20,71 +29,56 @@ def adamw_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(
-    model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, lr: float, weight_decay: float, offload: str,
-    precision: str = "fp32", nvme_path: str | None = None, swap_parameters: bool = False,
-    delayed_update: bool = False, grad_compression: str = "none", onebit_warmup_steps: int = 100,
+    model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, lr: float, weight_decay: float, offload: Tier,
+    precision: Precision = "fp32", nvme_path: str | None = None, swap_parameters: bool = False,
+    delayed_update: bool = False, grad_compression: GradCompression = "none", onebit_warmup_steps: int = 100,
     parameters_on_host: bool | None = None,
 ) -> torch.optim.Optimizer:
-    """AdamW (fused kernel: ~7x foreach on CPU, DESIGN.md facts); ZeRO-1 shards its states over dp
-    (runtime.optim.zero1.ZeroOneAdamW: dim-0 slices of every parameter, of its tp-local tensor under tensor
-    parallel, updated rows all-gathered over dp); with offload='cpu' its host variant
-    (runtime.optim.cpu_adam_optimizer.CpuOffloadZeroOneAdamW: ZeRO-Offload, CPU Adam on the owned rows),
-    with delayed_update its one-step delayed parameter update (the CPU step overlaps the next forward/backward).
+    """AdamW (fused kernel: ~7x foreach on CPU, DESIGN.md facts) as runtime.optim.sharded_adamw.ShardedAdamW, its
+    parts chosen from the plan:
 
-    ZeRO 0 with 16-bit parameters (mixed precision: runtime.precision.mixed.cast_parameters): the same optimizer
-    unsharded, for its fp32 masters (shard_states=False).
-    ZeRO 2/3 need nothing more: FSDP2's parameters are already shards, so the optimizer states are.
-    offload='cpu' with ZeRO 2/3: parameters on the host (`parameters_on_host`, as apply_data_parallel was given:
-    FSDP2's CPUOffloadPolicy), the fused AdamW steps the host shards; parameters on the device, the optimizer
-    alone goes to the host (runtime.optim.sharded_cpu_adam.CpuOffloadShardedAdamW: fp32 master and moments of
-    the shards there, CPU Adam, gradients down and parameters up once a step).
-    offload='nvme' (ZeRO-Infinity): the moments in files under `nvme_path`, swapped per sub-group during
-    the step (runtime.optim.nvme_optimizer: NvmeZeroOneAdamW for ZeRO 1, NvmeShardedAdamW for 2/3);
-    swap_parameters (ZeRO 3): the parameter shards in files too (runtime.offload.param_swap).
-    grad_compression '1bit' (DDP): exact AdamW for `onebit_warmup_steps` steps, then Adam's variance frozen and,
-    ZeRO 0, the momentum all-reduced as signs (1-bit Adam: runtime.compression.grad_compression.OneBitAdamW), or,
-    ZeRO 1, the gradients (OneBitZeroOneAdamW).
-    fp16 with ZeRO 2/3 uses the foreach kernel: the fused step rejects the shape-[1] inf flag that
-    FSDP's ShardedGradScaler hands it (torch 2.13).
+    layout: ZeRO 1 shards the states over dp (RowShards: dim-0 slices of every parameter, of its tp-local tensor
+    under tensor parallel, updated rows all-gathered over dp); ZeRO 0 with 16-bit parameters (mixed precision:
+    runtime.precision.mixed.cast_parameters) the same unsharded, for its fp32 masters (shard_states=False);
+    ZeRO 2/3: FSDP2's parameters are already shards, so the states are (WholeShards).
+    states: on the device (DeviceStates, torch's fused kernel); offload='cpu' (ZeRO-Offload) on the host with
+    zplan's CPU Adam (HostStates), under ZeRO 1, or under ZeRO 2/3 with the parameters on the device
+    (`parameters_on_host` False, as apply_data_parallel was given; with FSDP2's CPUOffloadPolicy the parameters are
+    on the host and torch's fused AdamW steps them there); delayed_update (ZeRO 1): the one-step delayed parameter
+    update (the CPU step overlaps the next forward/backward). offload='nvme' (ZeRO-Infinity): the moments in files
+    under `nvme_path`, swapped per sub-group during the step (NvmeStates); swap_parameters (ZeRO 3): the parameter
+    shards in files too (runtime.offload.param_swap).
+    gradients: grad_compression '1bit' (DDP, ZeRO 0 or 1): exact AdamW for `onebit_warmup_steps` steps, then Adam's
+    variance frozen and the momentum all-reduced as signs (1-bit Adam: OneBitGradients); int8 is DDP's hook
+    (runtime.parallel.data_parallel) and changes nothing here.
+    ZeRO 2/3 on the device with nothing else: torch.optim.AdamW as it is. fp16 with ZeRO 2/3 uses the foreach
+    kernel: the fused step rejects the shape-[1] inf flag that FSDP's ShardedGradScaler hands it (torch 2.13).
     """
-    if delayed_update and (zero_stage, offload) != (1, "cpu"):
-        raise NotImplementedError("the delayed parameter update runs with ZeRO 1 and CPU offload only")
+    broken = legality.problems(legality.config(zero=zero_stage, offload=offload, delayed_update=delayed_update,
+                                               grad=grad_compression, parameters="nvme" if swap_parameters else None))
+    if broken:  # the legality table (schemas/legality.py): the plan check refuses these before any collective
+        raise NotImplementedError("; ".join(broken))
     groups = adamw_param_groups(model, weight_decay)
-    if grad_compression == "1bit":
-        from torch.nn.parallel import DistributedDataParallel
-
-        from zplan.runtime.compression import grad_compression as compression
-
-        if zero_stage not in (0, 1) or offload != "none" or not isinstance(model, DistributedDataParallel):
-            raise NotImplementedError("1-bit compression runs with ZeRO 0 or 1, no offload, on a DDP model (no "
-                                      "tensor or pipeline parallel)")
-        if zero_stage == 1:
-            return compression.OneBitZeroOneAdamW(groups, dp_mesh, model, lr=lr, warmup_steps=onebit_warmup_steps)
-        return compression.OneBitAdamW(groups, model, dp_mesh.get_group(), lr=lr, warmup_steps=onebit_warmup_steps)
     fused = not (precision == "fp16" and zero_stage in (2, 3))
+    gradients = None
+    if grad_compression == "1bit":
+        if not isinstance(model, DistributedDataParallel):
+            raise NotImplementedError("1-bit compression runs on a DDP model (no tensor or pipeline parallel)")
+        gradients = OneBitGradients(model, dp_mesh.get_group(), warmup_steps=onebit_warmup_steps)
+    # each rank keeps AdamW states (and 16-bit parameters' fp32 masters) for an even dim-0 slice of every parameter
+    # (runtime/optim/layouts.py); ZeRO 0: for all of it, where it keeps masters
+    rows = zero_stage == 1 or (zero_stage == 0 and gradients is None
+                               and parameters_in_compute_dtype(0, precision, grad_compression))
+    if rows:
+        layout = RowShards(dp_mesh, shard_states=zero_stage == 1)
+    else:  # FSDP2's shards (ZeRO 2/3); or 1-bit Adam under ZeRO 0: every rank updates whole parameters alike
+        layout = WholeShards()
     if offload == "nvme":
-        from zplan.runtime.optim import nvme_optimizer
-
-        if zero_stage == 1:
-            return nvme_optimizer.NvmeZeroOneAdamW(groups, dp_mesh, lr=lr, nvme_path=nvme_path)
-        if zero_stage in (2, 3):
-            if swap_parameters and zero_stage != 3:
-                raise NotImplementedError("parameters swap to NVMe only with ZeRO 3 (the others keep them gathered)")
-            return nvme_optimizer.NvmeShardedAdamW(groups, lr=lr, nvme_path=nvme_path,
-                                                   swap_parameters_of=model if swap_parameters else None)
-        raise NotImplementedError("NVMe offload with ZeRO 0: pin ZeRO 1, 2 or 3")
-    if zero_stage in (0, 1) and (zero_stage == 1 or parameters_in_compute_dtype(0, precision, grad_compression)):
-        if offload == "cpu":  # ZeRO-Offload: the owned rows' master and moments on the host, CPU Adam
-            from zplan.runtime.optim.cpu_adam_optimizer import CpuOffloadZeroOneAdamW
-
-            return CpuOffloadZeroOneAdamW(groups, dp_mesh, lr=lr, delayed_update=delayed_update)
-        from zplan.runtime.optim.zero1 import ZeroOneAdamW
-
-        # each rank keeps AdamW states (and 16-bit parameters' fp32 masters) for an even dim-0 slice of every
-        # parameter (runtime/optim/zero1.py); ZeRO 0: for all of it
-        return ZeroOneAdamW(groups, dp_mesh, lr=lr, fused=fused, shard_states=zero_stage == 1)
-    if offload == "cpu" and zero_stage in (2, 3) and parameters_on_host is False:  # the optimizer alone on the host
-        from zplan.runtime.optim.sharded_cpu_adam import CpuOffloadShardedAdamW
-
-        return CpuOffloadShardedAdamW(groups, lr=lr)
-    return torch.optim.AdamW(groups, lr=lr, fused=fused)
+        states = NvmeStates(nvme_path, swap_parameters_of=model if swap_parameters else None)
+    elif offload == "cpu" and (rows or (zero_stage in (2, 3) and parameters_on_host is False)):
+        states = HostStates(delayed_update=delayed_update)  # ZeRO-Offload: master and moments on the host, CPU Adam
+    elif rows or gradients is not None:
+        states = DeviceStates(fused=fused)
+    else:  # ZeRO 0 in fp32, ZeRO 2/3 on the device, or FSDP2 holding the shards on the host: torch's own
+        return torch.optim.AdamW(groups, lr=lr, fused=fused)
+    return ShardedAdamW(groups, layout, states, gradients, lr=lr)

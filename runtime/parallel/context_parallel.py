@@ -66,6 +66,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from zplan.errors import PlanMismatchError
+from zplan.model.model_file import logits_of
 
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index: the last position has no next token
 _SDPA = F.scaled_dot_product_attention  # torch's own, whatever ContextParallelAttention sets the attribute to
@@ -319,8 +320,6 @@ class ContextParallelAttention(TorchFunctionMode):
 def context_parallel_loss(outputs, batch: ContextParallelBatch) -> torch.Tensor:
     """This rank's share of the next-token loss, cp * sum(local CE) / targets in the whole sequences (module
     docstring): logits (B, s/cp, V) against the pre-shifted targets (B, s/cp)."""
-    from zplan.model.model_file import logits_of
-
     logits = logits_of(outputs)  # (B, s/cp, V)
     ce_sum = F.cross_entropy(logits.flatten(0, 1).float(), batch.targets.flatten(), ignore_index=IGNORE_INDEX,
                              reduction="sum")

@@ -8,28 +8,35 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from zplan.model.modules import transformer_blocks
+from zplan.runtime.compression import grad_compression as compression
+from zplan.runtime.compression.weight_allgather import quantize_weight_all_gathers
+from zplan.runtime.parallel import tensor_parallel
+from zplan.runtime.parallel.grad_reduce import GradientReducer
+from zplan.runtime.parallel.pipeline import PipelineRun
 from zplan.runtime.precision.mixed import cast_parameters, compute_torch_dtype, forward_under_autocast
+from zplan.schemas import legality
 from zplan.schemas.model_states import parameters_in_compute_dtype
+from zplan.schemas.spec import GradCompression, Precision, Tier, WeightCompression
 
 
 def apply_data_parallel(
-    model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, precision: str, offload: str, block_prefix: str,
-    grad_compression: str = "none", weight_compression: str = "none", parameters_on_host: bool | None = None,
-    num_micro_batches: int = 1,
+    model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, precision: Precision, offload: Tier, block_prefix: str,
+    grad_compression: GradCompression = "none", weight_compression: WeightCompression = "none",
+    parameters_on_host: bool | None = None, num_micro_batches: int = 1,
 ) -> nn.Module:
     """Replicate or shard the model over `dp_mesh` by ZeRO stage.
 
     0: DDP, gradients all-reduced (with tensor parallel, whose DTensors DDP cannot hold, the same done by
     runtime.parallel.grad_reduce.GradientReducer on their local tensors, every `num_micro_batches` backward passes).
     1: the same here, optimizer states sharded
-    by build_optimizer (runtime.optim.zero1.ZeroOneAdamW, over the tp-local tensors under tensor parallel).
+    by build_optimizer (runtime.optim.layouts.RowShards, over the tp-local tensors under tensor parallel).
     2: FSDP2 fully_shard per block and at the root, parameters kept gathered between forward and
     backward (reshard_after_forward=False), so gradients and optimizer states are sharded.
     3: the same with reshard_after_forward=True, parameters sharded too.
     Mixed precision keeps fp32 master weights: under ZeRO 2/3 FSDP2's MixedPrecisionPolicy (fp32 shards, compute
     in bf16/fp16, gradients reduced in fp32); under ZeRO 0/1 the parameters themselves are cast to the compute dtype
     (cast_parameters: 16-bit gradients, reduced in 16 bits, accumulated over micro-batches in 16 bits) and the
-    optimizer keeps the fp32 masters (runtime.optim.zero1; schemas.model_states.parameters_in_compute_dtype), except
+    optimizer keeps the fp32 masters (runtime.optim.layouts; schemas.model_states.parameters_in_compute_dtype), except
     with 1-bit Adam, which steps fp32 parameters, with torch.autocast around the forward. fp8 is bf16 here: its
     fp8 GEMMs are the blocks' torchao Float8Linears, converted before tensor parallel (runtime.precision.float8).
     offload='cpu' or 'nvme' (ZeRO 2/3), as the plan's placement puts the parameters (`parameters_on_host`; None:
@@ -37,11 +44,9 @@ def apply_data_parallel(
     nvme), FSDP2's CPUOffloadPolicy keeps the sharded parameters, gradients and the optimizer step there
     (pin_memory only when there is a GPU: pinning needs one); parameters on the device, FSDP2 shards them there
     as without offload, and build_optimizer's optimizer alone is offloaded (ZeRO-Offload's optimizer offload,
-    runtime.optim.sharded_cpu_adam; with 'nvme' the moments in files). ZeRO 1: the model is replicated as
+    runtime.optim.host_states; with 'nvme' the moments in files). ZeRO 1: the model is replicated as
     without offload; build_optimizer steps the owned rows on the host.
     """
-    from zplan.runtime.parallel.pipeline import PipelineRun
-
     if isinstance(model, PipelineRun):  # each pipeline stage of this rank is data-parallel like a model
         for index, chunk in enumerate(model.chunks):
             model.chunks[index] = apply_data_parallel(chunk, dp_mesh, zero_stage, precision, offload, block_prefix,
@@ -50,30 +55,21 @@ def apply_data_parallel(
         return model
     if grad_compression not in ("none", "int8", "1bit"):
         raise ValueError(f"gradient compression must be none, int8 or 1bit, got {grad_compression!r}")
-    if weight_compression not in ("none", "int8") or (weight_compression == "int8" and zero_stage != 3):
-        raise NotImplementedError(f"weight compression is none, or int8 with ZeRO 3 (its parameter all-gathers), got "
-                                  f"{weight_compression!r} with ZeRO {zero_stage}")
-    if grad_compression != "none" and zero_stage > 1:
-        raise NotImplementedError(f"{grad_compression} gradient compression runs with ZeRO 0 and 1 (DDP's "
-                                  f"reduction), not ZeRO {zero_stage}")
+    if weight_compression not in ("none", "int8"):
+        raise NotImplementedError(f"weight compression is none or int8, got {weight_compression!r}")
+    _refuse(zero=zero_stage, offload=offload, grad=grad_compression, weights=weight_compression,
+            parameters=None if parameters_on_host is None else "cpu" if parameters_on_host else "gpu")
     if precision not in ("bf16", "fp16", "fp32", "fp8", "nvfp4"):
         raise ValueError(f"precision must be bf16, fp16, fp32, fp8 or nvfp4, got {precision!r}")
     # fp8 / nvfp4: bf16 (runtime.precision.float8 / runtime.precision.nvfp4 converted the blocks' Linears)
     compute_dtype = compute_torch_dtype(precision)
     device = next(model.parameters()).device
     if zero_stage in (0, 1):
-        if offload != "none" and zero_stage == 0:  # nothing is sharded: every rank would step everything
-            raise NotImplementedError(f"{offload} offload with ZeRO 0: pin ZeRO 1, 2 or 3 (ZeRO-Offload and "
-                                      "ZeRO-Infinity step each rank's optimizer shard; ZeRO 0 has none)")
-        from zplan.runtime.parallel import tensor_parallel
-
         sixteen_bit = parameters_in_compute_dtype(zero_stage, precision, grad_compression)
         if sixteen_bit:
             cast_parameters(model, compute_dtype)
         if tensor_parallel.has_tensor_parallel_parameters(model):  # tp > 1: DDP cannot hold DTensors
-            if grad_compression != "none":
-                raise NotImplementedError("gradient compression runs on DDP's reduction: tensor parallel = 1 only")
-            from zplan.runtime.parallel.grad_reduce import GradientReducer
+            _refuse(tp=2, grad=grad_compression)
 
             GradientReducer(model, dp_mesh.get_group(), num_micro_batches)
             return model
@@ -94,8 +90,7 @@ def apply_data_parallel(
                     .expand(p.shape)
         ddp = DistributedDataParallel(model, process_group=dp_mesh.get_group(), device_ids=device_ids,
                                       gradient_as_bucket_view=True)
-        if grad_compression == "int8":  # 1bit: build_optimizer's OneBitAdamW registers its own hook
-            from zplan.runtime.compression import grad_compression as compression
+        if grad_compression == "int8":  # 1bit: build_optimizer's OneBitGradients registers its own hook
 
             ddp.register_comm_hook(compression.HookState(dp_mesh.get_group()), compression.int8_hook)
         return ddp
@@ -111,8 +106,6 @@ def apply_data_parallel(
     )
     if parameters_on_host is None:
         parameters_on_host = offload != "none"
-    if parameters_on_host and offload == "none":
-        raise ValueError("parameters on the host need offload 'cpu' or 'nvme' (FSDP2's CPUOffloadPolicy steps there)")
     offload_policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if parameters_on_host else OffloadPolicy()
     options = dict(mesh=dp_mesh, reshard_after_forward=zero_stage == 3, mp_policy=mp_policy,
                    offload_policy=offload_policy)
@@ -122,13 +115,20 @@ def apply_data_parallel(
     if zero_stage == 2:  # runtime.training.loop keeps the gathered parameters between micro-batches
         setattr(model, _GATHERED_UNTIL_LAST_BACKWARD, True)
     if weight_compression == "int8":  # ZeRO++'s quantized weight all-gather (runtime.compression.weight_allgather)
-        from zplan.runtime.compression.weight_allgather import quantize_weight_all_gathers
 
         quantize_weight_all_gathers(model)
     return model
 
 
 _GATHERED_UNTIL_LAST_BACKWARD = "_zplan_gathered_until_last_backward"
+
+
+def _refuse(**values) -> None:
+    """NotImplementedError naming the rules of schemas.legality these values break (a plan the runtime cannot run:
+    runtime.plan.check refuses it first)."""
+    broken = legality.problems(legality.config(**values))
+    if broken:
+        raise NotImplementedError("; ".join(broken))
 
 
 def keeps_parameters_gathered(model: nn.Module) -> bool:

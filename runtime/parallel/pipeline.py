@@ -33,7 +33,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
+from zplan.model.fused_layout import stored_layouts, to_original_state
 from zplan.runtime.optim.grad_norm import total_norm_fp32
+from zplan.runtime.optim.layouts import with_master_weights
 from zplan.runtime.parallel.context_parallel import ContextParallelBatch
 from zplan.runtime.parallel.grad_reduce import gradient_reducer
 from zplan.runtime.parallel.pipeline_split import (
@@ -47,6 +49,8 @@ from zplan.runtime.parallel.pipeline_split import (
 )
 from zplan.runtime.parallel.pipeline_split import run_stages as run_stages
 from zplan.runtime.parallel.pipeline_units import PipelineSplitError, UnitRoles, _local, unit_roles
+from zplan.schemas.plan import Schedule
+from zplan.schemas.spec import ActivationCompression
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}  # in
 # torch.distributed.pipelining, imported when a schedule is built: it pulls in torch._dynamo (~1 s per process)
@@ -83,7 +87,7 @@ class PipelineRun(nn.Module):
     """
 
     def __init__(self, chunks: list[PipelineChunk], model: nn.Module, roles: UnitRoles, group: dist.ProcessGroup,
-                 schedule: str, num_micro_batches: int, loss_fn: Callable,
+                 schedule: Schedule, num_micro_batches: int, loss_fn: Callable,
                  tied: list[tuple[str, ...]], stage_modules: Sequence[Sequence[str]]):
         super().__init__()
         _attach(self, model, [p for chunk in chunks for p in chunk._paths], roles.block_containers)
@@ -340,11 +344,11 @@ def build_pipeline(
     model: nn.Module,
     pp: DeviceMesh | dist.ProcessGroup,
     stage_modules: Sequence[Sequence[str]],
-    schedule: str,
+    schedule: Schedule,
     num_micro_batches: int,
     loss_fn: Callable[[Any, Any], torch.Tensor],
     example_micro_batch: Any,
-    activation_compression: str = "none",
+    activation_compression: ActivationCompression = "none",
 ) -> PipelineRun:
     """This rank's stages of `model` and `schedule` over them (module docstring).
 
@@ -404,11 +408,8 @@ def stage_module_paths(stage_layer_names: Sequence[Sequence[str]], layers: Seque
 def gather_full_state_dict(run: PipelineRun, optimizer: torch.optim.Optimizer | None = None
                            ) -> dict[str, torch.Tensor] | None:
     """The whole model's state dict (full CPU tensors, original names and order; a 16-bit parameter's fp32 master
-    where `optimizer` keeps one: runtime.optim.zero1) on pipeline rank 0, None on the others. Collective over the
+    where `optimizer` keeps one: runtime.optim.layouts) on pipeline rank 0, None on the others. Collective over the
     pipeline group, and over data/tensor parallel meshes for DTensors."""
-    from zplan.model.fused_layout import stored_layouts, to_original_state
-    from zplan.runtime.optim.zero1 import with_master_weights
-
     local = {}
     for name, tensor in with_master_weights(run.state_dict(), optimizer)[0].items():
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
@@ -426,7 +427,7 @@ def gather_full_state_dict(run: PipelineRun, optimizer: torch.optim.Optimizer | 
 
 
 def apply_pipeline(
-    model: nn.Module, pp_mesh: DeviceMesh, stage_layer_names: list[list[str]], schedule: str, *,
+    model: nn.Module, pp_mesh: DeviceMesh, stage_layer_names: list[list[str]], schedule: Schedule, *,
     units=(), num_micro_batches: int = 1, loss_fn=None, example_micro_batch=None, activation_compression="none",
 ) -> nn.Module:
     """Keep this rank's pipeline stages (units `stage_layer_names[stage]`; stage s is chunk s // pp of

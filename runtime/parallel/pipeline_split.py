@@ -44,7 +44,9 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
+from zplan.model.meta_ops import CachedMetaOps, MetaOpCache
 from zplan.model.model_file import logits_of
+from zplan.runtime.compression.activations import receive_int8, send_int8
 from zplan.runtime.parallel.pipeline_units import (
     EndOfStage,
     PipelineSplitError,
@@ -57,6 +59,7 @@ from zplan.runtime.parallel.pipeline_units import (
     _StageOutput,
     unit_roles,
 )
+from zplan.schemas.spec import ActivationCompression
 
 SPLIT_TOLERANCE = 1e-5  # max |stages composed - model(example)|, eval mode, fp32
 MICRO_BATCH_INDEX = "micro_batch_index"  # the keyword by which a stage learns which micro-batch it runs
@@ -128,7 +131,7 @@ class PipelineChunk(nn.Module):
     others take the hidden state of the stage before, and the micro-batch's index."""
 
     def __init__(self, model: nn.Module, paths: Sequence[str], stage_index: int, num_stages: int,
-                 roles: UnitRoles, micro_batches: MicroBatches, activation_compression: str = "none"):
+                 roles: UnitRoles, micro_batches: MicroBatches, activation_compression: ActivationCompression = "none"):
         super().__init__()
         if activation_compression not in ("none", "int8"):
             raise PipelineSplitError(f"activation compression between stages is none or int8, got "
@@ -178,8 +181,6 @@ class PipelineChunk(nn.Module):
         elif len(args) == 1:
             (hidden,) = args
             if self._int8_in:
-                from zplan.runtime.compression.activations import receive_int8
-
                 hidden = receive_int8(hidden)
             self._received.tensor = hidden
             batch = self._micro_batches.get(micro_batch_index)
@@ -199,8 +200,6 @@ class PipelineChunk(nn.Module):
         finally:
             self._received.tensor = None
         if self._int8_out:
-            from zplan.runtime.compression.activations import send_int8
-
             x = send_int8(x)
         return x
 
@@ -232,7 +231,8 @@ def batch_leaves(batch: Any) -> tuple[list[torch.Tensor], pytree.TreeSpec]:
 
 
 def split_model(model: nn.Module, stage_modules: Sequence[Sequence[str]],
-                roles: UnitRoles | None = None, activation_compression: str = "none") -> list[PipelineChunk]:
+                roles: UnitRoles | None = None, activation_compression: ActivationCompression = "none"
+                ) -> list[PipelineChunk]:
     """Every stage of the pipeline, in one process (they share the model's modules and one MicroBatches)."""
     roles = roles or unit_roles(model, stage_modules)
     micro_batches = MicroBatches()
@@ -260,9 +260,7 @@ def check_split(model: nn.Module, chunks: Sequence[PipelineChunk], example_batch
 
     A model on the meta device (built by runtime.training.materialize before its weights exist) has no values to
     compare: there the check is of the output's shape only, the forward still run through every stage, each
-    distinct operation once (planner.tracers.CachedMetaOps: the blocks repeat)."""
-    from zplan.planner.tracers import CachedMetaOps, MetaOpCache
-
+    distinct operation once (model.meta_ops.CachedMetaOps: the blocks repeat)."""
     on_meta = any(_local(p).is_meta for p in model.parameters())
     was_training = model.training
     model.eval()

@@ -72,8 +72,8 @@ from torch.distributed.tensor.parallel import (
 
 from zplan.errors import PlanMismatchError
 from zplan.model.fused_layout import FusedLayout, check_layout, give_output_in_file_order, mark_fused
-from zplan.model.modules import transformer_blocks
-from zplan.planner.traits import is_conv1d, parent_path, unsplit_parameter_owners
+from zplan.model.modules import is_conv1d, parent_path, transformer_blocks, unsplit_parameter_owners
+from zplan.runtime.precision.float8 import float8_parallel_styles
 
 STYLES = ("colwise", "rowwise")
 SEQUENCE_DIM = 1  # activations are (B, T, h)
@@ -132,8 +132,6 @@ def block_styles(tp_plan: dict[str, str], sequence_parallel: bool, norm_paths: l
             raise PlanMismatchError(f"tensor-parallel style of {path!r} is {style!r}; expected one of {STYLES}")
         conv1d = path in conv1d_paths
         if path in float8_paths:
-            from zplan.runtime.precision.float8 import float8_parallel_styles
-
             colwise, rowwise = float8_parallel_styles()
         else:
             colwise, rowwise = (Conv1DColwise, Conv1DRowwise) if conv1d else (ColwiseParallel, RowwiseParallel)

@@ -35,9 +35,16 @@ from zplan.model.modules import disable_generation_cache
 from zplan.runtime.checkpoint.save import CheckpointConfig
 from zplan.runtime.launch.distributed import RunContext
 from zplan.runtime.optim.build import build_optimizer
+from zplan.runtime.parallel.context_parallel import (
+    accepts_position_ids,
+    context_parallel_loss,
+    shard_batches,
+    takes_attention_mask,
+    token_ids_name,
+)
 from zplan.runtime.parallel.data_parallel import apply_data_parallel
 from zplan.runtime.parallel.mesh import build_mesh, data_parallel_mesh
-from zplan.runtime.parallel.pipeline import apply_pipeline
+from zplan.runtime.parallel.pipeline import PipelineRun, apply_pipeline
 from zplan.runtime.parallel.tensor_parallel import apply_tensor_parallel
 from zplan.runtime.plan.check import device_mismatch
 from zplan.runtime.precision.float8 import convert_blocks_to_float8, on_fake_tensors
@@ -46,6 +53,7 @@ from zplan.runtime.training.loop import PlanFigures, TrainConfig
 from zplan.runtime.training.materialize import MaterializeReport, materialize_weights
 from zplan.runtime.training.recompute import apply_recompute
 from zplan.schemas.plan import Plan
+from zplan.schemas.spec import ONE_BIT_WARMUP_STEPS
 
 
 def warn_if_other_devices(plan: Plan, ctx: RunContext) -> str | None:
@@ -119,16 +127,12 @@ def model_forward(model: nn.Module):
     """The forward a batch is given to: the model's, a DDP-wrapped model's, or the one every pipeline stage runs."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from zplan.runtime.parallel.pipeline import PipelineRun
-
     if isinstance(model, PipelineRun):
         return model.model_forward
     return (model.module if isinstance(model, DistributedDataParallel) else model).forward
 
 
 def _check_context_parallel_forward(model: nn.Module, cp: int) -> None:
-    from zplan.runtime.parallel.context_parallel import accepts_position_ids
-
     forward = model_forward(model)
     if not accepts_position_ids(forward):
         raise PlanMismatchError(f"context parallel (cp={cp}) passes each rank's tokens with their positions, "
@@ -143,8 +147,6 @@ def plan_data_iter(plan: Plan, mesh: DeviceMesh, batches, model: nn.Module):
     with an all-ones attention_mask when `model` (parallelize's) names one."""
     if plan.parallel.cp == 1:
         return batches
-    from zplan.runtime.parallel.context_parallel import shard_batches, takes_attention_mask, token_ids_name
-
     cp_mesh = mesh["cp"]
     forward = model_forward(model)
     return shard_batches(batches, cp_mesh.get_local_rank(), cp_mesh.size(), cp_mesh.get_group(),
@@ -156,8 +158,6 @@ def plan_loss_fn(plan: Plan, model_file):
     refused a model file with its own loss_fn)."""
     if plan.parallel.cp == 1:
         return model_file.loss_fn
-    from zplan.runtime.parallel.context_parallel import context_parallel_loss
-
     return context_parallel_loss
 
 
@@ -186,8 +186,6 @@ def plan_optimizer(model: nn.Module, mesh: DeviceMesh, plan: Plan, *, lr: float,
     the host with the parameters, or alone where the placement keeps the parameters on the GPU), delayed update,
     1-bit Adam. `nvme_path`: the swap folder, required when the plan offloads to NVMe. `onebit_warmup_steps`:
     exact AdamW steps before 1-bit Adam compresses (default: the planner's, or 30 % of `steps` when fewer)."""
-    from zplan.planner.compression import ONE_BIT_WARMUP_STEPS
-
     p = plan.parallel
     if p.offload == "nvme" and not nvme_path:
         raise PlanMismatchError("the plan offloads the optimizer states to NVMe (parallel.offload = nvme): pass "

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from zplan.errors import PlanMismatchError, validation_message
 from zplan.safe_files import UnsafeFileError, read_capped
+from zplan.schemas import legality
 from zplan.schemas.capability import capability_problems
 from zplan.schemas.cluster import CPU_PROCESS_GPU, ClusterSpec
 from zplan.schemas.plan import MAX_PLAN_FILE_BYTES, PLAN_SCHEMA_VERSION, Plan
@@ -80,35 +81,32 @@ def missing_torch_features(plan: Plan) -> list[str]:
     return [f"{module}.{attr}" for module, attr in needed if not _has(module, attr)]
 
 
+def plan_values(plan: Plan) -> dict[str, int]:
+    """The plan's choices as schemas.legality's fields. Of where the model states live only the parameters' tier:
+    the runtime reads it (FSDP2's CPUOffloadPolicy, parameter swapping); the gradients and the optimizer follow the
+    offload tier."""
+    p = plan.parallel
+    return legality.config(zero=p.zero_stage, offload=p.offload, delayed_update=p.delayed_update, tp=p.tp, pp=p.pp,
+                           cp=p.cp, interleave=p.interleave, sequence_parallel=p.sequence_parallel,
+                           precision=plan.train.precision, parameters=plan.placement.parameters,
+                           **p.compression.model_dump())
+
+
 def runtime_gaps(plan: Plan) -> list[str]:
-    """What in the plan zplan's runtime cannot run yet, each with what to pin instead (empty: it runs).
+    """What in the plan zplan's runtime cannot run, each with what to pin instead (empty: it runs): the rules of
+    schemas.legality it breaks.
 
     The planner may still choose these when nothing else fits, so that the report shows the way to
     fit; the emitted train.py refuses them before any collective.
     """
-    p, gaps = plan.parallel, []
-    if p.offload != "none" and p.zero_stage == 0:  # nothing sharded: every rank would step every parameter
-        gaps.append(f"{p.offload} offload with ZeRO 0 (ZeRO-Offload and ZeRO-Infinity step each rank's optimizer "
-                    "shard; ZeRO 0 has none): pin --zero 1, 2 or 3")
-    if p.delayed_update and (p.zero_stage, p.offload) != (1, "cpu"):
-        gaps.append(f"the delayed parameter update with ZeRO {p.zero_stage} and offload {p.offload} (it runs with "
-                    "ZeRO-1 CPU offload): pin --delayed-update off")
-    if _compression_unsupported(plan):
-        gaps.append(f"--compress {p.compression.as_option()} with ZeRO {p.zero_stage}, tp={p.tp}, pp={p.pp}, offload "
-                    f"{p.offload} (grad=int8 runs with ZeRO 0/1 and tp 1, grad=1bit with ZeRO 0, tp = pp = 1 and no "
-                    "offload, weights=int8 with ZeRO 3, act=int8 with pp > 1): recompile with a --compress that fits")
-    if plan.train.precision == "nvfp4" and p.tp > 1:
-        gaps.append(f"nvfp4 with tp={p.tp} (runtime/precision/nvfp4.py quantises whole tensors on one rank; it has no "
-                    "tensor-parallel styles): pin --tp 1")
-    if plan.placement.parameters == "nvme" and p.zero_stage != 3:
-        gaps.append(f"parameters on NVMe with ZeRO {p.zero_stage} (only ZeRO 3 shards parameters, and swaps "
-                    "them): pin --zero 3")
-    return gaps
+    values = plan_values(plan)
+    return [f"{legality.describe(rule, values)} ({rule.reason}): {rule.fix}" for rule in legality.violations(values)]
 
 
 def context_parallel_problems(plan: Plan, model_path: str | Path | None) -> list[str]:
-    """What in a plan with cp > 1 the runtime cannot run (runtime/parallel/context_parallel.py), each with the fix;
-    empty for cp = 1. The model file is read as text (its top-level names), not run."""
+    """What in a plan with cp > 1 the runtime cannot run on this model and these sequences
+    (runtime/parallel/context_parallel.py), each with the fix; empty for cp = 1 (what cp runs with is
+    schemas.legality's, runtime_gaps). The model file is read as text (its top-level names), not run."""
     p = plan.parallel
     if p.cp == 1:
         return []
@@ -119,11 +117,6 @@ def context_parallel_problems(plan: Plan, model_path: str | Path | None) -> list
     elif p.sequence_parallel and (seq // p.cp) % p.tp:
         problems.append(f"sequence parallel over tp={p.tp} of the {seq // p.cp} tokens a cp rank holds (seq_len / cp): "
                         f"it must be a multiple of tp")
-    unsupported = {f"{p.offload} offload": p.offload != "none",
-                   f"--compress {p.compression.as_option()}": p.compression.enabled,
-                   "the delayed parameter update": p.delayed_update}
-    problems += [f"the runtime does not run context parallel (cp={p.cp}) with {what}: recompile with --cp 1 or "
-                 "without it" for what, asked in unsupported.items() if asked]
     if model_path is not None and Path(model_path).is_file() and "loss_fn" in _top_level_names(Path(model_path)):
         problems.append(f"context parallel (cp={p.cp}) splits each sequence over ranks and computes the next-token "
                         f"loss on each part; {Path(model_path).name} defines its own loss_fn, which cannot be split "
@@ -149,19 +142,6 @@ def _top_level_names(path: Path) -> set[str]:
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             names |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
     return names
-
-
-def _compression_unsupported(plan: Plan) -> bool:
-    import numpy as np
-
-    from zplan.planner.compression import supported_mask
-
-    p = plan.parallel
-    if not p.compression.enabled:
-        return False
-    offload = np.array([0 if p.offload == "none" else 1])
-    return not bool(supported_mask(p.compression, np.array([p.tp]), np.array([p.pp]), np.array([p.zero_stage]),
-                                   offload)[0])
 
 
 def model_file_problems(source: str, fp, model_path: str | Path | None, compile_example: str, emitted: str

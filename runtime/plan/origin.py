@@ -2,9 +2,9 @@
 wrote with it (or that plan edited), and a plan made for another model says so.
 
 train.py records what its plan was made for (the fingerprint: model file and its SHA-256, cluster, world size) and
-the plan's digest (plan_digest). Before check_plan, check_plan_origin refuses a plan.json of another compile
-(another fingerprint: copied from another folder, or recompiled without this train.py) and a --model file that is
-another model than the plan's (another name and other bytes: check_plan would call it an edit), and returns a note
+the plan's digest (schemas.digest.plan_digest). Before check_plan, check_plan_origin refuses a plan.json of another
+compile (another fingerprint: copied from another folder, or recompiled without this train.py) and a --model file that
+is another model than the plan's (another name and other bytes: check_plan would call it an edit), and returns a note
 when plan.json was edited since (the same fingerprint, another digest): the run goes on with the edited plan, which
 check_plan checks, and says that train.py's review table shows the plan as compiled.
 """
@@ -15,11 +15,7 @@ import hashlib
 from pathlib import Path
 
 from zplan.errors import PlanMismatchError
-
-
-def plan_digest(plan) -> str:
-    """SHA-256 of the plan's canonical JSON (independent of the file's layout)."""
-    return hashlib.sha256(plan.model_dump_json().encode()).hexdigest()
+from zplan.schemas.digest import plan_digest
 
 
 def _made_for(fingerprint: dict) -> str:

@@ -50,6 +50,7 @@ from torch import nn
 
 from zplan.errors import PlanMismatchError
 from zplan.schemas.capability import FP8_DIM_MULTIPLE
+from zplan.schemas.spec import Precision
 
 FP8_MIN_CAPABILITY = (8, 9)  # sm_89 (Ada) and later have fp8 tensor cores
 
@@ -69,7 +70,7 @@ def float8_emulated(device: torch.device) -> bool:
     return False
 
 
-def on_tensor_cores(device: torch.device | str, precision: str, cores: str, min_capability: tuple[int, int],
+def on_tensor_cores(device: torch.device | str, precision: Precision, cores: str, min_capability: tuple[int, int],
                     which: str, fallback: str) -> bool:
     """True on a CUDA device of `min_capability` or more (its `cores` tensor cores run `precision`), False on the CPU;
     another device, or an older GPU, raises PlanMismatchError naming the GPUs that have them (`which`) and the

@@ -6,7 +6,7 @@ place. Two cases need more:
     of its own stages only, so an overflow on one stage must skip the step on every rank. This scaler gives the
     schedule a factor to multiply each micro-batch loss by, unscales the gradients after it (unscale_), and
     agrees on overflow over all ranks (one all-reduce of a flag);
-  - 16-bit gradients of 16-bit parameters (ZeRO 0/1 with mixed precision, runtime.optim.zero1): unscaling them in fp16
+  - 16-bit gradients of 16-bit parameters (ZeRO 0/1 with mixed precision, runtime.optim.layouts): unscaling them in fp16
     would flush the small ones to zero, so they stay scaled, the optimizer's step divides its fp32 upcast by the
     scale (grad_divisor), and the overflow is read from the gradients' total norm, which every rank computes
     alike (note_overflow).

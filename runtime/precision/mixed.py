@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from zplan.schemas.spec import Precision
 from zplan.schemas.spec import compute_dtype as compute_dtype_name
 
 # the dtype of parameters' compute copies and activations by plan precision; fp8 is bf16's (its fp8 GEMMs are the
@@ -15,7 +16,7 @@ from zplan.schemas.spec import compute_dtype as compute_dtype_name
 _COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def compute_torch_dtype(precision: str) -> torch.dtype | None:
+def compute_torch_dtype(precision: Precision) -> torch.dtype | None:
     """torch dtype of the mixed-precision compute for `precision` (None: fp32, no mixed precision)."""
     return _COMPUTE_DTYPES.get(compute_dtype_name(precision))
 

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zplan.errors import PlanMismatchError
+from zplan.runtime.precision.float8 import _quiet_torchao_import, on_tensor_cores
 from zplan.schemas.capability import NVFP4_DIM_MULTIPLE
 
 NVFP4_MIN_CAPABILITY = (10, 0)  # sm_100 (Blackwell) and later have fp4 tensor cores
@@ -59,8 +60,6 @@ def nvfp4_convertible(module: nn.Module) -> bool:
 def nvfp4_on_tensor_cores(device: torch.device | str) -> bool:
     """True on a CUDA device of capability 10.0 or more (the GEMMs run on fp4 tensor cores, untested here); False on
     the CPU (emulated GEMMs); an older GPU or another device raises PlanMismatchError."""
-    from zplan.runtime.precision.float8 import on_tensor_cores
-
     return on_tensor_cores(device, "nvfp4", "fp4", NVFP4_MIN_CAPABILITY, "10.0 or more: B200, GB200, GB300",
                            "fp8 or bf16")
 
@@ -68,8 +67,6 @@ def nvfp4_on_tensor_cores(device: torch.device | str) -> bool:
 @functools.cache
 def _nvfp4_tensor() -> type:
     """torchao's NVFP4Tensor, imported lazily (only nvfp4 runs import torchao), its CPU warnings quieted."""
-    from zplan.runtime.precision.float8 import _quiet_torchao_import
-
     def load():
         from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
 

@@ -1,4 +1,4 @@
-"""The training loop of the emitted script: gradient accumulation, clipping, LR schedule, logging.
+"""The training loop of the emitted script: gradient accumulation, clipping, LR schedule, logging (run_log.py shows it).
 
 One optimizer step = `num_micro_batches` forward/backward passes of `micro_batch` sequences on every
 data-parallel rank; the loss of each micro-batch is divided by num_micro_batches, and DDP / FSDP2
@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -50,8 +49,11 @@ from zplan.runtime.parallel.context_parallel import ContextParallelBatch
 from zplan.runtime.parallel.data_parallel import keeps_parameters_gathered
 from zplan.runtime.parallel.grad_reduce import gradient_reducer
 from zplan.runtime.parallel.pipeline import PipelineRun
+from zplan.runtime.precision.loss_scale import LossScaler
 from zplan.runtime.training.memory_tiers import describe as describe_tiers
 from zplan.runtime.training.memory_tiers import resident_bytes, state_bytes_by_tier
+from zplan.runtime.training.run_log import PlanFigures, mfu_of, open_log, print_summary, progress_bar
+from zplan.schemas.spec import Precision
 
 ALLOW_NONFINITE_LOSS_FLAG = "--allow-nonfinite-loss"  # train.py's
 
@@ -104,7 +106,7 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
     """Bytes this rank holds in memory of parameters, gradients and optimizer states (its shards only; a
     state swapped to a file counts 0 here: runtime.training.memory_tiers)."""
     params = list({id(p): p for p in model.parameters()}.values())
-    # sharded states (ZeRO 1: runtime.optim.zero1, ZeRO 2/3: FSDP2) are DTensors: their local shard counts; the fp32
+    # sharded states (ZeRO 1: runtime.optim.layouts, ZeRO 2/3: FSDP2) are DTensors: their local shard counts; the fp32
     # masters of 16-bit parameters too where they are not states (the NVMe optimizer keeps them apart)
     states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     counted = {id(v) for v in states}
@@ -117,21 +119,19 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
 
 
 def _flush(optimizer: torch.optim.Optimizer) -> None:
-    """Publish a delayed parameter update still running (runtime.optim.cpu_adam_optimizer); every rank."""
+    """Publish a delayed parameter update still running (runtime.optim.host_states); every rank."""
     flush = getattr(optimizer, "flush", None)
     if flush is not None:
         flush()
 
 
-def loss_scaler(model: nn.Module, optimizer: torch.optim.Optimizer, precision: str, device: torch.device):
+def loss_scaler(model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision, device: torch.device):
     """fp16 needs loss scaling (Micikevicius et al. 2018); bf16 and fp32 do not."""
     if precision != "fp16":
         return None
     # backward inside a pipeline's schedule, each rank with its stages' grads; or 16-bit gradients, unscaled by the
     # optimizer's step (runtime.precision.loss_scale)
     if isinstance(model, PipelineRun) or _unscaled_in_step(optimizer):
-        from zplan.runtime.precision.loss_scale import LossScaler
-
         return LossScaler(device)
     from torch.distributed.fsdp import FSDPModule
 
@@ -175,7 +175,7 @@ def clear_gradients(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
 
 def _unscaled_in_step(optimizer: torch.optim.Optimizer) -> bool:
     """16-bit gradients of 16-bit parameters: the optimizer's step upcasts, unscales and clips them
-    (runtime.optim.zero1.ZeroOneAdamW.grad_divisor)."""
+    (runtime.optim.sharded_adamw.ShardedAdamW.grad_divisor)."""
     return getattr(optimizer, "unscales_gradients", False)
 
 
@@ -249,20 +249,6 @@ def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, data_iter
     return loss_sum, grad_norm
 
 
-def _mfu(model_flops_per_step: float, step_time_s: float, world_size: int, peak_flops: float) -> float:
-    """Model FLOPs utilisation (PaLM, Appendix B): achieved model FLOP/s over the peak of all devices."""
-    return model_flops_per_step / (step_time_s * world_size * peak_flops) if peak_flops > 0 else 0.0
-
-
-def _progress(ctx: RunContext):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    return Progress(
-        TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
-        TimeRemainingColumn(), disable=not ctx.is_main,
-    )
-
-
 def _checkpoint_to_resume(checkpoint: CheckpointConfig | None, ctx: RunContext) -> Path | None:
     """The checkpoint to load, decided on rank 0 so that every rank loads the same one."""
     if checkpoint is None or checkpoint.resume is None:
@@ -295,30 +281,6 @@ def _fast_forward(data_iter: Iterator, data_state, steps_done: int, num_micro_ba
         next(data_iter)
 
 
-def _open_log(log_json: str | Path | None, ctx: RunContext, steps_done: int):
-    """Rank 0's JSON-lines log; a resumed run keeps the records up to its checkpoint and appends."""
-    if not (log_json and ctx.is_main):
-        return None
-    path = Path(log_json)
-    if steps_done == 0 or not path.exists():
-        return open(path, "w")
-    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= steps_done]
-    path.write_text("".join(line + "\n" for line in kept))
-    return open(path, "a")
-
-
-@dataclass(frozen=True)
-class PlanFigures:
-    """What the plan predicts per rank (printed beside what the run measures) and the FLOP numbers of MFU."""
-
-    step_time_s: float = 0.0
-    mfu: float = 0.0
-    model_flops_per_step: float = 0.0  # FLOP of one optimizer step of the whole model (6 * params * tokens + attention)
-    peak_flops: float = 0.0  # per device at the run's precision, FLOP/s (0: no MFU)
-    model_state_bytes: float | None = None  # parameters + gradients + optimizer states per rank
-    state_bytes_by_tier: dict | None = None  # {"gpu": .., "cpu": .., "nvme": ..} bytes per rank
-
-
 @dataclass(frozen=True)
 class TrainConfig:
     """Settings of train(): the batch shape and precision (runtime.plan.apply.train_config reads them from the
@@ -331,7 +293,7 @@ class TrainConfig:
     data_parallel_size: int
     grad_clip: float  # max gradient norm; <= 0: no clipping
     lr_schedule: Callable[[int], float]  # optimizer step (0-based) -> learning rate
-    precision: str = "fp32"
+    precision: Precision = "fp32"
     log_json: str | Path | None = None  # one JSON line per step (rank 0)
     checkpoint: CheckpointConfig | None = None
     figures: PlanFigures = PlanFigures()
@@ -378,14 +340,14 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, data_iter: Iterato
     except BaseException:  # a refused resume: the lock goes now, not only with the process (an in-process caller)
         run_lock.release()
         raise
-    log_file = _open_log(config.log_json, ctx, start_step)
+    log_file = open_log(config.log_json, ctx, start_step)
     losses: list[float] = []
     step_times_s: list[float] = []
     state_bytes: dict[str, int] = {}
     tiers: dict[str, int] = {}
     model.train()
     try:
-        with _progress(ctx) as progress:
+        with progress_bar(ctx) as progress:
             task = progress.add_task("train", total=steps, completed=start_step, status="")
             for step in range(start_step, steps):
                 start = time.perf_counter()
@@ -406,7 +368,7 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, data_iter: Iterato
                 step_time_s = time.perf_counter() - start
                 losses.append(loss_value)
                 step_times_s.append(step_time_s)
-                mfu = _mfu(figures.model_flops_per_step, step_time_s, ctx.world_size, figures.peak_flops)
+                mfu = mfu_of(figures.model_flops_per_step, step_time_s, ctx.world_size, figures.peak_flops)
                 record = {
                     "step": step + 1,
                     "loss": loss_value,
@@ -454,7 +416,7 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, data_iter: Iterato
             log_file.close()
         run_lock.release()
     if ctx.is_main:
-        _print_summary(losses, step_times_s, state_bytes, figures, ctx)
+        print_summary(losses, step_times_s, state_bytes, figures, ctx)
         if losses and (tiers["host"] or tiers["nvme"] or figures.state_bytes_by_tier):
             print(describe_tiers(tiers, figures.state_bytes_by_tier, ctx.device), flush=True)
     return losses
@@ -479,22 +441,3 @@ def _nonfinite_loss(loss: float, step: int, last_checkpoint: Path | None, checkp
         f"{last}. Check the data and the model file, lower --lr, and resume from the last checkpoint; or give "
         f"{ALLOW_NONFINITE_LOSS_FLAG} to go on regardless (no checkpoint is written of a step whose loss is not "
         "finite)")
-
-
-def _print_summary(losses, step_times_s, state_bytes, figures: PlanFigures, ctx) -> None:
-    if not losses:
-        return
-    # The first step includes one-off work (allocations, FSDP lazy init): leave it out when we can.
-    step_time_s = statistics.median(step_times_s[1:] or step_times_s)
-    mfu = _mfu(figures.model_flops_per_step, step_time_s, ctx.world_size, figures.peak_flops)
-    mib = 2**20
-    predicted_states = (
-        f" (predicted {figures.model_state_bytes / mib:.1f} MiB)" if figures.model_state_bytes else ""
-    )
-    print(
-        f"trained {len(losses)} steps: loss {losses[0]:.4f} -> {losses[-1]:.4f}\n"
-        f"measured vs predicted: step time {step_time_s:.4f} s vs {figures.step_time_s:.4f} s, "
-        f"MFU {mfu:.2%} vs {figures.mfu:.2%}, "
-        f"model states {sum(state_bytes.values()) / mib:.1f} MiB per rank{predicted_states}",
-        flush=True,
-    )

@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from zplan.errors import ModelLoadError
 from zplan.model.fused_layout import stored_layouts, to_stored
+from zplan.runtime.parallel.pipeline import PipelineRun
 from zplan.runtime.training.init_replay import InitProgram, UnsupportedInit, named_tensors, record_init, replay_init
 
 MIB = 2**20
@@ -116,8 +117,6 @@ def build_meta_model(build_fn: Callable[[], nn.Module], seed: int,
 def weight_roots(model: nn.Module) -> list[nn.Module]:
     """Modules under which every tensor this rank keeps appears with its model-file name: the model, or a
     pipeline's stage modules and the shallow model copies its first and last stage call."""
-    from zplan.runtime.parallel.pipeline import PipelineRun
-
     if isinstance(model, PipelineRun):
         return model.weight_roots()
     return [getattr(model, "module", model) if isinstance(model, nn.parallel.DistributedDataParallel) else model]

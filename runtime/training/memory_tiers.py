@@ -3,7 +3,7 @@ the plan's placement (plan.prediction.memory: GPU bytes per state, CPU and NVMe 
 
 A tensor counts where its storage is, and only while its storage holds memory (a ZeRO-3 parameter shard
 swapped out to a file has a 0-byte storage: runtime.offload.param_swap). The NVMe tier is the bytes in the
-swap files (runtime.optim.nvme_optimizer: Adam's moments, and ZeRO-3 parameter shards). On a run without a
+swap files (runtime.optim.nvme_states: Adam's moments, and ZeRO-3 parameter shards). On a run without a
 GPU the compute device is the host: the device and host tiers are then one memory, reported as "device".
 """
 

@@ -1,4 +1,4 @@
-"""The run's output files: checked before the first step, written atomically (issue 13).
+"""The run's output files: checked before the first step, written atomically.
 
     check_output_paths(ctx, weights=..., log=..., checkpoint_dir=...)   # every rank, before training
     write_atomically(path, lambda tmp: torch.save(state, tmp))            # the old file stays until the new is whole

@@ -8,6 +8,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from zplan.model.modules import transformer_blocks
+from zplan.schemas.spec import Recompute
 
 
 def _save_only_matmuls(ctx, op, *args, **kwargs):
@@ -42,7 +43,7 @@ def _checkpoint_forward(block: nn.Module, selective: bool) -> None:
     block.forward = forward
 
 
-def apply_recompute(model: nn.Module, mode: str, block_prefix: str) -> nn.Module:
+def apply_recompute(model: nn.Module, mode: Recompute, block_prefix: str) -> nn.Module:
     """Activation recompute per block: 'none'; 'full' keeps only each block's input and reruns the
     block's forward in backward (torch.utils.checkpoint); 'selective' keeps the GEMM outputs and
     recomputes the attention core and elementwise ops (torch's selective activation checkpoint API)."""

@@ -37,7 +37,7 @@ GRAD_CLIP = 1.0
 
 _PRELOAD = ["torch", "torch.distributed.tensor.parallel", "torch.distributed.fsdp",
             "zplan.runtime.parallel.data_parallel", "zplan.runtime.checkpoint.save",
-            "zplan.runtime.parallel.pipeline", "zplan.runtime.training.loop", "rich.progress",
+            "zplan.runtime.parallel.pipeline", "zplan.runtime.training.main", "rich.progress",
             # what a Hugging Face model's build imports (with torchao installed, transformers' quantizers import it)
             "transformers.quantizers.auto", "transformers.models.llama.modeling_llama",
             __name__]  # this module: each rank unpickles _rank_main from it

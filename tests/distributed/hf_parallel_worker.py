@@ -4,11 +4,11 @@ tests/distributed/test_hf_parallel.py).
     python hf_parallel_worker.py --steps N --seed S --lr LR OUT_DIR [OUT_DIR ...]
 
 Each OUT_DIR holds a compiled plan (plan.json, train.py) for the same world size. For each one, this rank
-imports that train.py and calls its own parse_args() and run(args, ctx): exactly what its main() runs, with
-`--log-json OUT_DIR/log.jsonl --save-weights OUT_DIR/weights.pt` added, except that the process group is
-started once for all of them (run_distributed around the whole sequence): a fresh launch per model would
-spend most of the test's time importing torch and transformers, and a process group cannot be started
-twice in one process.
+imports that train.py and calls run_training(args, ctx) with its constants (runtime/training/main.py): exactly
+what its main runs, with `--log-json OUT_DIR/log.jsonl --save-weights OUT_DIR/weights.pt` added, except that the
+process group is started once for all of them (run_distributed around the whole sequence): a fresh launch per model
+would spend most of the test's time importing torch and transformers, and a process group cannot be started twice in
+one process.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from zplan.runtime.launch.distributed import RunContext, run_distributed
+from zplan.runtime.training.main import parse_script_arguments, run_training, script_of
 
 
 def _import_script(path: Path, name: str):
@@ -34,7 +35,8 @@ def run_all(out_dirs: list[Path], train_args: list[str], ctx: RunContext) -> Non
         module = _import_script(script, f"zplan_hf_train_{index}")
         sys.argv = [str(script), *train_args, "--log-json", str(out / "log.jsonl"),
                     "--save-weights", str(out / "weights.pt")]
-        module.run(module.parse_args(), ctx)
+        script_constants = script_of(module)
+        run_training(parse_script_arguments(script_constants), ctx, script_constants)
         if ctx.is_main:
             print(f"hf_parallel_worker: {out.name} done", flush=True)
 

@@ -3,11 +3,12 @@ what each run applied (a rank of tests/distributed/test_plan_applied.py).
 
     python plan_applied_worker.py OUT_DIR [OUT_DIR ...]
 
-For each OUT_DIR, this rank imports its train.py and calls its own parse_args() and run(args, ctx) for one step,
-with the script's `train` wrapped: before the step the wrapper hooks the first block and reads the model's
-structure, after it the optimizer's states and the swap folder. It writes OUT_DIR/applied.rankR.json. Nothing
-here uses zplan's own description of a plan: only torch's objects (DTensor placements and meshes, FSDP2's
-parameter groups, DDP's communication hooks), the tensors a block sees, and the files on disk.
+For each OUT_DIR, this rank imports its train.py and runs what its main runs (runtime/training/main.py: run_training
+with the script's constants) for one step, with the runtime's `train` wrapped: before the step the wrapper hooks the
+first block and reads the model's structure, after it the optimizer's states and the swap folder. It writes
+OUT_DIR/applied.rankR.json. Nothing here uses zplan's own description of a plan: only torch's objects (DTensor
+placements and meshes, FSDP2's parameter groups, DDP's communication hooks), the tensors a block sees, and the files
+on disk.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
+
+import zplan.runtime.training.main as train_main
 
 
 def _import_script(path: Path, name: str):
@@ -90,6 +93,7 @@ def read_optimizer(model: nn.Module, optimizer) -> dict:
             moments += _local(moment).numel()
     return {"param_elements": sum(_local(p).numel() for p in params), "moment_elements": moments,
             "optimizer_class": type(optimizer).__name__,
+            "optimizer_parts": [type(getattr(optimizer, part, None)).__name__ for part in ("layout", "states")],
             "param_devices": sorted({_local(p).device.type for p in params}),
             "grad_devices": sorted({_local(p.grad).device.type for p in params if p.grad is not None}),
             "moment_devices": sorted(moment_devices)}
@@ -102,7 +106,7 @@ def run_one(out: Path, index: int, ctx) -> None:
     prefix = plan["model"]["block_prefix"]
     nvme = out / "nvme"
     seen: dict = {"calls": 0}
-    real_train = module.train
+    real_train = train_main.train
 
     def train(model, optimizer, data, loss_fn, config, ctx):
         seen.update(read_structure(model, prefix))
@@ -125,11 +129,14 @@ def run_one(out: Path, index: int, ctx) -> None:
         seen["nvme_files"] = sum(1 for p in nvme.rglob("*") if p.is_file()) if nvme.exists() else 0
         return losses
 
-    module.train = train
+    train_main.train = train
     sys.argv = [str(script), "--steps", "1", *(["--nvme-path", str(nvme)] if plan["parallel"]["offload"] == "nvme"
                                               else [])]
-    args = module.parse_args()
-    module.run(args, ctx)
+    try:
+        script_constants = train_main.script_of(module)
+        train_main.run_training(train_main.parse_script_arguments(script_constants), ctx, script_constants)
+    finally:
+        train_main.train = real_train
     (out / f"applied.rank{ctx.rank}.json").write_text(json.dumps(seen))
 
 

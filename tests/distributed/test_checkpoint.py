@@ -312,7 +312,8 @@ def test_zero3_checkpoint_resumes_under_another_plan(zero_stage, dp, zero3_run, 
 
 @pytest.mark.parametrize("zero_stage, dp", [(3, 2), (0, 1)])
 def test_zero1_checkpoint_resumes_under_another_plan(zero_stage, dp, zero1_run, model_path, tmp_path):
-    """ZeRO-1's moments are dim-0 shards (runtime.optim.zero1): read whole by one process, as FSDP2 shards by ZeRO-3."""
+    """ZeRO-1's moments are dim-0 shards (runtime.optim.layouts): read whole by one process, as FSDP2 shards by
+    ZeRO-3."""
     _resume_under(zero1_run, "ZeRO-1", zero_stage, dp, model_path, tmp_path)
 
 
@@ -320,7 +321,7 @@ def test_zero1_checkpoint_resumes_under_another_plan(zero_stage, dp, zero1_run, 
                                                             (3, "nvme", "nvme")])
 def test_checkpoint_resumes_into_offloaded_states(zero_stage, offload, parameters, zero3_run, model_path, tmp_path):
     """A ZeRO-3 checkpoint into ZeRO-Offload's host states (ZeRO-1's rows; ZeRO-2's shards with the optimizer alone
-    on the host, runtime.optim.sharded_cpu_adam) and ZeRO-Infinity's files (load_state_dict)."""
+    on the host, runtime.optim.host_states) and ZeRO-Infinity's files (load_state_dict)."""
     _resume_under(zero3_run, "ZeRO-3", zero_stage, 2, model_path, tmp_path, offload, parameters)
 
 
@@ -337,7 +338,7 @@ def zero3_cpu_optimizer_run(model_path, tmp_path_factory):
 
 
 def test_cpu_offloaded_optimizer_checkpoint_resumes_under_another_plan(zero3_cpu_optimizer_run, model_path, tmp_path):
-    """ZeRO-3 with the optimizer alone on the host (runtime.optim.sharded_cpu_adam): its host moments saved as
+    """ZeRO-3 with the optimizer alone on the host (runtime.optim.host_states): its host moments saved as
     FSDP2-layout DTensors (state_dict), resumed without offload under ZeRO-1."""
     _resume_under(zero3_cpu_optimizer_run, "ZeRO-3, optimizer on the CPU", 1, 2, model_path, tmp_path)
 
@@ -378,7 +379,7 @@ def _bf16_run(model_path: Path, work: Path, zero_stage: int, *, resume: Path | N
 
 
 def test_zero1_bf16_checkpoint_resumes_under_zero3_bf16_and_back(model_path, tmp_path):
-    """ZeRO-1 bf16 (bf16 parameters and gradients, fp32 masters in its optimizer: runtime.optim.zero1) checkpoints the
+    """ZeRO-1 bf16 (bf16 parameters and gradients, fp32 masters in its optimizer: runtime.optim.layouts) checkpoints the
     masters as the model's weights; ZeRO-3 bf16 (FSDP2's fp32 shards, bf16 compute) resumes from them after step 2,
     and ZeRO-1 bf16 from ZeRO-3's checkpoint after step 3: each resumed run's next loss is the one the run it
     resumed from saw, bit for bit, and the checkpoints hold fp32 masters, not the bf16 parameters."""

@@ -164,8 +164,8 @@ def test_cpu_offload_matches_single_process(zero_stage, parameters, delayed_upda
     """The optimizer on the CPU, as the placement puts the states: ZeRO 2/3 with the parameters on the host too
     (FSDP2's CPUOffloadPolicy: sharded parameters, gradients and the optimizer step on the CPU); ZeRO 2/3 with the
     parameters and gradients kept on the device and the optimizer alone on the host (ZeRO-Offload's optimizer
-    offload: runtime.optim.sharded_cpu_adam, zplan's CPU Adam on host masters of FSDP2's shards); ZeRO 1 with its
-    optimizer shard on the host (runtime.optim.cpu_adam_optimizer). Each trains like one process. With the
+    offload: runtime.optim.host_states, zplan's CPU Adam on host masters of FSDP2's shards); ZeRO 1 with its
+    optimizer shard on the host (runtime.optim.host_states). Each trains like one process. With the
     delayed update planned, these steps are its exact warm-up (the delay itself: test_delayed_update.py)."""
     plan = make_plan(model_path, zero_stage=zero_stage)
     plan = plan.model_copy(update=dict(
@@ -184,7 +184,7 @@ def test_cpu_offload_matches_single_process(zero_stage, parameters, delayed_upda
 @pytest.mark.parametrize("zero_stage, parameters", [(1, "gpu"), (2, "cpu"), (3, "cpu"), (3, "nvme")])
 def test_nvme_offload_matches_single_process(zero_stage, parameters, model_path, reference, tmp_path):
     """ZeRO-Infinity's optimizer offload: Adam's moments in files under --nvme-path, swapped in per sub-group
-    during the step (runtime.optim.nvme_optimizer), and with ZeRO-3 the parameter shards too, swapped in
+    during the step (runtime.optim.nvme_states), and with ZeRO-3 the parameter shards too, swapped in
     before each unit's all-gather (runtime.offload.param_swap): trains like one process; the swap files are
     gone after."""
     plan = make_plan(model_path, zero_stage=zero_stage)
@@ -261,7 +261,7 @@ def bf16_reference(model_path) -> tuple[list[float], dict[str, torch.Tensor]]:
 def test_bf16_trains_as_one_process_with_fp32_masters(zero_stage, offload, model_path, bf16_reference, reference,
                                                       tmp_path):
     """bf16 against one process that keeps bf16 parameters and fp32 masters (harness.train_single_process): ZeRO 0/1
-    hold the parameters and gradients in bf16 and the masters in the optimizer (runtime.optim.zero1), ZeRO 2 FSDP2's
+    hold the parameters and gradients in bf16 and the masters in the optimizer (runtime.optim.layouts), ZeRO 2 FSDP2's
     fp32 shards with bf16 compute; ZeRO-1 offloaded keeps the masters and moments of its rows on the host (CPU Adam,
     the clipping factor applied by its kernel) or the masters on the host and the moments in files (NVMe). The
     losses agree within the tolerance of the fp16 test above (DDP sums the two ranks'
@@ -367,15 +367,18 @@ def test_pipeline_plan_matches_single_process(pp, dp, interleave, zero_stage, mo
 ZERO1_SHAPES = [(13, 7), (13,), (5, 13), (2,), (3, 2, 2)]
 
 
-def _step_against_adamw(optimizer_class):
-    """Join a gloo group; on every rank, the same gradients (as DDP leaves them) into `optimizer_class`
-    (ZeroOneAdamW or a subclass) over all ranks and into torch.optim.AdamW(fused=True) on a copy, 3 steps.
+def _step_against_adamw(states):
+    """Join a gloo group; on every rank, the same gradients (as DDP leaves them) into ZeRO-1's ShardedAdamW with
+    `states` (its states part) over all ranks and into torch.optim.AdamW(fused=True) on a copy, 3 steps.
     Shapes chosen so that 3 ranks own unequal row counts ((13, 7): 5, 5, 3 rows) and one owns none ((2,):
     1, 1, 0). Both ways of sending the updated rows run: the two matrices (>= 256 bytes) are broadcast in
     place, the three small tensors go in two padded all-gather buckets (72 bytes at most gathered).
     Returns (optimizer, its parameters, a record of the differences to torch and the step counts)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+
+    from zplan.runtime.optim.layouts import RowShards
+    from zplan.runtime.optim.sharded_adamw import ShardedAdamW
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
@@ -389,7 +392,7 @@ def _step_against_adamw(optimizer_class):
                 {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}]
 
     mine, reference = params(0), params(0)
-    optimizer = optimizer_class(groups(mine), mesh, lr=1e-2, bucket_bytes=72, direct_min_bytes=256)
+    optimizer = ShardedAdamW(groups(mine), RowShards(mesh, bucket_bytes=72, direct_min_bytes=256), states, lr=1e-2)
     torch_adamw = torch.optim.AdamW(groups(reference), lr=1e-2, fused=True)
     for step in range(3):
         for p, q, g in zip(mine, reference, params(100 + step), strict=True):
@@ -417,12 +420,12 @@ def _print_records_and_close(record: dict) -> None:
 
 
 def _zero1_worker() -> None:
-    """ZeroOneAdamW against torch's AdamW (_step_against_adamw), plus its row split and buckets."""
-    from zplan.runtime.optim.zero1 import ZeroOneAdamW
+    """ZeRO-1's AdamW on the device against torch's AdamW (_step_against_adamw), plus its row split and buckets."""
+    from zplan.runtime.optim.device_states import DeviceStates
 
-    optimizer, mine, record = _step_against_adamw(ZeroOneAdamW)
+    optimizer, mine, record = _step_against_adamw(DeviceStates())
     record["local_rows"] = {str(tuple(p.shape)): optimizer.state[p]["exp_avg"].to_local().shape[0] for p in mine}
-    record["bucket_sizes"] = sorted(len(bucket) for bucket in optimizer._buckets)
+    record["bucket_sizes"] = sorted(len(bucket) for bucket in optimizer.layout.buckets)
     _print_records_and_close(record)
 
 
@@ -444,20 +447,21 @@ def test_zero1_optimizer_equals_adamw_with_uneven_shards(tmp_path):
 def _zero1_offload_worker() -> None:
     """ZeRO-1 with CPU offload against torch's AdamW (_step_against_adamw), plus where the master and
     moment rows live and which kernel ran."""
-    from zplan.runtime.optim.cpu_adam_optimizer import CpuOffloadZeroOneAdamW
+    from zplan.runtime.optim.host_states import HostStates
 
-    optimizer, mine, record = _step_against_adamw(CpuOffloadZeroOneAdamW)
-    host = [optimizer.master_rows(p) for p in mine]
+    optimizer, mine, record = _step_against_adamw(HostStates())
+    masters = {p: optimizer.states.master_rows(optimizer, p) for p in mine}
+    host = list(masters.values())
     host += [optimizer.state[p][k].to_local() for p in mine for k in ("exp_avg", "exp_avg_sq")]
-    rows = {p: optimizer._rows[p] for p in mine}
+    rows = {p: optimizer.layout.rows[p] for p in mine}
     record.update({
         "host": all(t.device.type == "cpu" and t.dtype == torch.float32 for t in host),
         "pinned": all(t.is_pinned() for t in host) if torch.cuda.is_available() else None,
         "moments_are_dtensors": all(type(optimizer.state[p][k]).__name__ == "DTensor"
                                     for p in mine for k in ("exp_avg", "exp_avg_sq")),
         "state_keys": sorted({k for p in mine for k in optimizer.state[p]}),
-        "backend": optimizer.last_backend,
-        "max_master_diff": max((optimizer.master_rows(p) - p.detach()[rows[p].start:rows[p].stop]).abs().max().item()
+        "backend": optimizer.states.last_backend,
+        "max_master_diff": max((masters[p] - p.detach()[rows[p].start:rows[p].stop]).abs().max().item()
                                for p in mine if rows[p].stop > rows[p].start),
     })
     _print_records_and_close(record)

@@ -1,4 +1,4 @@
-"""ZeRO-Offload's one-step delayed parameter update (runtime.optim.cpu_adam_optimizer, delayed_update=True) on
+"""ZeRO-Offload's one-step delayed parameter update (runtime.optim.host_states, delayed_update=True) on
 2 processes (gloo): the tiny GPT of test_data_parallel trained under DDP with ZeRO-1 CPU offload, exact and
 delayed, against each other and against a one-process emulation of the delay with torch's AdamW.
 
@@ -56,19 +56,21 @@ def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _train(build_model, mesh, *, delayed: bool) -> tuple[list[float], dict, dict]:
-    """STEPS steps under DDP with CpuOffloadZeroOneAdamW; (rank-averaged losses, weights before the final
+    """STEPS steps under DDP with ZeRO-1's host-state AdamW; (rank-averaged losses, weights before the final
     flush(), weights after it)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from zplan.runtime.optim.cpu_adam_optimizer import CpuOffloadZeroOneAdamW
+    from zplan.runtime.optim.host_states import HostStates
+    from zplan.runtime.optim.layouts import RowShards
+    from zplan.runtime.optim.sharded_adamw import ShardedAdamW
 
     rank = dist.get_rank()
     torch.manual_seed(SEED)
     model = build_model()
     ddp = DistributedDataParallel(model)
-    optimizer = CpuOffloadZeroOneAdamW(_groups(model), mesh, lr=LR, delayed_update=delayed,
-                                       delay_after_steps=DELAY_AFTER)
+    optimizer = ShardedAdamW(_groups(model), RowShards(mesh), HostStates(delayed_update=delayed,
+                                                                         delay_after_steps=DELAY_AFTER), lr=LR)
     schedule, losses = _schedule(), []
     for step in range(STEPS):
         for group in optimizer.param_groups:
@@ -93,12 +95,14 @@ def _small_checks(mesh) -> dict:
     import copy
 
     from zplan.cuda import cpu_adam
-    from zplan.runtime.optim.cpu_adam_optimizer import CpuOffloadZeroOneAdamW
+    from zplan.runtime.optim.host_states import HostStates
+    from zplan.runtime.optim.layouts import RowShards
+    from zplan.runtime.optim.sharded_adamw import ShardedAdamW
 
     generator = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(6, 4, generator=generator)),
               torch.nn.Parameter(torch.randn(5, generator=generator))]
-    optimizer = CpuOffloadZeroOneAdamW(params, mesh, lr=1e-2, delayed_update=True, delay_after_steps=1)
+    optimizer = ShardedAdamW(params, RowShards(mesh), HostStates(delayed_update=True, delay_after_steps=1), lr=1e-2)
 
     def step(seed: int) -> None:
         grads = torch.Generator().manual_seed(seed)

@@ -4,7 +4,7 @@ A tiny Hugging Face Llama (tests/hf_zoo.py, dropout 0; every Linear of its block
 16) is compiled in this process as `zplan compile MODEL --gpus 2 --cluster dgx-h100 --precision fp8 --tp 1 --pp 1
 --zero Z --global-batch 8 --seq 32` and the emitted train.py trains STEPS steps on 2 CPU processes: the blocks'
 Linears run torch._scaled_mm on fp8 inputs (runtime/precision/float8.py; torch 2.13 has a CPU kernel), the rest bf16
-with fp32 master weights (ZeRO-1: bf16 parameters, the masters in runtime.optim.zero1; ZeRO-3: FSDP2's fp32 shards and
+with fp32 master weights (ZeRO-1: bf16 parameters, the masters in runtime.optim.layouts; ZeRO-3: FSDP2's fp32 shards and
 bf16 compute copies).
 
 The reference is independent of zplan's runtime: one process, the model's block Linears converted by torchao

@@ -33,7 +33,9 @@ def _train(build_model, mesh, run: str) -> tuple[list[float], dict]:
 
     from zplan.runtime.compression import grad_compression as gc
     from zplan.runtime.optim.build import adamw_param_groups
-    from zplan.runtime.optim.zero1 import ZeroOneAdamW
+    from zplan.runtime.optim.device_states import DeviceStates
+    from zplan.runtime.optim.layouts import RowShards, WholeShards
+    from zplan.runtime.optim.sharded_adamw import ShardedAdamW
 
     torch.manual_seed(SEED)
     model = build_model()
@@ -47,20 +49,21 @@ def _train(build_model, mesh, run: str) -> tuple[list[float], dict]:
         optimizer = torch.optim.AdamW(adamw_param_groups(ddp, WEIGHT_DECAY), lr=LR)
     elif run == "1bit-zero1":
         ddp = DistributedDataParallel(model)
-        optimizer = gc.OneBitZeroOneAdamW(adamw_param_groups(model, WEIGHT_DECAY), mesh, ddp, lr=LR,
-                                          warmup_steps=WARMUP)
-        wire = optimizer.wire
+        optimizer = ShardedAdamW(adamw_param_groups(model, WEIGHT_DECAY), RowShards(mesh), DeviceStates(),
+                                 gc.OneBitGradients(ddp, group, warmup_steps=WARMUP), lr=LR)
+        wire = optimizer.gradients.wire
     elif run.startswith("1bit"):  # warm-up only: AdamW all along, the arithmetic of the fp32 run
         ddp = DistributedDataParallel(model)
-        optimizer = gc.OneBitAdamW(adamw_param_groups(model, WEIGHT_DECAY), ddp, group, lr=LR,
-                                   warmup_steps=WARMUP if run == "1bit" else STEPS)
-        wire = optimizer.wire
+        optimizer = ShardedAdamW(adamw_param_groups(model, WEIGHT_DECAY), WholeShards(), DeviceStates(),
+                                 gc.OneBitGradients(ddp, group, warmup_steps=WARMUP if run == "1bit" else STEPS), lr=LR)
+        wire = optimizer.gradients.wire
     else:
         ddp = DistributedDataParallel(model)
         state = gc.HookState(group, compress=run != "fp32")
         ddp.register_comm_hook(state, gc.int8_hook)
         wire, groups = state.wire, adamw_param_groups(model, WEIGHT_DECAY)
-        optimizer = ZeroOneAdamW(groups, mesh, lr=LR) if run == "int8-zero1" else torch.optim.AdamW(groups, lr=LR)
+        optimizer = (ShardedAdamW(groups, RowShards(mesh), DeviceStates(), lr=LR) if run == "int8-zero1"
+                     else torch.optim.AdamW(groups, lr=LR))
     rank, losses, sent_after_warmup = dist.get_rank(), [], 0.0
     for step in range(STEPS):
         if step == WARMUP:
@@ -116,7 +119,7 @@ def test_compressed_training_ends_within_3_percent(run, runs):
 
 
 def test_one_bit_adam_warm_up_is_adamw(runs):
-    """Before it compresses, OneBitAdamW is AdamW: the same losses as torch's up to rounding."""
+    """Before it compresses, 1-bit Adam is AdamW: the same losses as torch's up to rounding."""
     exact, warm = runs["fp32"]["losses"], runs["1bit-warmup-only"]["losses"]
     assert max(abs(a - b) for a, b in zip(exact, warm, strict=True)) <= 1e-5
     assert warm[:WARMUP] == pytest.approx(runs["1bit"]["losses"][:WARMUP], abs=1e-6)

@@ -1,4 +1,4 @@
-"""Hugging Face decoder LMs under tensor parallel, pipeline parallel and ZeRO-3 train as one process does (issue 12).
+"""Hugging Face decoder LMs under tensor parallel, pipeline parallel and ZeRO-3 train as one process does.
 
 The tiny decoders of tests/hf_zoo.py (Llama, Qwen2, Mistral, Gemma-2, Phi-3, Mixtral, GPT-2), built from
 their configs with every dropout 0, are compiled in this process as `zplan compile MODEL --gpus 2 --cluster
@@ -13,8 +13,9 @@ A case in REFUSED must be refused at compile time with a SpecError that names th
 schemas/capability.py behind it (the runtime cannot run that parallelism on that model), and one in XFAIL
 (none today) runs but does not match, for the reason given.
 
-All models of one parallelism run in one launch of 2 processes (hf_parallel_worker.py calls each train.py's
-own parse_args() and run() in one process group), which keeps the file's time to about a minute on two cores.
+All models of one parallelism run in one launch of 2 processes (hf_parallel_worker.py runs what each train.py's main
+runs, runtime/training/main.py's run_training, in one process group), which keeps the file's time to about a minute on
+two cores.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ def _worker() -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from zplan.planner.trace import trace_module
+    from zplan.model_input import trace_module
     from zplan.runtime.inference.engine import InferenceEngine
     from zplan.runtime.inference.sampling import SamplingParams
 

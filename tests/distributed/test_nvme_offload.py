@@ -1,7 +1,7 @@
 """ZeRO-Infinity's optimizer offload under a memory cap: the moments live in files, not in host memory.
 
-Two gloo ranks step the same parameters with the same gradients through NvmeZeroOneAdamW (moments on
-"NVMe", a temporary folder) and through the in-memory ZeroOneAdamW. The NVMe optimizer may keep at most
+Two gloo ranks step the same parameters with the same gradients through ZeRO-1 ShardedAdamW with NvmeStates (moments on
+"NVMe", a temporary folder) and through the in-memory DeviceStates. The NVMe optimizer may keep at most
 CAP_BYTES of moments in memory (sub-groups of CAP_BYTES / 3: three in flight), far less than its rank's
 moments, so each step swaps ~20 sub-groups through, with parameters split across sub-groups.
 """
@@ -41,8 +41,10 @@ def _worker(swap_folder: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from zplan.runtime.optim.nvme_optimizer import NvmeZeroOneAdamW
-    from zplan.runtime.optim.zero1 import ZeroOneAdamW
+    from zplan.runtime.optim.device_states import DeviceStates
+    from zplan.runtime.optim.layouts import RowShards
+    from zplan.runtime.optim.nvme_states import NvmeStates
+    from zplan.runtime.optim.sharded_adamw import ShardedAdamW
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
@@ -66,13 +68,14 @@ def _worker(swap_folder: str) -> None:
     # warm-up, not counted: the CPU Adam extension loaded, the swap engine's threads started, one all-gather
     warm = [torch.nn.Parameter(torch.zeros(4, 4))]
     warm[0].grad = torch.zeros(4, 4)
-    warm_optimizer = NvmeZeroOneAdamW(warm, mesh, nvme_path=swap_folder + "-warm-up")
+    warm_optimizer = ShardedAdamW(warm, RowShards(mesh), NvmeStates(swap_folder + "-warm-up"))
     warm_optimizer.step()
     warm_optimizer.close()
-    memory_params, memory, memory_growth = train(lambda groups: ZeroOneAdamW(groups, mesh, lr=1e-2))
-    nvme_params, nvme, nvme_growth = train(lambda groups: NvmeZeroOneAdamW(
-        groups, mesh, lr=1e-2, nvme_path=swap_folder, sub_group_bytes=CAP_BYTES // 3))
-    files = list(nvme.swap.run_folder.glob("*.swp"))  # this rank's files
+    memory_params, memory, memory_growth = train(lambda groups: ShardedAdamW(groups, RowShards(mesh), DeviceStates(),
+                                                                             lr=1e-2))
+    nvme_params, nvme, nvme_growth = train(lambda groups: ShardedAdamW(
+        groups, RowShards(mesh), NvmeStates(swap_folder, sub_group_bytes=CAP_BYTES // 3), lr=1e-2))
+    files = list(nvme.states.swap.run_folder.glob("*.swp"))  # this rank's files
     record = {
         "state_bytes": nvme.moments.state_bytes,
         "resident_bytes": nvme.moments.resident_bytes,
@@ -82,7 +85,7 @@ def _worker(swap_folder: str) -> None:
         "bytes_in_folder": sum(f.stat().st_size for f in files),
         "nvme_growth": nvme_growth,
         "memory_growth": memory_growth,
-        "direct_io": nvme.swap.direct_io,
+        "direct_io": nvme.states.swap.direct_io,
     }
     nvme_state = nvme.state_dict()["state"]
     memory_state = memory.state_dict()["state"]
@@ -95,7 +98,7 @@ def _worker(swap_folder: str) -> None:
                                              if k != "step"),
     })
     nvme.close()
-    record["run_folder_exists"] = nvme.swap.run_folder.exists()
+    record["run_folder_exists"] = nvme.states.swap.run_folder.exists()
     _print_records_and_close(record)
 
 
@@ -121,7 +124,7 @@ BLOCKS, WIDTH = 6, 256  # six FSDP units of 2 x 256 x 256 weights, and the root 
 
 
 def _zero3_worker(swap_folder: str) -> None:
-    """FSDP2 ZeRO-3 with CPUOffloadPolicy, parameters and moments in files (NvmeShardedAdamW with
+    """FSDP2 ZeRO-3 with CPUOffloadPolicy, parameters and moments in files (NvmeStates with WholeShards with
     swap_parameters_of), against the same model with the shards in memory and torch's fused AdamW (whose
     arithmetic zplan's CPU kernel follows)."""
     import torch.distributed as dist
@@ -129,7 +132,9 @@ def _zero3_worker(swap_folder: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    from zplan.runtime.optim.nvme_optimizer import NvmeShardedAdamW
+    from zplan.runtime.optim.layouts import WholeShards
+    from zplan.runtime.optim.nvme_states import NvmeStates
+    from zplan.runtime.optim.sharded_adamw import ShardedAdamW
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -143,7 +148,8 @@ def _zero3_worker(swap_folder: str) -> None:
         return fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
 
     swapped, reference = build(), build()
-    optimizer = NvmeShardedAdamW(swapped.parameters(), lr=1e-2, nvme_path=swap_folder, swap_parameters_of=swapped)
+    optimizer = ShardedAdamW(swapped.parameters(), WholeShards(), NvmeStates(swap_folder, swap_parameters_of=swapped),
+                             lr=1e-2)
     torch_adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=1e-2, fused=True)
     swapper = optimizer.param_swapper
     resident_in_forward = []

@@ -332,7 +332,7 @@ def test_hugging_face_stages_reproduce_the_forward_and_its_gradients(name):
     """Stages cut from the tracer's units (model.embed_tokens | model.layers.i | model.norm, lm_head) give the
     model's logits and, backward through them, its gradients."""
     from zplan.model.model_file import next_token_loss as model_file_loss  # the runtime's default loss
-    from zplan.planner.trace import trace_module
+    from zplan.model_input import trace_module
     from zplan.runtime.parallel.pipeline import check_split, run_stages, split_model, stage_module_paths
 
     model = hf_model(name)

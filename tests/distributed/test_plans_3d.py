@@ -115,7 +115,7 @@ def test_zero3_checkpoint_resumes_under_tensor_and_pipeline_parallel(model_path,
 
 def test_zero1_tensor_parallel_checkpoint_resumes_under_zero3(model_path, tmp_path):
     """ZeRO-1 over dp=2 x tp=2 keeps Adam moments as (dp, tp) DTensors, _StridedShard over dp for the
-    colwise (dim-0 split) parameters (runtime.optim.zero1): DCP must reassemble them into ZeRO-3's dp=2 shards."""
+    colwise (dim-0 split) parameters (runtime.optim.layouts): DCP must reassemble them into ZeRO-3's dp=2 shards."""
     loss_diff, weight_diff = _resume_from_step_2(
         make_plan(model_path, tp=2, dp=2, zero_stage=1, sequence_parallel=False),
         make_plan(model_path, tp=1, dp=2, zero_stage=3, sequence_parallel=False), model_path, tmp_path)

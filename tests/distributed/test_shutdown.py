@@ -38,6 +38,7 @@ from tests.distributed.harness import import_file
 from zplan.runtime.launch.distributed import close_distributed, init_distributed
 from zplan.runtime.inference.build import engine_from_plan, load_inference_plan
 from zplan.runtime.inference.sampling import SamplingParams
+from zplan.runtime.training.main import parse_script_arguments, run_training, script_of
 
 
 def native_threads():
@@ -47,7 +48,8 @@ def native_threads():
 def train(out):
     module = import_file(Path(out) / "train.py", "train_" + Path(out).name)
     sys.argv = [str(Path(out) / "train.py"), "--steps", "2"]
-    module.run(module.parse_args(), init_distributed())
+    script = script_of(module)
+    run_training(parse_script_arguments(script), init_distributed(), script)
 
 
 def generate(out, tiny):

@@ -90,7 +90,7 @@ def test_compile_is_deterministic(tmp_path):
     for name in ("a", "b"):
         compile_tiny(tmp_path / name, 2)
     files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
-    assert len(files) == 8  # with .zplan-manifest.json
+    assert len(files) == 9  # with .zplan-manifest.json and alternatives.json
     for rel in files:
         assert (tmp_path / "a" / rel).read_bytes() == (tmp_path / "b" / rel).read_bytes(), rel
 

@@ -1,4 +1,4 @@
-"""Values that reach the emitted programs are data, never code (issue 13): a cluster profile whose names carry
+"""Values that reach the emitted programs are data, never code: a cluster profile whose names carry
 Python, and a model file whose name carries shell, compile into programs that run none of it.
 
 Each payload would create a file named PWNED in the output folder if it ran; the test runs what a user runs

@@ -114,7 +114,7 @@ OFFLOADS = {  # name: (ZeRO stage, offload, parameters' tier); one GPU, so every
 @pytest.mark.parametrize("name", list(OFFLOADS))
 def test_offload_on_one_gpu_matches_one_gpu(name, model_path, reference, tmp_path):
     """The CUDA paths of offload: pinned host states, gradient rows staged to the host, updated rows back
-    (runtime.optim.cpu_adam_optimizer, sharded_cpu_adam, nvme_optimizer, param_swap), against plain training on
+    (runtime.optim.host_states, nvme_states, param_swap), against plain training on
     the GPU."""
     zero_stage, offload, parameters = OFFLOADS[name]
     plan = _plan(model_path, 1, 1, 1, zero_stage)

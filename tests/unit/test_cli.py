@@ -108,8 +108,8 @@ def test_compile_writes_everything_and_json_parses(tmp_path):
     data = json.loads(result.stdout)
     assert data["parallel"]["tp"] * data["parallel"]["pp"] * data["parallel"]["dp"] == 8
     names = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
-    assert names == {"plan.json", "train.py", "launch/torchrun.sh", "launch/slurm.sbatch", "report.md",
-                     "report.html", "ds_config.json", ".zplan-manifest.json"}
+    assert names == {"plan.json", "alternatives.json", "train.py", "launch/torchrun.sh", "launch/slurm.sbatch",
+                     "report.md", "report.html", "ds_config.json", ".zplan-manifest.json"}
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
 
 
@@ -124,7 +124,7 @@ def test_pins_are_respected(tmp_path):
 def test_a_zero1_cpu_offload_plan_runs(tmp_path):
     """An 8.9B GPT in fp32 with ZeRO-1 fills an A100 with weights and gradients (8 bytes each per
     parameter): the optimizer must go to the host, which the runtime runs with ZeRO-1
-    (runtime.optim.cpu_adam_optimizer) as with ZeRO-2: no runtime gap, no warning. (What the runtime
+    (runtime.optim.host_states) as with ZeRO-2: no runtime gap, no warning. (What the runtime
     cannot run yet is flagged: tests/unit/test_plan_check.py.)"""
     model = "gpt:layers=44,hidden=4096,heads=32,seq=2048,vocab=51200"
     pins = ["--gpus", 8, "--global-batch", 8, "--tp", 1, "--pp", 1, "--micro-batch", 1, "--recompute", "full",
@@ -146,7 +146,7 @@ def test_offload_follows_the_placement_and_the_report_shows_its_traffic(tmp_path
     shard (4 P / 8 bytes) goes down once per micro-batch (1 here) and the fp32 weight shard (4 P / 8) is fetched
     once for the step's all-gather (ZeRO-2 keeps it gathered): 1.0 P.
     The same pin on a small model that fits puts its optimizer alone on the host all the same (a pin is honoured),
-    its shards staying on the GPU (runtime.optim.sharded_cpu_adam): per step the fp32 gradient shard (4 P / 8)
+    its shards staying on the GPU (runtime.optim.host_states): per step the fp32 gradient shard (4 P / 8)
     down and the fp32 weight shard (4 P / 8) up, 1.0 P again; on the host per GPU the CPU Adam's master, m and v
     and the gradient buffer, 16 B x P / 8, i.e. 16 P per node of 8."""
     big = "gpt:layers=32,hidden=8192,heads=64,seq=2048,vocab=51200"
@@ -195,6 +195,33 @@ def test_explain_and_clusters(tmp_path):
     for name in ("dgx-a100-80g", "dgx-h100", "dgx-h200", "dgx2-v100", "cpu-local"):
         assert name in result.output
     assert run("explain", tmp_path / "missing.json").exit_code == 2
+
+
+def test_plan_json_holds_the_executed_plan_and_explain_reads_alternatives_json(tmp_path):
+    """The tiny example's plan.json stays short: the search's alternatives are alternatives.json beside it, which
+    explain reads; an older plan.json with the alternatives inside, a missing alternatives.json and one of another
+    compile are refused with the fix (recompile)."""
+    out = tmp_path / "tiny"
+    assert run("compile", TINY, "--gpus", 8, "-o", out).exit_code == 0
+    plan_text, search = (out / "plan.json").read_text(), json.loads((out / "alternatives.json").read_text())
+    assert len(plan_text.splitlines()) < 300 and "alternatives" not in json.loads(plan_text)
+    assert search["alternatives"] and search["fingerprint"] == json.loads(plan_text)["fingerprint"]
+    manifest = json.loads((out / ".zplan-manifest.json").read_text())["files"]
+    assert {"plan.json", "alternatives.json"} <= set(manifest)
+
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "plan.json").write_text(json.dumps({**json.loads(plan_text), "schema_version": 1,
+                                               "alternatives": search["alternatives"]}))
+    result = run("explain", old / "plan.json")
+    assert result.exit_code == 2 and "older zplan" in result.output and "recompile" in result.output
+    (old / "plan.json").write_text(plan_text)
+    result = run("explain", old / "plan.json")
+    assert result.exit_code == 2 and "no alternatives.json" in result.output
+    other = {**search, "fingerprint": {**search["fingerprint"], "world_size": 16}}
+    (old / "alternatives.json").write_text(json.dumps(other))
+    result = run("explain", old / "plan.json")
+    assert result.exit_code == 2 and "another compile" in result.output
 
 
 def test_cluster_file(tmp_path):

@@ -12,7 +12,7 @@ import yaml
 from typer.testing import CliRunner
 
 from tests.plan_samples import sample_plan
-from zplan.api import compile_plan, prepare
+from zplan.api import compile_plan, compile_with_alternatives, prepare
 from zplan.cli import app
 from zplan.codegen.ds_config import deepspeed_config, deepspeed_config_notes
 from zplan.codegen.render import render_reports
@@ -61,6 +61,10 @@ def _slow_cluster(tmp_path) -> str:
 
 def _plan(model, gpus, cluster, batch, precision="bf16", **pins):
     return compile_plan(prepare(model, gpus, cluster, batch, None, precision, Pins(**pins)))
+
+
+def _plan_and_search(model, gpus, cluster, batch, precision="bf16", **pins):
+    return compile_with_alternatives(prepare(model, gpus, cluster, batch, None, precision, Pins(**pins)))
 
 
 # ---- parsing and contradictions -----------------------------------------------------------------------------
@@ -295,7 +299,8 @@ def test_a_data_parallel_bound_plan_is_told_what_one_bit_adam_saves_and_compilin
     one_bit = options["grad=1bit"]
     assert one_bit.saved_s > 0 and one_bit.fits
     # the prediction the suggestion makes is what compiling with it predicts
-    compressed = _plan(GPT_350M, 32, cluster, 32, compress=parse_compress("grad=1bit"), **DATA_PARALLEL)
+    compressed, search = _plan_and_search(GPT_350M, 32, cluster, 32, compress=parse_compress("grad=1bit"),
+                                          **DATA_PARALLEL)
     assert compressed.prediction.step_time_s == pytest.approx(one_bit.step_time_s, rel=1e-9)
     assert compressed.prediction.step_time_s == pytest.approx(plain.prediction.step_time_s - one_bit.saved_s)
     assert compressed.compression.applied.saved_s == pytest.approx(one_bit.saved_s)
@@ -307,7 +312,7 @@ def test_a_data_parallel_bound_plan_is_told_what_one_bit_adam_saves_and_compilin
     assert compressed.compression.reason.startswith("on (--compress grad=1bit)") and " saves " in (
         compressed.compression.reason)
     assert compressed.parallel.compression.grad == "1bit"
-    assert {alt.parallel.compression.grad for alt in compressed.alternatives} == {"1bit"}
+    assert {alt.parallel.compression.grad for alt in search.alternatives} == {"1bit"}
 
 
 def test_on_the_builtin_v100_cluster_the_runtime_s_compression_would_not_pay():
@@ -346,7 +351,8 @@ def test_the_report_shows_the_suggestion_and_the_saving(tmp_path):
     assert "--compress grad=1bit would save" in reports["report.md"]
     assert "<td>Compression</td>" in reports["report.html"] and "--compress grad=1bit would save" in (
         reports["report.html"])
-    compressed = _plan(GPT_350M, 32, cluster, 32, compress=parse_compress("grad=1bit"), **DATA_PARALLEL)
+    compressed, search = _plan_and_search(GPT_350M, 32, cluster, 32, compress=parse_compress("grad=1bit"),
+                                          **DATA_PARALLEL)
     markdown = render_reports(compressed)["report.md"]
     assert "| Compression | on (--compress grad=1bit): against the same configuration without compression it " \
            "saves" in markdown

@@ -35,7 +35,7 @@ def one(**kw):
 ])
 def test_model_states_are_the_runtimes(zero, expected):
     """bf16 on 8 GPUs, (weights, gradients, optimizer) bytes per parameter as the runtime holds them: ZeRO 0/1
-    the ZeRO paper's mixed-precision layout (runtime.optim.zero1: bf16 parameters and gradients, the fp32 masters with
+    the ZeRO paper's mixed-precision layout (runtime.optim.layouts: bf16 parameters and gradients, the fp32 masters with
     Adam's moments in the optimizer), ZeRO 2/3 FSDP2's fp32 shards with fp32 gradients (Rajbhandari et al. Fig. 1,
     K = 12)."""
     model = gpt_numbers()
@@ -85,7 +85,7 @@ def test_fp32_states_are_four_plus_four_plus_eight():
 
 def test_offload_keeps_the_parameter_and_gradient_shards_on_the_gpu_where_they_fit():
     """ZeRO 2/3 with offload: the optimizer alone leaves the GPU when the weight and gradient shards fit there
-    (runtime.optim.sharded_cpu_adam); FSDP2's CPUOffloadPolicy takes them to the host only when they do not."""
+    (runtime.optim.host_states); FSDP2's CPUOffloadPolicy takes them to the host only when they do not."""
     model = gpt_numbers()
     shard = model.params / 8  # dp = 8: this GPU's shard of every parameter
     mem = memory_per_gpu(model, one(zero=2, offload=1), A100, "bf16", np.array([1.0]))

@@ -4,7 +4,7 @@ compile and train.py refuse."""
 import numpy as np
 import pytest
 
-from zplan.api import compile_plan, estimate_config, prepare
+from zplan.api import compile_plan, compile_with_alternatives, estimate_config, prepare
 from zplan.errors import SpecError
 from zplan.planner.clusters import BUILTIN_CLUSTERS
 from zplan.planner.cost.compute import activation_ops_Bps, block_time_s, edge_time_s, gemm_efficiency
@@ -96,10 +96,10 @@ def test_nvfp4_compiles_at_tp_1_refuses_a_tp_pin_and_estimates_any_layout():
     split 2, 4 and 8 ways), a --tp 2 pin fails at compile, and `zplan estimate` still prices tp 2 (a published
     layout)."""
     pins = Pins(pp=1, zero=1, micro_batch=8, recompute="none")
-    plan = compile_plan(prepare(LLAMA, 8, "dgx-b200", 64, None, "nvfp4", pins))
-    bf16 = compile_plan(prepare(LLAMA, 8, "dgx-b200", 64, None, "bf16", pins))
+    plan, search = compile_with_alternatives(prepare(LLAMA, 8, "dgx-b200", 64, None, "nvfp4", pins))
+    _, bf16 = compile_with_alternatives(prepare(LLAMA, 8, "dgx-b200", 64, None, "bf16", pins))
     assert (plan.parallel.tp, plan.pins.tp, plan.train.precision) == (1, None, "nvfp4")
-    assert {alt.parallel.tp for alt in plan.alternatives} == {1}
+    assert {alt.parallel.tp for alt in search.alternatives} == {1}
     assert {alt.parallel.tp for alt in bf16.alternatives} == {1, 2, 4, 8}
     with pytest.raises(SpecError, match="--tp 2 asks for it: pin --tp 1"):
         compile_plan(prepare(LLAMA, 8, "dgx-b200", 64, None, "nvfp4", Pins(tp=2)))
@@ -110,11 +110,11 @@ def test_nvfp4_compiles_at_tp_1_refuses_a_tp_pin_and_estimates_any_layout():
 
 def test_an_nvfp4_plan_prices_faster_than_fp8_and_bf16_and_says_what_it_assumes():
     pins = Pins(tp=1, pp=1, zero=3, micro_batch=4, recompute="none")
-    steps = {precision: compile_plan(prepare(LLAMA, 8, "dgx-b200", 64, None, precision, pins))
+    steps = {precision: compile_with_alternatives(prepare(LLAMA, 8, "dgx-b200", 64, None, precision, pins))
              for precision in ("bf16", "fp8", "nvfp4")}
-    times = [steps[p].prediction.step_time_s for p in ("nvfp4", "fp8", "bf16")]
+    times = [steps[p][0].prediction.step_time_s for p in ("nvfp4", "fp8", "bf16")]
     assert times == sorted(times) and times[0] < times[1]
-    rows = {a.name: a.value for a in steps["nvfp4"].assumptions}
+    rows = {a.name: a.value for a in steps["nvfp4"][1].assumptions}
     assert "9000 TFLOP/s" in rows["nvfp4 training"] and "9.125 B" in rows["nvfp4 training"]
     assert "peak bf16 FLOP/s" in rows
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from zplan.api import compile_plan, prepare
+from zplan.api import compile_plan, compile_with_alternatives, prepare
 from zplan.cli import app
 from zplan.codegen.render import render_reports
 from zplan.codegen.report import pareto_chart
@@ -132,15 +132,16 @@ def test_on_where_the_chosen_plan_offloads_nothing_is_an_error():
 
 
 def test_the_reports_and_the_script_context_carry_the_decision():
-    on, small = _plan(2), _plan(128)
-    reports = render_reports(on)
+    (on, on_search), small = compile_with_alternatives(prepare(GPT_7B, 2, "dgx-a100-80g", 2, None, "bf16",
+                                                               OFFLOAD_PINS, "auto")), _plan(128)
+    reports = render_reports(on, on_search)
     row = next(line for line in reports["report.md"].splitlines() if line.startswith("| Delayed parameter update |"))
     assert "on: the " in row and "saving" in row and "lag one step" in row and "warm-up steps" in row
     assert "<td>Delayed parameter update</td><td>on: the " in reports["report.html"]
     off_row = next(line for line in render_reports(small)["report.md"].splitlines()
                    if line.startswith("| Delayed parameter update |"))
     assert "off: delayed, " in off_row and "lag one step" not in off_row
-    labels = [point.label for point in pareto_chart(on).points]
+    labels = [point.label for point in pareto_chart(on, on_search).points]
     assert labels[0].endswith(" delayed update")  # the chosen plan, not listed again without the delay
     assert labels[0].removesuffix(" delayed update") not in labels[1:]
     assert "delayed update on" in script_context(on, None)["plan_review"]  # train.py's review table

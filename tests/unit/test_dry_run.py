@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.hf_zoo import write_model_files
-from zplan.api import compile_plan, prepare, write_outputs
+from zplan.api import compile_plan, compile_with_alternatives, prepare, write_outputs
 from zplan.cli import app
 from zplan.dryrun import dry_run, load_program
 from zplan.schemas.spec import Pins
@@ -48,8 +48,8 @@ def test_dry_run_at_world_size(llama, tmp_path, gpus, pins):
         assert rank.measured_peak_bytes > 0 and rank.fits
     # Adam's moments as the rank holds them against the plan's formula for the most loaded stage (sharded by ZeRO;
     # the parameters at the peak include ZeRO-3's gathered copies, so they are not compared). ZeRO-1 shards whole
-    # rows (runtime.optim.zero1): on this tiny model at dp 16 a tp-local k_proj of 8 rows gives rank 0 one row in 8, not
-    # 1/16, hence the 10 %.
+    # rows (runtime.optim.layouts): on this tiny model at dp 16 a tp-local k_proj of 8 rows gives rank 0 one row in 8,
+    # not 1/16, hence the 10 %.
     held = max(r.by_category["optimizer"] for r in result.ranks)
     assert held == pytest.approx(memory.optimizer, rel=0.1)
     document = result.to_json()
@@ -113,11 +113,12 @@ def test_verify_refuses_a_plan_over_capacity_and_names_one_that_fits(llama):
     from zplan.dryrun import verify
 
     request = prepare(str(llama), 2, "cpu-local", None, None, "fp32", Pins(zero=0))
-    plan = compile_plan(request)
+    plan, alternatives = compile_with_alternatives(request)
     memory = plan.prediction.memory
     tiny = memory.model_copy(update={"capacity": memory.reserve + 1000})  # a device of 1000 bytes beside the reserve
     cramped = plan.model_copy(update={"prediction": plan.prediction.model_copy(update={"memory": tiny})})
-    verified, why = verify(cramped, request, str(llama), say=lambda message: None, tries=1)
+    verified, why = verify(cramped, request, str(llama), say=lambda message: None, alternatives=alternatives,
+                           tries=1)
     assert verified is None
     assert "does not fit" in why and "allocates" in why
     assert "this plan fits" in why and "compile with --tp" in why  # the next plan, dry-run on the real device

@@ -67,8 +67,8 @@ def test_an_offload_pin_keeps_exactly_its_tier(pins):
 
 
 def test_nvme_offload_is_legal_with_zero_1_2_3_unpinned_too():
-    """runtime.optim.nvme_optimizer runs NVMe with ZeRO 1 (NvmeZeroOneAdamW) and ZeRO 2/3 (NvmeShardedAdamW):
-    the search prices it like any other candidate; ZeRO 0 never offloads."""
+    """runtime.optim.nvme_states runs NVMe with ZeRO 1 (NvmeStates with RowShards) and ZeRO 2/3 (NvmeStates with
+    WholeShards): the search prices it like any other candidate; ZeRO 0 never offloads."""
     unpinned = as_set(enumerate_candidates(summary(), A100, 8, 16, Pins()))
     assert {c[4] for c in unpinned if c[8] == 2} == {1, 2, 3}
     for zero in (1, 2, 3):
@@ -78,7 +78,7 @@ def test_nvme_offload_is_legal_with_zero_1_2_3_unpinned_too():
 
 
 def test_cpu_offload_with_zero1_is_chosen_unpinned():
-    """The runtime runs ZeRO-1 + CPU offload (runtime.optim.cpu_adam_optimizer): no pin needed."""
+    """The runtime runs ZeRO-1 + CPU offload (runtime.optim.host_states): no pin needed."""
     model = summary()
     unpinned = as_set(enumerate_candidates(model, A100, 8, 16, Pins()))
     assert any(c[8] == 1 and c[4] == 1 for c in unpinned)

@@ -220,7 +220,7 @@ def _flip_bytes(path: Path, count: int = 64) -> None:
 
 
 def test_a_damaged_checkpoint_is_refused_by_resume_and_export_naming_the_file(ctx, tmp_path):
-    """64 flipped bytes in a shard (issue 13: they resumed with NaN losses and exported 1.6e37)."""
+    """64 flipped bytes in a shard (before the manifest they resumed with NaN losses and exported 1.6e37)."""
     model, optimizer = _model_and_optimizer()
     checkpoint = save_checkpoint(tmp_path / "ckpt", 1, model, optimizer, ctx, keep=3)
     assert (checkpoint / "MANIFEST.json").is_file()

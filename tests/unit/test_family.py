@@ -6,9 +6,8 @@ import pytest
 
 import zplan.examples
 from zplan.errors import FamilySpecError, SpecError
+from zplan.model_input import summarize_model, trace_model_file
 from zplan.planner.family import FAMILY_EXAMPLES, family_summary, parse_family_spec
-from zplan.planner.model_input import summarize_model
-from zplan.planner.trace import trace_model_file
 
 EXAMPLES = Path(zplan.examples.__file__).parent
 

@@ -7,7 +7,7 @@ multiples of 16, and a converted one gets the float8 style."""
 import pytest
 from torch import nn
 
-from zplan.api import compile_plan, prepare
+from zplan.api import compile_plan, compile_with_alternatives, prepare
 from zplan.codegen.script import precision_row
 from zplan.errors import SpecError
 from zplan.schemas.spec import Pins
@@ -29,11 +29,11 @@ def test_fp8_with_pinned_tensor_parallel_compiles():
 
 
 def test_fp8_search_covers_tensor_parallel():
-    bf16 = compile_plan(prepare(LLAMA_70B, 64, "dgx-h100", 64, None, "bf16", Pins()))
-    fp8 = compile_plan(prepare(LLAMA_70B, 64, "dgx-h100", 64, None, "fp8", Pins()))
+    bf16, bf16_search = compile_with_alternatives(prepare(LLAMA_70B, 64, "dgx-h100", 64, None, "bf16", Pins()))
+    fp8, fp8_search = compile_with_alternatives(prepare(LLAMA_70B, 64, "dgx-h100", 64, None, "fp8", Pins()))
     assert bf16.parallel.tp > 1
     assert fp8.train.precision == "fp8" and fp8.pins.tp is None
-    assert fp8.candidates_evaluated == bf16.candidates_evaluated  # the same layouts, tp > 1 among them
+    assert fp8_search.candidates_evaluated == bf16_search.candidates_evaluated  # the same layouts, tp > 1 among them
     row = precision_row(fp8)
     assert row.startswith("bf16 compute") and "Linear GEMMs in fp8" in row and "head in bf16" in row
 

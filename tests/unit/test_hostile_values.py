@@ -5,7 +5,7 @@ another meaning than it says (an empty path read as "not given" or as the curren
 seed's numbers, a learning rate of NaN) is refused the same way. tests/unit/test_bad_inputs.py has the zplan command's
 sizes and files; this file the values it did not cover.
 
-train.py's values are checked when its arguments are parsed: its parse_args runs here in-process (exit status 2 is
+train.py's values are checked when its arguments are parsed: its parser runs here in-process (exit status 2 is
 argparse's SystemExit from runtime.launch.torchrun.ArgumentParser), and three cases run the real process, two through
 launch/torchrun.sh."""
 
@@ -25,6 +25,7 @@ from typer.testing import CliRunner
 import zplan.examples
 from tests.distributed.harness import import_file
 from zplan.cli import app
+from zplan.runtime.training.main import parse_script_arguments, script_of
 
 TINY = Path(zplan.examples.__file__).parent / "tiny.py"
 FAR = "1" + "0" * 30  # 10^30: past every bound, and past int64 (numpy and torch overflow on it)
@@ -66,12 +67,12 @@ def train_py(compiled):
 
 
 def parse_train_args(train_py, args, monkeypatch, capsys):
-    """train.py's parse_args on `args` (run as `python train.py ARGS`, no launcher): (exit status or None, stderr)."""
+    """train.py's parser on `args` (run as `python train.py ARGS`, no launcher): (exit status or None, stderr)."""
     monkeypatch.delenv("ZPLAN_LAUNCHER", raising=False)
     monkeypatch.setattr(sys, "argv", ["train.py", *args])
     capsys.readouterr()
     try:
-        train_py.parse_args()
+        parse_script_arguments(script_of(train_py))
     except SystemExit as stop:
         return stop.code, capsys.readouterr().err
     return None, capsys.readouterr().err

@@ -17,7 +17,7 @@ from torch import nn
 
 from zplan.errors import ZplanError
 from zplan.examples import gpt, llama
-from zplan.planner.trace import trace_module
+from zplan.model_input import trace_module
 from zplan.runtime.inference import sampling
 from zplan.runtime.inference.decoder import UnsupportedModelError
 from zplan.runtime.inference.engine import GenerationError, InferenceEngine

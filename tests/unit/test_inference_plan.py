@@ -8,7 +8,8 @@ import pytest
 
 from zplan.api import write_outputs
 from zplan.errors import InfeasibleError, SpecError
-from zplan.inference_api import compile_inference_plan, prepare
+from zplan.inference_api import compile_inference_plan, compile_inference_with_alternatives, prepare
+from zplan.schemas.alternatives import InferenceAlternatives
 from zplan.schemas.export import JSON_DIR
 from zplan.schemas.inference import InferencePlan
 
@@ -19,6 +20,10 @@ GPT_SMALL = "gpt:layers=4,hidden=256,heads=8,seq=128,vocab=1000"
 
 def plan(model=GPT3, gpus=8, cluster="dgx-h100", **kw) -> InferencePlan:
     return compile_inference_plan(prepare(model, gpus, cluster, **kw))
+
+
+def plan_and_search(model=GPT3, gpus=8, cluster="dgx-h100", **kw) -> tuple[InferencePlan, InferenceAlternatives]:
+    return compile_inference_with_alternatives(prepare(model, gpus, cluster, **kw))
 
 
 def test_latency_on_8_h100_keeps_bf16_on_the_gpus_at_the_largest_tp():
@@ -56,27 +61,29 @@ def test_throughput_chooses_the_batch_with_the_most_tokens_per_s():
 
 
 def test_latency_beats_every_feasible_unquantized_resident_alternative():
-    p = plan(cluster="dgx-h200")
-    rivals = [c for c in p.alternatives if c.feasible and c.weight_tier == "gpu" and c.weight_precision == "bf16"]
+    p, s = plan_and_search(cluster="dgx-h200")
+    rivals = [c for c in s.alternatives if c.feasible and c.weight_tier == "gpu" and c.weight_precision == "bf16"]
     assert len(rivals) >= 2  # tp 4 and 8 fit 141 GB GPUs
     assert min(c.tpot_s for c in rivals) == pytest.approx(p.prediction.tpot_s)
     assert "the next best" in p.reason and "slower per output token" in p.reason
-    assert p.alternatives[0].note == "" and all(c.note for c in p.alternatives[1:])
+    assert s.alternatives[0].note == "" and all(c.note for c in s.alternatives[1:])
 
 
 def test_quantized_only_when_nothing_unquantized_fits():
-    p = plan(gpus=1, cluster="dgx-h200")  # 175B: bf16 350 GB and int8 175 GB exceed 141 GB; int4 ~90 GB fits
+    # 175B: bf16 350 GB and int8 175 GB exceed 141 GB; int4 ~90 GB fits
+    p, s = plan_and_search(gpus=1, cluster="dgx-h200")
     assert (p.parallel.weight_precision, p.parallel.weight_tier) == ("int4", "gpu")
     assert "quantized to int4" in p.reason and "bf16 and int8 weights do not fit" in p.reason
-    assert not any(c.feasible for c in p.alternatives if c.weight_tier == "gpu" and c.weight_precision != "int4")
+    assert not any(c.feasible for c in s.alternatives if c.weight_tier == "gpu" and c.weight_precision != "int4")
 
 
 def test_streamed_only_when_nothing_resident_fits():
-    p = plan(gpus=1, cluster="dgx-h100")  # even int4 (~90 GB) exceeds 80 GB: bf16 streamed from host memory
+    # even int4 (~90 GB) exceeds 80 GB: bf16 streamed from host memory
+    p, s = plan_and_search(gpus=1, cluster="dgx-h100")
     assert (p.parallel.weight_precision, p.parallel.weight_tier, p.parallel.prefetch_layers) == ("bf16", "cpu", 1)
     assert "stream from host memory" in p.reason
     assert p.prediction.time.decode_stream_s > 0 and p.prediction.memory.cpu_bytes_per_node >= 170e9 * 2
-    assert not any(c.feasible for c in p.alternatives if c.weight_tier == "gpu")
+    assert not any(c.feasible for c in s.alternatives if c.weight_tier == "gpu")
 
 
 def test_pins_are_respected():
@@ -90,8 +97,8 @@ def test_pins_are_respected():
 
 
 def test_grouped_query_attention_limits_tp_and_has_no_length_cap():
-    p = plan(LLAMA_SMALL, gpus=8, cluster="dgx-h100")
-    assert {c.tp for c in p.alternatives} == {1, 2}  # tp must divide the 2 KV heads
+    _, s = plan_and_search(LLAMA_SMALL, gpus=8, cluster="dgx-h100")
+    assert {c.tp for c in s.alternatives} == {1, 2}  # tp must divide the 2 KV heads
     long = plan(LLAMA_SMALL, gpus=1, cluster="dgx-h100", prompt_len=500, gen_len=100)  # rotary: beyond seq 256
     assert long.parallel.max_seq_len == 600
 
@@ -123,16 +130,19 @@ def test_nothing_fits_names_the_closest_and_what_would_fit():
 
 
 def test_outputs_are_deterministic_and_validate(tmp_path):
-    p = plan(GPT_SMALL, gpus=2, cluster="cpu-local", precision="fp32")
-    first = write_outputs(p, tmp_path / "a", GPT_SMALL)
-    write_outputs(p, tmp_path / "b", GPT_SMALL)
+    p, s = plan_and_search(GPT_SMALL, gpus=2, cluster="cpu-local", precision="fp32")
+    first = write_outputs(p, tmp_path / "a", GPT_SMALL, alternatives=s)
+    write_outputs(p, tmp_path / "b", GPT_SMALL, alternatives=s)
     names = {f.name for f in first}
-    assert {"plan.json", "report.md", "report.html"} <= names
-    for name in ("plan.json", "report.md", "report.html"):
+    assert {"plan.json", "alternatives.json", "report.md", "report.html"} <= names
+    for name in ("plan.json", "alternatives.json", "report.md", "report.html"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
     data = json.loads((tmp_path / "a" / "plan.json").read_text())
     jsonschema.validate(data, json.loads((JSON_DIR / "inference_plan.schema.json").read_text()))
     assert InferencePlan.model_validate(data) == p
+    search = json.loads((tmp_path / "a" / "alternatives.json").read_text())
+    jsonschema.validate(search, json.loads((JSON_DIR / "inference_alternatives.schema.json").read_text()))
+    assert InferenceAlternatives.model_validate(search) == s
     report = (tmp_path / "a" / "report.md").read_text()
     for part in ("Time to first token", "KV cache", "## Alternatives", "## Assumptions", "launch/serve.sh", p.reason):
         assert part in report

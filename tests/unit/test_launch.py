@@ -16,7 +16,8 @@ from tests.plan_samples import runnable_plan
 from zplan.api import write_outputs
 from zplan.errors import PlanMismatchError
 from zplan.runtime.launch.torchrun import ERROR_FILE_ENV, LAUNCHER_ENV, describe_failures, report_error
-from zplan.runtime.plan.origin import check_plan_origin, plan_digest
+from zplan.runtime.plan.origin import check_plan_origin
+from zplan.schemas.digest import plan_digest
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny.py"
@@ -101,7 +102,7 @@ def test_another_compiles_or_another_models_plan_is_named_as_such(tmp_path):
     with pytest.raises(PlanMismatchError, match=f"{other} is another model than the plan's"):
         check_plan_origin(plan, written_for, plan_digest(plan), other)  # --model other.py
 
-    edited = plan.model_copy(update={"candidates_evaluated": 7})
+    edited = plan.model_copy(update={"zplan_version": "edited"})
     note = check_plan_origin(edited, written_for, plan_digest(plan), TINY)
     assert note.startswith("plan.json was edited since zplan wrote this train.py")
 

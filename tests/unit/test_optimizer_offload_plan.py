@@ -1,5 +1,5 @@
-"""ZeRO 2/3 with the optimizer alone offloaded to the CPU (issue 12): the parameter and gradient shards stay on the
-GPU where they fit (runtime.optim.sharded_cpu_adam), compiled plans checked against hand computations."""
+"""ZeRO 2/3 with the optimizer alone offloaded to the CPU: the parameter and gradient shards stay on the
+GPU where they fit (runtime.optim.host_states), compiled plans checked against hand computations."""
 
 from dataclasses import replace
 

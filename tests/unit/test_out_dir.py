@@ -53,8 +53,8 @@ def test_a_file_changed_since_zplan_wrote_it_is_refused_unless_forced(tmp_path):
     out = tmp_path / "plan"
     assert compile_into(out, "--global-batch", 16).exit_code == 0
     assert set(json.loads((out / ".zplan-manifest.json").read_text())["files"]) == {
-        "plan.json", "train.py", "launch/torchrun.sh", "launch/slurm.sbatch", "report.md", "report.html",
-        "ds_config.json"}
+        "plan.json", "alternatives.json", "train.py", "launch/torchrun.sh", "launch/slurm.sbatch", "report.md",
+        "report.html", "ds_config.json"}
     assert compile_into(out, "--global-batch", 16).exit_code == 0  # its own files, unchanged: replaced
     (out / "train.py").write_text((out / "train.py").read_text() + "# my change\n")
     before = tree(out)

@@ -1,4 +1,4 @@
-"""Outputs are checked before a run trains and written atomically (runtime/training/outputs.py; issue 13)."""
+"""Outputs are checked before a run trains and written atomically (runtime/training/outputs.py)."""
 
 from __future__ import annotations
 

@@ -139,10 +139,9 @@ def test_cp_sat_objective_prices_every_placement_like_transfer_times(micro_batch
     # the rank's update share of replicated states (e.g. 1/dp of them) differs from their size
     updates = {"param_update_bytes": 1.5 * GB, "grad_update_bytes": 2 * GB}
     legal = [(zero, tiers) for zero in (1, 3) for tiers in enumerate_legal_placements(zero, "nvme")]
-    for zero, tiers in legal:
-        forced = {state: (tier,) for state, tier in tiers.items()}
-        found, proven, model_time_s = _solve(sizes, updates, plenty, forced, bandwidths, micro_batches, 5.0,
-                                             allow_overflow=False, zero_sharded=zero >= 2)
+    for _, tiers in legal:
+        found, proven, model_time_s = _solve(sizes, updates, plenty, [tiers], bandwidths, micro_batches, 5.0,
+                                             allow_overflow=False)
         assert found == tiers and proven
         expected = transfer_times(tiers["params"], tiers["grads"], tiers["optimizer"],
                                   param_bytes=3 * GB, grad_bytes=5 * GB, optimizer_bytes=17 * GB,
@@ -201,8 +200,8 @@ def test_capacity_forces_offload_of_the_optimizer_first():
     assert result.feasible and result.optimizer_tier == "cpu" and result.param_tier == "gpu"
     assert result.gpu_bytes <= 10 * GB
     # Without CPU room the optimizer goes to NVMe: ZeRO-Infinity's swapper, which zplan's runtime runs with
-    # ZeRO 1 (NvmeZeroOneAdamW) and ZeRO 2/3 (NvmeShardedAdamW, over FSDP2's shards where they are: here on the
-    # GPU, which holds them); ZeRO 0 has no shard.
+    # ZeRO 1 (NvmeStates with RowShards) and ZeRO 2/3 (NvmeStates with WholeShards, over FSDP2's shards where they are:
+    # here on the GPU, which holds them); ZeRO 0 has no shard.
     for zero_stage in (1, 2, 3):
         nvme = place(sizes, {"gpu": 10 * GB, "cpu": 1 * GB, "nvme": 1e13}, zero_stage, "nvme")
         assert nvme.feasible and (nvme.param_tier, nvme.grad_tier, nvme.optimizer_tier) == ("gpu", "gpu", "nvme")
@@ -288,7 +287,7 @@ def test_bad_inputs_raise():
 
 def test_zero3_optimizer_alone_on_the_cpu_by_hand():
     # ZeRO-3, 4 micro-batches, fp32 shards: parameters 1 GB, gradients 1 GB, Adam's moments 2 GB; the GPU holds the
-    # shards (3 GB free) but not the moments. The optimizer leaves alone (runtime.optim.sharded_cpu_adam): per
+    # shards (3 GB free) but not the moments. The optimizer leaves alone (runtime.optim.host_states): per
     # step the gradient shard goes down once and the updated parameter shard up once (not per micro-batch):
     # 2 GB over PCIe; on the host the moments (2 GB) and the CPU Adam's fp32 master and gradient buffer (1 GB + 1 GB).
     sizes, capacity = (1 * GB, 1 * GB, 2 * GB), {"gpu": 3 * GB, "cpu": 100 * GB, "nvme": 0.0}

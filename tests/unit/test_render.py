@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import subprocess
@@ -13,12 +14,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.plan_samples import sample_plan
+from tests.plan_samples import sample_alternatives, sample_plan
 from zplan.codegen import render
+from zplan.schemas.alternatives import Alternatives
 from zplan.schemas.plan import Plan
 
 CHROMIUM = Path("/usr/bin/chromium")
-REPORT_FILES = {"plan.json", "report.md", "report.html", "ds_config.json"}
+REPORT_FILES = {"plan.json", "alternatives.json", "report.md", "report.html", "ds_config.json"}
 CHART_IDS = ("chart-memory", "chart-time", "chart-pipeline", "chart-pareto")
 
 
@@ -32,8 +34,8 @@ def test_same_plan_renders_byte_identical_files(name, tmp_path):
     first, second = tmp_path / "a", tmp_path / "b"
     first.mkdir()
     second.mkdir()
-    written = render.render_outputs(sample_plan(name), first, "model.py")
-    render.render_outputs(sample_plan(name), second, "model.py")
+    written = render.render_outputs(sample_plan(name), first, "model.py", sample_alternatives(name))
+    render.render_outputs(sample_plan(name), second, "model.py", sample_alternatives(name))
 
     assert REPORT_FILES <= {path.name for path in written}
     assert all(path.is_file() and path.parent.is_relative_to(first) for path in written)
@@ -42,23 +44,25 @@ def test_same_plan_renders_byte_identical_files(name, tmp_path):
 
 def test_output_does_not_depend_on_the_hash_seed(tmp_path):
     """Set or dict iteration that leaked into a file would differ between interpreters."""
-    render.render_outputs(sample_plan("gpt3-175b"), tmp_path, "model.py")
+    render.render_outputs(sample_plan("gpt3-175b"), tmp_path, "model.py", sample_alternatives("gpt3-175b"))
     other = tmp_path / "other"
     other.mkdir()
-    program = ("import sys; from pathlib import Path; from tests.plan_samples import sample_plan; "
+    program = ("import sys; from pathlib import Path; from tests.plan_samples import sample_alternatives, sample_plan; "
                "from zplan.codegen.render import render_outputs; "
-               "render_outputs(sample_plan('gpt3-175b'), Path(sys.argv[1]), 'model.py')")
+               "render_outputs(sample_plan('gpt3-175b'), Path(sys.argv[1]), 'model.py', "
+               "sample_alternatives('gpt3-175b'))")
     subprocess.run([sys.executable, "-c", program, str(other)], check=True, timeout=60,
                    cwd=Path(__file__).resolve().parents[2], env={**os.environ, "PYTHONHASHSEED": "12345"})
     assert _tree(other) == {name: data for name, data in _tree(tmp_path).items() if not name.startswith("other")}
 
 
 def test_plan_json_round_trips(tmp_path):
-    plan = sample_plan("gpt3-175b")
-    render.render_outputs(plan, tmp_path, None)
+    plan, search = sample_plan("gpt3-175b"), sample_alternatives("gpt3-175b")
+    render.render_outputs(plan, tmp_path, None, search)
     text = (tmp_path / "plan.json").read_text()
     assert text.endswith("}\n")
     assert Plan.model_validate_json(text) == plan
+    assert Alternatives.model_validate_json((tmp_path / "alternatives.json").read_text()) == search
 
 
 def test_missing_script_module_is_skipped_but_its_errors_are_not(tmp_path, monkeypatch):
@@ -66,7 +70,7 @@ def test_missing_script_module_is_skipped_but_its_errors_are_not(tmp_path, monke
         raise ModuleNotFoundError(f"No module named '{name}'", name=name)
 
     monkeypatch.setattr(render.importlib, "import_module", missing)
-    written = render.render_outputs(sample_plan("tiny-dp"), tmp_path, None)
+    written = render.render_outputs(sample_plan("tiny-dp"), tmp_path, None, sample_alternatives("tiny-dp"))
     assert {path.name for path in written} == REPORT_FILES
 
     def broken(name):
@@ -86,8 +90,8 @@ def test_html_is_self_contained():
 
 
 def test_plan_text_is_escaped_in_html():
-    plan = sample_plan("tiny-dp", assumptions=[{"name": "<b>bold</b>", "value": "a & b", "source": "s"}])
-    html = render.render_reports(plan)["report.html"]
+    search = sample_alternatives("tiny-dp", assumptions=[{"name": "<b>bold</b>", "value": "a & b", "source": "s"}])
+    html = render.render_reports(sample_plan("tiny-dp"), search)["report.html"]
     assert "&lt;b&gt;bold&lt;/b&gt;" in html and "a &amp; b" in html
     assert "<b>bold</b>" not in html
 
@@ -124,10 +128,10 @@ def _chromium(*args: str, user_data_dir: Path) -> subprocess.CompletedProcess:
 
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's chromium is not installed")
 def test_charts_are_drawn_in_headless_chromium(tmp_path):
-    plan = sample_plan("gpt3-175b")
+    plan, search = sample_plan("gpt3-175b"), sample_alternatives("gpt3-175b")
     out = tmp_path / "out"
     out.mkdir()
-    render.render_outputs(plan, out, None)
+    render.render_outputs(plan, out, None, search)
     dom = _chromium("--dump-dom", (out / "report.html").as_uri(), user_data_dir=tmp_path / "profile").stdout
 
     parser = _MarksPerChart()
@@ -139,7 +143,7 @@ def test_charts_are_drawn_in_headless_chromium(tmp_path):
     parallel = plan.parallel
     drawn_slots = 2 * parallel.pp * parallel.interleave * 16  # forward + backward, capped at 16 micro-batches
     assert marks["chart-pipeline"]["rect"] >= parallel.pp + drawn_slots
-    assert marks["chart-pareto"]["circle"] >= 1 + len(plan.alternatives)
+    assert marks["chart-pareto"]["circle"] >= 1 + len(search.alternatives)
     assert marks["chart-pareto"]["path"] == 1  # the Pareto front
     assert all(marks[chart_id]["title"] > 0 for chart_id in CHART_IDS)
 
@@ -148,11 +152,13 @@ def test_the_script_runs_plan_json_and_shows_it_for_review(tmp_path):
     """train.py holds no plan constants that could drift from plan.json: it applies the plan it loads
     (runtime/plan/apply.py), and shows the plan as comments."""
     from zplan.codegen.script import render_script_files
+    from zplan.runtime.training.main import run_training  # torch: imported by the tests that run the runtime only
 
     plan = sample_plan("tiny-dp", parallel={"zero_stage": 2})
     render_script_files(plan, tmp_path, "tiny.py")
     code = (tmp_path / "train.py").read_text()
-    assert "parallelize(model, weights, mesh, plan, model_file, ctx.device)" in code
+    assert "train_main(" in code  # the run it hands its constants to (runtime/training/main.py)
+    assert "parallelize(model, weights, mesh, plan, model_file, ctx.device)" in inspect.getsource(run_training)
     assert "ZERO_STAGE" not in code and "TP_PLAN" not in code and "MICRO_BATCH" not in code
     assert "#   ZeRO stage       2 (" in code
     compile(code, "train.py", "exec")

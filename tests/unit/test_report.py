@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.plan_samples import sample_plan
+from tests.plan_samples import sample_alternatives, sample_plan
 from zplan.codegen.context import (
     MEMORY_PARTS,
     TIME_PARTS,
@@ -19,8 +19,6 @@ from zplan.codegen.context import (
 )
 from zplan.codegen.render import markdown_cell, render_reports
 from zplan.codegen.report import (
-    BACKWARD_UNITS,
-    FORWARD_UNITS,
     ParetoChart,
     ParetoPoint,
     _pareto_front,
@@ -31,6 +29,7 @@ from zplan.codegen.report import (
     timeline_as_text,
 )
 from zplan.codegen.svg_charts import PARETO_BOX, pareto_svg, pareto_view
+from zplan.schemas.pipeline_schedule import BACKWARD_UNITS, FORWARD_UNITS
 from zplan.schemas.plan import MemoryBreakdown, ParallelConfig, TimeBreakdown
 
 
@@ -44,8 +43,8 @@ def _parallel(pp: int, interleave: int, micro_batches: int) -> ParallelConfig:
 
 @pytest.mark.parametrize("name", ["gpt3-175b", "tiny-dp"])
 def test_markdown_states_the_plan_and_every_assumption(name):
-    plan = sample_plan(name)
-    markdown = render_reports(plan)["report.md"]
+    plan, search = sample_plan(name), sample_alternatives(name)
+    markdown = render_reports(plan, search)["report.md"]
     parallel = plan.parallel
     assert f"| Tensor parallel (tp) | {parallel.tp} " in markdown
     assert f"| Pipeline parallel (pp) | {parallel.pp}," in markdown
@@ -53,17 +52,17 @@ def test_markdown_states_the_plan_and_every_assumption(name):
     assert f"| ZeRO stage | {parallel.zero_stage} |" in markdown
     mesh = f"dp {parallel.dp} x pp {parallel.pp} x tp {parallel.tp} = {plan.fingerprint.world_size} GPUs"
     assert mesh in markdown
-    for assumption in plan.assumptions:
+    for assumption in search.assumptions:
         assert f"| {assumption.name} | {assumption.value} | {assumption.source} |" in markdown
-    for rejected in plan.rejected:
+    for rejected in search.rejected:
         assert rejected.detail in markdown
     assert plan.cluster.gpu.name in markdown
     assert format_seconds(plan.prediction.step_time_s) in markdown
 
 
 def test_markdown_table_cells_survive_pipes_and_newlines():
-    plan = sample_plan("tiny-dp", assumptions=[{"name": "a|b", "value": "1\n2", "source": "s"}])
-    assert "| a\\|b | 1 2 | s |" in render_reports(plan)["report.md"]
+    search = sample_alternatives("tiny-dp", assumptions=[{"name": "a|b", "value": "1\n2", "source": "s"}])
+    assert "| a\\|b | 1 2 | s |" in render_reports(sample_plan("tiny-dp"), search)["report.md"]
     assert markdown_cell("x | y") == "x \\| y"
 
 
@@ -137,22 +136,21 @@ def test_pareto_front_by_hand():
 
 
 def test_pareto_chart_marks_the_chosen_plan_and_never_puts_infeasible_points_on_the_front():
-    plan = sample_plan("gpt3-175b")
-    chart = pareto_chart(plan)
+    plan, search = sample_plan("gpt3-175b"), sample_alternatives("gpt3-175b")
+    chart = pareto_chart(plan, search)
     chosen = [point for point in chart.points if point.chosen]
     assert len(chosen) == 1 and chosen[0].step_time_s == plan.prediction.step_time_s
     assert chosen[0].on_front
     assert not any(point.on_front and not point.feasible for point in chart.points)
     assert any(not point.feasible for point in chart.points)
-    assert len(chart.points) == 1 + len(plan.alternatives)
+    assert len(chart.points) == 1 + len(search.alternatives)
 
 
 def test_reports_render_without_alternatives_for_a_deep_pipeline_that_does_not_fit():
     plan = sample_plan(
-        alternatives=[], rejected=[], prediction={"feasible": False},
-        parallel={"tp": 1, "pp": 64, "interleave": 1, "schedule": "1f1b"},
+        prediction={"feasible": False}, parallel={"tp": 1, "pp": 64, "interleave": 1, "schedule": "1f1b"},
     )
-    reports = render_reports(plan)
+    reports = render_reports(plan, sample_alternatives(alternatives=[], rejected=[]))
     assert "None recorded." in reports["report.md"]
     assert "| Fits | no |" in reports["report.md"]
     assert reports["report.md"].count("rank ") >= 64
@@ -213,7 +211,7 @@ def test_pareto_chart_clips_far_points_to_its_edge_and_counts_them():
 
 
 def test_pareto_chart_without_far_points_draws_no_triangles():
-    chart = pareto_chart(sample_plan("gpt3-175b"))
+    chart = pareto_chart(sample_plan("gpt3-175b"), sample_alternatives("gpt3-175b"))
     assert pareto_view(chart).off_chart == []
     svg = str(pareto_svg(chart))
     assert "<polygon" not in svg and "off the chart" not in svg
@@ -228,21 +226,21 @@ def test_candidates_table_shows_the_chosen_plan_the_fastest_feasible_and_the_fro
     assert rows[0]["vs_chosen"] == "" and rows[1]["vs_chosen"] == "+10.0 %"
 
 
-def test_reports_say_how_many_alternatives_are_left_to_plan_json():
-    base = sample_plan("gpt3-175b")
+def test_reports_say_how_many_alternatives_are_left_to_alternatives_json():
+    plan, base = sample_plan("gpt3-175b"), sample_alternatives("gpt3-175b")
     template = base.alternatives[0].model_dump()
     extra = [{**template, "parallel": {**template["parallel"], "micro_batch": 1 + i % 4,
                                        "dp": 1, "tp": 8, "pp": 8, "num_micro_batches": 256},
               "step_time_s": 70.0 + i, "memory_per_gpu_bytes": 60e9 + i * 1e8}
              for i in range(40)]
-    plan = sample_plan("gpt3-175b", alternatives=[a.model_dump() for a in base.alternatives] + extra)
-    context = report_context(plan)
+    search = sample_alternatives("gpt3-175b", alternatives=[a.model_dump() for a in base.alternatives] + extra)
+    context = report_context(plan, search)
     shown, total = len(context["alternative_rows"]), context["candidate_count"]
     assert shown < total and context["alternatives_not_shown"] == total - shown
-    reports = render_reports(plan)
+    reports = render_reports(plan, search)
     for name in ("report.md", "report.html"):
         assert f"{total - shown} more configurations" in reports[name]
-        assert "zplan explain plan.json" in reports[name]
+        assert "zplan explain plan.json" in reports[name] and "alternatives.json" in reports[name]
 
 
 MESH_CARD = re.compile(r'<div class="k">Mesh</div><div class="v">([^<]*)</div>\s*<div class="s">([^<]*)</div>')

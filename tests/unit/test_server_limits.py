@@ -16,7 +16,7 @@ import torch
 import uvicorn
 
 from zplan.examples import gpt
-from zplan.planner.trace import trace_module
+from zplan.model_input import trace_module
 from zplan.runtime.inference.build import EngineSettings
 from zplan.runtime.inference.cli import serve_main
 from zplan.runtime.inference.engine import InferenceEngine

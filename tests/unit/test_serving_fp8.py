@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from zplan.errors import SpecError
-from zplan.inference_api import compile_inference_plan, prepare, search_space
+from zplan.inference_api import compile_inference_plan, compile_inference_with_alternatives, prepare, search_space
 from zplan.planner.clusters import DGX_H100, load_cluster
 from zplan.planner.inference.cost import (
     WEIGHT_PRECISIONS,
@@ -89,12 +89,13 @@ def test_compile_refuses_fp8_without_fp8_tensor_cores(cluster):
 def test_fp8_is_chosen_only_when_pinned():
     unpinned = prepare(LLAMA_SMALL, 8, "dgx-h100")
     assert "fp8" not in search_space(unpinned).precisions
-    pinned = compile_inference_plan(prepare(LLAMA_SMALL, 8, "dgx-h100", precision="fp8", target="throughput"))
+    pinned, search = compile_inference_with_alternatives(prepare(LLAMA_SMALL, 8, "dgx-h100", precision="fp8",
+                                                                 target="throughput"))
     assert (pinned.parallel.weight_precision, pinned.parallel.compute_dtype) == ("fp8", "bf16")
-    assert {a.weight_precision for a in pinned.alternatives} == {"fp8"}
+    assert {a.weight_precision for a in search.alternatives} == {"fp8"}
     assert "as pinned (--precision fp8)" in pinned.reason
-    assert any(a.name == "fp8" for a in pinned.assumptions)
-    assert not any(a.name == "fp8" for a in compile_inference_plan(unpinned).assumptions)
+    assert any(a.name == "fp8" for a in search.assumptions)
+    assert not any(a.name == "fp8" for a in compile_inference_with_alternatives(unpinned)[1].assumptions)
     schema = json.loads((JSON_DIR / "inference_plan.schema.json").read_text())
     jsonschema.validate(json.loads(pinned.model_dump_json()), schema)
 

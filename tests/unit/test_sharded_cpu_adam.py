@@ -1,9 +1,12 @@
-"""runtime.optim.sharded_cpu_adam.CpuOffloadShardedAdamW on plain tensors (one process; FSDP2's shards under torchrun:
+"""ShardedAdamW with host states over whole shards (runtime.optim.host_states: the optimizer alone on the host under
+ZeRO 2/3) on plain tensors (one process; FSDP2's shards under torchrun:
 tests/distributed/test_data_parallel.py, test_plan_applied.py, test_checkpoint.py) against torch.optim.AdamW."""
 
 import torch
 
-from zplan.runtime.optim.sharded_cpu_adam import CpuOffloadShardedAdamW
+from zplan.runtime.optim.host_states import HostStates
+from zplan.runtime.optim.layouts import WholeShards
+from zplan.runtime.optim.sharded_adamw import ShardedAdamW
 
 SHAPES = [(13, 7), (5,), (0, 3), (2, 3, 4)]  # an empty shard too: a rank may hold none of a parameter
 
@@ -24,13 +27,17 @@ def _step(optimizer, params, step):
     optimizer.step()
 
 
+def _host_adamw(groups, lr):
+    return ShardedAdamW(groups, WholeShards(), HostStates(), lr=lr)
+
+
 def _groups(params):
     return [{"params": params[:2], "weight_decay": 0.1}, {"params": params[2:], "weight_decay": 0.0}]
 
 
 def test_steps_like_torch_adamw_with_the_states_on_the_host():
     mine, reference = _params(0), _params(0)
-    optimizer = CpuOffloadShardedAdamW(_groups(mine), lr=1e-2)
+    optimizer = _host_adamw(_groups(mine), lr=1e-2)
     torch_adamw = torch.optim.AdamW(_groups(reference), lr=1e-2)
     for step in range(4):
         _step(optimizer, mine, step)
@@ -47,14 +54,14 @@ def test_steps_like_torch_adamw_with_the_states_on_the_host():
 
 def test_a_state_dict_resumes_and_a_written_parameter_is_read_back():
     first, reference = _params(1), _params(1)
-    optimizer = CpuOffloadShardedAdamW(_groups(first), lr=1e-2)
+    optimizer = _host_adamw(_groups(first), lr=1e-2)
     torch_adamw = torch.optim.AdamW(_groups(reference), lr=1e-2)
     for step in range(2):
         _step(optimizer, first, step)
         _step(torch_adamw, reference, step)
     # a fresh optimizer over fresh parameters that are then loaded (as a checkpoint does: weights, then states)
     resumed = _params(2)
-    again = CpuOffloadShardedAdamW(_groups(resumed), lr=1e-2)
+    again = _host_adamw(_groups(resumed), lr=1e-2)
     _step(again, resumed, 50)  # its masters hold these weights now
     with torch.no_grad():
         for p, q in zip(resumed, first, strict=True):

@@ -8,8 +8,7 @@ import torch
 
 import zplan.examples
 from zplan.errors import TraceError
-from zplan.planner.model_input import summarize_model
-from zplan.planner.trace import trace_model_file, trace_module
+from zplan.model_input import summarize_model, trace_model_file, trace_module
 
 EXAMPLES = Path(zplan.examples.__file__).parent
 L, H, A, V, S = 4, 256, 4, 1000, 128  # layers, hidden, heads, vocabulary, sequence

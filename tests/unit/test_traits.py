@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zplan.examples
-from zplan.planner.trace import trace_model_file, trace_module
+from zplan.model_input import trace_model_file, trace_module
 
 EXAMPLES = Path(zplan.examples.__file__).parent
 H, HEADS, T, V = 32, 4, 16, 64

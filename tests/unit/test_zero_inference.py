@@ -180,7 +180,7 @@ def test_a_pass_abandoned_midway_restarts_cleanly_at_layer_0(tmp_path, tier, pre
 
 def _engine_pair(tier: str, tmp_path, monkeypatch, precision: str):
     from zplan.examples import gpt
-    from zplan.planner.trace import trace_module
+    from zplan.model_input import trace_module
     from zplan.runtime.inference.engine import InferenceEngine
 
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)  # the same F.linear path for both
