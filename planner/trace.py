@@ -2,14 +2,8 @@
 
 This file's job is turning a trace into costs: it runs the tracers (zplan.planner.tracers: fx, hooks,
 export, tried in TRACERS order; the first that works wins), then costs each operation, builds the graph,
-pairs Linears for tensor parallelism and summarises per layer.
+pairs Linears for tensor parallelism and summarises per layer (what one operation costs: planner/op_costs.py).
 Every tracer runs the model for one sample (batch 1) of seq_len tokens, so all numbers are per sample.
-
-Costs per operation (rules in the tables below):
-  FLOPs      2*M*N*K for linear / matmul / bmm / addmm / baddbmm; scaled_dot_product_attention counted
-             here (torch's FlopCounterMode misses the CPU flash kernel): QK^T and AV are 2*B*H*T*S*D each,
-             halved when is_causal=True; elementwise operations count 0. Backward = 2x forward for these.
-  act bytes  tensors autograd saves for backward (see SAVED-TENSOR RULE below), at the compute precision.
 
 Known limits: export sees the causal mask Hugging Face materialises for it (attn_mask, is_causal=False)
 and so counts attention in full (hooks, which runs first, sees is_causal=True); operations without a rule
@@ -27,56 +21,27 @@ from typing import Any
 import torch
 from torch import nn
 
-from zplan.errors import SpecError, TraceError
+from zplan.errors import TraceError
 from zplan.model.model_file import hf_models_see_whole_sequences, load_model_file, next_token_loss
 from zplan.model.modules import is_conv1d, parent_path
 from zplan.planner.graph import ModelGraph
-from zplan.planner.tracers import DROPOUT_OPS, SDPA, TRACER_FUNCTIONS, MetaOpCache, RawTrace, TracedOp, as_call
+from zplan.planner.op_costs import (
+    ADD_OPS,
+    ALIAS_OPS,
+    MATMUL_OPS,
+    NORM_EXTRA_BYTES_PER_ROW,
+    element_bytes,
+    forward_flops,
+    saved_tensors,
+    tensor_bytes,
+)
+from zplan.planner.tracers import SDPA, TRACER_FUNCTIONS, MetaOpCache, RawTrace, TracedOp, as_call
 from zplan.planner.traits import find_traits, fused_parts
 from zplan.schemas.capability import ModelTrait
 from zplan.schemas.model import LayerCost, ModelSummary, TensorParallelRule
 
-PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}  # bytes per floating-point element
 DEFAULT_SEQ_LEN = 2048  # tokens per sample when neither the caller nor the model file (SEQ_LEN) says
 TRACERS = ("fx", "hooks", "export")  # tried in this order
-
-# --- operation tables ------------------------------------------------------------------------------
-# SDPA ("scaled_dot_product_attention") and DROPOUT_OPS come from zplan.planner.tracers, which names them.
-MATMUL_K_FROM_ARG0 = {"linear", "matmul", "mm", "bmm"}  # contraction length K = args[0].shape[-1]
-MATMUL_K_FROM_ARG1 = {"addmm", "baddbmm"}  # args[0] is the added term; K = args[1].shape[-1]
-MATMUL_OPS = MATMUL_K_FROM_ARG0 | MATMUL_K_FROM_ARG1
-NORM_EXTRA_BYTES_PER_ROW = {"layer_norm": 8, "rms_norm": 4, "group_norm": 8, "batch_norm": 8}  # fp32 stats
-# Ops whose output is the same values as args[0] (a view, or a dtype cast, which is free under the
-# all-floats-at-compute-precision convention): a tensor saved through any of them is charged once.
-ALIAS_OPS = {
-    "view", "reshape", "transpose", "permute", "t", "T", "mT", "contiguous", "unsqueeze", "squeeze", "flatten",
-    "unflatten", "expand", "expand_as", "view_as", "reshape_as", "_unsafe_view", "alias", "detach", "data",
-    "to", "type_as", "float", "half", "bfloat16", "type", "identity",
-}
-ADD_OPS = {"add", "add_"}
-
-# SAVED-TENSOR RULE (what autograd keeps for backward; one tensor is charged once, to the first
-# operation in execution order that saves it, identified through ALIAS_OPS):
-#   products (linear, matmul, mul, div): each operand when the other operand requires grad
-#     (linear saves its input because the weight requires grad: Korthikanti 2022 section 4.1);
-#   SAVES_INPUT ops: their activation inputs; SAVES_OUTPUT ops: their output;
-#   scaled_dot_product_attention: q, k, v, the output and a fp32 logsumexp (B, H, T), as a flash
-#     kernel does; no (T, T) scores are saved, unlike Korthikanti's unfused 5*a*s^2 term;
-#   norms: their input plus fp32 mean / rstd per row; dropout with p > 0: a 1-byte mask per element;
-#   additions, views and concatenations: nothing.
-# The loss's logits (B, T, V) are not charged here: the cost model counts them (planner/cost/memory.py).
-PRODUCT_OPS = MATMUL_OPS | {"mul", "div"}
-SAVES_INPUT = {"gelu", "silu", "pow", "layer_norm", "rms_norm", "group_norm", "batch_norm", "embedding", "log",
-               "sin", "cos", "var", "std", "norm", "softplus", "mish", "leaky_relu", "elu", "square"}
-SAVES_OUTPUT = {"relu", "tanh", "sigmoid", "exp", "softmax", "log_softmax", "_softmax", "_log_softmax",
-                "rsqrt", "sqrt", "reciprocal"}
-
-
-def element_bytes(precision: str) -> int:
-    if precision not in PRECISION_BYTES:
-        raise SpecError(f"unknown precision {precision!r}: use one of {', '.join(PRECISION_BYTES)}.")
-    return PRECISION_BYTES[precision]
-
 
 # --- public entry points ------------------------------------------------------------------------------
 
@@ -164,56 +129,6 @@ def _block_of(module_path: str, prefix: str) -> int | None:
     return int(head) if head.isdigit() else None
 
 
-# --- per-operation costs --------------------------------------------------------------------------------
-
-def forward_flops(op: TracedOp) -> float:
-    """Forward FLOPs of one operation (multiply-add = 2 FLOPs)."""
-    shapes = [arg.shape for arg in op.args]
-    if op.op in MATMUL_OPS and op.shape is not None:
-        k_arg = 0 if op.op in MATMUL_K_FROM_ARG0 else 1
-        if len(shapes) <= k_arg or not shapes[k_arg]:
-            return 0.0
-        return 2.0 * math.prod(op.shape) * shapes[k_arg][-1]  # 2 * M * N * K
-    if op.op == SDPA and len(shapes) >= 3 and all(shapes[:3]):
-        query, key, value = shapes[:3]  # (B, H, T, D), (B, Hkv, S, D), (B, Hkv, S, Dv)
-        rows = math.prod(query[:-1])  # B * H * T
-        full = 2.0 * rows * key[-2] * query[-1] + 2.0 * rows * key[-2] * value[-1]  # QK^T + AV
-        return full / 2.0 if op.attrs.get("is_causal") else full  # causal: half the (T, S) square
-    return 0.0
-
-
-def _saved_tensors(op: TracedOp, requires_grad: dict[str, bool]) -> tuple[list[int], bool, float]:
-    """(indices of args saved, whether the output is saved, extra bytes saved) under the rule above."""
-    arg_rg = [arg.requires_grad for arg in op.args]
-    if not requires_grad.get(op.name):
-        return [], False, 0.0
-    if op.op in PRODUCT_OPS:
-        saved = [i for i in range(len(op.args)) if any(rg for j, rg in enumerate(arg_rg) if j != i)]
-        if op.op in MATMUL_K_FROM_ARG1:
-            saved = [i for i in saved if i != 0]  # the added term (bias) is not needed for backward
-        return saved, False, 0.0
-    if op.op in SAVES_INPUT:
-        extra = 0.0
-        if op.op in NORM_EXTRA_BYTES_PER_ROW and op.shape:
-            extra = NORM_EXTRA_BYTES_PER_ROW[op.op] * math.prod(op.shape[:-1])
-        return [i for i, arg in enumerate(op.args) if arg.param is None], False, extra
-    if op.op in SAVES_OUTPUT:
-        return [], True, 0.0
-    if op.op == SDPA and op.args and op.args[0].shape:
-        logsumexp_bytes = 4.0 * math.prod(op.args[0].shape[:-1])  # fp32 (B, H, T)
-        return list(range(len(op.args))), True, logsumexp_bytes
-    if op.op in DROPOUT_OPS and op.attrs.get("dropout_p", 0.0) > 0 and op.shape:
-        return [], False, float(math.prod(op.shape))  # 1-byte mask (B, T, ...)
-    return [], False, 0.0
-
-
-def _tensor_bytes(shape: tuple[int, ...] | None, dtype: torch.dtype | None, float_bytes: int) -> float:
-    if shape is None or dtype is None:
-        return 0.0
-    itemsize = float_bytes if dtype.is_floating_point else dtype.itemsize
-    return float(math.prod(shape) * itemsize)
-
-
 # --- graph ----------------------------------------------------------------------------------------------
 
 def _build_graph(raw: RawTrace, model: nn.Module, prefix: str, num_blocks: int, seq_len: int,
@@ -242,7 +157,7 @@ def _build_graph(raw: RawTrace, model: nn.Module, prefix: str, num_blocks: int, 
                        precision=precision)
     current_block: int | None = None
     for position, op in enumerate(ops):
-        saved_args, saves_output, act_bytes = _saved_tensors(op, requires_grad)
+        saved_args, saves_output, act_bytes = saved_tensors(op, requires_grad)
         saved = [(op.args[i].producer, op.args[i].shape, op.args[i].dtype) for i in saved_args
                  if op.args[i].param is None and op.args[i].producer is not None]
         if saves_output:
@@ -251,7 +166,7 @@ def _build_graph(raw: RawTrace, model: nn.Module, prefix: str, num_blocks: int, 
             root = alias_root.get(producer, producer)
             if root not in charged:
                 charged.add(root)
-                act_bytes += _tensor_bytes(shape, dtype, float_bytes)
+                act_bytes += tensor_bytes(shape, dtype, float_bytes)
         params = 0
         for arg in op.args:
             if arg.param is not None and arg.param not in seen_params:
@@ -355,7 +270,7 @@ def _summarize(graph: ModelGraph, raw: RawTrace, model: nn.Module, name: str,
         act_of[data["unit"]] += data["act_bytes"]
         op = by_name[node]
         if op.op in MATMUL_OPS and reads_parameter:
-            gemm_of[data["unit"]] += _tensor_bytes(op.shape, op.dtype, element_bytes(graph.precision))
+            gemm_of[data["unit"]] += tensor_bytes(op.shape, op.dtype, element_bytes(graph.precision))
     owner: dict[str, str] = {}  # parameter -> the unit that reads it first, which owns it
     shared_of: dict[str, dict[str, int]] = {unit: {} for unit in units}  # unit -> parameters it reads, owned elsewhere
     for node, data in graph.iter_nodes():

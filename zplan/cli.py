@@ -6,7 +6,6 @@ User errors (ZplanError) print one message on stderr, no traceback, and exit wit
 from __future__ import annotations
 
 import json
-from enum import Enum
 from pathlib import Path
 from typing import Optional
 
@@ -15,6 +14,7 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from zplan.calibrate_cli import calibrate_command
+from zplan.cli_options import DelayedUpdate, Mode, Offload, Precision, Recompute, Target, WeightPrecision
 from zplan.cli_render import (
     default_out_dir,
     load_alternatives_file,
@@ -41,54 +41,6 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=N
                   help="Plan 3D-parallel + ZeRO training, prove it fits, emit the program that runs it.")
 err = Console(stderr=True)
 out = Console()
-
-
-class Precision(str, Enum):
-    bf16 = "bf16"
-    fp16 = "fp16"
-    fp32 = "fp32"
-    fp8 = "fp8"
-    nvfp4 = "nvfp4"
-
-
-class WeightPrecision(str, Enum):
-    """compile's --precision: the training compute precision, or an inference weight precision."""
-
-    bf16 = "bf16"
-    fp16 = "fp16"
-    fp32 = "fp32"
-    fp8 = "fp8"
-    nvfp4 = "nvfp4"
-    int8 = "int8"
-    int4 = "int4"
-
-
-class Mode(str, Enum):
-    training = "training"
-    inference = "inference"
-
-
-class Target(str, Enum):
-    latency = "latency"
-    throughput = "throughput"
-
-
-class Recompute(str, Enum):
-    none = "none"
-    selective = "selective"
-    full = "full"
-
-
-class Offload(str, Enum):
-    none = "none"
-    cpu = "cpu"
-    nvme = "nvme"
-
-
-class DelayedUpdate(str, Enum):
-    auto = "auto"
-    on = "on"
-    off = "off"
 
 
 MAX_PROBE_SECONDS = 3600.0
