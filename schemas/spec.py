@@ -42,8 +42,8 @@ class CompressionConfig(BaseModel):
 
     grad: GradCompression = Field(default="none", description="Data-parallel gradients: int8 (a compressed "
                                   "all-reduce of DDP's buckets, ZeRO 0/1 with tp = 1) or 1bit (1-bit Adam, Tang et "
-                                  "al. 2021: the momentum all-reduced as signs after an exact warm-up; ZeRO 0, "
-                                  "tp = pp = 1).")
+                                  "al. 2021: the momentum all-reduced as signs after an exact warm-up; ZeRO 0, or "
+                                  "ZeRO 1 with the gradients compressed; tp = pp = 1, no offload).")
     weights: WeightCompression = Field(default="none", description="ZeRO-3 parameter all-gathers in int8 (ZeRO++ "
                                        "qwZ, Wang et al. 2023); needs ZeRO 3.")
     activations: ActivationCompression = Field(default="none", description="Hidden states and their gradients "
