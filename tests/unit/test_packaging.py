@@ -24,8 +24,15 @@ def test_wheel_installs_and_runs(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     for expected in ("zplan/cli.py", "zplan/planner/search.py", "zplan/planner/cost/step.py",
                      "zplan/codegen/templates/train.py.j2", "zplan/schemas/json/plan.schema.json",
-                     "zplan/runtime/apply.py", "zplan/examples/tiny.py"):
+                     "zplan/runtime/plan/apply.py", "zplan/model/model_file.py", "zplan/examples/tiny.py"):
         assert expected in names, expected
+    # every module of every folder the package installs is in the wheel (a folder missing from pyproject.toml's
+    # package lists would leave its modules out)
+    folders = {"zplan": "zplan", **{name: f"zplan/{name}" for name in
+                                    ("schemas", "model", "planner", "runtime", "codegen", "cuda", "examples")}}
+    sources = {f"{target}/{path.relative_to(ROOT / folder).as_posix()}" for folder, target in folders.items()
+               for path in (ROOT / folder).rglob("*.py") if "__pycache__" not in path.parts}
+    assert sources <= set(names), sorted(sources - set(names))[:10]
 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
