@@ -206,7 +206,7 @@ def measure(plan, model_file, mesh, ctx) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
     from zplan.runtime.parallel.pipeline import PipelineRun
-    from zplan.runtime.training.loop import model_state_bytes
+    from zplan.runtime.training.step import model_state_bytes
 
     p = plan.parallel
     model, optimizer, data = apply_plan(plan, model_file, mesh, ctx, seed=SEED, lr=3e-4, weight_decay=0.1)

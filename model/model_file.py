@@ -33,6 +33,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from zplan.errors import ModelLoadError
+from zplan.model.hf_folder import read_hf_folder
 
 _module_counter = itertools.count()
 
@@ -159,7 +160,8 @@ class ModelFile:
             raise ModelLoadError(
                 f"build_model() in {self.path} raised{where}: {_exception_line(exc, self.path)}. Fix "
                 "build_model(); zplan plans on the meta device, so it must not read tensor values or load "
-                "checkpoints (load weights in train_data or after the plan is applied)."
+                "checkpoints: build the model from its config (AutoModelForCausalLM.from_config) and start from "
+                "the weights with train.py --init-from PATH, or compile the Hugging Face folder itself."
             ) from exc
         if not isinstance(model, nn.Module):
             raise ModelLoadError(
@@ -210,6 +212,12 @@ def largest_embedding_rows(model: nn.Module) -> int | None:
 def load_model_file(path: str | Path) -> ModelFile:
     """Import a model file under a unique module name and check its contract (not yet building)."""
     file = Path(path)
+    if file.is_dir():  # a Hugging Face folder: the model of its config.json (model/hf_folder.py)
+        folder = read_hf_folder(file)
+        return ModelFile(path=file, sha256=folder.sha256, module=folder.module,
+                         build_model=_models_see_whole_sequences_after(folder.build_model),
+                         example_inputs=default_example_inputs, loss_fn=next_token_loss, user_train_data=None,
+                         vocab_size=folder.vocab_size, seq_len=folder.seq_len)
     if not file.is_file():
         raise ModelLoadError(
             f"model file {str(path)!r} does not exist: pass the path to a Python file that defines "

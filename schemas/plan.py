@@ -26,9 +26,13 @@ class Fingerprint(Frozen):
     """What the plan was made for; the runtime refuses a run that differs."""
 
     model_ref: str = Field(description="Model path or family spec as given on the command line.")
-    model_sha256: str = Field(description="SHA-256 of the model file's bytes, or of the family spec string.")
+    model_sha256: str = Field(description="SHA-256 of the model file's bytes (of a Hugging Face folder's "
+                                          "config.json), or of the family spec string.")
     cluster: str = Field(description="Cluster profile name.")
     world_size: int = Field(gt=0, description="Number of GPUs (processes) the plan needs.")
+    init_from: Optional[str] = Field(default=None, description="The weights train.py starts from by default, "
+                                     "relative to the model: a Hugging Face folder's model.safetensors.index.json "
+                                     "or model.safetensors; null: the model's own initialisation.")
 
 
 class ParallelConfig(Frozen):

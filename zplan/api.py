@@ -12,6 +12,7 @@ import numpy as np
 from zplan import __version__
 from zplan.codegen.render import render_inference_outputs, render_outputs
 from zplan.errors import ClusterError, SpecError
+from zplan.model.hf_folder import is_hf_folder, source_sha256, weights_in_folder
 from zplan.model_input import summarize_model
 from zplan.out_dir import write_out_dir
 from zplan.planner.assumptions import assumptions
@@ -157,6 +158,9 @@ def check_delayed_update(mode: str, pins: Pins) -> None:
 
 def fingerprint(req: Request) -> Fingerprint:
     path = Path(req.model_ref)
+    if is_hf_folder(path):  # its config.json, and the weights in it that train.py starts from
+        return Fingerprint(model_ref=req.model_ref, model_sha256=source_sha256(path), cluster=req.cluster.name,
+                           world_size=req.gpus, init_from=weights_in_folder(path))
     data = path.read_bytes() if path.is_file() else req.model_ref.encode()
     return Fingerprint(model_ref=req.model_ref, model_sha256=hashlib.sha256(data).hexdigest(),
                        cluster=req.cluster.name, world_size=req.gpus)
@@ -305,7 +309,7 @@ def write_outputs(plan: Plan | InferencePlan, out_dir: Path, model_ref: str, for
     render = render_inference_outputs if isinstance(plan, InferencePlan) else render_outputs
     model_path = Path(model_ref)
     script_model = (os.path.relpath(model_path.resolve(), Path(out_dir).resolve()) if model_path.is_file()
-                    else None)
+                    or is_hf_folder(model_path) else None)
     return write_out_dir(out_dir, lambda folder: render(plan, folder, script_model, alternatives), force=force)
 
 

@@ -1,4 +1,4 @@
-"""The `zplan` command line: compile | estimate | explain | export | clusters | probe | reduce | dryrun.
+"""The `zplan` command line: compile | estimate | explain | export | clusters | probe | reduce | dryrun | data.
 
 User errors (ZplanError) print one message on stderr, no traceback, and exit with status 2.
 """
@@ -26,6 +26,7 @@ from zplan.cli_render import (
     print_inference_summary,
     print_plan_summary,
 )
+from zplan.data_cli import data_app
 from zplan.dryrun_cli import dryrun_command
 from zplan.errors import ClusterError, SpecError, ZplanError, validation_message
 from zplan.out_dir import check_out_dir, check_out_file, write_text_atomically
@@ -336,19 +337,39 @@ def explain(plan_json: Path = typer.Argument(..., help="A plan.json written by `
 @app.command()
 def export(
     checkpoint: Path = typer.Argument(..., help="A checkpoint folder (step-N) or a folder of them (newest is used)."),
-    to: Path = typer.Option(..., "--to", help="The .safetensors file to write."),
+    to: Path = typer.Option(..., "--to", help="The .safetensors file to write; with --hf, the folder."),
+    hf: bool = typer.Option(False, "--hf", help="Write a Hugging Face folder (config.json, tokenizer files, sharded "
+                                               "safetensors with their index) that from_pretrained loads."),
+    config_from: Optional[Path] = typer.Option(
+        None, "--config-from", metavar="HF_DIR",
+        help="With --hf: the Hugging Face folder whose config.json and tokenizer go with the weights (default: the "
+             "folder the run was compiled from)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", metavar="fp32|bf16|fp16",
+                                        help="dtype of the floating-point weights (default: with --hf the config's "
+                                             "dtype or fp32; without --hf the checkpoint's)."),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", metavar="SIZE",
+                                       help="With --hf: the largest shard, e.g. 5GB, 500MB, 2GiB (default 5GB)."),
+    force: bool = typer.Option(False, "--force", help="With --hf: replace a folder that is not empty."),
     allow_unverified: bool = typer.Option(
         False, "--allow-unverified",
         help="Export a checkpoint that has no MANIFEST.json (its files cannot be checked: damage goes unnoticed)."),
 ) -> None:
-    """Merge a sharded training checkpoint into one safetensors file.
+    """Merge a sharded training checkpoint into one safetensors file, or a Hugging Face folder (--hf).
 
     The checkpoint is read chunk by chunk, once its files match its MANIFEST.json."""
     from zplan.export import export_checkpoint  # start-up time: torch loads on first use
+    from zplan.export_hf import export_hf_folder, parse_size  # start-up time: torch loads on first use
 
     try:
+        if not hf and (config_from is not None or force or max_shard_size != "5GB"):
+            raise ZplanError("--config-from, --max-shard-size and --force go with --hf (a Hugging Face folder)")
         with err.status(f"exporting {checkpoint}", spinner="dots"):
-            written = export_checkpoint(checkpoint, to, allow_unverified=allow_unverified)
+            if hf:
+                written = export_hf_folder(checkpoint, to, config_from=config_from, dtype=dtype, force=force,
+                                           max_shard_bytes=parse_size(max_shard_size),
+                                           allow_unverified=allow_unverified)
+            else:
+                written = export_checkpoint(checkpoint, to, allow_unverified=allow_unverified, dtype=dtype)
     except ZplanError as exc:
         _fail(exc)
     err.print(f"wrote {written}")
@@ -403,3 +424,4 @@ def probe(
 app.command("reduce")(reduce_command)  # zplan reduce: zplan/reduce_cli.py
 app.command("dryrun")(dryrun_command)  # zplan dryrun: zplan/dryrun_cli.py
 app.command("calibrate")(calibrate_command)  # zplan calibrate: zplan/calibrate_cli.py
+app.add_typer(data_app, name="data")  # zplan data prepare: zplan/data_cli.py

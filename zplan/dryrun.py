@@ -5,7 +5,7 @@ within a stage every dp and tp rank holds the same), the dry run becomes that ra
 size (runtime.dryrun.fake_world) and makes the same runtime calls train.py makes, with train.py's own settings (its
 MODEL_FILE, LR, WEIGHT_DECAY, GRAD_CLIP): plan_mesh, build_meta_model, parallelize (tensor parallel, recompute,
 pipeline stage and schedule, FSDP2 / DDP / ZeRO-1, offload), plan_optimizer, then `steps` optimizer steps of
-runtime.training.loop.optimizer_step on synthetic batches. runtime.dryrun.live_memory counts every storage the steps
+runtime.training.step.optimizer_step on synthetic batches. runtime.dryrun.live_memory counts every storage the steps
 hold (the model states made before the first step included) and its peak by category.
 
 What it proves: the program runs at this world size on this rank (every shape, mesh, shard and schedule is

@@ -1,18 +1,13 @@
-"""`zplan export CKPT --to model.safetensors`: one consolidated weights file from a sharded checkpoint.
+"""`zplan export CKPT --to model.safetensors`: one consolidated weights file from a sharded checkpoint; the checkpoint
+reading and shard writing that `--hf` (zplan/export_hf.py) shares.
 
 The checkpoint (runtime/checkpoint/save.py) holds each rank's shards in DCP's format; its .metadata names
-every tensor with its full shape and dtype. The safetensors file's layout follows from that alone:
-
-    8 bytes   N, the header's length (little-endian u64)
-    N bytes   JSON header: {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}},
-              padded with spaces to a multiple of 8
-    ...       the tensors' bytes, back to back, in header order
-
-so the header is written first and the tensors are then read from the shards a chunk at a time (at
-most `max_chunk_bytes` of tensors per DCP read, a bigger tensor alone) and appended: the process holds
-one chunk, never the whole model. The file is written under a temporary name and renamed when complete.
-Only the model's tensors are exported (keys `model.<fqn>`), named as the model file names them, tied
-weights under each of their names, as `model.state_dict()` has them.
+every tensor with its full shape and dtype, so a safetensors file's header (model/safetensors_format.py) is
+written first and the tensors are then read from the shards a chunk at a time (at most `max_chunk_bytes` of
+tensors per DCP read, a bigger tensor alone) and appended: the process holds one chunk, never the whole model.
+The file is written under a temporary name and renamed when complete. Only the model's tensors are exported
+(keys `model.<fqn>`), named as the model file names them, tied weights under each of their names, as
+`model.state_dict()` has them.
 
 The checkpoint is read as hostile data (runtime/checkpoint/save.py, runtime/checkpoint/manifest.py): its files are first
 checked against MANIFEST.json, which must cover exactly the folder's regular files; one without a manifest is
@@ -23,12 +18,11 @@ of the folder its .metadata names, and train_state.json is read up to its cap, a
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import struct
 import sys
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,7 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from zplan.errors import ExportError
 from zplan.model.fused_layout import layouts_from_json, to_original
-from zplan.model.safetensors_format import SAFETENSORS_DTYPES
+from zplan.model.safetensors_format import PT_METADATA, SAFETENSORS_DTYPES, encode_header, nbytes, tensor_bytes
 from zplan.runtime.checkpoint.manifest import has_manifest, no_manifest_problem, verify
 from zplan.runtime.checkpoint.save import (
     ALLOW_UNVERIFIED_FLAG,
@@ -51,6 +45,7 @@ from zplan.runtime.checkpoint.save import (
 
 MODEL_PREFIX = "model."
 DEFAULT_MAX_CHUNK_BYTES = 1 << 30  # 1 GiB of tensors in memory at a time
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # --dtype
 
 
 def _model_tensors(checkpoint: Path) -> dict[str, tuple[torch.dtype, torch.Size]]:
@@ -87,10 +82,6 @@ def _fused_layouts(checkpoint: Path) -> dict:
                               f"{type(error).__name__}: {error}") from error
 
 
-def _nbytes(dtype: torch.dtype, shape: torch.Size) -> int:
-    return shape.numel() * torch.empty((), dtype=dtype).element_size()
-
-
 def _chunks(keys: list[str], sizes: dict[str, int], max_chunk_bytes: int) -> Iterator[list[str]]:
     """Consecutive runs of `keys` of at most max_chunk_bytes each (a bigger tensor makes a chunk alone)."""
     chunk, chunk_bytes = [], 0
@@ -122,35 +113,21 @@ def _load_chunk(checkpoint: Path, tensors: dict[str, tuple[torch.dtype, torch.Si
     return chunk
 
 
-def _header(tensors: dict[str, tuple[torch.dtype, torch.Size]], keys: list[str], step: str) -> bytes:
-    header: dict = {"__metadata__": {"format": "pt", "zplan_checkpoint_step": step}}
-    offset = 0
-    for key in keys:
-        dtype, shape = tensors[key]
-        end = offset + _nbytes(dtype, shape)
-        header[key[len(MODEL_PREFIX):]] = {
-            "dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, end],
-        }
-        offset = end
-    encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-    return struct.pack("<Q", len(encoded)) + encoded
+@dataclass(frozen=True)
+class Checkpoint:
+    """A verified checkpoint opened for export: its folder, its model tensors and how they are stored."""
+
+    folder: Path  # the step-N folder
+    tensors: dict[str, tuple[torch.dtype, torch.Size]]  # model tensor name (no 'model.' prefix) -> dtype, full shape
+    fused: dict  # model.fused_layout's stored orders, by tensor name
+    step: str  # optimizer steps done, as text (safetensors metadata is str -> str)
 
 
-def export_checkpoint(
-    ckpt_dir: Path, out_file: Path, *, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, allow_unverified: bool = False,
-) -> Path:
-    """Write the model weights of checkpoint `ckpt_dir` (a step-N folder, or a checkpoint folder: its
-    newest complete checkpoint) to the safetensors file `out_file`; return `out_file`.
-
-    Raises CheckpointError when `ckpt_dir` holds no complete checkpoint, or a damaged or unsafe one, or one without
-    a manifest unless allow_unverified (then a warning on stderr); ExportError when `out_file` cannot be written
-    (both ZplanError). Memory: about max_chunk_bytes, or the largest tensor.
-    """
+def open_checkpoint(ckpt_dir: Path, *, allow_unverified: bool = False) -> Checkpoint:
+    """The checkpoint `ckpt_dir` (a step-N folder, or a checkpoint folder: its newest complete checkpoint), its files
+    checked against its MANIFEST.json. CheckpointError when it holds no complete checkpoint, or a damaged or unsafe
+    one, or one without a manifest unless allow_unverified (then a warning on stderr)."""
     checkpoint = resolve_checkpoint(ckpt_dir)
-    out_file = Path(out_file)
-    if out_file.is_dir():
-        raise ExportError(f"--to {out_file} is a folder; give a file name such as {out_file / 'model.safetensors'}")
     unverified = not has_manifest(checkpoint)
     problems = verify(checkpoint)[1 if unverified else 0:]  # without a manifest, the first says so
     if problems:  # also without a manifest: a link, FIFO or folder among its files
@@ -163,27 +140,78 @@ def export_checkpoint(
                                   "unnoticed)")
         print(f"zplan: warning: {no_manifest_problem(checkpoint)}: exported without verifying it "
               f"({ALLOW_UNVERIFIED_FLAG})", file=sys.stderr, flush=True)
-    tensors = _model_tensors(checkpoint)
-    keys = sorted(tensors)
-    sizes = {key: _nbytes(*tensors[key]) for key in keys}
+    tensors = {key[len(MODEL_PREFIX):]: entry for key, entry in _model_tensors(checkpoint).items()}
     step = checkpoint.name.removeprefix("step-").lstrip("0") or "0"
-    fused = _fused_layouts(checkpoint)
+    return Checkpoint(checkpoint, tensors, _fused_layouts(checkpoint), step)
 
+
+def stream_tensors(ckpt: Checkpoint, names: list[str], *, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+                   dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full CPU tensor) of `names` in order, read a chunk of at most max_chunk_bytes at a time (a bigger
+    tensor alone), fused projections back in the model file's order; floating-point tensors cast to `dtype` when
+    given (integer and bool buffers keep theirs)."""
+    sizes = {name: nbytes(*ckpt.tensors[name]) for name in names}
+    keys = {name: MODEL_PREFIX + name for name in names}
+    full = {MODEL_PREFIX + name: entry for name, entry in ckpt.tensors.items()}
+    for chunk_names in _chunks(names, sizes, max_chunk_bytes):
+        chunk = _load_chunk(ckpt.folder, full, [keys[name] for name in chunk_names])
+        for name in chunk_names:
+            tensor = chunk.pop(keys[name])
+            if name in ckpt.fused:  # stored grouped: back to the model file's order
+                tensor = to_original(tensor, *ckpt.fused[name])
+            if dtype is not None and tensor.is_floating_point():
+                tensor = tensor.to(dtype)
+            yield name, tensor
+
+
+def shard_header(ckpt: Checkpoint, names: list[str], dtype: torch.dtype | None = None,
+                 file_names: list[str] | None = None) -> bytes:
+    """The safetensors header of a file holding the checkpoint's `names` in order (cast as stream_tensors casts
+    them), each under its `file_names` entry (default: its own name)."""
+    def stored(entry):
+        return dtype if dtype is not None and entry[0].is_floating_point else entry[0]
+
+    return encode_header([(file_name, stored(ckpt.tensors[name]), ckpt.tensors[name][1])
+                          for name, file_name in zip(names, file_names or names, strict=True)],
+                         {**PT_METADATA, "zplan_checkpoint_step": ckpt.step})
+
+
+def write_shard(path: Path, ckpt: Checkpoint, names: list[str], *, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+                dtype: torch.dtype | None = None, file_names: list[str] | None = None) -> None:
+    """The safetensors file `path` holding the checkpoint's tensors `names` (under `file_names`, default their own):
+    the header, then the tensors streamed a chunk at a time. Not atomic (callers write under a temporary name)."""
+    with open(path, "wb") as f:
+        f.write(shard_header(ckpt, names, dtype, file_names))
+        for _, tensor in stream_tensors(ckpt, names, max_chunk_bytes=max_chunk_bytes, dtype=dtype):
+            f.write(tensor_bytes(tensor))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def export_checkpoint(
+    ckpt_dir: Path, out_file: Path, *, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, allow_unverified: bool = False,
+    dtype: str | None = None,
+) -> Path:
+    """Write the model weights of checkpoint `ckpt_dir` (a step-N folder, or a checkpoint folder: its
+    newest complete checkpoint) to the safetensors file `out_file`; return `out_file`.
+
+    Raises CheckpointError when `ckpt_dir` holds no complete checkpoint, or a damaged or unsafe one, or one without
+    a manifest unless allow_unverified (then a warning on stderr); ExportError when `out_file` cannot be written
+    (both ZplanError). dtype: fp32 | bf16 | fp16 for the floating-point tensors (None: as stored). Memory: about
+    max_chunk_bytes, or the largest tensor.
+    """
+    out_file = Path(out_file)
+    if dtype is not None and dtype not in DTYPES:
+        raise ExportError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    if out_file.is_dir():
+        raise ExportError(f"--to {out_file} is a folder; give a file name such as {out_file / 'model.safetensors'}, "
+                          "or --hf to write a Hugging Face folder")
+    ckpt = open_checkpoint(ckpt_dir, allow_unverified=allow_unverified)
     tmp = out_file.with_name(f".{out_file.name}.tmp")
     try:
         out_file.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            f.write(_header(tensors, keys, step))
-            for chunk_keys in _chunks(keys, sizes, max_chunk_bytes):
-                chunk = _load_chunk(checkpoint, tensors, chunk_keys)
-                for key in chunk_keys:
-                    tensor = chunk.pop(key)
-                    if key[len(MODEL_PREFIX):] in fused:  # stored grouped: back to the model file's order
-                        tensor = to_original(tensor, *fused[key[len(MODEL_PREFIX):]])
-                    # Raw bytes in the host's order (little-endian on x86 and ARM), as safetensors stores them.
-                    f.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
-            f.flush()
-            os.fsync(f.fileno())
+        write_shard(tmp, ckpt, sorted(ckpt.tensors), max_chunk_bytes=max_chunk_bytes,
+                    dtype=DTYPES[dtype] if dtype else None)
         tmp.replace(out_file)
     except OSError as error:
         raise ExportError(f"cannot write {out_file}: {error.strerror or error}") from error

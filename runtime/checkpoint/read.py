@@ -192,7 +192,8 @@ def train_state_problem(state: Any, path: Path) -> str | None:
     folder_step = _STEP_DIR.match(path.name)
     if folder_step and int(folder_step.group(1)) != step:
         return f"step {step} in the folder of step {int(folder_step.group(1))}"
-    for name, kind in (("layout", dict), ("fused_layouts", dict), ("unverified_origin", str), ("loss", float)):
+    for name, kind in (("layout", dict), ("fused_layouts", dict), ("unverified_origin", str), ("loss", float),
+                       ("data", dict)):
         value = state.get(name)
         if value is not None and not isinstance(value, kind) and not (kind is float and type(value) is int):
             return f"'{name}' is {short_repr(value)}, not a {kind.__name__}"

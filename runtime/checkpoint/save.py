@@ -7,8 +7,9 @@ A checkpoint folder (--checkpoint-dir) holds:
         rank-00000.pt, ...      each rank's own state: RNG, data-iterator state, loss scaler
         train_state.json        optimizer steps done, world size, wrappers of the run that wrote it, the stored
                                 order of fused projections (model.fused_layout; `zplan export` undoes it), the
-                                loss of the last step, and `unverified_origin` when the run resumed from an
-                                unverified checkpoint (or from one that had it)
+                                loss of the last step, `unverified_origin` when the run resumed from an
+                                unverified checkpoint (or from one that had it), and `data`: --data's position
+                                (sequences consumed) and identity (runtime/data/position.py)
         MANIFEST.json           size and XXH3-64 hash of every file above (runtime/checkpoint/manifest.py), checked
                                 before a resume or an export reads them
         COMPLETE                written last: a step-* folder without it is not a checkpoint
@@ -98,6 +99,7 @@ class CheckpointConfig:
     resume: str | Path | None = None
     # load a checkpoint without a manifest (its files cannot be checked); latest-valid never takes one
     allow_unverified: bool = False
+    model_ref: str | None = None  # what the plan was compiled from (recorded for `zplan export --hf`)
 
     def __post_init__(self):
         if self.every < 0:
@@ -151,6 +153,8 @@ def save_checkpoint(
     data_state: Any = None,
     loss: float | None = None,
     unverified_origin: str | None = None,
+    model_ref: str | None = None,
+    data_position: dict | None = None,
 ) -> Path:
     """Write checkpoint `step` into `directory` (all ranks call it: DCP and the barriers are
     collective) and keep the newest `keep`, and the newest verified one; return the complete checkpoint's folder.
@@ -160,8 +164,9 @@ def save_checkpoint(
     scaler), saved beside its RNG state; data_state: the data iterator's state_dict() when it has one.
     loss: the last step's loss (recorded when finite). unverified_origin: why the run's state is not verified (it
     resumed from an unverified checkpoint), recorded so that retention does not take this checkpoint for a verified
-    one. A write that fails (a full disk) removes the partial folder and raises the same CheckpointError on every
-    rank; the previous checkpoints are untouched.
+    one. model_ref: the run's model file or Hugging Face folder (a folder recorded as an absolute path: `zplan export
+    --hf` takes its config.json and tokenizer). A write that fails (a full disk) removes the partial folder and raises
+    the same CheckpointError on every rank; the previous checkpoints are untouched.
     """
     directory = Path(directory)
     final = directory / step_dir_name(step)
@@ -194,6 +199,8 @@ def save_checkpoint(
                 "fused_layouts": fused_layouts,
                 "loss": loss if loss is not None and math.isfinite(loss) else None,
                 "unverified_origin": unverified_origin,
+                "model_ref": str(Path(model_ref).resolve()) if model_ref and Path(model_ref).is_dir() else model_ref,
+                "data": data_position,  # --data's position and identity (runtime/data/position.py), or None
             }
             _write_text(tmp / TRAIN_STATE_FILE, json.dumps(train_state, indent=2, allow_nan=False) + "\n")
     # CheckpointException: DCP's, raised on every rank; RuntimeError: torch.save's on a full disk

@@ -5,7 +5,7 @@
 Becomes `rank` of a fake world of the plan's size (runtime.dryrun.fake_world) and makes the calls train.py makes, in its
 order: plan_mesh, build_meta_model, parallelize (tensor parallel, recompute, pipeline stage and schedule, DDP /
 ZeRO-1 / FSDP2, offload, the weights made), plan_optimizer, then `steps` optimizer steps of
-runtime.training.loop.optimizer_step on the synthetic batches make_data_iter gives. runtime.dryrun.live_memory counts
+runtime.training.step.optimizer_step on the synthetic batches make_data_iter gives. runtime.dryrun.live_memory counts
 every storage from the build on; its peak starts again once the build is done, so the figures are those of the steps
 with everything the build left (model states, DDP's buckets, ZeRO-1's sharded states) included.
 """
@@ -25,8 +25,8 @@ from zplan.runtime.dryrun.fake_world import drop_cached_tensors, fake_tensors, f
 from zplan.runtime.dryrun.live_memory import LiveMemory, local_tensor
 from zplan.runtime.plan.apply import parallelize, plan_data_iter, plan_loss_fn, plan_mesh, plan_optimizer
 from zplan.runtime.training.data import make_data_iter
-from zplan.runtime.training.loop import clear_gradients, loss_scaler, optimizer_step
 from zplan.runtime.training.materialize import _cpu_offloaded, build_meta_model, weight_roots
+from zplan.runtime.training.step import clear_gradients, loss_scaler, optimizer_step
 from zplan.schemas.spec import Tier
 
 

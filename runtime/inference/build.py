@@ -6,7 +6,7 @@
 In order: join torch.distributed (runtime.launch.distributed: torchrun's environment, else a world of one), refuse a
 plan made for another model file or world size before any collective (as train.py does), build the whole
 model on the CPU on every rank (the engine shards it for tensor parallelism), load the weights (a
-.safetensors file from `zplan export` or a torch.save state dict from train.py --save-weights; without one,
+.safetensors file or a Hugging Face folder from `zplan export`, or train.py --save-weights' file; without one,
 the seeded random init, with a warning that the text will be noise), and make the engine on a 1-D "tp"
 DeviceMesh when tp > 1. Without CUDA the engine runs on the CPU in fp32, whatever the plan's dtype.
 """
@@ -14,7 +14,6 @@ DeviceMesh when tp > 1. Without CUDA the engine runs on the CPU in fp32, whateve
 from __future__ import annotations
 
 import json
-import struct
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -25,15 +24,19 @@ from torch import nn
 
 from zplan.errors import ModelLoadError, PlanMismatchError, SpecError, validation_message
 from zplan.model.model_file import load_model_file
-from zplan.model.safetensors_format import SAFETENSORS_DTYPES
+from zplan.model.safetensors_format import read_safetensors
 from zplan.runtime.inference.engine import InferenceEngine
 from zplan.runtime.inference.tokenizer import ByteTokenizer
 from zplan.runtime.launch.distributed import RunContext, init_distributed
 from zplan.runtime.plan.check import model_file_problems, raise_mismatch
 from zplan.runtime.training.materialize import build_model
+from zplan.safe_files import UnsafeFileError, inside, read_capped
 from zplan.schemas.inference import INFERENCE_PLAN_SCHEMA_VERSION, InferencePlan, WeightPrecision, WeightTier
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+INDEX_FILE = "model.safetensors.index.json"  # a sharded Hugging Face folder: {"weight_map": {name: shard file}}
+SINGLE_FILE = "model.safetensors"  # an unsharded one
+MAX_INDEX_BYTES = 64 << 20  # an index names each tensor once: a few MB for the largest models
 
 
 @dataclass(frozen=True)
@@ -100,28 +103,26 @@ def check_inference_plan(plan: InferencePlan, model_path: str | Path | None, wor
 # ---- weights ----------------------------------------------------------------------------------------------
 
 
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """{name: tensor} of a .safetensors file: 8 bytes header length (little-endian u64), the JSON header,
-    then the tensors' bytes (the layout zplan.export writes)."""
-    dtypes = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
-    data = bytearray(path.read_bytes())  # writable: the tensors below are views of it
+def _folder_files(folder: Path) -> list[Path]:
+    """The weight files of a Hugging Face folder (`zplan export --hf`, save_pretrained): the shards its
+    model.safetensors.index.json names, else its model.safetensors."""
+    index = folder / INDEX_FILE
+    if not index.exists():
+        if (folder / SINGLE_FILE).is_file():
+            return [folder / SINGLE_FILE]
+        raise ModelLoadError(f"weights folder {folder} has neither {INDEX_FILE} nor {SINGLE_FILE}: pass the folder "
+                             "`zplan export --to DIR --hf` wrote (or a Hugging Face folder saved with safetensors)")
     try:
-        (header_len,) = struct.unpack("<Q", data[:8])
-        header = json.loads(data[8:8 + header_len])
-    except (struct.error, ValueError) as exc:
-        raise ModelLoadError(f"{path} is not a safetensors file (its header cannot be read): {exc}") from exc
-    body = memoryview(data)[8 + header_len:]
-    state = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = entry["data_offsets"]
-        if entry["dtype"] not in dtypes:
-            raise ModelLoadError(f"{path}: tensor {name} has dtype {entry['dtype']}, which zplan cannot read")
-        dtype = dtypes[entry["dtype"]]
-        flat = torch.frombuffer(body[begin:end], dtype=dtype) if end > begin else torch.empty(0, dtype=dtype)
-        state[name] = flat.reshape(entry["shape"])
-    return state
+        weight_map = json.loads(read_capped(index, MAX_INDEX_BYTES, "the weights index"))["weight_map"]
+        shards = sorted(set(weight_map.values()))
+        files = [inside(folder, str(shard), str(index)) for shard in shards]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, UnsafeFileError) as exc:
+        raise ModelLoadError(f"cannot read the shard list of {index}: {exc}; is the folder complete?") from exc
+    lost = [str(file) for file in files if not file.is_file()]
+    if lost:
+        raise ModelLoadError(f"{index} names {', '.join(lost[:3])}, which {'is' if len(lost) == 1 else 'are'} not "
+                             "there: copy the whole folder")
+    return files
 
 
 def _load_failure(error: Exception) -> str:
@@ -135,16 +136,24 @@ def _load_failure(error: Exception) -> str:
     return f"{type(error).__name__}: {text.strip().splitlines()[0]}" if text.strip() else type(error).__name__
 
 
-def read_weights_file(path: str | Path) -> dict[str, torch.Tensor]:
-    """A state dict from a .safetensors file (zplan export) or a torch.save'd dict of tensors (train.py
-    --save-weights), on the CPU."""
+def weight_files(path: str | Path) -> list[Path]:
+    """The files of `path`: itself when it is a file, a Hugging Face folder's shards when it is one."""
     path = Path(path)
+    if path.is_dir():
+        return _folder_files(path)
     if not path.is_file():
-        what = "is not a regular file" if path.exists() else "does not exist"  # a folder, a FIFO
-        raise ModelLoadError(f"weights file {path} {what}: pass the .safetensors file `zplan export` "
-                             "wrote or the file train.py --save-weights wrote.")
+        what = "is not a regular file" if path.exists() else "does not exist"  # a FIFO
+        raise ModelLoadError(f"weights file {path} {what}: pass the .safetensors file or the folder `zplan export` "
+                             "wrote, or the file train.py --save-weights wrote.")
+    return [path]
+
+
+def read_weights_file(path: str | Path) -> dict[str, torch.Tensor]:
+    """A state dict from a .safetensors file (zplan export, train.py --save-weights FILE.safetensors) or a
+    torch.save'd dict of tensors (train.py --save-weights FILE.pt), on the CPU."""
+    path = Path(path)
     if path.suffix == ".safetensors":
-        return _read_safetensors(path)
+        return read_safetensors(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
@@ -155,17 +164,24 @@ def read_weights_file(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_weights(model: nn.Module, path: str | Path) -> None:
-    """Load `path` into `model` in place. Every parameter and buffer must be in the file, except a tied
-    weight stored under one of its names only; names the model lacks are an error."""
-    state = read_weights_file(path)
-    try:
-        missing, unexpected = model.load_state_dict(state, strict=False)
-    except RuntimeError as exc:  # shapes differ
-        raise ModelLoadError(f"weights {path} do not fit the model: {str(exc).strip()}") from exc
+    """Load `path` (a weights file, or a Hugging Face folder: one shard at a time) into `model` in place. Every
+    parameter and buffer must be in it, except a tied weight stored under one of its names only; names the model
+    lacks are an error. A tensor of another dtype (a bf16 export) is converted to the model's."""
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for file in weight_files(path):
+        state = read_weights_file(file)
+        try:
+            result = model.load_state_dict(state, strict=False)
+        except RuntimeError as exc:  # shapes differ
+            raise ModelLoadError(f"weights {file} do not fit the model: {str(exc).strip()}") from exc
+        loaded |= set(state)
+        unexpected += result.unexpected_keys
+        del state  # one shard in memory at a time
+    missing = [name for name in model.state_dict() if name not in loaded]
     aliases: dict[int, set[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(param), set()).add(name)
-    loaded = set(state)
     really_missing = [name for name in missing
                       if not any(alias in loaded for alias in aliases.get(id(_get(model, name)), ()))]
     if really_missing or unexpected:

@@ -29,6 +29,10 @@ MAX_SEED = 2**32 - 1
 # The peak learning rate at most: AdamW moves each weight by about the learning rate per step, so beyond 1 (weights
 # initialised at about 0.02) a step undoes the model; NaN or infinite turns every weight into NaN at once.
 MAX_LR = 1.0
+# --eval-batches: global batches per evaluation; its default is small (evaluation runs beside training), its
+# largest far beyond a validation set's use
+DEFAULT_EVAL_BATCHES = 4
+MAX_EVAL_BATCHES = 10**6
 
 
 def integer(low: int, high: int) -> Callable[[str], int]:
@@ -65,6 +69,20 @@ def path_name(text: str) -> str:
     return text
 
 
+# --save-weights' formats by suffix: safetensors, or a torch.save dict {name: tensor} (runtime.checkpoint.weights_file)
+WEIGHTS_SUFFIXES = (".safetensors", ".pt", ".bin")
+
+
+def weights_file_name(text: str) -> str:
+    """An argparse type: --save-weights' FILE, a path ending in one of WEIGHTS_SUFFIXES."""
+    path_name(text)
+    if not text.endswith(WEIGHTS_SUFFIXES):
+        raise argparse.ArgumentTypeError(f"must end in .safetensors (safetensors, which transformers and "
+                                         f"safetensors.torch.load_file read) or .pt / .bin (a torch.save state dict) "
+                                         f"(got {text!r})")
+    return text
+
+
 def resume_value(text: str) -> str:
     """An argparse type: --resume's CKPT, a checkpoint path or 'latest' / 'latest-valid', not the empty string (which
     would start from step 0)."""
@@ -76,6 +94,10 @@ def resume_value(text: str) -> str:
 
 def train_arguments_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with train.py's values taken together (a message naming the options), or None."""
+    if args.val_data is None and (args.eval_every or args.eval_batches != DEFAULT_EVAL_BATCHES):
+        return "--eval-every and --eval-batches need --val-data PATH (the data to evaluate on)"
+    if args.tokenizer is not None and args.data is None and args.val_data is None:
+        return "--tokenizer needs --data or --val-data (a text, .jsonl or datasets path to tokenize)"
     if args.warmup_steps is not None and args.warmup_steps > args.steps:
         return (f"--warmup-steps {args.warmup_steps} is more than --steps {args.steps}: the learning rate would never "
                 f"reach --lr; give 0 to {args.steps} warm-up steps")
@@ -98,13 +120,22 @@ def train_argument_parser(doc: str | None, lr: float) -> ArgumentParser:
     )
     parser.add_argument("--steps", type=integer(1, MAX_STEPS), default=20, help="optimizer steps (default 20)")
     parser.add_argument("--log-json", type=path_name, metavar="FILE", help="write one JSON line per step (rank 0)")
+    parser.add_argument("--tensorboard", type=path_name, metavar="DIR",
+                        help="write the per-step scalars (loss, lr, grad norm, tokens/s, MFU, memory) as TensorBoard "
+                             "event files in DIR (rank 0; needs `pip install tensorboard`)")
     parser.add_argument("--lr", type=learning_rate, default=lr, help=f"peak learning rate, 0 < LR <= 1 (default {lr})")
     parser.add_argument("--warmup-steps", type=integer(0, MAX_STEPS),
                         help="linear warmup steps, at most --steps (default: steps // 10, >= 1)")
     parser.add_argument("--seed", type=integer(0, MAX_SEED), default=0,
                         help="weights and synthetic data seed, 0 to 2^32 - 1 (default 0)")
     parser.add_argument("--model", type=path_name, metavar="PATH", help="model file (default: MODEL_FILE)")
-    parser.add_argument("--save-weights", type=path_name, metavar="FILE", help="save the trained weights as one file")
+    parser.add_argument("--save-weights", type=weights_file_name, metavar="FILE",
+                        help="save the trained weights as one file: FILE.safetensors, or FILE.pt a torch.save dict")
+    parser.add_argument("--init-from", type=path_name, metavar="PATH",
+                        help="start from these weights: a .safetensors file, a Hugging Face folder (sharded with "
+                             "model.safetensors.index.json, or model.safetensors) or a zplan step-N checkpoint (its "
+                             "weights only); 'none': from the model's initialisation (default: the weights of the "
+                             "Hugging Face folder the plan was compiled from, else none)")
     parser.add_argument("--checkpoint-dir", type=path_name, metavar="DIR",
                         help="write checkpoints (step-N folders) here")
     parser.add_argument("--checkpoint-every", type=integer(0, MAX_STEPS), default=0, metavar="N",
@@ -128,6 +159,24 @@ def train_argument_parser(doc: str | None, lr: float) -> ArgumentParser:
     parser.add_argument("--onebit-warmup-steps", type=integer(1, MAX_STEPS), metavar="N",
                         help="with 1-bit Adam: exact AdamW steps before it freezes Adam's variance and compresses "
                              "(default: the planner's, or 30%% of --steps when that is fewer)")
+    # your data (runtime/data, docs/runtime.md "Your data")
+    parser.add_argument("--data", type=path_name, metavar="PATH",
+                        help="train on this data instead of synthetic tokens: a token file (tokens.bin with its "
+                             "tokens.bin.json, from `zplan data prepare`), or with --tokenizer a text file (a document "
+                             "per line), a .jsonl file (a \"text\" field per line) or a datasets folder (save_to_disk)")
+    parser.add_argument("--tokenizer", type=path_name, metavar="DIR",
+                        help="the Hugging Face tokenizer folder (save_pretrained's) for text --data / --val-data")
+    parser.add_argument("--val-data", type=path_name, metavar="PATH",
+                        help="validation data (as --data): val_loss and val_ppl logged every --eval-every steps and "
+                             "after the last (not under a pipeline plan)")
+    parser.add_argument("--eval-every", type=integer(0, MAX_STEPS), default=0, metavar="N",
+                        help="evaluate --val-data every N steps (default 0: after the last step only)")
+    parser.add_argument("--eval-batches", type=integer(1, MAX_EVAL_BATCHES), default=DEFAULT_EVAL_BATCHES,
+                        metavar="N", help=f"global batches of --val-data per evaluation, the same ones each time "
+                                          f"(default {DEFAULT_EVAL_BATCHES})")
+    parser.add_argument("--allow-other-data", action="store_true",
+                        help="resume on other data (file, seed or sequence length) than the checkpoint recorded: "
+                             "this run's data then starts from its first sequence (default: refused)")
     return parser
 
 

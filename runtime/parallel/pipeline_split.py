@@ -103,7 +103,7 @@ def _skeleton(model: nn.Module, stand_ins: dict[str, nn.Module], unit_paths: Seq
 
 def _call_with_batch(fn: Callable, module: nn.Module, batch: Any) -> Any:
     """fn(module, batch) for a tensor, fn(module, *batch) for a tuple/list, fn(module, **batch) for a dict
-    (the convention of runtime.training.loop.forward_batch)."""
+    (the convention of runtime.training.step.forward_batch)."""
     if isinstance(batch, dict):
         return fn(module, **batch)
     if isinstance(batch, (tuple, list)):

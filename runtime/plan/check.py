@@ -6,13 +6,13 @@ message instead of hanging one of them in a collective.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 from pathlib import Path
 
 from pydantic import ValidationError
 
 from zplan.errors import PlanMismatchError, validation_message
+from zplan.model.hf_folder import is_hf_folder, source_sha256
 from zplan.safe_files import UnsafeFileError, read_capped
 from zplan.schemas import legality
 from zplan.schemas.capability import capability_problems
@@ -50,8 +50,9 @@ def load_plan(path: str | Path) -> Plan:
 
 
 def model_file_sha256(path: str | Path) -> str:
-    """SHA-256 (hex) of the model file's bytes, as the plan's fingerprint records it."""
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    """SHA-256 (hex) of the model file's bytes (a Hugging Face folder's config.json), as the plan's fingerprint
+    records it."""
+    return source_sha256(path)
 
 
 def _has(module_name: str, attribute: str) -> bool:
@@ -154,7 +155,7 @@ def model_file_problems(source: str, fp, model_path: str | Path | None, compile_
             f"are for planning only. Compile a model file instead, e.g. {compile_example}, and run {emitted}.")
     if model_path is None:
         return [f"no model file given; the plan was made for {fp.model_ref} (pass --model PATH)"]
-    if not Path(model_path).is_file():
+    if not Path(model_path).is_file() and not is_hf_folder(model_path):
         return [f"model file {model_path} does not exist (the plan was made for {fp.model_ref})"]
     if model_file_sha256(model_path) != fp.model_sha256:
         digests = (f"sha256 of {model_path} is {model_file_sha256(model_path)[:12]}..., the plan's fingerprint says "

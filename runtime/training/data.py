@@ -1,4 +1,5 @@
-"""Training batches: the model file's train_data hook, or synthetic tokens.
+"""Training batches: --data (a token, text or JSON-lines file, or a saved dataset: runtime/data), the model file's
+train_data hook, or synthetic tokens. --data and a train_data hook together are refused (open_run_data).
 
 Synthetic tokens are a function of (seed, step) alone: step s's global batch of
 dp_size * num_micro_batches * micro_batch sequences is the same in every run, and data-parallel
@@ -10,8 +11,12 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
+
+from zplan.runtime.data.errors import DataError
+from zplan.runtime.data.source import TokenData, open_data, token_batches
 
 # Each sequence is an arithmetic progression modulo the vocabulary, with a random start and a stride
 # drawn from 1..MAX_STRIDE: the next token follows from the previous two, so a small model's loss
@@ -66,11 +71,48 @@ def _slices_of_global_batches(global_batches, micro_batch: int, dp_rank: int) ->
         yield _rows(batch, dp_rank * micro_batch, (dp_rank + 1) * micro_batch)
 
 
+@dataclass(frozen=True)
+class RunData:
+    """train.py's --data and --val-data, opened and checked (None where not given)."""
+
+    train: TokenData | None = None
+    val: TokenData | None = None
+
+
+def open_run_data(model_file, *, data: str | None, val_data: str | None, tokenizer: str | None, vocab: int,
+                  seq_len: int, global_batch: int, pipeline_stages: int, eval_batches: int) -> RunData:
+    """--data and --val-data opened and checked (DataError naming the file and the fix), on every rank before any
+    collective: a train_data hook beside --data, --val-data under a pipeline, ids beyond `vocab`, fewer sequences
+    than one global batch of `global_batch` (--eval-batches of them for --val-data)."""
+    hook = getattr(model_file, "user_train_data", None)
+    if data and hook is not None:
+        raise DataError(f"--data {data} is given and the model file {getattr(model_file, 'path', '')} defines its own "
+                        "train_data hook: zplan would not know which to train on. Drop --data to train on the hook, "
+                        "or remove (rename) train_data in the model file to train on --data")
+    if val_data and pipeline_stages > 1:
+        raise DataError(f"--val-data {val_data} with a pipeline plan ({pipeline_stages} stages): validation is not "
+                        "run under pipeline parallel yet (its schedule runs the backward too); compile a plan with "
+                        "--pp 1, or evaluate the saved weights apart")
+    loaded: dict = {}  # the tokenizer, loaded once for both
+    train = open_data(data, vocab=vocab, tokenizer=tokenizer, loaded=loaded) if data else None
+    val = open_data(val_data, vocab=vocab, tokenizer=tokenizer, option="--val-data", loaded=loaded) if val_data \
+        else None
+    for opened, option, needed in ((train, "--data", 1), (val, "--val-data", eval_batches)):
+        if opened is not None:  # enough sequences (a throwaway iterator: the check only)
+            token_batches(opened, seq_len=seq_len, micro_batch=global_batch, num_micro_batches=1, dp_rank=0,
+                          dp_size=1, seed=0, batches_needed=needed, option=option)
+    return RunData(train, val)
+
+
 def make_data_iter(
     model_file, *, vocab: int, seq_len: int, micro_batch: int, num_micro_batches: int,
-    dp_rank: int, dp_size: int, seed: int,
+    dp_rank: int, dp_size: int, seed: int, data: TokenData | None = None,
 ) -> Iterator:
     """Micro-batches for this data-parallel rank.
+
+    With `data` (--data: open_run_data): token ids (micro_batch, seq_len) of its packed sequences in the order of
+    `seed`, step s's global batch of dp_size * num_micro_batches * micro_batch sequences sliced over the ranks as for
+    synthetic data (runtime/data/batches.py: a TokenBatches, whose position checkpoints record).
 
     With a `train_data` hook in the model file, it is called with the keywords it accepts among
     batch_size, seq_len, rank, world_size and seed, and yields batches (a tensor, a tuple or a dict
@@ -81,6 +123,9 @@ def make_data_iter(
     """
     # zplan.model.model_file.ModelFile keeps the file's own hook in user_train_data (its train_data
     # method falls back to uniform random tokens, which nothing can learn).
+    if data is not None:
+        return token_batches(data, seq_len=seq_len, micro_batch=micro_batch, num_micro_batches=num_micro_batches,
+                             dp_rank=dp_rank, dp_size=dp_size, seed=seed)
     train_data = getattr(model_file, "user_train_data", getattr(model_file, "train_data", None))
     if train_data is None:
         return synthetic_token_batches(

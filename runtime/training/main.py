@@ -22,6 +22,12 @@ from types import ModuleType
 
 from zplan.errors import ZplanError
 from zplan.model.model_file import load_model_file
+from zplan.runtime.checkpoint.pretrained import (
+    init_from_path,
+    load_pretrained,
+    load_pretrained_masters,
+    open_pretrained,
+)
 from zplan.runtime.checkpoint.save import CheckpointConfig
 from zplan.runtime.checkpoint.weights_file import save_full_weights
 from zplan.runtime.launch.arguments import parse_train_arguments
@@ -38,10 +44,12 @@ from zplan.runtime.plan.apply import (
 )
 from zplan.runtime.plan.check import check_plan, load_plan
 from zplan.runtime.plan.origin import check_plan_origin
-from zplan.runtime.training.data import make_data_iter
+from zplan.runtime.training.data import make_data_iter, open_run_data
 from zplan.runtime.training.loop import WarmupCosine, train
 from zplan.runtime.training.materialize import build_meta_model
 from zplan.runtime.training.outputs import check_output_paths
+from zplan.runtime.training.run_log import tensorboard_writer_class
+from zplan.runtime.training.validation import make_validation
 
 DEFAULT_KEEP = 3  # checkpoints kept without --keep
 
@@ -82,9 +90,20 @@ def run_training(args: argparse.Namespace, ctx: RunContext, script: TrainScript)
         print(f"zplan: note: {edited}", flush=True)
     check_plan(plan, model_path, ctx.world_size)  # before any collective
     warn_if_other_devices(plan, ctx)  # rank 0: one line on stderr when the plan was made for other devices
-    # every output writable on every rank before the first step (one all-reduce), or nothing is trained
-    check_output_paths(ctx, save_weights=args.save_weights, log_json=args.log_json, checkpoint_dir=args.checkpoint_dir)
+    if args.tensorboard:  # every rank, before the first collective: all stop together when it is not installed
+        tensorboard_writer_class()
     model_file = load_model_file(model_path)
+    # the weights to start from (--init-from; default: those of the Hugging Face folder the plan was compiled from),
+    # their files and tensors checked against the model on every rank before any collective
+    pretrained = open_pretrained(init_from_path(args.init_from, plan.fingerprint.init_from, model_path), model_file)
+    p = plan.parallel
+    # --data and --val-data opened and checked on every rank before any collective (runtime/training/data.py)
+    run_data = open_run_data(model_file, data=args.data, val_data=args.val_data, tokenizer=args.tokenizer,
+                             vocab=plan.model.vocab, seq_len=plan.train.seq_len, pipeline_stages=p.pp,
+                             global_batch=p.dp * p.num_micro_batches * p.micro_batch, eval_batches=args.eval_batches)
+    # every output writable on every rank before the first step (one all-reduce), or nothing is trained
+    check_output_paths(ctx, save_weights=args.save_weights, log_json=args.log_json, checkpoint_dir=args.checkpoint_dir,
+                       tensorboard=args.tensorboard)
 
     mesh = plan_mesh(plan, ctx.device.type)
     # The model on the meta device; its initialisation is recorded, to be replayed shard by shard by
@@ -95,12 +114,20 @@ def run_training(args: argparse.Namespace, ctx: RunContext, script: TrainScript)
     model, materialized = parallelize(model, weights, mesh, plan, model_file, ctx.device)
     if ctx.is_main:
         print(f"zplan: {materialized}", flush=True)  # host bytes the weights took on this rank
+    loaded = load_pretrained(pretrained, model, ctx)  # this rank's slices of the pretrained weights, in place
+    if loaded and ctx.is_main:
+        print(f"zplan: {loaded}", flush=True)
     optimizer = plan_optimizer(model, mesh, plan, lr=args.lr, weight_decay=script.weight_decay, steps=args.steps,
                                nvme_path=args.nvme_path, onebit_warmup_steps=args.onebit_warmup_steps)
-    p = plan.parallel
+    load_pretrained_masters(pretrained, model, optimizer, ctx)  # fp32 masters of 16-bit parameters: the file's values
     data = make_data_iter(model_file, vocab=plan.model.vocab, seq_len=plan.train.seq_len, micro_batch=p.micro_batch,
                           num_micro_batches=p.num_micro_batches, dp_rank=mesh["dp"].get_local_rank(), dp_size=p.dp,
-                          seed=args.seed)
+                          seed=args.seed, data=run_data.train)
+    token_data = data if run_data.train is not None else None  # its position goes into checkpoints
+    validation = None if run_data.val is None else make_validation(
+        run_data.val, seq_len=plan.train.seq_len, micro_batch=p.micro_batch, num_micro_batches=p.num_micro_batches,
+        dp_rank=mesh["dp"].get_local_rank(), dp_size=p.dp, eval_batches=args.eval_batches, every=args.eval_every,
+        wrap=lambda batches: plan_data_iter(plan, mesh, batches, model))
     # whole sequences per data-parallel rank; with context parallel (cp > 1) each cp rank's part of them, and the
     # next-token loss of that part (runtime/parallel/context_parallel.py)
     data, loss_fn = plan_data_iter(plan, mesh, data, model), plan_loss_fn(plan, model_file)
@@ -109,11 +136,14 @@ def run_training(args: argparse.Namespace, ctx: RunContext, script: TrainScript)
         directory=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
         every=args.checkpoint_every, keep=DEFAULT_KEEP if args.keep is None else args.keep, resume=args.resume,
         allow_unverified=args.allow_unverified,
+        model_ref=str(model_path) if model_path else plan.fingerprint.model_ref,  # for `zplan export --hf`
     )
     schedule = WarmupCosine(max_lr=args.lr, warmup_steps=warmup_steps, total_steps=args.steps)
     config = train_config(plan, steps=args.steps, lr_schedule=schedule, grad_clip=script.grad_clip,
                           log_json=args.log_json, checkpoint=checkpoint)
-    config = dataclasses.replace(config, allow_nonfinite_loss=args.allow_nonfinite_loss)
+    config = dataclasses.replace(config, allow_nonfinite_loss=args.allow_nonfinite_loss, tensorboard=args.tensorboard,
+                                 data=token_data, data_path=args.data, allow_other_data=args.allow_other_data,
+                                 validation=validation)
     train(model, optimizer, data, loss_fn, config, ctx)
     if args.save_weights:
         save_full_weights(model, args.save_weights, ctx, optimizer)  # fp32 master weights

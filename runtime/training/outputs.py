@@ -25,6 +25,12 @@ from zplan.errors import OutputError
 from zplan.runtime.launch.distributed import RunContext
 from zplan.safe_files import KINDS, disk_is_full, full_disk_message
 
+FOLDER_OPTIONS = {"tensorboard"}  # options that name a folder without ending in _dir
+
+
+def _is_folder(name: str) -> bool:
+    return name.endswith("_dir") or name in FOLDER_OPTIONS
+
 
 def _problem(path: Path, kind: str) -> str | None:
     """Why `path` (a file, or a folder when kind is 'folder') cannot be written, or None."""
@@ -44,9 +50,10 @@ def _problem(path: Path, kind: str) -> str | None:
 
 def check_output_paths(ctx: RunContext, **paths: str | Path | None) -> None:
     """Raise OutputError on every rank when any rank cannot write one of `paths` (name -> path; a name ending in
-    _dir is a folder; None: not asked for). Collective: every rank calls it, before the first step."""
+    _dir, or in FOLDER_OPTIONS, is a folder; None: not asked for). Collective: every rank calls it, before the first
+    step."""
     problems = [f"--{name.replace('_', '-')} {path}: {why}" for name, path in paths.items() if path is not None
-                for why in [_problem(Path(path), "folder" if name.endswith("_dir") else "file")] if why]
+                for why in [_problem(Path(path), "folder" if _is_folder(name) else "file")] if why]
     failed = torch.tensor([float(bool(problems))], device=ctx.device)
     if ctx.world_size > 1:
         dist.all_reduce(failed)

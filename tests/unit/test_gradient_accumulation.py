@@ -16,7 +16,7 @@ WORKER = textwrap.dedent("""
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from zplan.runtime.parallel.data_parallel import apply_data_parallel
-    from zplan.runtime.training.loop import _grad_sync, clear_gradients
+    from zplan.runtime.training.step import grad_sync, clear_gradients
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -36,7 +36,7 @@ WORKER = textwrap.dedent("""
     for step in range(2):
         batches = [torch.randn(3, 8) for _ in range(3)]
         for index, batch in enumerate(batches):
-            with _grad_sync(ddp, last_micro_batch=index == len(batches) - 1):
+            with grad_sync(ddp, last_micro_batch=index == len(batches) - 1):
                 ddp(batch).square().mean().backward()
             reference(batch).square().mean().backward()
             assert in_one_bucket(), (step, index)
