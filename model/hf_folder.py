@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import json
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ import torch
 from torch import nn
 
 from zplan.errors import ModelLoadError
-from zplan.safe_files import UnsafeFileError, read_capped
+from zplan.safe_files import UnreadableFileError, read_json_capped
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"  # sharded weights: {"weight_map": {tensor name: shard file}}
@@ -77,9 +76,8 @@ def read_hf_folder(path: str | Path) -> HfFolder:
             "model file (.py) that defines build_model()")
     config_path = folder / CONFIG_FILE
     try:
-        data = read_capped(config_path, CONFIG_CAP_BYTES, "the Hugging Face config")
-        config = json.loads(data)
-    except (UnsafeFileError, OSError, ValueError) as error:
+        config, data = read_json_capped(config_path, CONFIG_CAP_BYTES, "the Hugging Face config")
+    except UnreadableFileError as error:
         raise ModelLoadError(f"{config_path} cannot be read as JSON ({error}): put back the config.json "
                              "save_pretrained wrote") from error
     if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):

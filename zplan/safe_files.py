@@ -4,6 +4,7 @@ runtime and the CLI use it.
 
     path = inside(folder, "step-000004/__0_0.distcp", "MANIFEST.json")   # or UnsafeFileError
     data = read_capped(path, 1 << 20, "the checkpoint manifest")          # bytes, at most the cap
+    value, raw = read_json_capped(path, 1 << 20, "the index")            # parsed, or UnreadableFileError
     fd = open_regular(path, os.O_RDWR | os.O_CREAT, follow=False)         # a lock file zplan creates
     if disk_is_full(error, folder): message = full_disk_message(path, needed_bytes)   # one message for every write
 
@@ -16,6 +17,7 @@ than it should be, refused on the bytes actually read (stat's size is 0 for /dev
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import stat
@@ -27,6 +29,10 @@ from zplan.errors import ZplanError
 class UnsafeFileError(ZplanError):
     """A path that leads out of its folder, a link or special file where a regular file belongs, or a file over its
     size cap."""
+
+
+class UnreadableFileError(ZplanError):
+    """A file that could not be read (missing, unsafe, over its cap) or parsed; the reason is the message."""
 
 
 KINDS = {stat.S_IFDIR: "folder", stat.S_IFCHR: "character device", stat.S_IFBLK: "block device",
@@ -77,6 +83,16 @@ def read_capped(path: str | Path, cap_bytes: int, what: str, *, follow: bool = T
         raise UnsafeFileError(f"{what} {path} is over {cap_bytes:,} bytes, far more than such a file holds: refused "
                               "(is it the right file?)")
     return data
+
+
+def read_json_capped(path: str | Path, cap_bytes: int, what: str) -> tuple[object, bytes]:
+    """(the JSON value of the regular file `path`, its bytes), at most `cap_bytes` of them; UnreadableFileError
+    with the reason (unsafe, unreadable, over the cap, not JSON) for the caller to wrap with its advice."""
+    try:
+        raw = read_capped(path, cap_bytes, what)
+        return json.loads(raw), raw
+    except (UnsafeFileError, OSError, ValueError) as error:
+        raise UnreadableFileError(str(error)) from error
 
 
 FULL_DISK_BYTES = 1 << 20  # a write that failed with less than this free (bytes) on its disk failed for want of space

@@ -24,7 +24,7 @@ import torch
 from zplan.errors import CheckpointError
 from zplan.model.hf_folder import INDEX_FILE, SINGLE_FILE
 from zplan.model.safetensors_format import SAFETENSORS_DTYPES
-from zplan.safe_files import UnsafeFileError, inside, open_regular, read_capped
+from zplan.safe_files import UnreadableFileError, UnsafeFileError, inside, open_regular, read_json_capped
 
 HEADER_CAP_BYTES = 100 << 20  # safetensors' own limit on a header
 INDEX_CAP_BYTES = 64 << 20  # an index of the largest models is a few MiB
@@ -106,8 +106,8 @@ def read_index(path: str | Path) -> dict[str, TensorEntry]:
     shard's header read and holding the tensors the index gives it."""
     path = Path(path)
     try:
-        index = json.loads(read_capped(path, INDEX_CAP_BYTES, "the safetensors index"))
-    except (UnsafeFileError, OSError, ValueError) as error:
+        index, _ = read_json_capped(path, INDEX_CAP_BYTES, "the safetensors index")
+    except UnreadableFileError as error:
         raise CheckpointError(f"cannot read {path} as JSON ({error}): put back the index save_pretrained "
                               "wrote") from error
     weight_map = index.get("weight_map") if isinstance(index, dict) else None

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from zplan.runtime.data.errors import DataError
-from zplan.safe_files import UnsafeFileError, read_capped
+from zplan.safe_files import UnreadableFileError, read_json_capped
 
 SIDECAR_FORMAT = "zplan-tokens"
 SIDECAR_VERSION = 1
@@ -76,9 +76,8 @@ def _read_sidecar(path: Path) -> tuple[dict, str]:
         raise DataError(f"token file {path} has no sidecar {side}: write it with `zplan data prepare`, or by hand as "
                         f"{_example_sidecar(path)}")
     try:
-        raw = read_capped(side, MAX_SIDECAR_BYTES, "token sidecar")
-        meta = json.loads(raw)
-    except (UnsafeFileError, OSError, ValueError) as error:
+        meta, raw = read_json_capped(side, MAX_SIDECAR_BYTES, "token sidecar")
+    except UnreadableFileError as error:
         raise DataError(f"cannot read the sidecar {side} of {path} ({error}): write it again with `zplan data "
                         "prepare`") from error
     if not isinstance(meta, dict):

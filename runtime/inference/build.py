@@ -30,7 +30,7 @@ from zplan.runtime.inference.tokenizer import ByteTokenizer
 from zplan.runtime.launch.distributed import RunContext, init_distributed
 from zplan.runtime.plan.check import model_file_problems, raise_mismatch
 from zplan.runtime.training.materialize import build_model
-from zplan.safe_files import UnsafeFileError, inside, read_capped
+from zplan.safe_files import UnreadableFileError, UnsafeFileError, inside, read_json_capped
 from zplan.schemas.inference import INFERENCE_PLAN_SCHEMA_VERSION, InferencePlan, WeightPrecision, WeightTier
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -113,10 +113,10 @@ def _folder_files(folder: Path) -> list[Path]:
         raise ModelLoadError(f"weights folder {folder} has neither {INDEX_FILE} nor {SINGLE_FILE}: pass the folder "
                              "`zplan export --to DIR --hf` wrote (or a Hugging Face folder saved with safetensors)")
     try:
-        weight_map = json.loads(read_capped(index, MAX_INDEX_BYTES, "the weights index"))["weight_map"]
+        weight_map = read_json_capped(index, MAX_INDEX_BYTES, "the weights index")[0]["weight_map"]
         shards = sorted(set(weight_map.values()))
         files = [inside(folder, str(shard), str(index)) for shard in shards]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, UnsafeFileError) as exc:
+    except (KeyError, TypeError, AttributeError, UnreadableFileError, UnsafeFileError) as exc:
         raise ModelLoadError(f"cannot read the shard list of {index}: {exc}; is the folder complete?") from exc
     lost = [str(file) for file in files if not file.is_file()]
     if lost:
