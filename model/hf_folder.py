@@ -92,9 +92,14 @@ def read_hf_folder(path: str | Path) -> HfFolder:
         # transformers: an optional dependency, needed only for a Hugging Face folder
         from transformers import AutoModelForCausalLM
 
-        # fp32 parameters whatever the config's dtype: the plan's precision decides what the run computes in
-        return AutoModelForCausalLM.from_config(copy.deepcopy(hf_config), attn_implementation="sdpa",
-                                                dtype=torch.float32)
+        # fp32 parameters whatever the config's dtype: the plan's precision decides what the run computes in;
+        # torch's fused attention where the class has it, else its own (Gemma-2 and GPT-OSS have no sdpa path)
+        try:
+            return AutoModelForCausalLM.from_config(copy.deepcopy(hf_config), attn_implementation="sdpa",
+                                                    dtype=torch.float32)
+        except ValueError:
+            return AutoModelForCausalLM.from_config(copy.deepcopy(hf_config), attn_implementation="eager",
+                                                    dtype=torch.float32)
 
     sha256 = hashlib.sha256(data).hexdigest()
     module = types.ModuleType(f"zplan_hf_folder_{sha256[:12]}", f"the Hugging Face model of {folder}")

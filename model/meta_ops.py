@@ -84,7 +84,9 @@ class MetaOpCache:
         if spec[0] == "T":
             _, shape, stride, dtype, grad = spec
             tensor = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-            return tensor.requires_grad_() if grad and (dtype.is_floating_point or dtype.is_complex) else tensor
+            if grad and (dtype.is_floating_point or dtype.is_complex):  # an operation's output: not a leaf, so
+                return tensor.requires_grad_().clone()  # the model may change it in place (x /= x.sum())
+            return tensor
         if spec[0] == "C":
             return spec[1]
         return spec[0](self._rebuild(item) for item in spec[1])

@@ -5,6 +5,8 @@ Costs per operation (rules in the tables below):
              here (torch's FlopCounterMode misses the CPU flash kernel): QK^T and AV are 2*B*H*T*S*D each,
              halved when is_causal=True; elementwise operations count 0. Backward = 2x forward for these.
   act bytes  tensors autograd saves for backward (see SAVED-TENSOR RULE below), at the compute precision.
+  experts    routed_experts (planner/expert_trace.py): each of T tokens visits k experts, each visit a pass through one
+             expert's matrices: 2*T*k*(one expert's matrix parameters) forward FLOPs, balanced or not.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import math
 import torch
 
 from zplan.errors import SpecError
+from zplan.planner.expert_trace import ROUTED_EXPERTS
 from zplan.planner.tracers import DROPOUT_OPS, SDPA, TracedOp
 
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}  # bytes per floating-point element
@@ -41,6 +44,9 @@ ADD_OPS = {"add", "add_"}
 #   scaled_dot_product_attention: q, k, v, the output and a fp32 logsumexp (B, H, T), as a flash
 #     kernel does; no (T, T) scores are saved, unlike Korthikanti's unfused 5*a*s^2 term;
 #   norms: their input plus fp32 mean / rstd per row; dropout with p > 0: a 1-byte mask per element;
+#   routed_experts: per routed token (T * k of them), its copy of the input (h), the first matrix's output (2F, the
+#     activation's input), the last matrix's input (F) and the expert's output (h, which the routing weight
+#     multiplies): what a grouped-GEMM MoE layer keeps (Megatron-Core's MoE layer; torchtitan's);
 #   additions, views and concatenations: nothing.
 # The loss's logits (B, T, V) are not charged here: the cost model counts them (planner/cost/memory.py).
 PRODUCT_OPS = MATMUL_OPS | {"mul", "div"}
@@ -67,6 +73,10 @@ def forward_flops(op: TracedOp) -> float:
         if len(shapes) <= k_arg or not shapes[k_arg]:
             return 0.0
         return 2.0 * math.prod(op.shape) * shapes[k_arg][-1]  # 2 * M * N * K
+    if op.op == ROUTED_EXPERTS:
+        tokens, top_k = _routed(op)
+        matrices = [shape for shape in shapes[3:] if shape and len(shape) == 3]  # (E, out, in) or (E, in, out)
+        return 2.0 * tokens * top_k * sum(math.prod(shape[1:]) for shape in matrices)
     if op.op == SDPA and len(shapes) >= 3 and all(shapes[:3]):
         query, key, value = shapes[:3]  # (B, H, T, D), (B, Hkv, S, D), (B, Hkv, S, Dv)
         rows = math.prod(query[:-1])  # B * H * T
@@ -75,11 +85,29 @@ def forward_flops(op: TracedOp) -> float:
     return 0.0
 
 
-def saved_tensors(op: TracedOp, requires_grad: dict[str, bool]) -> tuple[list[int], bool, float]:
+def _routed(op: TracedOp) -> tuple[int, int]:
+    """(T tokens, k experts each) of a routed_experts operation: its hidden (T, h) and top_k_index (T, k)."""
+    hidden, index = op.args[0].shape or (0, 0), op.args[1].shape or (0, 0)
+    return math.prod(hidden[:-1]), index[-1]
+
+
+def routed_saved_elements(op: TracedOp) -> float:
+    """Elements a routed_experts operation saves for backward (the rule above), at compute precision."""
+    tokens, top_k = _routed(op)
+    hidden = op.args[0].shape[-1]
+    matrices = [arg.shape for arg in op.args[3:] if arg.shape and len(arg.shape) == 3]
+    first = matrices[0][1] if matrices[0][2] == hidden else matrices[0][2]  # the side that is not h: 2F
+    last = matrices[-1][2] if matrices[-1][1] == hidden else matrices[-1][1]  # F
+    return float(tokens * top_k * (2 * hidden + first + last))
+
+
+def saved_tensors(op: TracedOp, requires_grad: dict[str, bool], float_bytes: int) -> tuple[list[int], bool, float]:
     """(indices of args saved, whether the output is saved, extra bytes saved) under the rule above."""
     arg_rg = [arg.requires_grad for arg in op.args]
     if not requires_grad.get(op.name):
         return [], False, 0.0
+    if op.op == ROUTED_EXPERTS:
+        return [], False, float_bytes * routed_saved_elements(op)
     if op.op in PRODUCT_OPS:
         saved = [i for i in range(len(op.args)) if any(rg for j, rg in enumerate(arg_rg) if j != i)]
         if op.op in MATMUL_K_FROM_ARG1:

@@ -22,8 +22,10 @@ import torch
 from torch import nn
 
 from zplan.errors import TraceError
+from zplan.model.experts import ExpertLayer, find_expert_layers
 from zplan.model.model_file import hf_models_see_whole_sequences, load_model_file, next_token_loss
 from zplan.model.modules import is_conv1d, parent_path
+from zplan.planner.expert_trace import ROUTED_EXPERTS, experts_as_operations
 from zplan.planner.graph import ModelGraph
 from zplan.planner.op_costs import (
     ADD_OPS,
@@ -38,7 +40,7 @@ from zplan.planner.op_costs import (
 from zplan.planner.tracers import SDPA, TRACER_FUNCTIONS, MetaOpCache, RawTrace, TracedOp, as_call
 from zplan.planner.traits import find_traits, fused_parts
 from zplan.schemas.capability import ModelTrait
-from zplan.schemas.model import LayerCost, ModelSummary, TensorParallelRule
+from zplan.schemas.model import ExpertsSummary, LayerCost, ModelSummary, TensorParallelRule
 
 DEFAULT_SEQ_LEN = 2048  # tokens per sample when neither the caller nor the model file (SEQ_LEN) says
 TRACERS = ("fx", "hooks", "export")  # tried in this order
@@ -71,9 +73,11 @@ def trace_module(model: nn.Module, example_inputs: Any, seq_len: int, precision:
     element_bytes(precision)
     hf_models_see_whole_sequences()  # a module handed in directly, not built from a model file
     prefix, num_blocks = find_block_container(model)
-    raw = run_tracers(model, example_inputs, tracers)
+    experts = find_expert_layers(model)
+    with experts_as_operations(model, experts):  # each priced by top-k (planner/expert_trace.py)
+        raw = run_tracers(model, example_inputs, tracers)
     graph = _build_graph(raw, model, prefix, num_blocks, seq_len, precision)
-    return graph, _summarize(graph, raw, model, name, as_call(example_inputs), runtime_checks)
+    return graph, _summarize(graph, raw, model, name, as_call(example_inputs), runtime_checks, experts)
 
 
 # --- running the tracers (zplan.planner.tracers: a model and one sample -> TracedOps) ------------------
@@ -157,7 +161,7 @@ def _build_graph(raw: RawTrace, model: nn.Module, prefix: str, num_blocks: int, 
                        precision=precision)
     current_block: int | None = None
     for position, op in enumerate(ops):
-        saved_args, saves_output, act_bytes = saved_tensors(op, requires_grad)
+        saved_args, saves_output, act_bytes = saved_tensors(op, requires_grad, float_bytes)
         saved = [(op.args[i].producer, op.args[i].shape, op.args[i].dtype) for i in saved_args
                  if op.args[i].param is None and op.args[i].producer is not None]
         if saves_output:
@@ -252,7 +256,8 @@ def _mark_tensor_parallel(graph: ModelGraph, model: nn.Module, blocks: range) ->
 # --- summary --------------------------------------------------------------------------------------------
 
 def _summarize(graph: ModelGraph, raw: RawTrace, model: nn.Module, name: str,
-               example_call: tuple[tuple, dict], runtime_checks: ModuleType | None) -> ModelSummary:
+               example_call: tuple[tuple, dict], runtime_checks: ModuleType | None,
+               experts: list[ExpertLayer]) -> ModelSummary:
     prefix, num_blocks = graph.block_prefix, graph.num_blocks
     by_name = {op.name: op for op in raw.ops}
     units = ["embedding"] + [f"{prefix}.{i}" for i in range(num_blocks)] + ["head"]
@@ -260,6 +265,9 @@ def _summarize(graph: ModelGraph, raw: RawTrace, model: nn.Module, name: str,
     flops_of = dict.fromkeys(units, 0.0)
     act_of = dict.fromkeys(units, 0.0)
     gemm_of = dict.fromkeys(units, 0.0)  # outputs of the matmuls that read a weight (selective recompute keeps them)
+    expert_params_of = dict.fromkeys(units, 0)
+    expert_flops_of = dict.fromkeys(units, 0.0)
+    expert_act_of = dict.fromkeys(units, 0.0)
     modules_of: dict[str, dict[str, None]] = {unit: {} for unit in units}  # ordered sets
     for node, data in graph.iter_nodes():
         reads_parameter = any(arg.param is not None for arg in by_name[node].args)
@@ -269,6 +277,10 @@ def _summarize(graph: ModelGraph, raw: RawTrace, model: nn.Module, name: str,
         flops_of[data["unit"]] += data["fwd_flops"]
         act_of[data["unit"]] += data["act_bytes"]
         op = by_name[node]
+        if op.op == ROUTED_EXPERTS:
+            expert_params_of[data["unit"]] += data["params"]
+            expert_flops_of[data["unit"]] += data["fwd_flops"]
+            expert_act_of[data["unit"]] += data["act_bytes"]
         if op.op in MATMUL_OPS and reads_parameter:
             gemm_of[data["unit"]] += tensor_bytes(op.shape, op.dtype, element_bytes(graph.precision))
     owner: dict[str, str] = {}  # parameter -> the unit that reads it first, which owns it
@@ -288,6 +300,8 @@ def _summarize(graph: ModelGraph, raw: RawTrace, model: nn.Module, name: str,
         LayerCost(name=unit, kind="embedding" if unit == "embedding" else "head" if unit == "head" else "block",
                   params=int(params_of[unit]), shared_params=sum(shared_of[unit].values()),
                   fwd_flops=flops_of[unit], act_bytes=act_of[unit], gemm_out_bytes=gemm_of[unit],
+                  expert_params=expert_params_of[unit], expert_fwd_flops=expert_flops_of[unit],
+                  expert_act_bytes=expert_act_of[unit],
                   modules=_unit_modules(model, list(modules_of[unit]), prefix) or [unit])
         for unit in units
     ]
@@ -299,6 +313,8 @@ def _summarize(graph: ModelGraph, raw: RawTrace, model: nn.Module, name: str,
                       if graph[n]["tp_style"] == "rowwise" and by_name[n].args[0].shape]
     linear_outputs = [graph[n]["shape"][-1] for n in block0 if graph[n]["op"] == "linear" and graph[n]["shape"]]
     ffn_hidden = max(rowwise_inputs or linear_outputs or [4 * hidden])
+    if experts:  # the MLP of a mixture of experts: one expert's width where no dense MLP is wider
+        ffn_hidden = max(ffn_hidden if rowwise_inputs else 0, experts[0].ffn_hidden)
     rules = []
     for module, style in styles.items():
         parts, groups = (fused_parts(graph, model, module) if style == "colwise" else None) or ([], 1)
@@ -309,8 +325,24 @@ def _summarize(graph: ModelGraph, raw: RawTrace, model: nn.Module, name: str,
         name=name, source="file", tracer=graph.tracer, num_blocks=num_blocks, hidden=hidden, heads=heads,
         kv_heads=kv_heads, ffn_hidden=ffn_hidden, vocab=vocab, seq_len=graph.seq_len,
         params=sum(p.numel() for p in all_params.values()), layers=layers, block_prefix=prefix, tp_rules=rules,
-        block_tokens=_block_tokens(graph, block0), traits=traits,
+        block_tokens=_block_tokens(graph, block0), experts=_experts_summary(experts, all_params), traits=traits,
     )
+
+
+def _experts_summary(experts: list[ExpertLayer], all_params: dict[str, nn.Parameter]) -> ExpertsSummary | None:
+    """The routed experts' numbers; TraceError when MoE blocks differ in E, k or F (zplan prices one kind)."""
+    if not experts:
+        return None
+    kinds = {(layer.num_experts, layer.top_k, layer.ffn_hidden) for layer in experts}
+    if len(kinds) > 1:
+        raise TraceError(f"the model's experts differ between blocks ({sorted(kinds)} as (experts, top-k, width)): "
+                         "zplan plans models whose MoE blocks all route alike")
+    first = experts[0]
+    routed = sum(layer.expert_params * layer.num_experts for layer in experts)
+    total = sum(p.numel() for p in all_params.values())
+    active = total - routed + sum(layer.expert_params * layer.top_k for layer in experts)
+    return ExpertsSummary(num_experts=first.num_experts, top_k=first.top_k, ffn_hidden=first.ffn_hidden,
+                          moe_blocks=len(experts), routed_params=routed, active_params=active)
 
 
 def _block_tokens(graph: ModelGraph, block0: list[str]) -> int | None:

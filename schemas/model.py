@@ -7,11 +7,17 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from zplan.schemas.capability import ModelTrait
 
 LayerKind = Literal["embedding", "block", "head", "other"]
+EXPERT_FIELDS = ("expert_params", "expert_fwd_flops", "expert_act_bytes", "experts")  # written only for MoE models
+
+
+def _without_dense_defaults(data: dict) -> dict:
+    """A dense model's plan.json without the mixture-of-experts fields at their defaults (0, None)."""
+    return {key: value for key, value in data.items() if key not in EXPERT_FIELDS or value}
 TPStyle = Literal["colwise", "rowwise"]
 
 
@@ -41,6 +47,30 @@ class LayerCost(BaseModel):
         default=0.0, ge=0, description="Of act_bytes, what an unfused attention core saves over (s, s) scores "
         "(softmax output, dropout mask), one sample; 0 where a fused (flash) kernel keeps the scores on chip."
     )
+    expert_params: int = Field(default=0, ge=0, description="Of params, the routed experts' (zplan.model.experts): "
+                               "whole on every tensor-parallel rank, which splits only the Linears.")
+    expert_fwd_flops: float = Field(default=0.0, ge=0, description="Of fwd_flops, the routed experts' for one sample "
+                                    "at top-k, routing balanced (planner/expert_trace.py); not split by tp.")
+    expert_act_bytes: float = Field(default=0.0, ge=0, description="Of act_bytes, what the routed experts save for "
+                                    "one sample (planner/op_costs.py); not split by tp.")
+
+    @model_serializer(mode="wrap")
+    def _dense_without_expert_fields(self, handler):
+        return _without_dense_defaults(handler(self))
+
+
+class ExpertsSummary(BaseModel):
+    """The routed experts of a mixture-of-experts model (zplan.model.experts), the same in every MoE block."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_experts: int = Field(ge=2, description="Routed experts E per MoE block.")
+    top_k: int = Field(ge=1, description="Experts each token visits, k.")
+    ffn_hidden: int = Field(gt=0, description="One expert's inner width F.")
+    moe_blocks: int = Field(gt=0, description="Blocks holding routed experts (DeepSeek-V3's first blocks are dense).")
+    routed_params: int = Field(gt=0, description="Parameters of every routed expert of every block.")
+    active_params: int = Field(gt=0, description="Parameters one token uses: all but the routed experts', plus k / E "
+                               "of theirs.")
 
 
 class TensorParallelRule(BaseModel):
@@ -79,9 +109,15 @@ class ModelSummary(BaseModel):
                                         "between blocks (B, T, h), as traced: may differ from seq_len (a ViT's "
                                         "patches and class token); sequence parallel splits them over tp. None: "
                                         "seq_len.")
+    experts: Optional[ExpertsSummary] = Field(default=None, description="The routed experts; None for a dense "
+                                              "model.")
     traits: list[ModelTrait] = Field(default_factory=list, description="What the tracer found that rules out a "
                                      "parallelism the runtime cannot run on this model (schemas.capability.RULES); "
                                      "empty for closed-form families.")
+
+    @model_serializer(mode="wrap")
+    def _dense_without_expert_fields(self, handler):
+        return _without_dense_defaults(handler(self))
 
     @property
     def fwd_flops_per_sample(self) -> float:

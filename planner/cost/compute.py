@@ -101,6 +101,12 @@ def block_time_s(
     # The attention core runs forward and backward, and again in backward under either recompute mode.
     core = b * attention_core_fwd_flops(model) * ((1.0 + BACKWARD_OVER_FORWARD) + (cand.recompute > 0))
     flops = b * ((1.0 + BACKWARD_OVER_FORWARD) * model.block_fwd_flops + recompute_fwd_flops(model, cand.recompute))
+    # Routed experts: every tp rank runs them whole on all its tokens (tp splits only the Linears), at the compute
+    # dtype's peak (fp8 training converts Linears only), their GEMMs as large as one expert's share of the tokens
+    experts = b * model.block_expert_fwd_flops * ((1.0 + BACKWARD_OVER_FORWARD) + (cand.recompute == 2))
+    expert_tokens = b * model.seq_len * model.top_k / max(model.num_experts, 1)
+    expert_eff = gemm_efficiency(2.0 * expert_tokens * model.hidden * model.expert_ffn_hidden, cluster)
+    experts_s = experts / (peak * expert_eff) if model.block_expert_fwd_flops > 0 else 0.0
     attention = cluster.efficiency.attention
     unfused = model.block_attention_core_bytes > 0  # batched GEMMs and a softmax streamed through HBM
     attention_eff = eff if attention is None or unfused else attention
@@ -111,7 +117,8 @@ def block_time_s(
     streamed = STREAMED_PER_SAVED_BYTE * ((1.0 + BACKWARD_OVER_FORWARD) * saved_fwd + recomputed)
     if precision in ("fp8", "nvfp4"):
         streamed = streamed + fp8_cast_bytes(model, b, t, precision)
-    return ((flops - core) / t / (gemm_peak * eff) + core / t / (peak * attention_eff)
+    return ((flops - core - experts) / t / (gemm_peak * eff) + core / t / (peak * attention_eff)
+            + experts_s
             + streamed / activation_ops_Bps(cluster) + block_host_s(cand.recompute, cluster))
 
 
@@ -120,10 +127,11 @@ def fp8_cast_bytes(model: ModelNumbers, micro_batch: np.ndarray, tp: np.ndarray,
     """HBM bytes one block's fp8 (or nvfp4) casts stream per micro-batch, per GPU: X and G of b * s tokens
     (FP8_CAST_TOKEN_ELEMENTS_PER_PARAM_H elements per parameter per token / h) and the weights, each tp-split, at
     FP8_CAST_BYTES_PER_ELEMENT (NVFP4_CAST_BYTES_PER_ELEMENT)."""
-    per_token = FP8_CAST_TOKEN_ELEMENTS_PER_PARAM_H * model.block_params / model.hidden
+    linears = model.block_params - model.block_expert_params  # the Linears fp8 converts (not routed experts)
+    per_token = FP8_CAST_TOKEN_ELEMENTS_PER_PARAM_H * linears / model.hidden
     token_elements = micro_batch * model.seq_len * per_token
     per_element = NVFP4_CAST_BYTES_PER_ELEMENT if precision == "nvfp4" else FP8_CAST_BYTES_PER_ELEMENT
-    return per_element * (token_elements + model.block_params) / tp
+    return per_element * (token_elements + linears) / tp
 
 
 def activation_ops_Bps(cluster: ClusterSpec) -> float:

@@ -105,6 +105,17 @@ class ModelNumbers:
     block_colwise_linears: int = 0  # a block's Linears split by output features under tp (its tp_rules)
     block_rowwise_linears: int = 0  # and by input features
     kv_heads: int = 0  # key/value heads (GQA); 0: as many as the query heads
+    # Routed experts (mean over blocks; 0 for a dense model): whole on every tp rank, which splits only the Linears
+    block_expert_params: float = 0.0
+    block_expert_fwd_flops: float = 0.0  # per sample, at top-k, balanced
+    block_expert_act_bytes: float = 0.0  # per sample, at the compute precision
+    num_experts: int = 0  # E
+    top_k: int = 0  # k
+    expert_ffn_hidden: int = 0  # F of one expert
+
+    def block_params_per_tp_rank(self, tp: np.ndarray | float) -> np.ndarray | float:
+        """One block's parameters on a tp rank: its Linears split, its routed experts whole."""
+        return (self.block_params - self.block_expert_params) / tp + self.block_expert_params
 
     @staticmethod
     def from_summary(summary: ModelSummary) -> ModelNumbers:
@@ -134,4 +145,10 @@ class ModelNumbers:
             block_colwise_linears=sum(rule.style == "colwise" for rule in summary.tp_rules),
             block_rowwise_linears=sum(rule.style == "rowwise" for rule in summary.tp_rules),
             kv_heads=summary.kv_heads,
+            block_expert_params=float(np.mean([u.expert_params for u in blocks])),
+            block_expert_fwd_flops=float(np.mean([u.expert_fwd_flops for u in blocks])),
+            block_expert_act_bytes=float(np.mean([u.expert_act_bytes for u in blocks])),
+            num_experts=summary.experts.num_experts if summary.experts else 0,
+            top_k=summary.experts.top_k if summary.experts else 0,
+            expert_ffn_hidden=summary.experts.ffn_hidden if summary.experts else 0,
         )

@@ -121,11 +121,14 @@ def memory_per_gpu(
     # Per GPU: the blocks split by tp, the embedding and head whole (replicated over tp; module docstring). A tied
     # head's table (head_shared_params) is the embedding's in one stage, a copy of it on the last stage of a pipeline
     # (runtime/parallel/pipeline.py sums their gradients), with its gradient and optimizer states.
+    # Routed experts are whole on every tp rank too (ModelNumbers.block_params_per_tp_rank).
     edges = model.embed_params + model.head_params  # embedding, final norm, head
-    whole_model = edges + (model.params - edges) / t
-    first_params = np.where(single, whole_model, model.embed_params + first_blocks * model.block_params / t)
+    experts = model.num_blocks * model.block_expert_params
+    whole_model = edges + (model.params - edges - experts) / t + experts
+    block_params_gpu = model.block_params_per_tp_rank(t)
+    first_params = np.where(single, whole_model, model.embed_params + first_blocks * block_params_gpu)
     last_params = np.where(single, whole_model,
-                           model.head_params + model.head_shared_params + last_blocks * model.block_params / t)
+                           model.head_params + model.head_shared_params + last_blocks * block_params_gpu)
 
     inflight = inflight_microbatches(cand, num_micro_batches)
     act_block = block_activation_bytes(model, cand, precision)
@@ -142,7 +145,6 @@ def memory_per_gpu(
     last_act = last_act + np.where(single, 0.0, elem * b * s * model.vocab)
     first_act = np.where(single, first_act + logits, first_act)
 
-    block_params_gpu = model.block_params / t
     params_gpu = np.maximum(first_params, last_params)
     sixteen = sixteen_bit_states(z, precision, cand.grad_compress)
     grad_elem = np.where(sixteen, 2.0, GRAD_BYTES)  # bytes of one gradient value under ZeRO 0/1

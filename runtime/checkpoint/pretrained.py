@@ -10,8 +10,11 @@
 Sources: a .safetensors file, a Hugging Face folder (model.safetensors.index.json and its shards, or one
 model.safetensors), or a zplan step-N checkpoint (its model states through DCP, as runtime.checkpoint.load reads
 them; the optimizer states and the step are not loaded). Names: the model file builds the Hugging Face model from
-its config, so the file's tensor names are the state-dict names (a `model.` prefix added or stripped where that
-matches more names); a tied parameter (lm_head.weight and the embedding) reads whichever of its names the file has.
+its config, so the file's tensor names are the state-dict names (the base model's prefix, `model.` or GPT-2's
+`transformer.`, added or stripped where that matches more names: a base model's file, as the Hub's gpt2 is); a tied
+parameter (lm_head.weight and the embedding) reads whichever of its names the file has; the file's tensors that
+transformers also leaves unread (the model class's _keys_to_ignore_on_load_unexpected, such as GPT-2's attn.bias
+masks, and old checkpoints' rotary_emb.inv_freq) are named in the load's line and not read.
 
 Slices: for every parameter and persistent buffer this rank holds (a plain tensor, or a DTensor under tensor
 parallel / FSDP2, _StridedShard included), the global indices of its local shard in each dimension are the ones
@@ -24,7 +27,8 @@ way once the optimizer exists, and the parameters are rounded from them (Sharded
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -60,6 +64,7 @@ class Pretrained:
     tensors: dict[str, TensorEntry]
     file_names: dict[str, str]  # model state-dict name -> the file's tensor name
     checkpoint: Path | None = None
+    ignored: list[str] = field(default_factory=list)  # the file's tensors transformers leaves unread too
 
 
 def init_from_path(value: str | None, recorded: str | None, model_path: str | Path | None) -> Path | None:
@@ -88,26 +93,51 @@ def open_pretrained(path: Path | None, model_file: ModelFile) -> Pretrained | No
         return Pretrained(step, {}, {}, checkpoint=step)
     tensors = weights_of(path)
     model = model_file.build(device="meta")
-    return Pretrained(path, tensors, _match_names(path, model, tensors))
+    file_names, ignored = _match_names(path, model, tensors)
+    return Pretrained(path, tensors, file_names, ignored=ignored)
 
 
 def _names(names: list[str], limit: int = 6) -> str:
     return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def _match_names(path: Path, model: nn.Module, tensors: dict[str, TensorEntry]) -> dict[str, str]:
-    """{model tensor name: file tensor name} for every parameter and persistent buffer the file holds; every
-    parameter must be there, of its shape and a floating-point dtype, and the file must hold nothing else."""
+def _prefixes(model: nn.Module) -> list[str]:
+    """The prefixes a file's names may have where the model's lack them, or lack where the model's have them: a
+    Hugging Face model's base_model_prefix ('model', GPT-2's 'transformer'), and 'model.'."""
+    base = getattr(model, "base_model_prefix", None)
+    return list(dict.fromkeys(([f"{base}."] if isinstance(base, str) and base else []) + [_PREFIX]))
+
+
+def _ignored_on_load(model: nn.Module) -> re.Pattern | None:
+    """The file names transformers' from_pretrained leaves unread without a word for this model
+    (PreTrainedModel._adjust_missing_and_unexpected_keys): its class's _keys_to_ignore_on_load_unexpected, and the
+    rotary_emb.inv_freq and position_ids buffers older checkpoints saved."""
+    patterns = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+    buffers = [name for name, _ in model.named_buffers()]
+    if any(name.endswith("rotary_emb.inv_freq") for name in buffers):
+        patterns.add(r"rotary_emb\.inv_freq")
+    if any(name.endswith("position_ids") for name in buffers):
+        patterns.add(r"(^|\.)position_ids$")
+    return re.compile("|".join(f"({p})" for p in sorted(patterns))) if patterns else None
+
+
+def _match_names(path: Path, model: nn.Module,
+                 tensors: dict[str, TensorEntry]) -> tuple[dict[str, str], list[str]]:
+    """({model tensor name: file tensor name} for every parameter and persistent buffer the file holds, the file's
+    names left unread as transformers leaves them); every parameter must be there, of its shape and a
+    floating-point dtype, and the file must hold nothing else."""
     state = model.state_dict(keep_vars=True)
     groups: dict[int, list[str]] = {}  # tied parameters: every name of one tensor
     for name, param in model.named_parameters(remove_duplicate=False):
         groups.setdefault(id(param), []).append(name)
     buffers = [name for name in state if id(state[name]) not in groups]
 
-    def rename(name: str, how: str) -> str:
-        return {"": name, "add": _PREFIX + name, "strip": name.removeprefix(_PREFIX)}[how]
+    def rename(name: str, how: tuple[str, str]) -> str:
+        change, prefix = how
+        return {"": name, "add": prefix + name, "strip": name.removeprefix(prefix)}[change]
 
-    how = max(("", "add", "strip"), key=lambda h: sum(rename(n, h) in tensors for n in state))
+    hows = [("", ""), *((change, p) for p in _prefixes(model) for change in ("add", "strip"))]
+    how = max(hows, key=lambda h: sum(rename(n, h) in tensors for n in state))  # ties: the names as they are
     matched, used, missing, shapes, types = {}, set(), [], [], []
     for names in [*groups.values(), *([b] for b in buffers)]:
         candidates = [rename(n, how) for n in names]
@@ -123,7 +153,10 @@ def _match_names(path: Path, model: nn.Module, tensors: dict[str, TensorEntry]) 
         elif tensor.is_floating_point() and not entry.dtype.is_floating_point:
             types.append(f"{found} {entry.dtype} (the model's {tensor.dtype})")
         matched.update(dict.fromkeys(names, found))
-    unexpected = sorted(set(tensors) - used)
+    ignore = _ignored_on_load(model)
+    unused = sorted(set(tensors) - used)
+    ignored = [name for name in unused if ignore is not None and ignore.search(name)]
+    unexpected = [name for name in unused if name not in ignored]
     problems = [f"missing {len(missing)} of the model's tensors ({_names(missing)})" if missing else "",
                 f"{len(unexpected)} unexpected ({_names(unexpected)})" if unexpected else "",
                 f"{len(shapes)} of another shape ({_names(shapes, 3)})" if shapes else "",
@@ -133,7 +166,7 @@ def _match_names(path: Path, model: nn.Module, tensors: dict[str, TensorEntry]) 
             f"--init-from {path} does not hold this model's weights: {'; '.join(p for p in problems if p)}. Pass the "
             "weights of the model the plan was compiled for (the Hugging Face folder whose config.json builds it), "
             "or --init-from none to start from the model's initialisation")
-    return matched
+    return matched, ignored
 
 
 # ---- this rank's slices --------------------------------------------------------------------------------
@@ -208,8 +241,10 @@ def load_pretrained(pretrained: Pretrained | None, model: nn.Module, ctx: RunCon
         read += _fill(pretrained, name, tensor, tensor, layout)
         count += 1
     total = sum(e.dtype.itemsize * torch.Size(e.shape).numel() for e in pretrained.tensors.values())
+    left = (f"; {len(pretrained.ignored)} not this model's, left unread as transformers leaves them "
+            f"({_names(pretrained.ignored, 3)})" if pretrained.ignored else "")
     return (f"weights from {pretrained.path}: {count} tensors, {read / MIB:.1f} MiB read on this rank of "
-            f"{total / MIB:.1f} MiB")
+            f"{total / MIB:.1f} MiB{left}")
 
 
 def load_pretrained_masters(pretrained: Pretrained | None, model: nn.Module, optimizer: torch.optim.Optimizer,

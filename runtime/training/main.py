@@ -20,8 +20,11 @@ import dataclasses
 from pathlib import Path
 from types import ModuleType
 
+import torch.distributed as dist
+
 from zplan.errors import ZplanError
 from zplan.model.model_file import load_model_file
+from zplan.runtime.checkpoint.folders import LATEST, LATEST_VALID, latest_checkpoint, latest_valid_checkpoint
 from zplan.runtime.checkpoint.pretrained import (
     init_from_path,
     load_pretrained,
@@ -80,6 +83,27 @@ def parse_script_arguments(script: TrainScript, argv: list[str] | None = None) -
     return parse_train_arguments(script.doc, script.lr, argv)
 
 
+def checkpoint_to_resume(resume: str | None, directory: str | None, ctx: RunContext) -> str | Path | None:
+    """--resume's checkpoint, decided before any weights are read, so that a resume skips --init-from's (the
+    checkpoint's replace them): the path given; for 'latest' the newest complete checkpoint in `directory`, for
+    'latest-valid' the newest whose files match its manifest (why newer ones were passed over printed), decided on
+    rank 0 for every rank; the word itself when there is none yet (train() says so and starts at step 0)."""
+    if resume not in (LATEST, LATEST_VALID) or directory is None:
+        return resume
+    choice: list[str | None] = [None]
+    if ctx.is_main:
+        if resume == LATEST:
+            newest, skipped = latest_checkpoint(directory), []
+        else:
+            newest, skipped = latest_valid_checkpoint(directory)
+        if newest is not None:  # else train() looks again, and says what it passed over
+            for reason in skipped:
+                print(f"zplan: --resume {LATEST_VALID}: passing over {reason}", flush=True)
+            choice = [str(newest)]
+    dist.broadcast_object_list(choice, src=0)
+    return Path(choice[0]) if choice[0] else resume
+
+
 def run_training(args: argparse.Namespace, ctx: RunContext, script: TrainScript) -> None:
     """One rank's run of train.py with `args` in the process group `ctx`."""
     plan = load_plan(script.here / "plan.json")
@@ -93,9 +117,16 @@ def run_training(args: argparse.Namespace, ctx: RunContext, script: TrainScript)
     if args.tensorboard:  # every rank, before the first collective: all stop together when it is not installed
         tensorboard_writer_class()
     model_file = load_model_file(model_path)
+    # a resume's checkpoint, decided now (a collective when --resume [latest|latest-valid]): its weights replace
+    # --init-from's, which are then not read
+    resume = checkpoint_to_resume(args.resume, args.checkpoint_dir, ctx)
+    resuming = resume is not None and resume not in (LATEST, LATEST_VALID)
     # the weights to start from (--init-from; default: those of the Hugging Face folder the plan was compiled from),
     # their files and tensors checked against the model on every rank before any collective
-    pretrained = open_pretrained(init_from_path(args.init_from, plan.fingerprint.init_from, model_path), model_file)
+    init_from = init_from_path(args.init_from, plan.fingerprint.init_from, model_path)
+    pretrained = None if resuming else open_pretrained(init_from, model_file)
+    if resuming and init_from is not None and ctx.is_main:
+        print(f"zplan: resuming from {resume}: the weights of --init-from {init_from} are not read", flush=True)
     p = plan.parallel
     # --data and --val-data opened and checked on every rank before any collective (runtime/training/data.py)
     run_data = open_run_data(model_file, data=args.data, val_data=args.val_data, tokenizer=args.tokenizer,
@@ -134,7 +165,7 @@ def run_training(args: argparse.Namespace, ctx: RunContext, script: TrainScript)
     warmup_steps = args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 10)
     checkpoint = CheckpointConfig(
         directory=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
-        every=args.checkpoint_every, keep=DEFAULT_KEEP if args.keep is None else args.keep, resume=args.resume,
+        every=args.checkpoint_every, keep=DEFAULT_KEEP if args.keep is None else args.keep, resume=resume,
         allow_unverified=args.allow_unverified,
         model_ref=str(model_path) if model_path else plan.fingerprint.model_ref,  # for `zplan export --hf`
     )
