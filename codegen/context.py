@@ -214,8 +214,10 @@ def delayed_update_display(plan: Plan) -> str:
 
 def _model_shape(plan: Plan) -> str:
     model = plan.model
+    experts = f"; {model.experts.describe()}, {format_count(model.experts.active_params)} parameters active a token" \
+        if model.experts else ""
     return (f"{model.num_blocks} blocks, hidden {model.hidden}, {model.heads} heads ({model.kv_heads} KV), "
-            f"FFN {model.ffn_hidden}, vocab {model.vocab}")
+            f"FFN {model.ffn_hidden}, vocab {model.vocab}{experts}")
 
 
 def _name_range(names: list[str]) -> str:

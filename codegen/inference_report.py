@@ -112,7 +112,7 @@ def inference_report_context(plan: InferencePlan, alternatives: InferenceAlterna
         "params_exact": f"{model.params:,}",
         "model_shape": (f"{model.num_blocks} blocks, hidden {model.hidden}, {model.heads} heads "
                         f"({model.kv_heads} KV heads), MLP {model.ffn_hidden}, vocabulary {model.vocab}, "
-                        f"sequence {model.seq_len}"),
+                        f"sequence {model.seq_len}" + (f"; {model.experts.describe()}" if model.experts else "")),
         "cluster_name": cluster.name,
         "cluster_description": cluster.description,
         "cluster_source": cluster.source,

@@ -72,6 +72,11 @@ class ExpertsSummary(BaseModel):
     active_params: int = Field(gt=0, description="Parameters one token uses: all but the routed experts', plus k / E "
                                "of theirs.")
 
+    def describe(self) -> str:
+        """'8 routed experts of FFN 14336, top-2, in 32 blocks', for the reports."""
+        return (f"{self.num_experts} routed experts of FFN {self.ffn_hidden}, top-{self.top_k}, in {self.moe_blocks} "
+                f"block{'s' if self.moe_blocks != 1 else ''}")
+
 
 class TensorParallelRule(BaseModel):
     """How one Linear is split under tensor parallelism (Megatron column/row pairs)."""

@@ -93,7 +93,9 @@ HOW_COUNTED = {"fx": "traced with torch.fx", "hooks": "traced with module hooks"
 
 def _model_line(model) -> str:
     """Parameters, layers (the repeated blocks the plan splits) and how they were counted."""
-    return (f"{_count(model.params)} parameters, {model.num_blocks} layer{'s' if model.num_blocks != 1 else ''}, "
+    active = f" ({_count(model.experts.active_params)} active)" if model.experts else ""
+    layers = f"{model.num_blocks} layer{'s' if model.num_blocks != 1 else ''}"
+    return (f"{_count(model.params)} parameters{active}, {layers}, "
             f"{HOW_COUNTED.get(model.tracer, model.tracer)}")
 
 
