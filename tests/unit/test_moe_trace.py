@@ -1,9 +1,12 @@
 """Mixture-of-experts models traced on meta: parameters and training FLOPs per token against hand counts from the
 published configurations, and the experts found in each transformers MoE family."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
+import zplan.examples
 from zplan.errors import TraceError
 from zplan.model.experts import find_expert_layers
 from zplan.model_input import trace_module
@@ -11,6 +14,7 @@ from zplan.model_input import trace_module
 transformers = pytest.importorskip("transformers")
 
 S = 4096  # tokens per sample the FLOPs are counted at
+EXAMPLES = Path(zplan.examples.__file__).parent
 
 
 def build(config):
@@ -161,3 +165,14 @@ def test_experts_without_a_router_are_refused_naming_the_module():
     model = torch.nn.Sequential(Block())
     with pytest.raises(TraceError, match=r"0\.experts .*4 stacked experts but no module beside it has a router"):
         find_expert_layers(model)
+
+
+def test_the_plain_example_traces_as_the_mixtral_it_copies():
+    """examples/moe.py at its defaults has Mixtral-8x7B's shapes: the same parameters, active parameters and FLOPs
+    as the hand count from Mixtral's configuration (its experts are found by their shapes, not by transformers)."""
+    from zplan.model_input import trace_model_file
+
+    summary = trace_model_file(EXAMPLES / "moe.py", S, "bf16")[1]
+    total, active, training_per_token = hand_count(mixtral_8x7b(), S)
+    assert (summary.params, summary.experts.active_params) == (total, active)
+    assert 3 * summary.fwd_flops_per_sample / S == pytest.approx(training_per_token, rel=0.03)
