@@ -9,22 +9,30 @@ loader_over_step (target >= 20): how much faster the user-data loader delivers b
     with its sidecar): open_run_data, make_data_iter (runtime/data: memory-mapped, packed, shuffled), the run's own
     optimizer_step on those batches. Baseline: the optimizer steps per second of that training (forward, backward,
     clipping, AdamW, the loss read back); figure: the loader's steps' worth of micro-batches per second (a fresh
-    make_data_iter, next() only) over it. Rounds alternate the two; medians.
+    make_data_iter, next() only) over it. Rounds alternate the two; medians. The 32 MB file is under the loader's
+    bound on mapped pages (96 MiB), so its pages are never handed back here; on a 128 MB file of the same ids a
+    micro-batch costs ~45 us instead of ~16 us (re-mapping the pages after each release), still > 500x tiny's step.
 loader_rss_bytes (target < 200 MB): a uint16 token file of 2 GB (`--quick`: 200 MB; random ids below 50257, written in
     32 MB chunks with its sidecar) streamed end to end, in a subprocess, through open_run_data (which scans every id
     against the vocabulary) and make_data_iter, one process, micro-batches of 8 x 1024 tokens, until every sequence
     of the epoch has been delivered once. Figure: the peak resident memory (VmHWM, reset through /proc/self/clear_refs
     after the imports) minus the resident memory then. Also printed: the largest anonymous resident memory growth
     sampled (RssAnon, every 1024 micro-batches), and the file pages resident at the end (RssFile): the memory map's
-    pages count in the resident set while the kernel keeps them, though it may drop them at any time.
+    pages count in the resident set while they stay mapped (a read maps the whole page-cache folio, up to 2 MiB), so
+    the loader hands them back (madvise MADV_DONTNEED, runtime/data/token_file.py) after each chunk of the scan and
+    every ~96 MiB its micro-batches may have mapped; read again, they come back from the page cache.
 prepare_over_tokenizer (target >= 0.8): `zplan data prepare`'s tokens/s over the tokenizer's own batch API. A
     byte-level BPE tokenizer (vocabulary 8000) is trained here on generated text (nothing is downloaded) and saved as
     save_pretrained writes it; the text (20 MB, `--quick` 2 MB, one document per line) is tokenized (1) by the Rust
-    tokenizer's encode_batch over all its lines at once, ids only, nothing written: the baseline, and (2) by
-    zplan.runtime.data.prepare, which reads the file, encodes batches of documents with the same API, joins them with
-    the separator and writes the token file and its sidecar. 5 runs each, alternating; ratio of the medians. Both
-    run on all cores (the tokenizer's thread pool), so other work on the machine moves the wall-clock ratio; the
-    ratio of the CPU seconds (all threads) is printed beside it.
+    tokenizer's batch API over all its lines at once: the file read and split into lines, then
+    `[e.ids for e in tokenizer.encode_batch(lines, add_special_tokens=False)]`, the ids as Python lists (what any
+    caller of the batch API needs to use them; the Encoding objects alone hold nothing usable yet), nothing written:
+    the baseline, and (2) by zplan.runtime.data.prepare over the same lines, which reads the file, encodes batches of
+    documents with the same tokenizer (encode_batch_fast where the installed tokenizers has it: the same ids, no
+    character offsets), joins them with the separator and writes the token file and its sidecar. The two are checked
+    to give the same number of tokens. 5 runs each, alternating; ratio of the medians. Both run on all cores (the
+    tokenizer's thread pool), so other work on the machine moves the wall-clock ratio; the ratio of the CPU seconds
+    (all threads) is printed beside it.
 init_peak_over_slice (target < 1.5): host memory of train.py --init-from under ZeRO-3 on 2 processes. A Llama is
     built on meta from a LlamaConfig (hidden 1280, 20 layers, MLP 3456, 20 heads, vocabulary 32000: 478M parameters,
     fp32; `--quick`: hidden 512, 4 layers, 45M), its random weights written tensor by tensor as ~400 MB safetensors
@@ -284,11 +292,11 @@ def measure_prepare(tmp: Path, megabytes: float, vocab: int = 8000, repeats: int
         for which in (("baseline", "zplan") if r % 2 == 0 else ("zplan", "baseline")):
             start, start_cpu = time.perf_counter(), time.process_time()
             if which == "baseline":
-                encoded = backend.encode_batch(text.read_text().splitlines(), add_special_tokens=False)
+                ids = [e.ids for e in backend.encode_batch(text.read_text().splitlines(), add_special_tokens=False)]
                 baseline_s.append(time.perf_counter() - start)
                 baseline_cpu_s.append(time.process_time() - start_cpu)
-                tokens = sum(len(e.ids) for e in encoded) + len(encoded)  # + one separator per document, as prepare
-                del encoded
+                tokens = sum(map(len, ids)) + len(ids)  # + one separator per document, as prepare writes
+                del ids
             else:
                 done = prepare([text], tmp / "tok", tmp / "prepared.bin")
                 zplan_s.append(time.perf_counter() - start)

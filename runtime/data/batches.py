@@ -5,6 +5,9 @@ num_micro_batches * micro_batch (the plan's global batch, in sequences), where t
 sequences consumed (0 and 0, or what a checkpoint recorded: seek). Data-parallel rank r takes its contiguous slice of
 num_micro_batches * micro_batch of them, as the synthetic batches do (runtime/training/data.py), so a run on N ranks
 sees the global batch one process sees. Each micro-batch is token ids (micro_batch, seq_len), int64, on the CPU.
+
+From a memory-mapped token file, the pages read are handed back (token_file.release_pages) once about RELEASE_BYTES
+may have been mapped since the last time, so the file's pages do not pile up in the resident set over an epoch.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import numpy as np
 import torch
 
 from zplan.runtime.data.packing import SequenceOrder, num_sequences, windows
+from zplan.runtime.data.token_file import MAP_AROUND_BYTES, RELEASE_BYTES, is_mapped, release_pages
 
 
 class TokenBatches:
@@ -28,6 +32,12 @@ class TokenBatches:
         self.identity = identity or {}
         self.start_sequence, self.start_step, self._yielded = 0, 0, 0  # p0, s0, micro-batches since then
         self.last_ids: np.ndarray | None = None  # the sequences of the last micro-batch (tests read them)
+        # bytes a sequence may map: the folios it spans, one more at its ends; None for ids in memory, or a map too
+        # small to ever exceed RELEASE_BYTES
+        span = -(-seq_len * tokens.itemsize // MAP_AROUND_BYTES) + 1  # folios a sequence may touch
+        mapped = is_mapped(tokens) and len(tokens) * tokens.itemsize > RELEASE_BYTES
+        self._mapped_per_sequence = span * MAP_AROUND_BYTES if mapped else None
+        self._mapped = 0  # bytes mapped (an upper bound) since the pages were last handed back
 
     def seek(self, step: int, sequences_consumed: int) -> None:
         """Go on from optimizer step `step`, `sequences_consumed` positions of the order behind it (a resume)."""
@@ -46,4 +56,10 @@ class TokenBatches:
                  + (self.dp_rank * self.num_micro_batches + micro) * self.micro_batch)
         self.last_ids = self.order.ids(first, self.micro_batch)
         self._yielded += 1
-        return torch.from_numpy(windows(self.tokens, self.last_ids, self.seq_len))  # (micro_batch, T)
+        if self._mapped_per_sequence is not None:  # hand back the pages read before this batch would pass the bound
+            cost = self.micro_batch * self._mapped_per_sequence
+            if self._mapped and self._mapped + cost > RELEASE_BYTES:
+                release_pages(self.tokens)
+                self._mapped = 0
+            self._mapped += cost
+        return torch.from_numpy(windows(self.tokens, self.last_ids, self.seq_len))  # (micro_batch, T), a copy

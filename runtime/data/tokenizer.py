@@ -5,6 +5,7 @@ cores in Rust)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -25,21 +26,34 @@ class Tokenizer:
     separator: int
     name: str
 
-    def encode(self, documents: list[str]) -> list[list[int]]:
-        """Each document's ids, without special tokens (the separator is put between documents by the caller)."""
+    def encode_raw(self, documents: list[str]) -> list:
+        """The tokenizer's own output for `documents`, without special tokens: the Rust tokenizer's encodings (its
+        batch over all cores, the GIL released: another thread may run meanwhile), else each document's ids."""
         backend = getattr(self.hf, "backend_tokenizer", None)
-        if backend is not None:  # the Rust tokenizer: the batch over all cores (its own thread pool)
-            return [e.ids for e in backend.encode_batch(documents, add_special_tokens=False)]
+        if backend is not None:  # encode_batch_fast (tokenizers >= 0.20): the same ids, no character offsets
+            batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
+            return batch(documents, add_special_tokens=False)
         return self.hf(documents, add_special_tokens=False)["input_ids"]
 
-    def encode_joined(self, documents: list[str]) -> np.ndarray:
-        """The ids of `documents`, each followed by the separator, as one int64 array (one conversion, not one
-        per document)."""
-        flat: list[int] = []
-        for ids in self.encode(documents):
-            flat += ids
-            flat.append(self.separator)
-        return np.array(flat, dtype=np.int64)
+    @staticmethod
+    def ids_of(raw: list) -> list[list[int]]:
+        """Each document's ids from encode_raw's output."""
+        return [e.ids for e in raw] if raw and not isinstance(raw[0], list) else raw
+
+    def encode(self, documents: list[str]) -> list[list[int]]:
+        """Each document's ids, without special tokens (the separator is put between documents by the caller)."""
+        return self.ids_of(self.encode_raw(documents))
+
+    def join(self, ids: list[list[int]], dtype=np.int64) -> np.ndarray:
+        """`ids` (each document's), each followed by the separator, as one array of `dtype` (one pass over the ids,
+        no list concatenation)."""
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        flat = np.fromiter(chain.from_iterable(ids), dtype=dtype, count=int(lengths.sum()))
+        return np.insert(flat, np.cumsum(lengths), np.asarray(self.separator, dtype=dtype))
+
+    def encode_joined(self, documents: list[str], dtype=np.int64) -> np.ndarray:
+        """The ids of `documents`, each followed by the separator, as one array of `dtype` (int64 unless told)."""
+        return self.join(self.encode(documents), dtype)
 
 
 def load_tokenizer(folder: str | Path) -> Tokenizer:

@@ -118,3 +118,28 @@ def test_train_state_data_field_is_checked():
     assert train_state_problem(state, Path("step-000002")) is None
     assert "'data'" in train_state_problem({**state, "data": 5}, Path("step-000002"))
     assert issubclass(DataError, Exception) and not issubclass(DataError, CheckpointError)
+
+
+def test_a_memory_map_handed_back_every_few_batches_gives_the_same_batches(tmp_path, monkeypatch):
+    """The pages release_pages hands back are mapped again from the file on the next read: with a release before
+    nearly every micro-batch, a token file's batches equal those of the same ids held in memory."""
+    import zplan.runtime.data.batches as batches
+    from zplan.runtime.data.token_file import is_mapped, sidecar_path, sidecar_text
+
+    ids = np.random.default_rng(0).integers(0, 1000, 200_000, dtype=np.uint16)
+    path = tmp_path / "tokens.bin"
+    path.write_bytes(ids.tobytes())
+    sidecar_path(path).write_text(sidecar_text(dtype="uint16", vocab_size=1000, separator=None, tokenizer=None,
+                                               num_tokens=len(ids), documents=None))
+    monkeypatch.setattr(batches, "RELEASE_BYTES", 100_000)  # under the file's 400 kB: a release before each batch
+    released = []
+    real_release = batches.release_pages
+    monkeypatch.setattr(batches, "release_pages", lambda tokens: released.append(1) or real_release(tokens))
+    mapped = np.memmap(path, dtype=np.uint16, mode="r")
+    assert is_mapped(mapped)
+    options = dict(seq_len=64, micro_batch=2, num_micro_batches=1, dp_rank=0, dp_size=1, seed=3)
+    from_file = batches.TokenBatches(mapped, **options)
+    in_memory = batches.TokenBatches(np.array(ids), **options)
+    for _ in range(200):
+        assert torch.equal(next(from_file), next(in_memory))
+    assert len(released) == 199  # the file's pages were handed back before every batch but the first
