@@ -26,7 +26,7 @@ from zplan.errors import ModelLoadError, PlanMismatchError, SpecError, validatio
 from zplan.model.model_file import load_model_file
 from zplan.model.safetensors_format import read_safetensors
 from zplan.runtime.inference.engine import InferenceEngine
-from zplan.runtime.inference.tokenizer import ByteTokenizer
+from zplan.runtime.inference.tokenizer import load_tokenizer
 from zplan.runtime.launch.distributed import RunContext, init_distributed
 from zplan.runtime.plan.check import model_file_problems, raise_mismatch
 from zplan.runtime.training.materialize import build_model
@@ -226,8 +226,9 @@ def engine_from_plan(plan: InferencePlan, model_file: str | Path | None, *, weig
                      seed: int = 0, nvme_dir: str | Path | None = None, settings: EngineSettings | None = None):
     """(engine, tokenizer, run context) for this process of one replica of `plan`.
 
-    model_file: the model's .py file (the plan's fingerprint must match it); weights: a .safetensors or
-    torch.save state dict (None: `torch.manual_seed(seed); build_model()`, noise); nvme_dir: folder for the
+    model_file: the model's .py file or Hugging Face folder (the plan's fingerprint must match it); weights: a
+    .safetensors or torch.save state dict or a Hugging Face folder (None: a model folder's own weights when it has
+    them, else `torch.manual_seed(seed); build_model()`, noise); nvme_dir: folder for the
     streamed weights' files (weight tier nvme); settings: the engine's choices, default the plan's."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -243,11 +244,15 @@ def engine_from_plan(plan: InferencePlan, model_file: str | Path | None, *, weig
 
     loaded = load_model_file(model_file)
     model = build_model(loaded.build_model, seed, "cpu")  # the whole model on every rank; the engine shards it
+    if weights is None and model_file is not None and _has_folder_weights(Path(model_file)):
+        weights = model_file  # a Hugging Face folder with its weights: those
+        _info(ctx, f"no --weights given: reading the weights of the Hugging Face folder {model_file}")
     if weights is not None:
         load_weights(model, weights)
     else:
         _info(ctx, f"warning: no --weights given: the model has its random initialisation (seed {seed}), so the "
-                   "text will be noise. Pass --weights FILE (from `zplan export` or train.py --save-weights).")
+                   "text will be noise. Pass --weights PATH (a .safetensors file or a Hugging Face folder from "
+                   "`zplan export`, or train.py --save-weights' file).")
     model.eval()
 
     tp_mesh = init_device_mesh(ctx.device.type, (settings.tp,), mesh_dim_names=("tp",)) if settings.tp > 1 else None
@@ -257,4 +262,10 @@ def engine_from_plan(plan: InferencePlan, model_file: str | Path | None, *, weig
         group_size=settings.group_size, weight_tier=settings.weight_tier,
         nvme_dir=Path(nvme_dir) if nvme_dir is not None else None, prefetch_layers=settings.prefetch_layers,
         tp_mesh=tp_mesh)
-    return engine, ByteTokenizer(engine.vocab_size), ctx
+    # a Hugging Face folder's own tokenizer when it has one, else the byte tokenizer
+    return engine, load_tokenizer(model_file, engine.vocab_size), ctx
+
+
+def _has_folder_weights(path: Path) -> bool:
+    """A Hugging Face folder (the model given as one) holding weights files."""
+    return path.is_dir() and ((path / INDEX_FILE).is_file() or (path / SINGLE_FILE).is_file())

@@ -24,16 +24,18 @@ from zplan.runtime.inference.build import (
 )
 from zplan.runtime.inference.sampling import SamplingParams
 from zplan.runtime.inference.server import ServerLimits, serve
-from zplan.runtime.inference.tokenizer import ByteTokenizer
+from zplan.runtime.inference.tokenizer import load_tokenizer
 from zplan.runtime.launch.arguments import MAX_SEED
 from zplan.runtime.launch.distributed import run_distributed
 from zplan.runtime.launch.torchrun import ArgumentParser, report_error
 
 
 def _common_arguments(parser: argparse.ArgumentParser, default_max_new_tokens: int) -> None:
-    parser.add_argument("--weights", metavar="FILE",
-                        help="model weights: the .safetensors of `zplan export`, or train.py --save-weights' file "
-                             "(default: the seeded random initialisation: the text is noise)")
+    parser.add_argument("--weights", metavar="PATH",
+                        help="model weights: a .safetensors file, a Hugging Face folder (`zplan export --hf`, "
+                             "save_pretrained) or train.py --save-weights' file (default: the model's own folder's "
+                             "weights when it is a Hugging Face folder, else the seeded random initialisation: the "
+                             "text is noise)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the random initialisation without --weights, and of sampling, 0 to 2^32 - 1 "
                              "(default 0)")
@@ -148,7 +150,8 @@ def run_generate(args: argparse.Namespace, plan_path: Path, model_path: Path | N
     check_inference_plan(plan, model_path, int(os.environ.get("WORLD_SIZE", "1")), settings.tp)
     prompt_ids = None
     if int(os.environ.get("RANK", "0")) == 0:  # only rank 0 reads the input; an error stops the run before the engine
-        prompt_ids = [ByteTokenizer(plan.model.vocab).encode(p) for p in read_prompts(args.prompts)]
+        tokenizer = load_tokenizer(model_path, plan.model.vocab)  # a Hugging Face folder's own, else bytes
+        prompt_ids = [tokenizer.encode(p) for p in read_prompts(args.prompts)]
         check_lengths(prompt_ids, args.max_new_tokens, settings.max_seq_len)
 
     engine, tokenizer, ctx = engine_from_plan(plan, model_path, weights=args.weights, seed=args.seed,

@@ -1,5 +1,5 @@
-"""The engine's own decoder: recognise a model's transformer from its module tree, pack its weights into flat
-per-layer dicts, and run one block with a KV cache.
+"""The engine's own decoder: pack the weights of the transformer decoder_spec.py recognised in a model's module tree
+into flat per-layer dicts, and run one block with a KV cache.
 
 A user's model file has forward(idx) without a KV cache, so the engine reuses the model's weights in its own
 block code. Supported: pre-norm residual blocks
@@ -8,8 +8,9 @@ block code. Supported: pre-norm residual blocks
     x = x + down(gelu_tanh(up(n2(x))))   or   x + down(silu(gate(n2(x))) * up(n2(x)))   (SwiGLU, Shazeer 2020)
 
 with separate q/k/v/o Linears (grouped-query attention when k/v have fewer heads), learned position embeddings
-(an Embedding outside the blocks besides the token table) or rotary embeddings (the attention module has
-`rope_theta`; rotate-half as in examples/llama.py), a final norm and a tied or untied output head. The engine
+(an Embedding outside the blocks besides the token table) or rotary embeddings (the frequencies of the model's rotary
+module, partial rotation included, or the attention module's `rope_theta`; rotate-half as in examples/llama.py), a
+final norm and a tied or untied output head. The engine
 checks its own forward against model(idx) when it is built, so a model that only looks like this is refused
 there (engine.py), not silently mis-run.
 
@@ -33,180 +34,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zplan.cuda.fused_norm_rope import rms_norm
+from zplan.cuda.fused_norm_rope import apply_rotary, rms_norm
 from zplan.cuda.weight_only_matmul import weight_only_linear
 from zplan.cuda.weight_quant import QuantizedWeight, quantize_groupwise
 from zplan.errors import ZplanError
 from zplan.runtime.inference import fp8
-from zplan.schemas.model import ModelSummary
+from zplan.runtime.inference.decoder_spec import DecoderSpec, Norm, UnsupportedModelError
 
-ROLE_NAMES = {  # role -> child names it goes by in common model files
-    "q": ("q", "q_proj", "wq", "query"),
-    "k": ("k", "k_proj", "wk", "key"),
-    "v": ("v", "v_proj", "wv", "value"),
-    "o": ("o", "o_proj", "wo", "out_proj", "proj", "c_proj", "dense"),
-    "gate": ("gate", "gate_proj", "w1"),
-    "up": ("up", "up_proj", "fc", "c_fc", "fc1", "w3", "fc_in"),
-    "down": ("down", "down_proj", "proj", "c_proj", "fc2", "w2", "fc_out"),
-}
-EPS_NAMES = ("eps", "variance_epsilon", "epsilon")
 QUANT_BITS = {"int8": 8, "int4": 4}
-
-
-class UnsupportedModelError(ZplanError):
-    """The inference engine does not recognise (or cannot reproduce) this model's architecture."""
-
-
-@dataclass(frozen=True)
-class Norm:
-    kind: str  # "layer" | "rms"
-    eps: float | None  # None: torch.finfo(dtype).eps, as nn.RMSNorm(eps=None)
-
-
-@dataclass(frozen=True)
-class DecoderSpec:
-    """What the engine needs to know about the model, found by recognise()."""
-
-    num_layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    ffn_hidden: int
-    vocab: int
-    norm1: Norm
-    norm2: Norm
-    final_norm: Norm
-    mlp: str  # "gelu" | "swiglu"
-    gelu_approximate: str  # "tanh" | "none"
-    rope_theta: float | None  # rotary embedding base; None without
-    position_rows: int  # rows of the learned position table; 0 without
-    tied_head: bool
-    paths: dict  # role -> module path inside a block, e.g. {"q": "attn.q", ..., "norm1": "ln1"}
-    outer: dict  # "tok", "pos", "norm", "head" -> module path in the model ("pos" may be absent)
-
-
-# ---- recognition ------------------------------------------------------------------------------------------
-
-
-def _norm_of(module: nn.Module, path: str) -> Norm:
-    name = type(module).__name__
-    eps = next((getattr(module, a) for a in EPS_NAMES if hasattr(module, a)), "missing")
-    if eps == "missing" or getattr(module, "weight", None) is None:
-        raise UnsupportedModelError(f"norm {path} ({name}) needs a weight and an eps attribute")
-    if "rms" in name.lower():
-        if getattr(module, "bias", None) is not None:
-            raise UnsupportedModelError(f"norm {path} ({name}) is an RMSNorm with a bias, which the engine lacks")
-        return Norm("rms", None if eps is None else float(eps))
-    if "layernorm" in name.lower():
-        return Norm("layer", float(eps))
-    raise UnsupportedModelError(f"norm {path} ({name}) is neither a LayerNorm nor an RMSNorm")
-
-
-def _is_norm(module: nn.Module) -> bool:
-    return "norm" in type(module).__name__.lower()
-
-
-def _find_child(parent: nn.Module, role: str) -> str | None:
-    return next((n for n in ROLE_NAMES[role] if isinstance(getattr(parent, n, None), nn.Linear)), None)
-
-
-def _block_paths(block: nn.Module, where: str) -> tuple[dict, nn.Module, nn.Module]:
-    """Role -> path inside the block, and the attention and MLP modules."""
-    attn = mlp = None
-    paths: dict = {}
-    for name, child in block.named_children():
-        roles = {r: _find_child(child, r) for r in ROLE_NAMES}
-        if attn is None and all(roles[r] for r in ("q", "k", "v", "o")):
-            attn = child
-            paths.update({r: f"{name}.{roles[r]}" for r in ("q", "k", "v", "o")})
-        elif mlp is None and roles["down"] and (roles["up"] or roles["gate"]) and child is not attn:
-            mlp = child
-            paths.update({r: f"{name}.{roles[r]}" for r in ("gate", "up", "down") if roles[r]})
-    norms = [name for name, child in block.named_children() if _is_norm(child)]
-    missing = ([] if attn is not None else ["an attention module with q, k, v, o Linears"]) + \
-              ([] if mlp is not None else ["an MLP module with up (and gate) and down Linears"]) + \
-              ([] if len(norms) == 2 else [f"two norms (found {len(norms)}: {norms})"])
-    if "gate" in paths and "up" not in paths:
-        missing.append("an MLP up Linear beside its gate")
-    if missing:
-        raise UnsupportedModelError(f"block {where} lacks {', '.join(missing)}: the inference engine runs pre-norm "
-                                    "blocks x + attn(norm1(x)); x + mlp(norm2(x)) (see runtime/inference/"
-                                    "decoder.py for the names it recognises)")
-    paths["norm1"], paths["norm2"] = norms
-    return paths, attn, mlp
-
-
-def _outer_modules(model: nn.Module, prefix: str, vocab: int, hidden: int) -> dict:
-    """Token and position embeddings, final norm and head: modules outside the blocks."""
-    embeddings, norms, heads = [], [], []
-    for name, module in model.named_modules():
-        if name == prefix or name.startswith(prefix + "."):
-            continue
-        if isinstance(module, nn.Embedding):
-            embeddings.append((name, module))
-        elif isinstance(module, nn.Linear) and module.out_features == vocab and module.in_features == hidden:
-            heads.append(name)
-        elif _is_norm(module) and getattr(module, "weight", None) is not None:
-            norms.append(name)
-    tok = [n for n, m in embeddings if m.num_embeddings == vocab and m.embedding_dim == hidden]
-    pos = [n for n, m in embeddings if n not in tok[:1] and m.embedding_dim == hidden]
-    missing = ([] if tok else [f"a token embedding ({vocab}, {hidden})"]) + \
-              ([] if len(norms) == 1 else [f"one final norm (found {norms})"]) + \
-              ([] if len(heads) == 1 else [f"one output head Linear {hidden} -> {vocab} (found {heads})"]) + \
-              ([] if len(pos) <= 1 else [f"at most one position embedding (found {pos})"])
-    if missing:
-        raise UnsupportedModelError(f"outside the blocks ({prefix}) the model lacks {', '.join(missing)}")
-    return {"tok": tok[0], "norm": norms[0], "head": heads[0], **({"pos": pos[0]} if pos else {})}
-
-
-def _submodule(block: nn.Module, path: str) -> nn.Module | None:
-    try:
-        return block.get_submodule(path)
-    except AttributeError:
-        return None
-
-
-def recognise(model: nn.Module, summary: ModelSummary) -> DecoderSpec:
-    """The model's architecture, or UnsupportedModelError naming what is missing."""
-    try:
-        blocks = model.get_submodule(summary.block_prefix)
-    except AttributeError as exc:
-        raise UnsupportedModelError(f"the model has no block container {summary.block_prefix!r}") from exc
-    if len(blocks) != summary.num_blocks:
-        raise UnsupportedModelError(f"{summary.block_prefix} holds {len(blocks)} blocks, the summary says "
-                                    f"{summary.num_blocks}: trace the model file again")
-    paths, attn, mlp = _block_paths(blocks[0], f"{summary.block_prefix}.0")
-    block0 = blocks[0]
-    for i, block in enumerate(blocks):  # every block like the first (the build-time check then tests the numbers)
-        kinds = {role: type(_submodule(block, path)) for role, path in paths.items()}
-        if kinds != {role: type(block0.get_submodule(path)) for role, path in paths.items()}:
-            raise UnsupportedModelError(f"block {summary.block_prefix}.{i} differs from block 0 ({kinds}): the engine "
-                                        "runs models whose blocks all have the same modules")
-    q, k = block0.get_submodule(paths["q"]), block0.get_submodule(paths["k"])
-    head_dim = q.out_features // summary.heads
-    if head_dim * summary.heads != q.out_features or k.out_features % head_dim:
-        raise UnsupportedModelError(f"q has {q.out_features} features, not a multiple of heads={summary.heads}")
-    kv_heads = k.out_features // head_dim
-    if summary.heads % kv_heads:
-        raise UnsupportedModelError(f"{summary.heads} query heads cannot share {kv_heads} key/value heads")
-    gelu = next((m for m in mlp.modules() if isinstance(m, nn.GELU)), None)
-    rope = getattr(attn, "rope_theta", None)
-    outer = _outer_modules(model, summary.block_prefix, summary.vocab, summary.hidden)
-    tok, head = model.get_submodule(outer["tok"]), model.get_submodule(outer["head"])
-    down = block0.get_submodule(paths["down"])
-    return DecoderSpec(
-        num_layers=len(blocks), hidden=summary.hidden, heads=summary.heads, kv_heads=kv_heads, head_dim=head_dim,
-        ffn_hidden=down.in_features, vocab=summary.vocab,
-        norm1=_norm_of(block0.get_submodule(paths["norm1"]), paths["norm1"]),
-        norm2=_norm_of(block0.get_submodule(paths["norm2"]), paths["norm2"]),
-        final_norm=_norm_of(model.get_submodule(outer["norm"]), outer["norm"]),
-        mlp="swiglu" if "gate" in paths else "gelu", gelu_approximate=gelu.approximate if gelu else "tanh",
-        rope_theta=None if rope is None else float(rope),
-        position_rows=model.get_submodule(outer["pos"]).num_embeddings if "pos" in outer else 0,
-        tied_head=head.weight is tok.weight or head.weight.data_ptr() == tok.weight.data_ptr(),
-        paths=paths, outer=outer,
-    )
 
 
 # ---- packing ----------------------------------------------------------------------------------------------
@@ -254,25 +89,43 @@ def pack_layer(block: nn.Module, spec: DecoderSpec, shards: Shards, weight_dtype
                                            else dtype).contiguous()
 
     def fused(name: str, roles: tuple[str, ...]) -> None:  # colwise Linears stacked on output rows
-        linears = [mod(p[r]) for r in roles]
-        put(f"{name}.weight", torch.cat([shards.colwise(m.weight) for m in linears]))
-        if any(m.bias is not None for m in linears):
-            put(f"{name}.bias", torch.cat([shards.colwise(m.bias) if m.bias is not None
-                                           else torch.zeros(m.out_features // shards.tp) for m in linears]))
+        parts = [role_weight(block, spec, r) for r in roles]  # (out, in), (out,) or None each
+        put(f"{name}.weight", torch.cat([shards.colwise(w) for w, _ in parts]))
+        if any(b is not None for _, b in parts):
+            put(f"{name}.bias", torch.cat([shards.colwise(b) if b is not None
+                                           else torch.zeros(w.shape[0] // shards.tp) for w, b in parts]))
 
     def rowwise(name: str, role: str) -> None:
-        linear = mod(p[role])
-        put(f"{name}.weight", shards.rowwise(linear.weight))
-        put(f"{name}.bias", linear.bias)  # replicated, added once after the all-reduce
+        weight, bias = role_weight(block, spec, role)
+        put(f"{name}.weight", shards.rowwise(weight))
+        put(f"{name}.bias", bias)  # replicated, added once after the all-reduce
 
-    for norm in ("norm1", "norm2"):
-        put(f"{norm}.weight", mod(p[norm]).weight)
+    norms = {"norm1": spec.norm1, "norm2": spec.norm2}
+    if spec.sandwich:
+        norms.update(post_attn_norm=spec.norm1, post_mlp_norm=spec.norm2)  # the same kind of norm as the block's others
+    for norm, kind in norms.items():
+        put(f"{norm}.weight", mod(p[norm]).weight.detach().float() + kind.offset)
         put(f"{norm}.bias", getattr(mod(p[norm]), "bias", None))
     fused("qkv", ("q", "k", "v"))
     rowwise("o", "o")
-    fused("gate_up" if spec.mlp == "swiglu" else "up", ("gate", "up") if spec.mlp == "swiglu" else ("up",))
+    gated = spec.mlp in ("swiglu", "geglu")
+    fused("gate_up" if gated else "up", ("gate", "up") if gated else ("up",))
     rowwise("down", "down")
     return out
+
+
+def role_weight(block: nn.Module, spec: DecoderSpec, role: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The (out, in) weight and the bias (or None) of a block's Linear `role`: its rows of a fused Linear
+    (spec.slices), transposed from a Conv1D's (in, out)."""
+    module = block.get_submodule(spec.paths[role])
+    weight, bias = module.weight.detach(), getattr(module, "bias", None)
+    bias = None if bias is None else bias.detach()
+    if role in spec.transposed:
+        weight = weight.t()
+    if spec.slices and role in spec.slices:
+        first, end = spec.slices[role]
+        weight, bias = weight[first:end], None if bias is None else bias[first:end]
+    return weight.contiguous(), bias if bias is None else bias.contiguous()
 
 
 def quantize_linear(layer: dict[str, torch.Tensor], name: str, bits: int, group_size: int) -> None:
@@ -342,12 +195,24 @@ def norm(layer: dict[str, torch.Tensor], name: str, kind: Norm, x: torch.Tensor)
 
 
 def rope_table(spec: DecoderSpec, length: int, dtype: torch.dtype, device: torch.device):
-    """cos, sin (length, d) of the rotary angles, computed as examples/llama.py's rotary_cos_sin does."""
+    """cos, sin (length, r) of the rotary angles (r = head_dim, or fewer with partial RoPE), computed as
+    examples/llama.py's rotary_cos_sin does, or from a transformers rotary module's inv_freq as it does."""
     d = spec.head_dim
-    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))  # (d/2,)
-    angles = torch.outer(torch.arange(length, device=device, dtype=torch.float32), inv_freq)  # (S, d/2)
-    angles = torch.cat((angles, angles), dim=-1)  # (S, d)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    if spec.rope_inv_freq is not None:
+        inv_freq = torch.tensor(spec.rope_inv_freq, dtype=torch.float32, device=device)  # (r/2,)
+    else:
+        inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+    angles = torch.arange(length, device=device, dtype=torch.float32)[:, None] * inv_freq  # (S, r/2)
+    angles = torch.cat((angles, angles), dim=-1)  # (S, r)
+    return (angles.cos() * spec.rope_scaling).to(dtype), (angles.sin() * spec.rope_scaling).to(dtype)
+
+
+def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the first r = cos.shape[-1] features of t (B, heads, T, d); the rest pass (partial RoPE)."""
+    r = cos.shape[-1]
+    if r == t.shape[-1]:
+        return apply_rotary(t, cos, sin)
+    return torch.cat((apply_rotary(t[..., :r], cos, sin), t[..., r:]), dim=-1)
 
 
 def block_forward(spec: DecoderSpec, layer: dict[str, torch.Tensor], x: torch.Tensor, attend, rotary, reduce
@@ -367,14 +232,17 @@ def block_forward(spec: DecoderSpec, layer: dict[str, torch.Tensor], x: torch.Te
     v = v.view(batch, seq, -1, d).transpose(1, 2)
     if rotary is not None:
         q, k = rotary(q), rotary(k)
-    x = x + _rowwise(layer, "o", attend(q, k, v), reduce)
+    attended = _rowwise(layer, "o", attend(q, k, v), reduce)  # (B, T, h)
+    x = x + (norm(layer, "post_attn_norm", spec.norm1, attended) if spec.sandwich else attended)
     h = norm(layer, "norm2", spec.norm2, x)
-    if spec.mlp == "swiglu":
+    if spec.mlp in ("swiglu", "geglu"):
         gate, up = linear(layer, "gate_up", h).chunk(2, dim=-1)  # (B, T, f/tp) each
-        inner = F.silu(gate) * up
+        act = F.silu(gate) if spec.mlp == "swiglu" else F.gelu(gate, approximate=spec.gelu_approximate)
+        inner = act * up
     else:
         inner = linear(layer, "up", h, gelu=spec.gelu_approximate)  # (B, T, f/tp)
-    return x + _rowwise(layer, "down", inner, reduce)
+    out = _rowwise(layer, "down", inner, reduce)  # (B, T, h)
+    return x + (norm(layer, "post_mlp_norm", spec.norm2, out) if spec.sandwich else out)
 
 
 def _rowwise(layer: dict[str, torch.Tensor], name: str, x: torch.Tensor, reduce) -> torch.Tensor:

@@ -29,11 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zplan.cuda.fused_norm_rope import apply_rotary
 from zplan.cuda.weight_quant import QuantizedWeight, dequantize_groupwise
 from zplan.errors import ZplanError
+from zplan.model.model_file import logits_of
 from zplan.runtime.inference import decoder, fp8
-from zplan.runtime.inference.decoder import DecoderSpec, Shards, UnsupportedModelError, linear, norm
+from zplan.runtime.inference.decoder import Shards, linear, norm
+from zplan.runtime.inference.decoder_spec import DecoderSpec, UnsupportedModelError, recognise
 from zplan.runtime.inference.kv_cache import KVCache
 from zplan.runtime.inference.sampling import FAILED, SamplingFailure, SamplingParams, make_generators, sample_next
 from zplan.runtime.inference.weight_store import ResidentWeights, WeightStore, tensor_bytes
@@ -63,9 +64,12 @@ class InferenceEngine:
         self._outer_bytes = outer_bytes
         kv_heads = spec.kv_heads // self.tp
         self.cache = KVCache(spec.num_layers, max_batch, kv_heads, max_seq_len, spec.head_dim, compute_dtype, device)
-        self._rope = None if spec.rope_theta is None else decoder.rope_table(spec, max_seq_len, compute_dtype,
-                                                                               device)
+        has_rope = spec.rope_theta is not None or spec.rope_inv_freq is not None
+        self._rope = decoder.rope_table(spec, max_seq_len, compute_dtype, device) if has_rope else None
         self._gqa = spec.kv_heads != spec.heads
+        self._windows = spec.windows or (None,) * spec.num_layers  # per layer: sliding window or None
+        # the prefill's plain causal SDPA (is_causal, no mask) serves every layer unless one needs a mask
+        self._masked = spec.attn_softcap is not None or any(w is not None for w in self._windows)
         self._generation = 0  # bumped by each stream(): an older stream's iterator then refuses to continue
 
     # ---- building -----------------------------------------------------------------------------------------
@@ -81,7 +85,7 @@ class InferenceEngine:
         differ)."""
         device = torch.device(device)
         _check_choices(weight_precision, weight_tier, max_batch, max_seq_len)
-        spec = decoder.recognise(model, summary)
+        spec = recognise(model, summary)
         if spec.position_rows and max_seq_len > spec.position_rows:
             raise ZplanError(f"max_seq_len {max_seq_len} exceeds the model's {spec.position_rows} learned positions: "
                              f"use max_seq_len <= {spec.position_rows}")
@@ -119,10 +123,13 @@ class InferenceEngine:
         idx = torch.randint(0, self.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
         training = model.training
         model.eval()  # no dropout in the reference
+        attention = _eager_reference(model) if self.spec.attn_softcap is not None else None
         try:
-            reference = model(idx).float()  # (1, T, V), on the CPU
+            reference = logits_of(model(idx)).float()  # (1, T, V), on the CPU (a tensor or transformers' output)
         finally:
             model.train(training)
+            if attention is not None:
+                model.set_attn_implementation(attention)
         ours = self.forward_logits(idx.to(self.device)).cpu()
         if weight_precision == "fp32" and compute_dtype == torch.float32:
             diff = (ours - reference).abs().max().item()
@@ -153,13 +160,17 @@ class InferenceEngine:
             picked = QuantizedWeight(qw.qweight[rows], qw.scales[rows], None, qw.bits, qw.group_size,
                                      (rows.numel(), qw.shape[1]))
             x = dequantize_groupwise(picked).to(self.compute_dtype).view(*tokens.shape, -1)
+        if self.spec.embed_scale is not None:  # Gemma: sqrt(hidden), as a tensor of x's dtype as transformers has it
+            x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
         if "pos.weight" in self.outer:
             x = x + self.outer["pos.weight"][positions]  # (T, h) or (B, 1, h)
         return x
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., h) -> fp32 logits (..., V)."""
-        return linear(self.outer, "head", norm(self.outer, "norm", self.spec.final_norm, x), bias=False).float()
+        logits = linear(self.outer, "head", norm(self.outer, "norm", self.spec.final_norm, x), bias=False).float()
+        cap = self.spec.logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _layers(self, x: torch.Tensor, attend, rotary) -> torch.Tensor:
         """All blocks, asking the weight store for layer 0..L-1 in order; attend(i, q, k, v) for layer i."""
@@ -169,37 +180,70 @@ class InferenceEngine:
             self.store.done(i)
         return x
 
-    def _causal_attention(self, q, k, v) -> torch.Tensor:
-        """(B, a, T, d), (B, a_kv, T, d) x2 -> (B, T, a d)."""
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self._gqa)  # (B, a, T, d)
+    def _masks(self, query_positions: torch.Tensor, length: int) -> dict:
+        """Per distinct window (None: full causal) the keys each query sees: query_positions (B|1, T) ->
+        bool (B|1, 1, T, S); an empty dict when the layers need none (prefill: is_causal)."""
+        keys = torch.arange(length, device=self.device)  # (S,)
+        masks = {}
+        for window in set(self._windows):
+            visible = keys <= query_positions[..., None]  # (B|1, T, S): causal
+            if window is not None:
+                visible &= query_positions[..., None] - keys < window  # transformers': q - window < j
+            masks[window] = visible[:, None]
+        return masks
+
+    def _attention(self, i: int, q, k, v, masks: dict) -> torch.Tensor:
+        """Layer i: q (B, a, T, d), k and v (B, a_kv, S, d), masks from _masks (empty: causal, T == S) ->
+        (B, T, a d)."""
+        spec, mask = self.spec, masks.get(self._windows[i])
+        if spec.attn_softcap is None:
+            if mask is None:
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=spec.attn_scale,
+                                                   enable_gqa=self._gqa)  # (B, a, T, d)
+            else:
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=spec.attn_scale,
+                                                   enable_gqa=self._gqa)
+        else:  # Gemma 2: scores soft-capped before the mask, as transformers' eager attention
+            if self._gqa:
+                k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # (B, a, S, d)
+                v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+            scale = spec.head_dim ** -0.5 if spec.attn_scale is None else spec.attn_scale
+            scores = torch.matmul(q, k.transpose(2, 3)) * scale  # (B, a, T, S)
+            scores = torch.tanh(scores / spec.attn_softcap) * spec.attn_softcap
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+            y = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)  # (B, a, T, d)
         return y.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
 
     def _rotary(self, index):
-        """RoPE at the rows `index` picks from the (S, d) cos/sin tables, or None without RoPE."""
+        """RoPE at the rows `index` picks from the (S, r) cos/sin tables, or None without RoPE."""
         if self._rope is None:
             return None
         cos, sin = self._rope[0][index], self._rope[1][index]
-        return lambda t: apply_rotary(t, cos, sin)
+        return lambda t: decoder.rotate(t, cos, sin)
 
     @torch.no_grad()
     def forward_logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Uncached forward (for tests and the build-time check): tokens (B, T) -> fp32 logits (B, T, V)."""
         seq = tokens.shape[1]
         positions = torch.arange(seq, device=self.device)
-        rotary = self._rotary(slice(0, seq))  # (T, d)
+        masks = self._masks(positions[None], seq) if self._masked else {}
+        rotary = self._rotary(slice(0, seq))  # (T, r)
         x = self._layers(self._embed(tokens.to(self.device), positions),
-                         lambda i, q, k, v: self._causal_attention(q, k, v), rotary)
+                         lambda i, q, k, v: self._attention(i, q, k, v, masks), rotary)
         return self._logits(x)
 
     def _prefill(self, tokens: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         """tokens (B, T) right-padded; caches positions 0..T-1; fp32 logits (B, V) at positions last (B,)."""
         batch, seq = tokens.shape
 
+        positions = torch.arange(seq, device=self.device)
+        masks = self._masks(positions[None], seq) if self._masked else {}
+
         def attend(i, q, k, v):
             self.cache.write_prefix(i, k, v)
-            return self._causal_attention(q, k, v)
+            return self._attention(i, q, k, v, masks)
 
-        rotary = self._rotary(slice(0, seq))  # (T, d)
+        rotary = self._rotary(slice(0, seq))  # (T, r)
         x = self._layers(self._embed(tokens, torch.arange(seq, device=self.device)), attend, rotary)  # (B, T, h)
         return self._logits(x[torch.arange(batch, device=self.device), last])
 
@@ -207,16 +251,14 @@ class InferenceEngine:
         """One step: tokens (B,) at positions (B,) (all < length) -> fp32 logits (B, V)."""
         batch = tokens.shape[0]
         rows = torch.arange(batch, device=self.device)
-        visible = torch.arange(length, device=self.device)[None, :] <= positions[:, None]  # (B, S): own past
-        visible = visible[:, None, None, :]  # (B, 1, 1, S)
+        masks = self._masks(positions[:, None], length)  # (B, 1, 1, S) each: own past (within the window)
 
         def attend(i, q, k, v):  # q (B, a, 1, d), k and v (B, a_kv, 1, d)
             self.cache.write_step(i, k, v, rows, positions)
             keys, values = self.cache.prefix(i, batch, length)  # (B, a_kv, S, d)
-            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, enable_gqa=self._gqa)
-            return y.reshape(batch, 1, -1)  # (B, a, 1, d) -> (B, 1, a d)
+            return self._attention(i, q, keys, values, masks)  # (B, 1, a d)
 
-        rotary = self._rotary(positions[:, None, None])  # (B, 1, 1, d)
+        rotary = self._rotary(positions[:, None, None])  # (B, 1, 1, r)
         x = self._layers(self._embed(tokens[:, None], positions[:, None]), attend, rotary)  # (B, 1, h)
         return self._logits(x[:, 0])
 
@@ -328,6 +370,17 @@ class InferenceEngine:
         self.store.close()
 
 
+def _eager_reference(model: nn.Module) -> str | None:
+    """Switch a transformers model to eager attention for the build-time check (its SDPA path drops the attention
+    soft-capping the engine computes); the implementation to restore, or None when it is not one."""
+    config = getattr(model, "config", None)
+    current = getattr(config, "_attn_implementation", None)
+    if current in (None, "eager") or not hasattr(model, "set_attn_implementation"):
+        return None
+    model.set_attn_implementation("eager")
+    return current
+
+
 def _check_choices(weight_precision: WeightPrecision, weight_tier: WeightTier, max_batch: int,
                    max_seq_len: int) -> None:
     if weight_precision not in (*WEIGHT_DTYPES, *decoder.QUANT_BITS, "fp8"):
@@ -379,7 +432,7 @@ def _pack_outer(model: nn.Module, spec: DecoderSpec, dtype: torch.dtype, bits: i
     if "pos" in spec.outer:
         out["pos.weight"] = get(spec.outer["pos"]).weight.detach().to(dtype)
     final = get(spec.outer["norm"])
-    out["norm.weight"] = final.weight.detach().to(dtype)
+    out["norm.weight"] = (final.weight.detach().float() + spec.final_norm.offset).to(dtype)  # Gemma: 1 + weight
     if getattr(final, "bias", None) is not None:
         out["norm.bias"] = final.bias.detach().to(dtype)
     head = get(spec.outer["head"])

@@ -19,7 +19,7 @@ from zplan.errors import ZplanError
 from zplan.examples import gpt, llama
 from zplan.model_input import trace_module
 from zplan.runtime.inference import sampling
-from zplan.runtime.inference.decoder import UnsupportedModelError
+from zplan.runtime.inference.decoder_spec import UnsupportedModelError
 from zplan.runtime.inference.engine import GenerationError, InferenceEngine
 from zplan.runtime.inference.sampling import (
     MIN_TEMPERATURE,
@@ -379,7 +379,8 @@ def test_requests_the_engine_cannot_serve_are_refused():
 
 
 def test_tensor_parallel_degree_must_divide_the_heads():
-    from zplan.runtime.inference.decoder import check_split, recognise
+    from zplan.runtime.inference.decoder import check_split
+    from zplan.runtime.inference.decoder_spec import recognise
 
     module, kwargs = MODELS["llama"]
     model = module.build_model(**kwargs)
