@@ -32,6 +32,7 @@ TIME_PARTS: tuple[tuple[str, str], ...] = (
     ("compute", "Compute (forward, backward, recompute)"),
     ("tensor_parallel", "Tensor-parallel collectives"),
     ("context_parallel", "Context-parallel K/V gathers"),
+    ("expert_parallel", "Expert-parallel all-to-alls"),
     ("pipeline_bubble", "Pipeline bubble"),
     ("pipeline_p2p", "Pipeline point-to-point"),
     ("data_parallel", "Data-parallel / ZeRO collectives"),

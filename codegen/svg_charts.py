@@ -23,6 +23,7 @@ INK, MUTED, GRID, TRACK, ALERT = "#1f2933", "#616e7c", "#e4e7eb", "#f0f2f5", "#d
 MEMORY_COLORS = {"parameters": "#4e79a7", "gradients": "#f28e2b", "optimizer": "#e15759",
                  "activations": "#76b7b2", "comm_buffers": "#59a14f", "reserve": "#bab0ac"}
 TIME_COLORS = {"compute": "#4e79a7", "tensor_parallel": "#f28e2b", "context_parallel": "#ff9da7",
+               "expert_parallel": "#8cd17d",
                "pipeline_bubble": "#e15759",
                "pipeline_p2p": "#edc948", "data_parallel": "#59a14f", "offload": "#b07aa1",
                "optimizer": "#9c755f"}

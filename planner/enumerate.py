@@ -69,6 +69,7 @@ class _Grid:
     pp: np.ndarray
     dp: np.ndarray
     cp: np.ndarray
+    ep: np.ndarray
     micro_batch: np.ndarray
     zero: np.ndarray
     recompute: np.ndarray
@@ -103,15 +104,18 @@ def _grid(model: ModelSummary, cluster: ClusterSpec, gpus: int, global_batch: in
         else [int(pins.sequence_parallel)]
     inter = _pinned(list(INTERLEAVE_CHOICES), pins.interleave)
     tiers = [0, 1, 2] if pins.offload is None else [OFFLOAD_TIERS.index(pins.offload)]
+    # expert parallel: only where pinned (zplan estimate, the validation), the runtime running ep = 1 for now
+    eps = _pinned([1], pins.ep)
+    num_experts = model.experts.num_experts if model.experts else 1
     if cluster.nvme_bytes == 0 and pins.offload is None:
         tiers = [x for x in tiers if x != 2]
     if not layouts:
         return None
     layout = np.array(layouts, dtype=np.int64)  # (n_layouts, 4): tp, pp, cp, dp
-    axes = [np.arange(len(layouts)), micro, zeros, recompute, sps, inter, tiers]
+    axes = [np.arange(len(layouts)), micro, zeros, recompute, sps, inter, tiers, eps]
     grid = [g.ravel() for g in np.meshgrid(*[np.asarray(a, dtype=np.int64) for a in axes], indexing="ij")]
     t, p, c, d = (layout[grid[0], i] for i in range(4))
-    b, z, r, sp, v, off = grid[1:]
+    b, z, r, sp, v, off, e = grid[1:]
     per_replica = global_batch // d
     micro_batches = per_replica // np.maximum(b, 1)
     blocks = model.num_blocks
@@ -142,13 +146,16 @@ def _grid(model: ModelSummary, cluster: ClusterSpec, gpus: int, global_batch: in
              (p == 1) | (micro_batches >= p)),
         Rule("an interleaved schedule needs the micro-batches per step to divide by pp",
              ("interleave", "pp", "micro_batch", "dp", "tp"), (v == 1) | (micro_batches % p == 0)),
+        Rule(f"ep divides the {num_experts} routed experts of each MoE block and dp (expert parallel is carved out of "
+             "the data-parallel ranks)" if model.experts else "ep > 1 needs a mixture of experts, and the model has "
+             "no routed experts", ("ep", "dp", "tp", "pp"), (e == 1) | ((num_experts % e == 0) & (d % e == 0))),
     ]
     # the combinations schemas.legality rules out, over the candidates' fields
-    values = dict(tp=t, pp=p, cp=c, zero=z, offload=off, sequence_parallel=sp, interleave=v,
+    values = dict(tp=t, pp=p, cp=c, ep=e, zero=z, offload=off, sequence_parallel=sp, interleave=v,
                   **legality.config(**compression.model_dump()))
     rules += [Rule(rule.reason, tuple(dict.fromkeys(PIN_OF_FIELD.get(f, f) for f in rule.fields)),
                    np.broadcast_to(rule.holds(values), t.shape), rule.name) for rule in legality.applicable(values)]
-    return _Grid(tp=t, pp=p, dp=d, cp=c, micro_batch=b, zero=z, recompute=r, sp=sp, interleave=v, offload=off,
+    return _Grid(tp=t, pp=p, dp=d, cp=c, ep=e, micro_batch=b, zero=z, recompute=r, sp=sp, interleave=v, offload=off,
                  rules=rules)
 
 
@@ -165,7 +172,7 @@ def enumerate_candidates(
     idx = np.nonzero(legal)[0]
     return Candidates(tp=g.tp[idx], pp=g.pp[idx], dp=g.dp[idx], micro_batch=g.micro_batch[idx], zero=g.zero[idx],
                       recompute=g.recompute[idx], sp=g.sp[idx], interleave=g.interleave[idx],
-                      offload=g.offload[idx], cp=g.cp[idx]).with_compression(
+                      offload=g.offload[idx], cp=g.cp[idx], ep=g.ep[idx]).with_compression(
                           compression.grad, compression.weights, compression.activations)
 
 

@@ -25,7 +25,8 @@ def parallel_config(cand: Candidates, i: int, num_micro_batches: float) -> Paral
     pp, v = int(cand.pp[i]), int(cand.interleave[i])
     schedule = "none" if pp == 1 else ("interleaved-1f1b" if v > 1 else "1f1b")
     return ParallelConfig(
-        tp=int(cand.tp[i]), pp=pp, dp=int(cand.dp[i]), cp=int(cand.cp[i]), micro_batch=int(cand.micro_batch[i]),
+        tp=int(cand.tp[i]), pp=pp, dp=int(cand.dp[i]), cp=int(cand.cp[i]), ep=int(cand.ep[i]),
+        micro_batch=int(cand.micro_batch[i]),
         num_micro_batches=int(round(num_micro_batches)), zero_stage=int(cand.zero[i]),
         recompute=RECOMPUTE_MODES[int(cand.recompute[i])], sequence_parallel=bool(cand.sp[i]),
         interleave=v, schedule=schedule, offload=OFFLOAD_TIERS[int(cand.offload[i])],
@@ -99,8 +100,8 @@ def _families(cand: Candidates, cluster: ClusterSpec) -> dict[str, np.ndarray]:
 def _parts(est: StepEstimate, i: int) -> dict[str, float]:
     return {
         "compute": float(est.compute_s[i]),
-        "communication": float(est.tensor_parallel_s[i] + est.context_parallel_s[i] + est.data_parallel_s[i]
-                               + est.offload_s[i] + est.optimizer_s[i]),
+        "communication": float(est.tensor_parallel_s[i] + est.context_parallel_s[i] + est.expert_parallel_s[i]
+                               + est.data_parallel_s[i] + est.offload_s[i] + est.optimizer_s[i]),
         "bubble": float(est.pipeline_bubble_s[i] + est.pipeline_p2p_s[i]),
     }
 

@@ -133,8 +133,8 @@ def decide_delayed_update(requested: str, zero_stage: int, placed: PlacedStates,
     """(on?, the decision with its numbers and reason) for the chosen plan (candidate 0 of `est`), as the
     module docstring says. `requested`: 'auto', 'on' or 'off'. Raises SpecError when 'on' cannot apply."""
     cpu_step = placed.placement.cpu_optimizer_s
-    window = float(est.compute_s[0] + est.tensor_parallel_s[0] + est.context_parallel_s[0] + est.pipeline_bubble_s[0]
-                   + est.pipeline_p2p_s[0])
+    window = float(est.compute_s[0] + est.tensor_parallel_s[0] + est.context_parallel_s[0]
+                   + est.expert_parallel_s[0] + est.pipeline_bubble_s[0] + est.pipeline_p2p_s[0])
     step = float(est.step_time_s[0] - est.offload_s[0] - est.optimizer_s[0]) + placed.offload_s + placed.optimizer_s
     optimizer_tier = placed.placement.optimizer
     # the run's offload is the optimizer's tier here: ZeRO 1 keeps the parameters and gradients on the GPU

@@ -8,7 +8,7 @@ enumerator's candidate arrays, planner.enumerate; the placement's combinations, 
 degrees as they are, flags 0/1, and the named choices by their index in NAMES (`config` encodes names), so that
 GPU = no offload = 0, CPU = 1, NVMe = 2 and "a state's tier <= the offload tier" reads as it says.
 
-Fields: zero, offload, delayed_update, grad, weights, activations (the --compress settings), tp, pp, cp, interleave,
+Fields: zero, offload, delayed_update, grad, weights, activations (the --compress settings), tp, pp, cp, ep, interleave,
 sequence_parallel, precision; where the model states live: parameters, gradients, optimizer, and offload_pinned (the
 offload tier is the user's --offload pin, which places the optimizer states there: planner.placement).
 A rule applies to a configuration that gives all of its fields; the others are left to whoever knows them.
@@ -38,7 +38,8 @@ NAMES: dict[str, tuple[str, ...]] = {
     "precision": get_args(Precision)}
 # Each field's values; a degree is 1 or "more" (2), which is all a rule asks of it.
 DOMAINS: dict[str, tuple[int, ...]] = {
-    "zero": (0, 1, 2, 3), "tp": (1, 2), "pp": (1, 2), "cp": (1, 2), "interleave": (1, 2), "sequence_parallel": (0, 1),
+    "zero": (0, 1, 2, 3), "tp": (1, 2), "pp": (1, 2), "cp": (1, 2), "ep": (1, 2), "interleave": (1, 2),
+    "sequence_parallel": (0, 1),
     "delayed_update": (0, 1), "offload_pinned": (0, 1), **{f: tuple(range(len(n))) for f, n in NAMES.items()}}
 OPTION_KEYS = {"grad": "grad", "weights": "weights", "activations": "act"}  # the --compress keys
 
@@ -151,6 +152,14 @@ _CONFIG_RULES = [
     *(Rule(f"context_parallel_without_{field}_compression", ("cp", field), lambda cp, s: (cp == 1) | (s == 0),
            "context parallel runs without compression, as runtime/parallel/context_parallel.py runs it",
            "pin --cp 1, or drop that --compress setting") for field in COMPRESSION_FIELDS),
+    Rule("expert_parallel_without_offload", ("ep", "offload"), lambda ep, off: (ep == 1) | (off == NONE),
+         "expert parallelism is priced with the model states on the GPU", "pin --ep 1 or --offload none"),
+    Rule("expert_parallel_without_context_parallel", ("ep", "cp"), lambda ep, cp: (ep == 1) | (cp == 1),
+         "expert parallelism is carved out of the data-parallel ranks, without context parallel",
+         "pin --ep 1 or --cp 1"),
+    *(Rule(f"expert_parallel_without_{field}_compression", ("ep", field), lambda ep, s: (ep == 1) | (s == 0),
+           "expert parallelism is priced without compression", "pin --ep 1, or drop that --compress setting")
+      for field in COMPRESSION_FIELDS),
     Rule("nvfp4_needs_tp1", ("precision", "tp"),
          lambda prec, tp: (prec != NAMES["precision"].index("nvfp4")) | (tp == 1),
          "nvfp4 runs with tensor parallel off: runtime/precision/nvfp4.py quantises whole tensors on one rank and "
@@ -264,6 +273,8 @@ def words(field: str, value: int) -> str:
         return flags[field] if value else f"no {flags[field].removeprefix('the ').removeprefix('an ')}"
     if field == "cp":
         return f"context parallel (cp={value})"
+    if field == "ep":
+        return f"expert parallel (ep={value})"
     return f"{OFFLOAD_TIERS[value]} offload" if field == "offload" else NAMES[field][value]
 
 

@@ -42,6 +42,9 @@ class ParallelConfig(Frozen):
     cp: int = Field(default=1, gt=0, description="Context-parallel degree: each sequence split over cp GPUs (2 * cp "
                                                   "chunks, rank r holding chunks r and 2cp-1-r); the gradients are "
                                                   "reduced and ZeRO shards over dp * cp.")
+    ep: int = Field(default=1, gt=0, description="Expert-parallel degree: each MoE block's routed experts split over "
+                    "ep consecutive data-parallel ranks (E / ep each), tokens dispatched to them by all-to-all; 1 for "
+                    "a dense model.")
     micro_batch: int = Field(gt=0, description="Sequences per micro-batch per data-parallel rank.")
     num_micro_batches: int = Field(gt=0, description="Micro-batches per step (gradient accumulation).")
     zero_stage: Literal[0, 1, 2, 3] = Field(description="ZeRO stage over the data-parallel dim.")
@@ -153,6 +156,8 @@ class TimeBreakdown(Frozen):
     tensor_parallel: float = Field(description="Tensor-parallel collectives, not overlapped.")
     context_parallel: float = Field(default=0.0, description="Context-parallel K/V all-gathers and gradient "
                                     "reduce-scatters, not overlapped (0 when cp = 1).")
+    expert_parallel: float = Field(default=0.0, description="Expert-parallel all-to-alls (tokens to their experts "
+                                   "and back, forward and backward), not overlapped (0 when ep = 1).")
     pipeline_bubble: float = Field(description="Pipeline fill and drain.")
     pipeline_p2p: float = Field(description="Stage-to-stage activation transfers (with act=int8 compression: "
                                 "the compressed bytes plus quantizing and dequantizing them).")

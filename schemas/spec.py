@@ -76,6 +76,8 @@ class Pins(BaseModel):
     dp: Optional[int] = Field(default=None, gt=0, description="Data-parallel degree.")
     cp: Optional[int] = Field(default=None, gt=0, description="Context-parallel degree (each sequence split over cp "
                                                               "GPUs).")
+    ep: Optional[int] = Field(default=None, gt=0, description="Expert-parallel degree: a mixture of experts' routed "
+                              "experts split over ep of the data-parallel ranks (E / ep each).")
     zero: Optional[Literal[0, 1, 2, 3]] = Field(default=None, description="ZeRO stage.")
     offload: Optional[Tier] = Field(default=None, description="Where the optimizer states live: none = GPU, cpu, "
                                     "nvme (ZeRO >= 1); parameters and gradients follow where they do not fit.")

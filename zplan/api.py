@@ -114,7 +114,7 @@ def check_gpus(gpus: int, cluster: ClusterSpec) -> None:
 
 
 # The pins check_pins reads as schemas.legality's fields (their names are the same).
-PINNED_FIELDS = ("tp", "pp", "cp", "zero", "offload", "sequence_parallel", "interleave")
+PINNED_FIELDS = ("tp", "pp", "cp", "ep", "zero", "offload", "sequence_parallel", "interleave")
 
 
 def check_pins(gpus: int, pins: Pins) -> None:
@@ -197,7 +197,7 @@ def prediction(est: StepEstimate, cluster: ClusterSpec, placed: PlacedStates | N
                                **states),
         time=TimeBreakdown(
             compute=float(est.compute_s[0]), tensor_parallel=float(est.tensor_parallel_s[0]),
-            context_parallel=float(est.context_parallel_s[0]),
+            context_parallel=float(est.context_parallel_s[0]), expert_parallel=float(est.expert_parallel_s[0]),
             pipeline_bubble=float(est.pipeline_bubble_s[0]), pipeline_p2p=float(est.pipeline_p2p_s[0]),
             data_parallel=float(est.data_parallel_s[0]), offload=offload_s, optimizer=optimizer_s),
     )

@@ -95,8 +95,9 @@ def measured_run(name: str, plan: Plan, records: list[dict]) -> MeasuredRun:
 def plan_pins(plan: Plan) -> Pins:
     """Every choice the plan made, pinned: the cost model re-predicts this configuration and no other."""
     p = plan.parallel
-    return Pins(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, zero=p.zero_stage, offload=p.offload, micro_batch=p.micro_batch,
-                recompute=p.recompute, sequence_parallel=p.sequence_parallel, interleave=p.interleave,
+    return Pins(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, zero=p.zero_stage, offload=p.offload,
+                micro_batch=p.micro_batch, recompute=p.recompute, sequence_parallel=p.sequence_parallel,
+                interleave=p.interleave,
                 compress=p.compression)
 
 

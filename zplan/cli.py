@@ -53,14 +53,14 @@ MODEL_HELP = ("A Python file that defines build_model() (zplan runs it: only fil
 
 
 def _pins(tp, pp, dp, zero, offload, micro_batch, recompute, sequence_parallel, interleave, compress=None,
-          cp=None) -> Pins:
+          cp=None, ep=None) -> Pins:
     from zplan.planner.compression import parse_compress  # start-up time: numpy and the cost model
 
     if zero is not None and zero not in (0, 1, 2, 3):
         raise ZplanError(f"--zero must be 0, 1, 2 or 3 (got {zero}).")
     compression = parse_compress(compress) if compress is not None else None
     try:
-        return Pins(tp=tp, pp=pp, dp=dp, cp=cp, zero=zero, offload=offload.value if offload else None,
+        return Pins(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, zero=zero, offload=offload.value if offload else None,
                     micro_batch=micro_batch, recompute=recompute.value if recompute else None,
                     sequence_parallel=sequence_parallel, interleave=interleave, compress=compression)
     except ValidationError as exc:
@@ -88,6 +88,9 @@ PP = typer.Option(None, "--pp", help="Pin the pipeline-parallel degree.")
 DP = typer.Option(None, "--dp", help="Pin the data-parallel degree.")
 CP = typer.Option(None, "--cp", help="Pin the context-parallel degree: each sequence split over cp GPUs (default: "
                                      "searched where each GPU keeps at least 4096 tokens of a sequence).")
+EP = typer.Option(None, "--ep", help="Pin the expert-parallel degree of a mixture of experts: its routed experts split "
+                                     "over ep data-parallel ranks (ep divides the experts and dp). Priced by the "
+                                     "planner; the runtime does not run ep > 1 yet (default: 1).")
 ZERO = typer.Option(None, "--zero", help="Pin the ZeRO stage (0-3).")
 OFFLOAD = typer.Option(None, "--offload", help="Pin where optimizer states live: none (the GPU), cpu or nvme (these "
                                                 "need ZeRO >= 1; default: the search's choice).")
@@ -117,8 +120,8 @@ def _cluster_or_default(cluster: Optional[str]) -> str:
 
 def _check_mode_options(mode: Mode, given: dict[str, bool]) -> None:
     """Options of the other mode are errors naming the option (given: option -> whether it was passed)."""
-    training_only = ("--global-batch", "--seq", "--pp", "--dp", "--cp", "--zero", "--micro-batch", "--recompute",
-                     "--sequence-parallel", "--interleave", "--delayed-update", "--compress")
+    training_only = ("--global-batch", "--seq", "--pp", "--dp", "--cp", "--ep", "--zero", "--micro-batch",
+                     "--recompute", "--sequence-parallel", "--interleave", "--delayed-update", "--compress")
     inference_only = ("--target", "--batch", "--prompt-len", "--gen-len", "--precision int8", "--precision int4")
     other, kind, fix = ((training_only, "training", "drop {} with --mode inference (inference takes "
                          "--target, --batch, --prompt-len, --gen-len, --precision, --tp, --offload)")
@@ -148,7 +151,7 @@ def compile(
              "when nothing else fits or when given here; fp8: weights and activations in fp8 (GPUs with fp8 tensor "
              "cores; only when given here)."),
     tp: Optional[int] = TP, pp: Optional[int] = PP, dp: Optional[int] = DP, cp: Optional[int] = CP,
-    zero: Optional[int] = ZERO,
+    ep: Optional[int] = EP, zero: Optional[int] = ZERO,
     offload: Optional[Offload] = typer.Option(
         None, "--offload", help="Training: where optimizer states live: none (GPU memory), cpu or nvme (needs ZeRO "
                                 ">= 1); parameters (ZeRO 3) and gradients (ZeRO >= 2) follow only where they do not "
@@ -191,7 +194,7 @@ def compile(
     report.md/html and ds_config.json (--mode inference: plan.json, alternatives.json, generate.py, serve.py,
     launch/, report.md/html)."""
     given = {"--global-batch": global_batch is not None, "--seq": seq is not None, "--pp": pp is not None,
-             "--dp": dp is not None, "--cp": cp is not None, "--zero": zero is not None,
+             "--dp": dp is not None, "--cp": cp is not None, "--ep": ep is not None, "--zero": zero is not None,
              "--micro-batch": micro_batch is not None,
              "--recompute": recompute is not None, "--sequence-parallel": sequence_parallel is not None,
              "--interleave": interleave is not None, "--delayed-update": delayed_update is not None,
@@ -221,7 +224,8 @@ def compile(
 
     delayed_update = delayed_update or DelayedUpdate.auto
     try:
-        pins = _pins(tp, pp, dp, zero, offload, micro_batch, recompute, sequence_parallel, interleave, compress, cp)
+        pins = _pins(tp, pp, dp, zero, offload, micro_batch, recompute, sequence_parallel, interleave, compress, cp,
+                     ep)
         with err.status("tracing the model", spinner="dots") as status:
             req = prepare(model, gpus, cluster, global_batch, seq, precision.value if precision else None, pins,
                           delayed_update.value)
@@ -294,7 +298,7 @@ def estimate(
     gpus: int = GPUS, cluster: Optional[str] = CLUSTER, global_batch: Optional[int] = BATCH, seq: Optional[int] = SEQ,
     precision: Optional[Precision] = PRECISION, tp: int = typer.Option(..., "--tp", help="Tensor-parallel degree."),
     pp: int = typer.Option(..., "--pp", help="Pipeline-parallel degree."), dp: Optional[int] = DP,
-    cp: Optional[int] = CP,
+    cp: Optional[int] = CP, ep: Optional[int] = EP,
     zero: Optional[int] = ZERO, offload: Optional[Offload] = OFFLOAD, micro_batch: Optional[int] = MICRO,
     recompute: Optional[Recompute] = RECOMPUTE, sequence_parallel: Optional[bool] = SP,
     interleave: Optional[int] = INTERLEAVE, compress: Optional[str] = COMPRESS, as_json: bool = JSON,
@@ -306,7 +310,8 @@ def estimate(
 
     cluster = _cluster_or_default(cluster)
     try:
-        pins = _pins(tp, pp, dp, zero, offload, micro_batch, recompute, sequence_parallel, interleave, compress, cp)
+        pins = _pins(tp, pp, dp, zero, offload, micro_batch, recompute, sequence_parallel, interleave, compress, cp,
+                     ep)
         req = prepare(model, gpus, cluster, global_batch, seq, precision.value if precision else None, pins)
         result = estimate_config(req)
     except ZplanError as exc:

@@ -102,6 +102,7 @@ def _model_line(model) -> str:
 def _config_line(p) -> str:
     sp = " +SP" if p.sequence_parallel else ""
     cp = f" cp={p.cp}" if p.cp > 1 else ""
+    cp += f" ep={p.ep}" if p.ep > 1 else ""
     return (f"tp={p.tp} pp={p.pp} dp={p.dp}{cp} micro-batch={p.micro_batch} x{p.num_micro_batches} "
             f"ZeRO-{p.zero_stage} recompute={p.recompute}{sp} schedule={p.schedule}"
             f"{f' v={p.interleave}' if p.interleave > 1 else ''} offload={p.offload}")
@@ -118,7 +119,8 @@ def print_plan_summary(console: Console, plan: Plan, alternatives: Alternatives,
     table.add_row("batch", f"{plan.train.global_batch} x {plan.train.seq_len} tokens, {plan.train.precision}")
     table.add_row("plan", _config_line(plan.parallel))
     table.add_row("step time", f"{pred.step_time_s:.3f} s  ({pred.tokens_per_s:,.0f} tokens/s, MFU {pred.mfu:.1%})")
-    table.add_row("time parts", f"compute {t.compute:.3f} s, TP {t.tensor_parallel:.3f}, bubble "
+    ep = f"EP {t.expert_parallel:.3f}, " if plan.parallel.ep > 1 else ""
+    table.add_row("time parts", f"compute {t.compute:.3f} s, TP {t.tensor_parallel:.3f}, {ep}bubble "
                                 f"{t.pipeline_bubble:.3f}, p2p {t.pipeline_p2p:.3f}, DP {t.data_parallel:.3f}, "
                                 f"offload {t.offload:.3f}, optimizer {t.optimizer:.3f}")
     table.add_row("memory/GPU", f"{mem.total / GiB:.1f} of {mem.capacity / GiB:.1f} GiB (weights "
@@ -135,6 +137,7 @@ def print_estimate(console: Console, result: dict) -> None:
     table.add_column()
     c = result["config"]
     cp = f" cp={c['cp']}" if c.get("cp", 1) > 1 else ""
+    cp += f" ep={c['ep']}" if c.get("ep", 1) > 1 else ""
     table.add_row("config", f"tp={c['tp']} pp={c['pp']} dp={c['dp']}{cp} micro-batch={c['micro_batch']} "
                             f"ZeRO-{c['zero_stage']} recompute={c['recompute']}")
     table.add_row("feasible", "yes" if result["feasible"] else "NO (does not fit memory)")

@@ -102,9 +102,10 @@ def block_time_s(
     core = b * attention_core_fwd_flops(model) * ((1.0 + BACKWARD_OVER_FORWARD) + (cand.recompute > 0))
     flops = b * ((1.0 + BACKWARD_OVER_FORWARD) * model.block_fwd_flops + recompute_fwd_flops(model, cand.recompute))
     # Routed experts: every tp rank runs them whole on all its tokens (tp splits only the Linears), at the compute
-    # dtype's peak (fp8 training converts Linears only), their GEMMs as large as one expert's share of the tokens
+    # dtype's peak (fp8 training converts Linears only), their GEMMs as large as one expert's share of the tokens of
+    # the ep ranks that send it theirs (balanced routing)
     experts = b * model.block_expert_fwd_flops * ((1.0 + BACKWARD_OVER_FORWARD) + (cand.recompute == 2))
-    expert_tokens = b * model.seq_len * model.top_k / max(model.num_experts, 1)
+    expert_tokens = b * model.seq_len * model.top_k * cand.ep / max(model.num_experts, 1)
     expert_eff = gemm_efficiency(2.0 * expert_tokens * model.hidden * model.expert_ffn_hidden, cluster)
     experts_s = experts / (peak * expert_eff) if model.block_expert_fwd_flops > 0 else 0.0
     attention = cluster.efficiency.attention

@@ -38,13 +38,15 @@ class Candidates:
     weight_compress: np.ndarray = field(default=None)  # index into WEIGHT_COMPRESSION
     act_compress: np.ndarray = field(default=None)  # index into ACTIVATION_COMPRESSION
     cp: np.ndarray = field(default=None)  # context-parallel degree: each sequence split over cp GPUs
+    ep: np.ndarray = field(default=None)  # expert-parallel degree: routed experts split over ep of the dp ranks
 
     def __post_init__(self) -> None:
         for name in ("grad_compress", "weight_compress", "act_compress"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, np.zeros_like(self.tp))
-        if self.cp is None:
-            object.__setattr__(self, "cp", np.ones_like(self.tp))
+        for name in ("cp", "ep"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, np.ones_like(self.tp))
 
     def __len__(self) -> int:
         return len(self.tp)
@@ -105,17 +107,19 @@ class ModelNumbers:
     block_colwise_linears: int = 0  # a block's Linears split by output features under tp (its tp_rules)
     block_rowwise_linears: int = 0  # and by input features
     kv_heads: int = 0  # key/value heads (GQA); 0: as many as the query heads
+    moe_blocks: int = 0  # blocks with routed experts
     # Routed experts (mean over blocks; 0 for a dense model): whole on every tp rank, which splits only the Linears
-    block_expert_params: float = 0.0
+    block_expert_params: float = 0.0  # all E experts of a block
     block_expert_fwd_flops: float = 0.0  # per sample, at top-k, balanced
     block_expert_act_bytes: float = 0.0  # per sample, at the compute precision
     num_experts: int = 0  # E
     top_k: int = 0  # k
     expert_ffn_hidden: int = 0  # F of one expert
 
-    def block_params_per_tp_rank(self, tp: np.ndarray | float) -> np.ndarray | float:
-        """One block's parameters on a tp rank: its Linears split, its routed experts whole."""
-        return (self.block_params - self.block_expert_params) / tp + self.block_expert_params
+    def block_params_per_rank(self, tp: np.ndarray | float, ep: np.ndarray | float = 1) -> np.ndarray | float:
+        """One block's parameters on a rank: its Linears split over tp, its routed experts whole on every tp rank and
+        split over ep."""
+        return (self.block_params - self.block_expert_params) / tp + self.block_expert_params / ep
 
     @staticmethod
     def from_summary(summary: ModelSummary) -> ModelNumbers:
@@ -151,4 +155,5 @@ class ModelNumbers:
             num_experts=summary.experts.num_experts if summary.experts else 0,
             top_k=summary.experts.top_k if summary.experts else 0,
             expert_ffn_hidden=summary.experts.ffn_hidden if summary.experts else 0,
+            moe_blocks=summary.experts.moe_blocks if summary.experts else 0,
         )

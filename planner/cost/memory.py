@@ -121,11 +121,15 @@ def memory_per_gpu(
     # Per GPU: the blocks split by tp, the embedding and head whole (replicated over tp; module docstring). A tied
     # head's table (head_shared_params) is the embedding's in one stage, a copy of it on the last stage of a pipeline
     # (runtime/parallel/pipeline.py sums their gradients), with its gradient and optimizer states.
-    # Routed experts are whole on every tp rank too (ModelNumbers.block_params_per_tp_rank).
+    # Routed experts are whole on every tp rank and split over ep (ModelNumbers.block_params_per_rank): their states
+    # shard over the dp / ep ranks that hold the same experts, so that sharded they take what they take at ep = 1.
+    ep = cand.ep.astype(float)
     edges = model.embed_params + model.head_params  # embedding, final norm, head
     experts = model.num_blocks * model.block_expert_params
-    whole_model = edges + (model.params - edges - experts) / t + experts
-    block_params_gpu = model.block_params_per_tp_rank(t)
+    whole_model = edges + (model.params - edges - experts) / t + experts / ep
+    block_params_gpu = model.block_params_per_rank(t, ep)
+    first_experts = np.where(single, experts, first_blocks * model.block_expert_params) / ep
+    last_experts = np.where(single, experts, last_blocks * model.block_expert_params) / ep
     first_params = np.where(single, whole_model, model.embed_params + first_blocks * block_params_gpu)
     last_params = np.where(single, whole_model,
                            model.head_params + model.head_shared_params + last_blocks * block_params_gpu)
@@ -155,6 +159,8 @@ def memory_per_gpu(
     comm = comm + np.where(z >= 2, 2.0 * GRAD_BYTES * block_params_gpu, 0.0)
     comm = comm + np.where(z == 3, 2.0 * elem * block_params_gpu, 0.0)
     comm = comm + np.where(t > 1, 2.0 * b * s * h * elem, 0.0)  # sequence-parallel gather buffers
+    # expert parallel: one MoE block's routed tokens (b s k, h) sent and received by all-to-all
+    comm = comm + np.where(ep > 1, 2.0 * b * s * model.top_k * h * elem, 0.0)
     standing = pipeline_receive_buffer_bytes(model, cand, num_micro_batches, precision)  # live the whole step
     # ZeRO 2/3: the root unit (the embedding, the final norm and head, whole on every tp rank) reduces its gradients
     # once its backward is done, from an fp32 input of its unsharded size into an fp32 output of its shard's, added
@@ -226,8 +232,14 @@ def memory_per_gpu(
         """(weights, gradients, optimizer, activations, comm buffers, not at the peak, total, parameters) of the more
         loaded end stage."""
         per_param = state_bytes_per_param(z, dp, offloaded, params_off, sixteen)
-        w1, g1, o1 = (bytes_per_param * first_params for bytes_per_param in per_param)
-        w2, g2, o2 = (bytes_per_param * last_params for bytes_per_param in per_param)
+        per_expert = state_bytes_per_param(z, dp / ep, offloaded, params_off, sixteen)  # sharded over dp / ep
+
+        def states(params, expert_params):
+            return tuple(dense * (params - expert_params) + routed * expert_params
+                         for dense, routed in zip(per_param, per_expert, strict=True))
+
+        w1, g1, o1 = states(first_params, first_experts)
+        w2, g2, o2 = states(last_params, last_experts)
         tied_sum = np.where(single, 0.0, per_param[1] * model.head_shared_params)  # both end stages hold the table
 
         def buffers_beside(acts):  # 1-bit Adam's step outlives the activations it is larger than

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from zplan.planner.cost.comm import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s
+from zplan.planner.cost.comm import all_gather_s, all_reduce_s, all_to_all_s, p2p_s, reduce_scatter_s
 from zplan.planner.cost.compression import (
     activation_bytes_per_element,
     activation_codec_s,
@@ -108,6 +108,7 @@ class StepEstimate:
     compute_s: np.ndarray
     tensor_parallel_s: np.ndarray
     context_parallel_s: np.ndarray
+    expert_parallel_s: np.ndarray
     pipeline_bubble_s: np.ndarray
     pipeline_p2p_s: np.ndarray
     data_parallel_s: np.ndarray
@@ -190,6 +191,17 @@ def data_parallel_s(model: ModelNumbers, cand: Candidates, cluster: ClusterSpec,
     return np.where(dp > 1, np.where(z <= 1, stage01, stage23), 0.0) + scalars
 
 
+def expert_parallel_block_s(model: ModelNumbers, cand: Candidates, cluster: ClusterSpec, elem: int) -> np.ndarray:
+    """All-to-all seconds of one block for one micro-batch, averaged over the blocks (moe_blocks of num_blocks
+    route): each MoE block sends its (b s k, h) routed tokens to their experts' ranks and back, forward and backward
+    (4 all-to-alls), twice more where full recompute re-runs its forward; the ep ranks are consecutive dp ranks, t cp
+    ranks apart (the mesh is pp, dp, cp, tp); balanced routing, so (ep - 1) / ep of the tokens leave the GPU."""
+    exchanges = 4.0 + 2.0 * (cand.recompute == 2)
+    routed = gpu_sequences(cand) * model.seq_len * model.top_k * model.hidden * elem  # bytes of (b s k, h)
+    share = model.moe_blocks / max(model.num_blocks, 1)
+    return share * exchanges * all_to_all_s(routed, cand.ep, cand.tp * cand.cp, cluster)
+
+
 def model_flops_per_sample(model: ModelNumbers) -> float:
     """Forward + backward FLOPs of one sample, recompute excluded (the MFU numerator)."""
     forward = model.num_blocks * model.block_fwd_flops + model.embed_fwd_flops + model.head_fwd_flops
@@ -227,7 +239,8 @@ def estimate_step(
     compute_mb = load * block_s
     tp_mb = np.floor(load) * block_tp_s
     cp_mb = np.floor(load) * context_parallel_block_s(model, cand, cluster, elem)
-    stage_s = compute_mb + tp_mb + cp_mb
+    ep_mb = blocks_per_stage(model, cand) * expert_parallel_block_s(model, cand, cluster, elem)  # blocks, not edges
+    stage_s = compute_mb + tp_mb + cp_mb + ep_mb
 
     bubble = bubble_stage_times(p, v) * stage_s
     crosses_node = t * cand.cp * dp >= cluster.link_domain()
@@ -251,11 +264,13 @@ def estimate_step(
     compute_s = m * compute_mb
     tp_s = m * tp_mb
     cp_s = m * cp_mb
-    step = compute_s + tp_s + cp_s + bubble + p2p + dp_s + offload_s + optimizer_s
+    ep_s = m * ep_mb
+    step = compute_s + tp_s + cp_s + ep_s + bubble + p2p + dp_s + offload_s + optimizer_s
     flops = model_flops_per_sample(model) * global_batch
     gpus = t * p * dp * cand.cp
     return StepEstimate(
         num_micro_batches=m, compute_s=compute_s, tensor_parallel_s=tp_s, context_parallel_s=cp_s,
+        expert_parallel_s=ep_s,
         pipeline_bubble_s=bubble,
         pipeline_p2p_s=p2p, data_parallel_s=dp_s, offload_s=offload_s, optimizer_s=optimizer_s,
         step_time_s=step, tokens_per_s=global_batch * s / step,

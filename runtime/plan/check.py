@@ -88,7 +88,7 @@ def plan_values(plan: Plan) -> dict[str, int]:
     offload tier."""
     p = plan.parallel
     return legality.config(zero=p.zero_stage, offload=p.offload, delayed_update=p.delayed_update, tp=p.tp, pp=p.pp,
-                           cp=p.cp, interleave=p.interleave, sequence_parallel=p.sequence_parallel,
+                           cp=p.cp, ep=p.ep, interleave=p.interleave, sequence_parallel=p.sequence_parallel,
                            precision=plan.train.precision, parameters=plan.placement.parameters,
                            **p.compression.model_dump())
 
@@ -101,7 +101,11 @@ def runtime_gaps(plan: Plan) -> list[str]:
     fit; the emitted train.py refuses them before any collective.
     """
     values = plan_values(plan)
-    return [f"{legality.describe(rule, values)} ({rule.reason}): {rule.fix}" for rule in legality.violations(values)]
+    gaps = [f"{legality.describe(rule, values)} ({rule.reason}): {rule.fix}" for rule in legality.violations(values)]
+    if plan.parallel.ep > 1:  # priced by the planner (zplan estimate, the validation), not yet run
+        gaps.append(f"expert parallel (ep={plan.parallel.ep}) (the runtime runs each rank's experts whole, ep = 1; "
+                    "expert parallelism is priced but not run yet): pin --ep 1")
+    return gaps
 
 
 def context_parallel_problems(plan: Plan, model_path: str | Path | None) -> list[str]:

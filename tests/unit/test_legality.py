@@ -54,7 +54,8 @@ def test_the_scalar_check_and_the_array_mask_agree_on_every_configuration(rule):
 def test_the_enumerators_masks_are_the_tables(pins):
     g = _grid(summary(), A100, 8, 16, pins)
     compression = legality.config(**(pins.compress or CompressionConfig()).model_dump())
-    points = [dict(tp=int(g.tp[i]), pp=int(g.pp[i]), cp=int(g.cp[i]), zero=int(g.zero[i]), offload=int(g.offload[i]),
+    points = [dict(tp=int(g.tp[i]), pp=int(g.pp[i]), cp=int(g.cp[i]), ep=int(g.ep[i]), zero=int(g.zero[i]),
+                   offload=int(g.offload[i]),
                    sequence_parallel=int(g.sp[i]), interleave=int(g.interleave[i]), **compression)
               for i in range(len(g.tp))]
     masks = {rule.name: rule.mask for rule in g.rules if rule.name}

@@ -1,0 +1,113 @@
+"""Mixture-of-experts pricing against hand computations: experts whole under tp and split by ep, their states sharded
+over dp / ep, the all-to-alls, and the --ep pin's checks."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import zplan.examples
+from zplan.errors import SpecError
+from zplan.model_input import trace_model_file
+from zplan.planner.clusters import BUILTIN_CLUSTERS
+from zplan.planner.cost.comm import all_to_all_s
+from zplan.planner.cost.inputs import Candidates, ModelNumbers
+from zplan.planner.cost.memory import memory_per_gpu
+from zplan.planner.cost.step import estimate_step
+from zplan.schemas.spec import Pins
+
+H100 = BUILTIN_CLUSTERS["dgx-h100"]
+L, S, H, E, K, F = 8, 1024, 1024, 8, 2, 2048  # blocks, tokens, hidden, experts, top-k, expert width
+EXPERTS = E * 3 * H * F  # one block's routed experts' parameters
+DENSE = 4 * H * H  # one block's attention
+EXAMPLES = Path(zplan.examples.__file__).parent
+
+
+def moe_numbers() -> ModelNumbers:
+    return ModelNumbers(num_blocks=L, hidden=H, heads=8, ffn_hidden=F, vocab=32000, seq_len=S,
+                        params=L * (DENSE + EXPERTS), embed_params=0.0, embed_fwd_flops=0.0, head_params=0.0,
+                        head_fwd_flops=0.0, block_params=DENSE + EXPERTS,
+                        block_fwd_flops=2.0 * S * (DENSE + K * 3 * H * F), block_act_bytes=34.0 * S * H,
+                        embed_act_bytes=0.0, head_act_bytes=0.0, block_expert_params=EXPERTS,
+                        block_expert_fwd_flops=2.0 * S * K * 3 * H * F, num_experts=E, top_k=K, expert_ffn_hidden=F,
+                        moe_blocks=L)
+
+
+def one(**values) -> Candidates:
+    base = dict(tp=1, pp=1, dp=8, micro_batch=1, zero=0, recompute=0, sp=0, interleave=1, offload=0, ep=1)
+    return Candidates.single(**{**base, **values})
+
+
+def states(cand: Candidates, precision: str = "fp32") -> float:
+    memory = memory_per_gpu(moe_numbers(), cand, H100, precision, num_micro_batches=np.array([1]))
+    return float(memory.parameters[0] + memory.gradients[0] + memory.optimizer[0])
+
+
+def test_zero0_holds_its_ep_share_of_the_experts_and_every_tp_rank_holds_them_whole():
+    # fp32 ZeRO 0: 4 + 4 + 8 bytes a parameter, all of them on the GPU
+    assert states(one(ep=1)) == pytest.approx(16 * L * (DENSE + EXPERTS))
+    assert states(one(ep=4)) == pytest.approx(16 * L * (DENSE + EXPERTS / 4))
+    # tp splits the Linears only: the experts stay whole on each of the 2 tp ranks
+    assert states(one(tp=2, dp=4)) == pytest.approx(16 * L * (DENSE / 2 + EXPERTS))
+
+
+def test_zero3_shards_the_experts_over_the_ranks_that_hold_them_so_ep_changes_nothing_at_rest():
+    # ZeRO 3: everything sharded; the dense part over dp = 8, the experts (E / ep each) over dp / ep
+    for ep in (1, 2, 8):
+        assert states(one(zero=3, ep=ep)) == pytest.approx(16 * L * (DENSE + EXPERTS) / 8)
+
+
+def test_zero1_shards_the_optimizer_over_dp_and_keeps_the_expert_weights_split_by_ep():
+    # bf16 ZeRO 1: 16-bit weights and gradients (2 + 2) whole, fp32 master + m + v (12) over the group
+    got = states(one(zero=1, ep=4), "bf16")
+    assert got == pytest.approx(L * (4 * DENSE + 12 * DENSE / 8 + 4 * EXPERTS / 4 + 12 * (EXPERTS / 4) / (8 / 4)))
+
+
+def test_all_to_alls_are_four_a_moe_block_and_six_under_full_recompute():
+    model = moe_numbers()
+    routed = 1 * S * K * H * 2  # (b s k, h) bf16 bytes a micro-batch
+    for recompute, exchanges in ((0, 4), (2, 6)):
+        cand = one(ep=8, recompute=recompute)
+        est = estimate_step(model, cand, H100, "bf16", global_batch=8)
+        a2a = all_to_all_s(np.array([routed]), np.array([8]), np.array([1]), H100)[0]
+        assert est.expert_parallel_s[0] == pytest.approx(L * exchanges * a2a)
+        assert est.step_time_s[0] > est.compute_s[0] + est.expert_parallel_s[0]
+    assert estimate_step(model, one(ep=1), H100, "bf16", global_batch=8).expert_parallel_s[0] == 0.0
+
+
+@pytest.fixture(scope="module")
+def tiny_moe():
+    return trace_model_file(EXAMPLES / "moe.py", 64, "bf16", build_overrides=dict(
+        num_layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=96, num_experts=4, top_k=2, vocab_size=128))[1]
+
+
+def test_the_ep_pin_is_priced_and_the_plan_says_the_runtime_does_not_run_it_yet(tiny_moe):
+    from zplan.api import Request, compile_with_alternatives
+    from zplan.runtime.plan.check import runtime_gaps
+    from zplan.schemas.spec import TrainSpec
+
+    request = Request("moe.py", tiny_moe, H100, 8, TrainSpec(global_batch=16, seq_len=64, precision="bf16"),
+                      Pins(ep=4, tp=1, pp=1), "auto")
+    plan, _ = compile_with_alternatives(request)
+    assert (plan.parallel.ep, plan.parallel.dp) == (4, 8)
+    assert plan.prediction.time.expert_parallel > 0
+    assert any("ep=4" in gap and "--ep 1" in gap for gap in runtime_gaps(plan))
+
+
+@pytest.mark.parametrize("ep, words", [(3, "ep divides the 4 routed experts"), (16, "ep divides the 4 routed")])
+def test_an_ep_that_does_not_divide_the_experts_is_refused_with_the_rule(tiny_moe, ep, words):
+    from zplan.api import Request, compile_with_alternatives
+    from zplan.schemas.spec import TrainSpec
+
+    request = Request("moe.py", tiny_moe, H100, 48, TrainSpec(global_batch=48, seq_len=64, precision="bf16"),
+                      Pins(ep=ep), "auto")
+    with pytest.raises(SpecError, match=words):
+        compile_with_alternatives(request)
+
+
+def test_ep_on_a_dense_model_is_refused():
+    from zplan.api import compile_with_alternatives, prepare
+
+    request = prepare(str(EXAMPLES / "tiny.py"), 8, "dgx-h100", 16, None, "bf16", Pins(ep=2))
+    with pytest.raises(SpecError, match="ep > 1 needs a mixture of experts"):
+        compile_with_alternatives(request)
