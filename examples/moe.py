@@ -3,8 +3,8 @@ MLP replaced by E SwiGLU experts of which a learned router picks the top k for e
 the router's renormalised probabilities. Like transformers' Mixtral with its default output_router_logits=False, it
 trains on the language-model loss alone (no load-balancing loss).
 
-The experts are stored as transformers 5 stores them (zplan.model.experts recognises both): gate_up (E, 2F, h) and
-down (E, h, F) beside a router whose weight is (E, h), called as experts(hidden (T, h), top_k_index (T, k),
+The experts are stored as transformers 5 stores them (zplan.model.experts recognises both): gate_up_proj (E, 2F, h)
+and down_proj (E, h, F) beside a router whose weight is (E, h), called as experts(hidden (T, h), top_k_index (T, k),
 top_k_weights (T, k)). The default sizes are Mixtral-8x7B's; build_model(num_layers=2, hidden=64, ...) for a small
 one. zplan builds it on the meta device and prices the experts by top-k; the experts' loop below runs the tokens
 each expert was given, the same FLOPs.
@@ -43,13 +43,21 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts, their weights stacked: down(silu(gate(x)) * up(x)) for the tokens routed to each."""
+    """E SwiGLU experts, their weights stacked: down(silu(gate(x)) * up(x)) for the tokens routed to each. It
+    declares its layout as transformers 5's experts do (has_gate, has_bias, is_transposed, _apply_gate), which lets
+    zplan's runtime run it as its own executor (grouped, expert-parallel) with the same numbers."""
+
+    has_gate, has_bias, is_transposed = True, False, False  # gate_up (E, 2F, h), down (E, h, F), no biases
 
     def __init__(self, hidden: int, ffn_hidden: int, num_experts: int):
         super().__init__()
         self.num_experts = num_experts
-        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * ffn_hidden, hidden))
-        self.down = nn.Parameter(torch.empty(num_experts, hidden, ffn_hidden))
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * ffn_hidden, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, ffn_hidden))
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:  # (n, 2F) -> (n, F)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         tokens, top_k = top_k_index.shape
@@ -59,8 +67,8 @@ class Experts(nn.Module):
         routed = x[order // top_k]  # (T*k, h)
         outputs = []
         for expert, part in enumerate(routed.split(counts)):
-            gate, up = F.linear(part, self.gate_up[expert]).chunk(2, dim=-1)  # (n, F) each
-            outputs.append(F.linear(F.silu(gate) * up, self.down[expert]))  # (n, h)
+            inner = self._apply_gate(F.linear(part, self.gate_up_proj[expert]))  # (n, F)
+            outputs.append(F.linear(inner, self.down_proj[expert]))  # (n, h)
         combined = torch.empty_like(routed).index_copy(0, order, torch.cat(outputs))  # back in (token, k) order
         weighted = combined.view(tokens, top_k, -1) * top_k_weights.unsqueeze(-1)  # (T, k, h)
         return weighted.sum(dim=1)  # (T, h)

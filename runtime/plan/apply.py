@@ -8,15 +8,15 @@
     data = plan_data_iter(plan, mesh, make_data_iter(...), model)   # context parallel: this rank's part of each
     train(model, optimizer, data, plan_loss_fn(plan, model_file), train_config(plan, steps=steps, ...), ctx)
 
-parallelize is the fixed order (torchtitan's parallelize_llama is the model: a short ordered function, the
-sharding plans as data): fp8 or NVFP4 GEMMs in the blocks' Linears (precision fp8, runtime.precision.float8; nvfp4,
-runtime.precision.nvfp4) -> tensor parallel -> activation recompute -> pipeline split -> no generation cache -> data
-parallel (ZeRO stage, mixed precision, offload, compression; over mesh["dp_cp"] under context parallel:
-runtime.parallel.mesh), with the weights made before data parallelism under ZeRO 0/1 (DDP needs real tensors) and after
-it under ZeRO 2/3 (only FSDP2's shards are made). Every setting comes from the plan that check_plan validated, so an
-edit to plan.json is either checked and run, or refused. Offload follows the placement: under ZeRO 2/3 the parameter
-(and gradient) shards go to the host only where plan.placement.parameters says so; otherwise they stay on the device and
-only the optimizer is offloaded.
+parallelize is the fixed order (torchtitan's parallelize_llama is the model: a short ordered function, the sharding
+plans as data): zplan's executor of routed experts (runtime.parallel.experts) -> fp8 or NVFP4 GEMMs in the blocks'
+Linears (precision fp8, runtime.precision.float8; nvfp4, runtime.precision.nvfp4) -> tensor parallel -> activation
+recompute -> pipeline split -> no generation cache -> data parallel (ZeRO stage, mixed precision, offload, compression;
+over mesh["dp_cp"] under context parallel: runtime.parallel.mesh), with the weights made before data parallelism under
+ZeRO 0/1 (DDP needs real tensors) and after it under ZeRO 2/3 (only FSDP2's shards are made). Every setting comes from
+the plan that check_plan validated, so an edit to plan.json is either checked and run, or refused. Offload follows the
+placement: under ZeRO 2/3 the parameter (and gradient) shards go to the host only where plan.placement.parameters says
+so; otherwise they stay on the device and only the optimizer is offloaded.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from zplan.runtime.parallel.context_parallel import (
     token_ids_name,
 )
 from zplan.runtime.parallel.data_parallel import apply_data_parallel
+from zplan.runtime.parallel.experts import apply_experts
 from zplan.runtime.parallel.mesh import build_mesh, data_parallel_mesh
 from zplan.runtime.parallel.pipeline import PipelineRun, apply_pipeline
 from zplan.runtime.parallel.tensor_parallel import apply_tensor_parallel
@@ -88,6 +89,7 @@ def parallelize(model: nn.Module, weights, mesh: DeviceMesh, plan: Plan, model_f
     # tensors).
     fake = on_fake_tensors()  # the dry run (runtime.dryrun.fake_world)
     with unset_fake_temporarily():
+        apply_experts(model)  # routed experts run zplan's executor (runtime.parallel.experts; ep = 1)
         tp_plan = {rule.module: rule.style for rule in rules}
         if precision == "fp8":  # the blocks' Linears to fp8 GEMMs first: torchao converts before TP and FSDP2
             # said once by rank 0 of a real run; the dry run's output is its own (zplan dryrun --json)

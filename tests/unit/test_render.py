@@ -171,12 +171,12 @@ def test_parallelize_makes_the_weights_where_the_zero_stage_says(zero, weights_f
     import zplan.runtime.plan.apply as plan_apply
 
     calls = []
-    for step in ("apply_tensor_parallel", "apply_recompute", "apply_pipeline", "disable_generation_cache",
-                 "apply_data_parallel", "materialize_weights"):
+    for step in ("apply_experts", "apply_tensor_parallel", "apply_recompute", "apply_pipeline",
+                 "disable_generation_cache", "apply_data_parallel", "materialize_weights"):
         monkeypatch.setattr(plan_apply, step, lambda model, *args, _step=step, **kwargs: calls.append(_step) or model)
     plan = sample_plan("tiny-dp", parallel={"zero_stage": zero})
     model_file = SimpleNamespace(loss_fn=None, example_inputs=lambda micro_batch, seq_len: None)
     plan_apply.parallelize("model", None, {"tp": None, "pp": None, "dp": None}, plan, model_file, "cpu")
     replicated = ["materialize_weights", "apply_data_parallel"]
-    assert calls == ["apply_tensor_parallel", "apply_recompute", "apply_pipeline", "disable_generation_cache",
-                     *(replicated if weights_first else replicated[::-1])]
+    assert calls == ["apply_experts", "apply_tensor_parallel", "apply_recompute", "apply_pipeline",
+                     "disable_generation_cache", *(replicated if weights_first else replicated[::-1])]
