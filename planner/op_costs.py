@@ -85,6 +85,14 @@ def forward_flops(op: TracedOp) -> float:
     return 0.0
 
 
+def causal_attention_flops(op: TracedOp) -> float:
+    """FLOPs of a scaled_dot_product_attention's QK^T and AV from its shapes, over a causal square (half of it),
+    whatever mask the tracer saw: what a causal language model's flash kernel computes."""
+    query, key, value = (arg.shape for arg in op.args[:3])  # (B, H, T, D), (B, Hkv, S, D), (B, Hkv, S, Dv)
+    rows = math.prod(query[:-1])  # B * H * T
+    return (2.0 * rows * key[-2] * query[-1] + 2.0 * rows * key[-2] * value[-1]) / 2.0
+
+
 def _routed(op: TracedOp) -> tuple[int, int]:
     """(T tokens, k experts each) of a routed_experts operation: its hidden (T, h) and top_k_index (T, k)."""
     hidden, index = op.args[0].shape or (0, 0), op.args[1].shape or (0, 0)

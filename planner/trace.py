@@ -32,6 +32,7 @@ from zplan.planner.op_costs import (
     ALIAS_OPS,
     MATMUL_OPS,
     NORM_EXTRA_BYTES_PER_ROW,
+    causal_attention_flops,
     element_bytes,
     forward_flops,
     saved_tensors,
@@ -268,6 +269,7 @@ def _summarize(graph: ModelGraph, raw: RawTrace, model: nn.Module, name: str,
     expert_params_of = dict.fromkeys(units, 0)
     expert_flops_of = dict.fromkeys(units, 0.0)
     expert_act_of = dict.fromkeys(units, 0.0)
+    attention_of = dict.fromkeys(units, 0.0)  # the attention cores' QK^T and AV, causal
     modules_of: dict[str, dict[str, None]] = {unit: {} for unit in units}  # ordered sets
     for node, data in graph.iter_nodes():
         reads_parameter = any(arg.param is not None for arg in by_name[node].args)
@@ -277,6 +279,8 @@ def _summarize(graph: ModelGraph, raw: RawTrace, model: nn.Module, name: str,
         flops_of[data["unit"]] += data["fwd_flops"]
         act_of[data["unit"]] += data["act_bytes"]
         op = by_name[node]
+        if op.op == SDPA and len(op.args) >= 3 and all(arg.shape for arg in op.args[:3]):
+            attention_of[data["unit"]] += causal_attention_flops(op)
         if op.op == ROUTED_EXPERTS:
             expert_params_of[data["unit"]] += data["params"]
             expert_flops_of[data["unit"]] += data["fwd_flops"]
@@ -301,7 +305,7 @@ def _summarize(graph: ModelGraph, raw: RawTrace, model: nn.Module, name: str,
                   params=int(params_of[unit]), shared_params=sum(shared_of[unit].values()),
                   fwd_flops=flops_of[unit], act_bytes=act_of[unit], gemm_out_bytes=gemm_of[unit],
                   expert_params=expert_params_of[unit], expert_fwd_flops=expert_flops_of[unit],
-                  expert_act_bytes=expert_act_of[unit],
+                  expert_act_bytes=expert_act_of[unit], attention_fwd_flops=attention_of[unit],
                   modules=_unit_modules(model, list(modules_of[unit]), prefix) or [unit])
         for unit in units
     ]

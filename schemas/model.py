@@ -12,12 +12,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer
 from zplan.schemas.capability import ModelTrait
 
 LayerKind = Literal["embedding", "block", "head", "other"]
-EXPERT_FIELDS = ("expert_params", "expert_fwd_flops", "expert_act_bytes", "experts")  # written only for MoE models
+# written only where set: the mixture-of-experts fields, and the attention FLOPs of the units that have attention
+WHEN_SET_FIELDS = ("expert_params", "expert_fwd_flops", "expert_act_bytes", "experts", "attention_fwd_flops")
 
 
-def _without_dense_defaults(data: dict) -> dict:
-    """A dense model's plan.json without the mixture-of-experts fields at their defaults (0, None)."""
-    return {key: value for key, value in data.items() if key not in EXPERT_FIELDS or value}
+def _without_defaults(data: dict) -> dict:
+    """plan.json without WHEN_SET_FIELDS at their defaults (0, None): a dense model's reads as before them."""
+    return {key: value for key, value in data.items() if key not in WHEN_SET_FIELDS or value}
 TPStyle = Literal["colwise", "rowwise"]
 
 
@@ -47,6 +48,9 @@ class LayerCost(BaseModel):
         default=0.0, ge=0, description="Of act_bytes, what an unfused attention core saves over (s, s) scores "
         "(softmax output, dropout mask), one sample; 0 where a fused (flash) kernel keeps the scores on chip."
     )
+    attention_fwd_flops: float = Field(default=0.0, ge=0, description="Of fwd_flops, the fused attention cores' "
+                                       "QK^T and AV for one sample over a causal square, from their traced shapes "
+                                       "(0: not traced; the cost model then takes 2 s^2 h).")
     expert_params: int = Field(default=0, ge=0, description="Of params, the routed experts' (zplan.model.experts): "
                                "whole on every tensor-parallel rank, which splits only the Linears.")
     expert_fwd_flops: float = Field(default=0.0, ge=0, description="Of fwd_flops, the routed experts' for one sample "
@@ -55,8 +59,8 @@ class LayerCost(BaseModel):
                                     "one sample (planner/op_costs.py); not split by tp.")
 
     @model_serializer(mode="wrap")
-    def _dense_without_expert_fields(self, handler):
-        return _without_dense_defaults(handler(self))
+    def _fields_when_set(self, handler):
+        return _without_defaults(handler(self))
 
 
 class ExpertsSummary(BaseModel):
@@ -121,8 +125,8 @@ class ModelSummary(BaseModel):
                                      "empty for closed-form families.")
 
     @model_serializer(mode="wrap")
-    def _dense_without_expert_fields(self, handler):
-        return _without_dense_defaults(handler(self))
+    def _fields_when_set(self, handler):
+        return _without_defaults(handler(self))
 
     @property
     def fwd_flops_per_sample(self) -> float:

@@ -79,7 +79,10 @@ def gemm_efficiency(gemm_flops: np.ndarray, cluster: ClusterSpec) -> np.ndarray:
 
 
 def attention_core_fwd_flops(model: ModelNumbers) -> float:
-    """QK^T and AV of one causal sample: 2 matmuls * 2*s*s*h FLOPs, halved by the causal mask."""
+    """QK^T and AV of one causal sample, per block: as traced (heads * head dims need not be h: multi-head latent
+    attention, Qwen3's 128-wide heads), else 2 matmuls * 2*s*s*h FLOPs, halved by the causal mask."""
+    if model.block_attention_fwd_flops > 0:
+        return model.block_attention_fwd_flops
     return 2.0 * 2.0 * model.seq_len**2 * model.hidden / 2.0
 
 

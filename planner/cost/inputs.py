@@ -108,6 +108,7 @@ class ModelNumbers:
     block_rowwise_linears: int = 0  # and by input features
     kv_heads: int = 0  # key/value heads (GQA); 0: as many as the query heads
     moe_blocks: int = 0  # blocks with routed experts
+    block_attention_fwd_flops: float = 0.0  # per sample, the traced attention cores' (0: 2 s^2 h, planner.cost.compute)
     # Routed experts (mean over blocks; 0 for a dense model): whole on every tp rank, which splits only the Linears
     block_expert_params: float = 0.0  # all E experts of a block
     block_expert_fwd_flops: float = 0.0  # per sample, at top-k, balanced
@@ -156,4 +157,5 @@ class ModelNumbers:
             top_k=summary.experts.top_k if summary.experts else 0,
             expert_ffn_hidden=summary.experts.ffn_hidden if summary.experts else 0,
             moe_blocks=summary.experts.moe_blocks if summary.experts else 0,
+            block_attention_fwd_flops=float(np.mean([u.attention_fwd_flops for u in blocks])),
         )
