@@ -104,7 +104,8 @@ def _grid(model: ModelSummary, cluster: ClusterSpec, gpus: int, global_batch: in
         else [int(pins.sequence_parallel)]
     inter = _pinned(list(INTERLEAVE_CHOICES), pins.interleave)
     tiers = [0, 1, 2] if pins.offload is None else [OFFLOAD_TIERS.index(pins.offload)]
-    # expert parallel: only where pinned (zplan estimate, the validation), the runtime running ep = 1 for now
+    # expert parallel: only where pinned (the runtime runs it with ZeRO 0 only: runtime.parallel.experts'
+    # expert_parallel_gap; zplan estimate and the validation price it with any stage)
     eps = _pinned([1], pins.ep)
     num_experts = model.experts.num_experts if model.experts else 1
     if cluster.nvme_bytes == 0 and pins.offload is None:

@@ -89,8 +89,8 @@ DP = typer.Option(None, "--dp", help="Pin the data-parallel degree.")
 CP = typer.Option(None, "--cp", help="Pin the context-parallel degree: each sequence split over cp GPUs (default: "
                                      "searched where each GPU keeps at least 4096 tokens of a sequence).")
 EP = typer.Option(None, "--ep", help="Pin the expert-parallel degree of a mixture of experts: its routed experts split "
-                                     "over ep data-parallel ranks (ep divides the experts and dp). Priced by the "
-                                     "planner; the runtime does not run ep > 1 yet (default: 1).")
+                                     "over ep data-parallel ranks (ep divides the experts and dp; the runtime runs it "
+                                     "with ZeRO 0). Searched only when pinned (default: 1).")
 ZERO = typer.Option(None, "--zero", help="Pin the ZeRO stage (0-3).")
 OFFLOAD = typer.Option(None, "--offload", help="Pin where optimizer states live: none (the GPU), cpu or nvme (these "
                                                 "need ZeRO >= 1; default: the search's choice).")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from zplan.runtime.compression.grad_compression import OneBitGradients
@@ -19,13 +20,18 @@ from zplan.schemas.spec import GradCompression, Precision, Tier
 
 
 def adamw_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only (dim >= 2), none on biases and norms (nanoGPT's configure_optimizers)."""
+    """Weight decay on matrices only (dim >= 2), none on biases and norms (nanoGPT's configure_optimizers); each
+    group split by where its parameters live (plain, or DTensors of one mesh: expert parallel's beside tensor
+    parallel's), as torch's fused step takes one kind at a time."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    return [group for group in groups if group["params"]]
+    groups = []
+    for decayed, decay in ((True, weight_decay), (False, 0.0)):
+        kinds: dict[object, list[nn.Parameter]] = {}
+        for p in params:
+            if (p.dim() >= 2) == decayed:
+                kinds.setdefault((id(p.device_mesh), p.placements) if isinstance(p, DTensor) else None, []).append(p)
+        groups += [{"params": members, "weight_decay": decay} for members in kinds.values()]
+    return groups
 
 
 def build_optimizer(

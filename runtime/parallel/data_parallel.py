@@ -11,6 +11,7 @@ from zplan.model.modules import transformer_blocks
 from zplan.runtime.compression import grad_compression as compression
 from zplan.runtime.compression.weight_allgather import quantize_weight_all_gathers
 from zplan.runtime.parallel import tensor_parallel
+from zplan.runtime.parallel.experts import expert_parallel_gap, expert_parameters
 from zplan.runtime.parallel.grad_reduce import GradientReducer
 from zplan.runtime.parallel.pipeline import PipelineRun
 from zplan.runtime.precision.mixed import cast_parameters, compute_torch_dtype, forward_under_autocast
@@ -22,12 +23,13 @@ from zplan.schemas.spec import GradCompression, Precision, Tier, WeightCompressi
 def apply_data_parallel(
     model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, precision: Precision, offload: Tier, block_prefix: str,
     grad_compression: GradCompression = "none", weight_compression: WeightCompression = "none",
-    parameters_on_host: bool | None = None, num_micro_batches: int = 1,
+    parameters_on_host: bool | None = None, num_micro_batches: int = 1, expert_group=None,
 ) -> nn.Module:
     """Replicate or shard the model over `dp_mesh` by ZeRO stage.
 
     0: DDP, gradients all-reduced (with tensor parallel, whose DTensors DDP cannot hold, the same done by
-    runtime.parallel.grad_reduce.GradientReducer on their local tensors, every `num_micro_batches` backward passes).
+    runtime.parallel.grad_reduce.GradientReducer on their local tensors, every `num_micro_batches` backward passes;
+    likewise under expert parallel, `expert_group` the edp ranks holding this rank's experts: ZeRO 0 only).
     1: the same here, optimizer states sharded
     by build_optimizer (runtime.optim.layouts.RowShards, over the tp-local tensors under tensor parallel).
     2: FSDP2 fully_shard per block and at the root, parameters kept gathered between forward and
@@ -51,7 +53,7 @@ def apply_data_parallel(
         for index, chunk in enumerate(model.chunks):
             model.chunks[index] = apply_data_parallel(chunk, dp_mesh, zero_stage, precision, offload, block_prefix,
                                                       grad_compression, weight_compression, parameters_on_host,
-                                                      num_micro_batches)
+                                                      num_micro_batches, expert_group)
         return model
     if grad_compression not in ("none", "int8", "1bit"):
         raise ValueError(f"gradient compression must be none, int8 or 1bit, got {grad_compression!r}")
@@ -68,6 +70,13 @@ def apply_data_parallel(
         sixteen_bit = parameters_in_compute_dtype(zero_stage, precision, grad_compression)
         if sixteen_bit:
             cast_parameters(model, compute_dtype)
+        if expert_group is not None:  # expert parallel: the experts' gradients over their own group
+            gap = expert_parallel_gap(2, zero_stage)
+            if gap:
+                raise NotImplementedError(gap)
+            GradientReducer(model, dp_mesh.get_group(), num_micro_batches, expert_params=expert_parameters(model),
+                            expert_group=expert_group)
+            return model
         if tensor_parallel.has_tensor_parallel_parameters(model):  # tp > 1: DDP cannot hold DTensors
             _refuse(tp=2, grad=grad_compression)
 

@@ -197,3 +197,18 @@ def apply_experts(model: nn.Module, ep_mesh: DeviceMesh | None = None) -> list[E
         if expert_parallel:
             shard_experts(module, [n for n in (math.up, math.down, math.up_bias, math.down_bias) if n], ep_mesh)
     return layers
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of the experts modules zplan's executor runs (apply_experts), in module order."""
+    return [p for module in model.modules() if isinstance(module, ZplanExperts) for p in module.parameters()]
+
+
+def expert_parallel_gap(ep: int, zero_stage: int) -> str | None:
+    """Why the runtime cannot run expert parallel over `ep` ranks at this ZeRO stage (None: it runs): it reduces the
+    experts' gradients over their own ranks (runtime.parallel.grad_reduce), but shards optimizer states (ZeRO 1) and
+    parameters (ZeRO 2/3) over all dp ranks, which hold different experts."""
+    if ep > 1 and zero_stage != 0:
+        return (f"expert parallel (ep={ep}) runs with ZeRO 0: the runtime shards ZeRO {zero_stage}'s states over all "
+                "data-parallel ranks, not yet over the ranks that hold the same experts; pin --zero 0 (or --ep 1)")
+    return None

@@ -14,8 +14,10 @@ DDP does with gradient_as_bucket_view=True, on the DTensors' local tensors:
   - wait() completes the reductions and starts the count again; the training loop calls it before the clipping
     (runtime.training.loop), and clears the gradients in place between steps.
 It counts the backward passes instead of being told which is the last, so it works inside a pipeline stage too, where
-the schedule runs the backward. Like DDP without find_unused_parameters, it expects every parameter to get a gradient
-in every backward.
+the schedule runs the backward. Under expert parallel the routed experts' gradients (runtime.parallel.experts: each
+rank's E / ep experts, which already hold the tokens of its ep group) are summed over the edp ranks that hold the same
+experts and divided by dp, as the others: together the gradient of the mean loss over all dp ranks' tokens. Like DDP
+without find_unused_parameters, it expects every parameter to get a gradient in every backward.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ _ATTRIBUTE = "_zplan_gradient_reducer"
 class _Bucket:
     flat: torch.Tensor  # (numel,): the gradients of `params`, back to back
     params: list[nn.Parameter] = field(default_factory=list)
+    group: dist.ProcessGroup | None = None  # summed over it
+    divisor: int = 1  # after dividing by this
     ready: int = 0  # gradients accumulated since the last wait, over all the step's micro-batches
     work: dist.Work | None = None
 
@@ -44,13 +48,18 @@ class GradientReducer:
     backward passes (module docstring)."""
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup, num_micro_batches: int,
-                 bucket_bytes: int = BUCKET_BYTES):
+                 bucket_bytes: int = BUCKET_BYTES, expert_params: list[nn.Parameter] = (),
+                 expert_group: dist.ProcessGroup | None = None):
         if num_micro_batches < 1:
             raise ValueError(f"num_micro_batches must be >= 1, got {num_micro_batches}")
-        self.group, self.num_micro_batches = group, num_micro_batches
-        self.world = dist.get_world_size(group)
+        self.num_micro_batches = num_micro_batches
+        world = dist.get_world_size(group)
+        experts = {id(p) for p in expert_params}
         params = [p for p in dict.fromkeys(module.parameters()) if p.requires_grad]  # tied ones once
-        self.buckets = _buckets(list(reversed(params)), bucket_bytes)
+        dense = [p for p in reversed(params) if id(p) not in experts]
+        routed = [p for p in reversed(params) if id(p) in experts]
+        self.buckets = [*_buckets(dense, bucket_bytes, group, world),
+                        *_buckets(routed, bucket_bytes, expert_group, world)]
         for bucket in self.buckets:
             for p in bucket.params:
                 p.register_post_accumulate_grad_hook(lambda p, bucket=bucket: self._gradient_in(bucket))
@@ -58,9 +67,15 @@ class GradientReducer:
 
     def _gradient_in(self, bucket: _Bucket) -> None:
         bucket.ready += 1
-        if bucket.ready == len(bucket.params) * self.num_micro_batches and self.world > 1:
-            bucket.flat.div_(self.world)  # gloo has no average: divide, then sum (DDP's order)
-            bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+        if bucket.ready == len(bucket.params) * self.num_micro_batches and bucket.divisor > 1:
+            bucket.flat.div_(bucket.divisor)  # gloo has no average: divide, then sum (DDP's order)
+            if dist.get_world_size(bucket.group) > 1:
+                bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
+
+    def zero_gradients(self) -> None:
+        """Every gradient zeroed in place (they are views of the buckets)."""
+        for bucket in self.buckets:
+            bucket.flat.zero_()
 
     def wait(self) -> None:
         """The reductions of this step done; the next backward passes count anew. Every dp rank calls it."""
@@ -75,9 +90,10 @@ class GradientReducer:
             bucket.ready, bucket.work = 0, None
 
 
-def _buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
+def _buckets(params: list[nn.Parameter], bucket_bytes: int, group: dist.ProcessGroup, divisor: int) -> list[_Bucket]:
     """Consecutive parameters of one dtype and device, at most `bucket_bytes` of gradients each (a larger parameter
-    alone), each gradient made a view of its bucket's flat buffer."""
+    alone), each gradient made a view of its bucket's flat buffer, reduced over `group` after dividing by
+    `divisor`."""
     groups: list[list[nn.Parameter]] = []
     size = 0
     for p in params:
@@ -89,16 +105,16 @@ def _buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
         groups[-1].append(p)
         size += nbytes
     buckets = []
-    for group in groups:
-        local = [_local(p) for p in group]
-        flat = torch.zeros(sum(t.numel() for t in local), dtype=group[0].dtype, device=local[0].device)
+    for members in groups:
+        local = [_local(p) for p in members]
+        flat = torch.zeros(sum(t.numel() for t in local), dtype=members[0].dtype, device=local[0].device)
         offset = 0
-        for p, t in zip(group, local, strict=True):
+        for p, t in zip(members, local, strict=True):
             view = flat[offset:offset + t.numel()].view(t.shape)
             offset += t.numel()
             p.grad = (DTensor.from_local(view, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                          stride=p.stride()) if isinstance(p, DTensor) else view)
-        buckets.append(_Bucket(flat, group))
+        buckets.append(_Bucket(flat, members, group, divisor))
     return buckets
 
 

@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from zplan.model.fused_layout import stored_layouts, to_original_state
-from zplan.runtime.optim.grad_norm import total_norm_fp32
+from zplan.runtime.optim.grad_norm import scale_gradients_, total_norm_fp32
 from zplan.runtime.optim.layouts import with_master_weights
 from zplan.runtime.parallel.context_parallel import ContextParallelBatch
 from zplan.runtime.parallel.grad_reduce import gradient_reducer
@@ -309,7 +309,7 @@ class PipelineRun(nn.Module):
             dist.all_reduce(power, group=self._group)
             total = power ** (1.0 / norm_type)
         if max_norm > 0 and not math.isinf(max_norm):  # on the device, no value read back (nor a sync)
-            torch.nn.utils.clip_grads_with_norm_([p for _, p in named], max_norm, total)
+            scale_gradients_([p for _, p in named], max_norm, total)
         return total
 
 

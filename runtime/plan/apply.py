@@ -74,7 +74,7 @@ def warn_if_other_devices(plan: Plan, ctx: RunContext) -> str | None:
 def plan_mesh(plan: Plan, device_type: str) -> DeviceMesh:
     """The (pp, dp, cp, tp) device mesh of the plan, tp innermost (and its flattened "dp_cp" dim when cp > 1)."""
     p = plan.parallel
-    return build_mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, device_type=device_type)
+    return build_mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, device_type=device_type, ep=p.ep)
 
 
 def parallelize(model: nn.Module, weights, mesh: DeviceMesh, plan: Plan, model_file, device: torch.device
@@ -89,7 +89,8 @@ def parallelize(model: nn.Module, weights, mesh: DeviceMesh, plan: Plan, model_f
     # tensors).
     fake = on_fake_tensors()  # the dry run (runtime.dryrun.fake_world)
     with unset_fake_temporarily():
-        apply_experts(model)  # routed experts run zplan's executor (runtime.parallel.experts; ep = 1)
+        # routed experts run zplan's executor (runtime.parallel.experts), E / ep of them a rank under expert parallel
+        apply_experts(model, mesh["ep"] if p.ep > 1 else None)
         tp_plan = {rule.module: rule.style for rule in rules}
         if precision == "fp8":  # the blocks' Linears to fp8 GEMMs first: torchao converts before TP and FSDP2
             # said once by rank 0 of a real run; the dry run's output is its own (zplan dryrun --json)
@@ -119,7 +120,8 @@ def parallelize(model: nn.Module, weights, mesh: DeviceMesh, plan: Plan, model_f
     model = apply_data_parallel(model, data_parallel_mesh(mesh, p.cp), p.zero_stage, precision, p.offload, prefix,
                                 grad_compression=p.compression.grad, weight_compression=p.compression.weights,
                                 parameters_on_host=plan.placement.parameters != "gpu",
-                                num_micro_batches=p.num_micro_batches)
+                                num_micro_batches=p.num_micro_batches,
+                                expert_group=mesh["edp"].get_group() if p.ep > 1 else None)
     if not replicated:
         materialized = materialize_weights(model, weights, device)
     return model, materialized

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from zplan.errors import PlanMismatchError, validation_message
 from zplan.model.hf_folder import is_hf_folder, source_sha256
+from zplan.runtime.parallel.experts import expert_parallel_gap
 from zplan.safe_files import UnsafeFileError, read_capped
 from zplan.schemas import legality
 from zplan.schemas.capability import capability_problems
@@ -102,10 +103,8 @@ def runtime_gaps(plan: Plan) -> list[str]:
     """
     values = plan_values(plan)
     gaps = [f"{legality.describe(rule, values)} ({rule.reason}): {rule.fix}" for rule in legality.violations(values)]
-    if plan.parallel.ep > 1:  # priced by the planner (zplan estimate, the validation), not yet run
-        gaps.append(f"expert parallel (ep={plan.parallel.ep}) (the runtime runs each rank's experts whole, ep = 1; "
-                    "expert parallelism is priced but not run yet): pin --ep 1")
-    return gaps
+    expert_gap = expert_parallel_gap(plan.parallel.ep, plan.parallel.zero_stage)  # priced, not all of it run
+    return gaps + ([expert_gap] if expert_gap else [])
 
 
 def context_parallel_problems(plan: Plan, model_path: str | Path | None) -> list[str]:

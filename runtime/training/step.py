@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from zplan.runtime.optim.grad_norm import total_norm_fp32
+from zplan.runtime.optim.grad_norm import clip_gradients_, total_norm_fp32
 from zplan.runtime.parallel.context_parallel import ContextParallelBatch
 from zplan.runtime.parallel.data_parallel import keeps_parameters_gathered
 from zplan.runtime.parallel.grad_reduce import gradient_reducer
@@ -114,8 +114,12 @@ def clear_gradients(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """After a step: DDP's gradients, and the tensor-parallel reducer's, are views of their buckets
     (runtime.parallel.data_parallel, runtime.parallel.grad_reduce), zeroed in place so that the next step's
     micro-batches accumulate into them; every other gradient is dropped (set_to_none)."""
-    in_buckets = any(isinstance(c, DistributedDataParallel) or gradient_reducer(c) for c in _chunks(model))
-    optimizer.zero_grad(set_to_none=not in_buckets)
+    chunks = list(_chunks(model))
+    reducers = [gradient_reducer(c) for c in chunks if gradient_reducer(c) is not None]
+    for reducer in reducers:  # its buckets at once (their views may live on several meshes: expert parallel)
+        reducer.zero_gradients()
+    if not reducers:
+        optimizer.zero_grad(set_to_none=not any(isinstance(c, DistributedDataParallel) for c in chunks))
 
 
 def _unscaled_in_step(optimizer: torch.optim.Optimizer) -> bool:
@@ -181,7 +185,7 @@ def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, data_iter
         if scaler:
             scaler.unscale_(optimizer)
         grad_norm = (model.clip_grad_norm_(max_norm) if pipelined  # the norm over all stages
-                     else torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+                     else clip_gradients_(model.parameters(), max_norm))
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
     if scaler:

@@ -51,9 +51,13 @@ WEIGHT_TOLERANCE = {"phi3": 2e-5}
 
 # parallelism -> the pins it compiles with (WORLD processes each, or WORLD_OF's)
 PARALLELISMS = {"tp2": Pins(tp=2), "pp2": Pins(pp=2), "zero3": Pins(zero=3, dp=2),
-                "tp2pp2": Pins(tp=2, pp=2, sequence_parallel=True)}
-WORLD_OF = {"tp2pp2": 4}
-ONLY = {"tp2pp2": ("llama", "gpt2")}  # 4 processes: two decoders (rotary positions from the hidden state; fused)
+                "tp2pp2": Pins(tp=2, pp=2, sequence_parallel=True),
+                # expert parallel: each rank half of the experts, tokens exchanged by all-to-all
+                "ep2": Pins(ep=2, dp=2, zero=0), "ep2dp2": Pins(ep=2, dp=4, zero=0),
+                "ep2tp2": Pins(ep=2, dp=2, tp=2, zero=0), "ep2pp2": Pins(ep=2, dp=2, pp=2, zero=0)}
+WORLD_OF = {"tp2pp2": 4, "ep2dp2": 4, "ep2tp2": 4, "ep2pp2": 4}
+ONLY = {"tp2pp2": ("llama", "gpt2"),  # 4 processes: two decoders (rotary positions from the hidden state; fused)
+        **{par: ("mixtral",) for par in ("ep2", "ep2dp2", "ep2tp2", "ep2pp2")}}
 DECODERS = tuple(deterministic_decoder_sources())
 # (model, parallelism) -> the capability trait (schemas.capability.RULES) behind the compile-time refusal
 REFUSED: dict[tuple[str, str], str] = {}
