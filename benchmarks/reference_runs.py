@@ -13,12 +13,31 @@ B s L h^2 (12 + 12 G/A + 18 F/h + 12 s/h + 6 V/(L h)), its nemo/utils/flops_form
 (benchmarks/validate_cost_model.py), nothing per row. NeMo's virtual pipeline size (VP=N in the notes) is pinned as
 the interleave; where it does not split the blocks evenly (Llama 3.1 405B's 126 blocks), zplan counts the embedding
 and the head as a block each, as Megatron-Core's recipes do (planner.search.interleaved_partition).
+
+    moe_runs, moe_refused = load_moe_runs(reference_dir)   # moe_runs.csv, the same way (kind "moe")
+
+moe_runs.csv (Megatron-Bridge's mixture-of-experts rows, all the megatron-core stack): each row's model is its
+architecture's model file under benchmarks/moe_models/ (DeepSeek-V3 and Kimi K2: DeepseekV3Config; Qwen3 MoE:
+Qwen3MoeConfig; GPT-OSS: GptOssConfig) at the row's sizes (layers, dense_layers, hidden, heads, kv_heads, dense_ffn,
+routed/shared experts, top_k, expert_ffn, vocab, and what the attention column prints: MLA ranks, head_dim, sliding
+window), written as a one-function model file per row into a temporary folder (zplan.api.prepare takes a model file).
+The layout: tp, pp, cp, dp = gpus / (tp pp cp), interleave = vp (blank: 1), ep, micro-batch and global batch as
+printed; fsdp 0 is Megatron's distributed optimizer (zero_stage: ZeRO-1); recompute is not printed and is pinned to
+none, as the dense Megatron-Bridge rows that print none are; bf16 -> bf16, any fp8 (blockwise, current scaling,
+MXFP8) -> fp8. The measured time is global_batch * seq_len / (tokens_per_s_per_gpu * gpus). Refused: an ep that does
+not divide dp or the routed experts (Megatron's MoE parallel folding lets ep span tensor-parallel ranks; zplan's ep
+ranks are data-parallel ranks). Kept with a caveat: Kimi K2's Muon optimizer (zplan prices AdamW: its step and its
+two fp32 moments; Muon keeps one and adds Newton-Schulz iterations, about 2 % of the step's FLOPs at 1T parameters
+and 4096 x 4096 tokens).
 """
 
 from __future__ import annotations
 
+import atexit
 import csv
 import re
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +68,10 @@ class ReferenceRun:
     precision: str
     pins: Pins
     measured_s: float  # iteration time
+    kind: str = "dense"  # dense, or moe (moe_runs.csv)
+    published_params_b: tuple[float, float] | None = None  # moe: (total, active) billions as the row prints them
+    caveat: str = ""  # what zplan prices differently from the run (moe: Kimi K2's Muon optimizer)
+    published_flops_per_token: float | None = None  # moe: tflops_per_gpu / tokens_per_s_per_gpu, as the row counts
 
 
 def stack_of(source: str, data_parallel: str) -> str:
@@ -182,6 +205,150 @@ def load_reference_runs(reference_dir: Path) -> tuple[list[ReferenceRun], dict[s
     for index, row in enumerate(csv.DictReader((reference_dir / "training_runs.csv").open())):
         label = f"training#{index}: {row['source']}: {row['model']}, {row['gpus']} GPUs"
         run = training_run(row, label)
+        if isinstance(run, str):
+            refused[label] = run
+        else:
+            runs.append(run)
+    return runs, refused
+
+
+# --- moe_runs.csv ------------------------------------------------------------------------------------------------
+
+MOE_MODELS = Path(__file__).resolve().parent / "moe_models"
+MOE_ARCHITECTURES = [  # (pattern in the model column, architecture file under moe_models/)
+    (r"deepseek|kimi", "deepseek_v3.py"),
+    (r"qwen3", "qwen3_moe.py"),
+    (r"gpt-oss", "gpt_oss.py"),
+]
+# The attention column's sizes, as build_model's keywords: DeepSeek's MLA ranks, a GQA head_dim, a sliding window.
+ATTENTION_SIZES = [(r"\bq_lora (\d+)", "q_lora_rank"), (r"\bkv_lora (\d+)", "kv_lora_rank"),
+                   (r"\bqk_nope (\d+)", "qk_nope_head_dim"), (r"\bqk_rope (\d+)", "qk_rope_head_dim"),
+                   (r"\bv (\d+)", "v_head_dim"), (r"\bhead_dim (\d+)", "head_dim"),
+                   (r"sliding window (\d+)", "sliding_window")]
+# Kimi K2's public config.json beside DeepSeek-V3's: no group-limited routing (n_group 1), the rest as the row prints
+KIMI_ROUTING = {"n_group": 1, "topk_group": 1}
+
+
+def moe_architecture(model: str) -> Path | None:
+    return next((MOE_MODELS / name for pattern, name in MOE_ARCHITECTURES if re.search(pattern, model.lower())),
+                None)
+
+
+def moe_sizes(row: dict) -> dict:
+    """build_model's keywords for the row: its printed dimensions, and the attention column's sizes."""
+    sizes = {key: int(row[key]) for key in ("layers", "dense_layers", "hidden", "heads", "kv_heads", "routed_experts",
+                                            "shared_experts", "top_k", "expert_ffn", "vocab")}
+    if row.get("dense_ffn", "").strip():
+        sizes["dense_ffn"] = int(row["dense_ffn"])
+    for pattern, key in ATTENTION_SIZES:
+        found = re.search(pattern, row.get("attention", ""))
+        if found:
+            sizes[key] = int(found.group(1))
+    if "kimi" in row["model"].lower():
+        sizes.update(KIMI_ROUTING)
+    return sizes
+
+
+MODEL_FILE = '''"""Generated by benchmarks/reference_runs.py for {label}: {architecture} at the row's sizes."""
+import importlib.util
+
+_spec = importlib.util.spec_from_file_location("zplan_moe_architecture_{stem}", {path!r})
+_architecture = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_architecture)
+
+SEQ_LEN = {seq_len}
+SIZES = {sizes!r}
+
+
+def build_model(**overrides):
+    return _architecture.build_model(**{{**SIZES, **overrides}})
+'''
+
+
+def write_moe_model_file(row: dict, label: str, architecture: Path, path: Path) -> Path:
+    path.write_text(MODEL_FILE.format(label=label.replace('"', "'"), architecture=f"moe_models/{architecture.name}",
+                                      stem=architecture.stem, path=str(architecture), seq_len=int(row["seq_len"]),
+                                      sizes=moe_sizes(row)))
+    return path
+
+
+def moe_precision(precision: str) -> str | None:
+    """bf16 -> bf16; any fp8 (DeepSeek's blockwise, current scaling, MXFP8) -> fp8; else None (not priced)."""
+    text = precision.lower()
+    return "fp8" if "fp8" in text else "bf16" if text.strip() == "bf16" else None
+
+
+def moe_run(row: dict, label: str, model_dir: Path, index: int) -> ReferenceRun | str:
+    """A moe_runs.csv row as a ReferenceRun (its model file written into model_dir), or the reason zplan cannot
+    express it (module docstring)."""
+    cluster = cluster_of(row["gpu_type"])
+    if cluster is None:
+        return f"no built-in profile for {row['gpu_type']}"
+    precision = moe_precision(row["precision"])
+    if precision is None:
+        return f"precision {row['precision']}"
+    architecture = moe_architecture(row["model"])
+    if architecture is None:
+        return f"no architecture file under benchmarks/moe_models for {row['model']}"
+    gpus, tp, pp = int(row["gpus"]), int(row["tp"]), int(row["pp"])
+    cp, ep, batch = _int(row.get("cp", "")) or 1, _int(row.get("ep", "")) or 1, int(row["global_batch"])
+    experts = int(row["routed_experts"])
+    if gpus % (tp * pp * cp):
+        return "layout inconsistent with the GPU count"
+    dp = gpus // (tp * pp * cp)
+    if dp % ep:
+        return (f"ep {ep} does not divide dp {dp} (= gpus / (tp pp cp)): Megatron's MoE parallel folding lets ep "
+                f"span tensor-parallel ranks (ep x etp over dp x tp), which zplan does not plan")
+    if experts % ep:
+        return f"ep {ep} does not divide the {experts} routed experts"
+    if batch % dp:
+        return "global batch does not divide by dp"
+    if not row.get("tokens_per_s_per_gpu", "").strip():
+        return "no measured time basis"
+    measured = batch * int(row["seq_len"]) / (float(row["tokens_per_s_per_gpu"]) * gpus)
+    fsdp = _int(row.get("fsdp", "")) or 0
+    zero, offload = zero_stage("Megatron-FSDP" if fsdp else "Megatron distributed optimizer")
+    vp = _int(row.get("vp", "")) or 1
+    pins = Pins(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, zero=zero if dp > 1 else 0, offload=offload,
+                micro_batch=_int(row["micro_batch"]), recompute="none",
+                sequence_parallel=False if tp == 1 else None, interleave=vp if pp > 1 else None)
+    caveat = ("optimizer Muon, priced as AdamW (zplan prices AdamW only)"
+              if "muon" in (row["model"] + row.get("notes", "")).lower() else "")
+    model_file = write_moe_model_file(row, label, architecture, model_dir / f"moe_row_{index}.py")
+    return ReferenceRun(label, row["source"], stack_of(row["source"], ""), str(model_file), cluster, gpus, batch,
+                        precision, pins, measured, kind="moe",
+                        published_params_b=(float(row["total_params_b"]), float(row["active_params_b"])),
+                        caveat=caveat, published_flops_per_token=float(row["tflops_per_gpu"]) * 1e12 / float(
+                            row["tokens_per_s_per_gpu"]) if row.get("tflops_per_gpu", "").strip() else None)
+
+
+_MODEL_DIR: Path | None = None
+
+
+def _moe_model_dir() -> Path:
+    """A temporary folder for the rows' model files, removed at exit."""
+    global _MODEL_DIR
+    if _MODEL_DIR is None:
+        _MODEL_DIR = Path(tempfile.mkdtemp(prefix="zplan-moe-rows-"))
+        atexit.register(shutil.rmtree, _MODEL_DIR, True)
+    return _MODEL_DIR
+
+
+def moe_label(index: int, row: dict) -> str:
+    return f"moe#{index}: {row['source']}: {row['model']}, {row['gpus']} {row['gpu_type']}, {row['precision']}"
+
+
+def load_moe_runs(reference_dir: Path, model_dir: Path | None = None) -> tuple[list[ReferenceRun], dict[str, str]]:
+    """moe_runs.csv as ReferenceRuns (kind "moe"; their model files written into model_dir, default a temporary
+    folder) and {row label: reason} for the rows zplan cannot express."""
+    runs, refused = [], {}
+    path = reference_dir / "moe_runs.csv"
+    if not path.is_file():
+        return runs, refused
+    folder = model_dir or _moe_model_dir()
+    for index, row in enumerate(csv.DictReader(path.open())):
+        label = moe_label(index, row)
+        run = moe_run(row, label, folder, index)
         if isinstance(run, str):
             refused[label] = run
         else:

@@ -15,6 +15,19 @@ is known to overlap (STACK_HIDES, not fitted):
 coverage: expressible rows over all rows. --picks also compiles zplan's own plan for each row's model, GPUs and
 batch and prints its predicted time over the published layout's, both from the same model (a prediction, not a
 measurement; slow: a search per row).
+
+Mixture of experts (../shared/reference/moe_runs.csv, Megatron-Bridge; reference_runs.load_moe_runs): every
+expressible row is predicted the same way, its model traced from its architecture's model file at the row's sizes
+(benchmarks/moe_models/) with its ep pinned. The MoE rows are the megatron-core stack: they share its efficiency and
+attention factor with the dense megatron-core rows. The dense figures above are those of the dense rows alone, fitted
+on them alone, as before; the MoE figures (keys moe_*) are:
+- in sample (moe_mean_abs_error): the efficiencies fitted on every row, dense and MoE;
+- leave one source out (moe_loso_mean_abs_error): each MoE source (its `source` column: one container release) with
+  the efficiencies fitted on every other source, dense and MoE;
+- fitted on the dense rows only (moe_dense_fit_mean_abs_error): no MoE row in the fit;
+- raw (moe_raw_mean_abs_error); moe_coverage: expressible MoE rows over all MoE rows.
+Each MoE row also carries its traced total and active parameters beside those the row prints, whether zplan's memory
+model fits the published layout, and the all-to-all seconds in its prediction. Slow: each model is traced (~3-10 s).
 """
 
 from __future__ import annotations
@@ -30,10 +43,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from reference_runs import ReferenceRun, load_reference_runs  # noqa: E402
+from reference_runs import ReferenceRun, load_moe_runs, load_reference_runs  # noqa: E402
 
 from zplan.api import compile_plan, estimate_config, prepare  # noqa: E402
 from zplan.errors import ZplanError  # noqa: E402
+from zplan.planner.cost.compute import BACKWARD_OVER_FORWARD  # noqa: E402
 from zplan.schemas.spec import Pins  # noqa: E402
 
 DEFAULT_REFERENCE = REPO.parent / "shared" / "reference"
@@ -65,7 +79,8 @@ def predict(run: ReferenceRun) -> dict:
     hidden = sum(estimate["time_breakdown"][part] for part in STACK_HIDES.get(run.stack, ()))
     flash = request.cluster.efficiency.attention
     step = estimate["step_time_s"]
-    result = {"step_s": step, "predicted_s": step - hidden, "attention_s": 0.0, "fits": estimate["feasible"]}
+    result = {"step_s": step, "predicted_s": step - hidden, "attention_s": 0.0, "fits": estimate["feasible"],
+              "estimate": estimate, "summary": request.summary}
     if flash is None:
         return result
     chosen = estimate["config"]
@@ -115,7 +130,9 @@ def mean(values) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def validate(reference: Path, picks: bool = False) -> dict:
+def validate(reference: Path, picks: bool = False, moe: bool = True) -> dict:
+    """The figures of the module docstring; moe False leaves out the MoE rows (their keys; the dense figures do not
+    depend on them)."""
     runs, refused = load_reference_runs(reference)
     total = len(runs) + len(refused)
     rows = []
@@ -150,6 +167,7 @@ def validate(reference: Path, picks: bool = False) -> dict:
         row["error"] = relative_error(row, in_sample)
         row["raw_error"] = relative_error(row, {})
     ratios = sorted(r["zplan_pick_over_published"] for r in rows if "zplan_pick_over_published" in r)
+    moe_figures = validate_moe(reference, rows) if moe else {}
     return {
         "rows": rows,
         "refused": refused,
@@ -168,6 +186,87 @@ def validate(reference: Path, picks: bool = False) -> dict:
                                "mean_abs_error": mean(abs(r["error"]) for r in by_source[source]),
                                "raw_mean_abs_error": mean(abs(r["raw_error"]) for r in by_source[source])}
                       for source in by_source},
+        **moe_figures,
+    }
+
+
+PARAMS_TOLERANCE = 0.02  # a traced total or active parameter count this far from the row's is a finding
+
+
+def moe_row(run: ReferenceRun, predicted: dict) -> dict:
+    """A MoE row's figures: measured and predicted seconds, as the dense rows', and what it was checked on."""
+    summary, estimate = predicted["summary"], predicted["estimate"]
+    total = summary.params / 1e9
+    active = (summary.experts.active_params if summary.experts is not None else summary.params) / 1e9
+    published_total, published_active = run.published_params_b
+    config = estimate["config"]
+    return {"label": run.label, "source": run.source, "stack": run.stack, "cluster": run.cluster,
+            "precision": run.precision, "gpus": run.gpus, "measured_s": run.measured_s,
+            "predicted_s": predicted["predicted_s"], "attention_s": predicted["attention_s"],
+            "step_s": predicted["step_s"], "expert_parallel_s": estimate["time_breakdown"]["expert_parallel"],
+            "time_breakdown": estimate["time_breakdown"],
+            "layout": {key: config.get(key) for key in ("tp", "pp", "dp", "cp", "ep", "interleave", "zero_stage",
+                                                        "micro_batch", "recompute")},
+            "fits_in_zplans_memory_model": predicted["fits"],
+            "memory_per_gpu_gib": estimate["memory_per_gpu_bytes"] / 2**30,
+            "traced_params_b": total, "traced_active_params_b": active,
+            "published_params_b": published_total, "published_active_params_b": published_active,
+            "params_mismatch": [f"{name} {traced:.2f}B traced vs {printed:g}B printed ({traced / printed - 1:+.1%})"
+                                for name, traced, printed in (("total", total, published_total),
+                                                              ("active", active, published_active))
+                                if abs(traced / printed - 1.0) > PARAMS_TOLERANCE],
+            # FLOPs a token as the row counts them (TFLOP/s over tokens/s) over the traced model's training FLOPs a
+            # token (forward x (1 + backward)): a row whose two rates disagree with its model is worth checking
+            "printed_over_traced_flops_per_token": (run.published_flops_per_token / (
+                summary.fwd_flops_per_sample * (1.0 + BACKWARD_OVER_FORWARD) / summary.seq_len)
+                if run.published_flops_per_token else None),
+            "caveat": run.caveat}
+
+
+def validate_moe(reference: Path, dense_rows: list[dict]) -> dict:
+    """The moe_* figures (module docstring): the MoE rows predicted, with efficiencies fitted on every row (in
+    sample), on every other source (leave one source out) and on the dense rows alone."""
+    runs, refused = load_moe_runs(reference)
+    total = len(runs) + len(refused)
+    rows = []
+    for run in runs:
+        try:
+            predicted = predict(run)
+        except ZplanError as error:
+            refused[run.label] = f"zplan refuses the layout: {str(error).splitlines()[0]}"
+            continue
+        rows.append(moe_row(run, predicted))
+    everything = dense_rows + rows
+    in_sample, dense_fit = stack_efficiencies(everything), stack_efficiencies(dense_rows)
+    by_source = defaultdict(list)
+    for row in rows:
+        by_source[row["source"]].append(row)
+    loso = {}
+    for source, held_out in by_source.items():
+        fitted = stack_efficiencies([r for r in everything if r["source"] != source])
+        for row in held_out:
+            row["loso_error"] = relative_error(row, fitted)
+        loso[source] = {"rows": len(held_out), "loso_mean_abs_error": mean(abs(r["loso_error"]) for r in held_out),
+                        "efficiencies_used": {s: fitted.get(s, (1.0, 1.0)) for s in {r["stack"] for r in held_out}}}
+    for row in rows:
+        row["error"] = relative_error(row, in_sample)
+        row["dense_fit_error"] = relative_error(row, dense_fit)
+        row["raw_error"] = relative_error(row, {})
+        for error, seconds in (("error", "fitted_s"), ("loso_error", "loso_s"), ("dense_fit_error", "dense_fit_s")):
+            row[seconds] = row["measured_s"] * (1.0 + row[error])  # the predicted seconds each error is of
+    return {
+        "moe_rows": rows,
+        "moe_refused": refused,
+        "moe_coverage": len(rows) / total if total else float("nan"),
+        "moe_expressible_rows": len(rows),
+        "moe_all_rows": total,
+        "moe_stack_efficiencies": in_sample,
+        "moe_mean_abs_error": mean(abs(r["error"]) for r in rows),
+        "moe_loso_mean_abs_error": mean(abs(r["loso_error"]) for r in rows),
+        "moe_dense_fit_mean_abs_error": mean(abs(r["dense_fit_error"]) for r in rows),
+        "moe_raw_mean_abs_error": mean(abs(r["raw_error"]) for r in rows),
+        "moe_by_source": {source: {**loso[source], "mean_abs_error": mean(abs(r["error"]) for r in by_source[source])}
+                          for source in by_source},
     }
 
 
@@ -207,6 +306,39 @@ def main() -> None:
     print(f"coverage {result['coverage']:.0%} ({result['expressible_rows']} of {result['all_rows']} rows); "
           f"mean |error| leave-one-source-out {result['loso_mean_abs_error']:.1%}, "
           f"in sample {result['mean_abs_error']:.1%}, raw {result['raw_mean_abs_error']:.1%}")
+    if "moe_rows" in result:
+        print_moe(result)
+
+
+def print_moe(result: dict) -> None:
+    print("\nmixture of experts (moe_runs.csv), step seconds: measured, zplan's (its stack's overlap taken off), "
+          "fitted on all rows, leave-one-source-out; errors raw | fitted | loso | fitted on dense rows only")
+    for r in result["moe_rows"]:
+        print(f"  {r['label']}")
+        print(f"    measured {r['measured_s']:7.2f} s  predicted {r['predicted_s']:7.2f} s raw, "
+              f"{r['fitted_s']:7.2f} fitted, {r['loso_s']:7.2f} loso  ({r['raw_error']:+.1%} | {r['error']:+.1%} | "
+              f"{r['loso_error']:+.1%} | {r['dense_fit_error']:+.1%}); all-to-all {r['expert_parallel_s']:.2f} s")
+        layout = ", ".join(f"{key} {value}" for key, value in r["layout"].items())
+        fits = "fits" if r["fits_in_zplans_memory_model"] else "OVER zplan's memory model"
+        print(f"    {layout}; {r['memory_per_gpu_gib']:.1f} GiB a GPU: {fits}")
+        print(f"    params traced {r['traced_params_b']:.2f}B total, {r['traced_active_params_b']:.2f}B active; "
+              f"printed {r['published_params_b']:g}B, {r['published_active_params_b']:g}B"
+              + (f"; printed/traced FLOPs a token {r['printed_over_traced_flops_per_token']:.2f}"
+                 if r["printed_over_traced_flops_per_token"] else "")
+              + "".join(f"; MISMATCH {m}" for m in r["params_mismatch"]) + (f"; {r['caveat']}" if r["caveat"] else ""))
+    for label, reason in result["moe_refused"].items():
+        print(f"  not expressible: {label}: {reason}")
+    print("  by source (leave-one-source-out | in sample):")
+    for source, figures in result["moe_by_source"].items():
+        print(f"    {source[:50]:50s} {figures['rows']:4d} rows  {figures['loso_mean_abs_error']:6.1%} | "
+              f"{figures['mean_abs_error']:6.1%}")
+    print("  stack efficiencies (dense and MoE rows): "
+          + ", ".join(f"{stack} {e:.2f} (attention x{f:.1f})"
+                      for stack, (e, f) in sorted(result["moe_stack_efficiencies"].items())))
+    print(f"MoE coverage {result['moe_coverage']:.0%} ({result['moe_expressible_rows']} of {result['moe_all_rows']} "
+          f"rows); mean |error| leave-one-source-out {result['moe_loso_mean_abs_error']:.1%}, in sample "
+          f"{result['moe_mean_abs_error']:.1%}, fitted on dense rows only "
+          f"{result['moe_dense_fit_mean_abs_error']:.1%}, raw {result['moe_raw_mean_abs_error']:.1%}")
 
 
 if __name__ == "__main__":

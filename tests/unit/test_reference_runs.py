@@ -117,7 +117,7 @@ def test_the_published_runs_are_predicted_out_of_sample_within_a_fifth():
     stack efficiencies' fit, the mean error stays under 20 % (14.1 % on 2026-12-02; the issue's target is 15 %)."""
     from validate_cost_model import validate
 
-    result = validate(REFERENCE)
+    result = validate(REFERENCE, moe=False)  # the MoE rows: tests/unit/test_moe_reference_runs.py
     assert not [reason for reason in result["refused"].values() if reason.startswith("zplan refuses")]
     assert result["coverage"] >= 0.7 and result["loso_mean_abs_error"] < 0.2
 

@@ -1,0 +1,89 @@
+"""benchmarks/reference_runs.py's MoE rows (../shared/reference/moe_runs.csv): each row as the request it prints
+(layout, ep, batches, precision, measured seconds), the refused ones with their reason, and one row's model file
+traced to its printed parameter counts. Only the DeepSeek-V3 row is traced (about 3-8 s)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from reference_runs import load_moe_runs, moe_run, moe_sizes  # noqa: E402
+
+REFERENCE = Path(__file__).resolve().parents[3] / "shared" / "reference"
+
+ROW = dict(source="NVIDIA Megatron-Bridge 26.08", citation="", model="DeepSeek-V3", total_params_b="671",
+           active_params_b="37", layers="61", dense_layers="3", hidden="7168", heads="128", kv_heads="128",
+           attention="MLA (q_lora 1536; kv_lora 512; qk_nope 128; qk_rope 64; v 128)", dense_ffn="18432",
+           routed_experts="256", shared_experts="1", top_k="8", expert_ffn="2048", vocab="129280", seq_len="4096",
+           gpus="256", gpu_type="GB200", precision="mxfp8", tp="1", pp="4", vp="4", ep="64", cp="1", fsdp="0",
+           micro_batch="1", global_batch="4096", routing="force-balanced dropless", tokens_per_s_per_gpu="4912",
+           tflops_per_gpu="1276", notes="")
+
+
+def test_a_moe_row_becomes_the_request_it_prints(tmp_path):
+    run = moe_run(ROW, "row", tmp_path, 0)
+    assert (run.kind, run.stack, run.cluster, run.precision, run.gpus, run.global_batch) == (
+        "moe", "megatron-core", "gb200-nvl72", "fp8", 256, 4096)
+    p = run.pins
+    assert (p.tp, p.pp, p.dp, p.cp, p.ep, p.interleave, p.zero, p.micro_batch, p.recompute) == (
+        1, 4, 64, 1, 64, 4, 1, 1, "none")  # dp = 256 / (1 * 4 * 1); the distributed optimizer: ZeRO-1
+    assert run.measured_s == pytest.approx(4096 * 4096 / (4912 * 256))
+    assert run.published_params_b == (671.0, 37.0)
+    assert Path(run.spec).parent == tmp_path and "SIZES" in Path(run.spec).read_text()
+
+
+def test_sizes_come_from_the_columns_and_the_attention_column():
+    sizes = moe_sizes(ROW)
+    assert (sizes["routed_experts"], sizes["dense_layers"], sizes["q_lora_rank"], sizes["kv_lora_rank"],
+            sizes["qk_rope_head_dim"], sizes["v_head_dim"]) == (256, 3, 1536, 512, 64, 128)
+    qwen = moe_sizes({**ROW, "model": "Qwen3-30B-A3B", "attention": "GQA head_dim 128", "dense_ffn": ""})
+    assert qwen["head_dim"] == 128 and "dense_ffn" not in qwen and "q_lora_rank" not in qwen
+    kimi = moe_sizes({**ROW, "model": "Kimi K2 (Muon optimizer)", "routed_experts": "384", "attention": "MLA"})
+    assert (kimi["routed_experts"], kimi["n_group"]) == (384, 1)
+
+
+@pytest.mark.parametrize("update, reason", [
+    (dict(tp="2", pp="8", ep="32"), "MoE parallel folding"),  # dp 16: ep 32 spans tensor-parallel ranks
+    (dict(ep="32", routed_experts="48"), "routed experts"), (dict(gpu_type="MI300X"), "no built-in profile"),
+    (dict(precision="nvfp4"), "precision"), (dict(model="Mixtral"), "no architecture file"),
+])
+def test_rows_zplan_cannot_express_say_why(tmp_path, update, reason):
+    assert reason in moe_run({**ROW, **update}, "row", tmp_path, 0)
+
+
+def test_muon_is_kept_with_its_caveat(tmp_path):
+    run = moe_run({**ROW, "model": "Kimi K2 (Muon optimizer)"}, "row", tmp_path, 0)
+    assert "Muon" in run.caveat and "AdamW" in run.caveat
+
+
+@pytest.mark.skipif(not (REFERENCE / "moe_runs.csv").is_file(), reason="../shared/reference is not beside")
+def test_the_published_moe_rows_load_with_their_layouts(tmp_path):
+    """Every row but Qwen3-235B on H100 (ep 32 over dp 16) is expressed, with the layout it prints."""
+    runs, refused = load_moe_runs(REFERENCE, tmp_path)
+    assert len(runs) == 9 and list(refused) == [
+        "moe#6: NVIDIA Megatron-Bridge 26.04.01: Qwen3-235B-A22B, 256 H100-SXM-80GB, fp8"]
+    layouts = {run.label.split(":")[0]: (run.pins.tp, run.pins.pp, run.pins.dp, run.pins.ep, run.pins.interleave,
+                                         run.pins.micro_batch, run.global_batch, run.precision) for run in runs}
+    assert layouts == {
+        "moe#0": (2, 8, 64, 64, 4, 1, 8192, "fp8"), "moe#1": (1, 4, 64, 64, 4, 1, 4096, "bf16"),
+        "moe#2": (1, 4, 64, 64, 4, 1, 4096, "fp8"), "moe#3": (1, 2, 128, 32, 8, 1, 4096, "fp8"),
+        "moe#4": (1, 1, 16, 16, None, 1, 1024, "fp8"), "moe#5": (1, 2, 8, 8, 24, 2, 512, "fp8"),
+        "moe#7": (1, 8, 32, 32, 3, 1, 8192, "fp8"), "moe#8": (1, 4, 16, 8, 1, 1, 1280, "bf16"),
+        "moe#9": (1, 4, 64, 64, 4, 2, 4096, "fp8")}
+    assert {run.stack for run in runs} == {"megatron-core"}
+    assert [run.label.split(":")[0] for run in runs if run.caveat] == ["moe#9"]  # Kimi K2's Muon
+
+
+def test_the_deepseek_row_traces_to_its_printed_parameters(tmp_path):
+    """The row's model file built on meta: 671B parameters of which 37B active (within 2 %)."""
+    pytest.importorskip("transformers")
+    from zplan.model_input import summarize_model
+
+    run = moe_run(ROW, "row", tmp_path, 0)
+    summary = summarize_model(run.spec, None, "bf16")[1]
+    assert summary.seq_len == 4096
+    assert summary.params / 1e9 == pytest.approx(671, rel=0.02)
+    assert summary.experts.active_params / 1e9 == pytest.approx(37, rel=0.02)
+    assert (summary.experts.num_experts, summary.experts.top_k, summary.experts.moe_blocks) == (256, 8, 58)
