@@ -146,7 +146,7 @@ def loader_worker(result: str, out: str, tokens: str) -> None:
         scaler = loss_scaler(model, optimizer, config.precision, ctx.device)
         global_batch = p.dp * p.num_micro_batches * p.micro_batch
         run_data = open_run_data(_no_hook(), data=tokens, val_data=None, tokenizer=None, vocab=plan.model.vocab,
-                                 seq_len=plan.train.seq_len, global_batch=global_batch, pipeline_stages=p.pp,
+                                 seq_len=plan.train.seq_len, global_batch=global_batch,
                                  eval_batches=1)
 
         def loader():
@@ -213,7 +213,7 @@ def rss_worker(result: str, tokens: str) -> None:
     _reset_peak()
     start = time.perf_counter()
     run_data = open_run_data(_no_hook(), data=tokens, val_data=None, tokenizer=None, vocab=RSS_VOCAB,
-                             seq_len=RSS_SEQ_LEN, global_batch=RSS_MICRO_BATCH, pipeline_stages=1, eval_batches=1)
+                             seq_len=RSS_SEQ_LEN, global_batch=RSS_MICRO_BATCH, eval_batches=1)
     opened = _status()
     batches = make_data_iter(_no_hook(), vocab=RSS_VOCAB, seq_len=RSS_SEQ_LEN, micro_batch=RSS_MICRO_BATCH,
                              num_micro_batches=1, dp_rank=0, dp_size=1, seed=0, data=run_data.train)

@@ -4,11 +4,11 @@
 
 Each plan is `zplan compile MODEL --gpus G --cluster C PINS -o DIR` for a model file that builds one of the
 example models at a published size (examples/llama.py as Llama-3-8B and 70B, 128k vocabulary; examples/gpt.py as
-GPT-3 175B), 8 to 1024 GPUs, ZeRO 0-3, tp 1-8, pp 1-8, context parallel 2, recompute none / selective / full,
-micro-batch 1-8, CPU offload. `zplan dryrun DIR` then runs the plan's program on fake tensors for the pipeline's end
-stages (the planner prices the more loaded of the first and last: planner/cost/memory.py) and the figure compared is
-peak allocated bytes on the most loaded rank: measured by the dry run (runtime.dryrun.live_memory), predicted as the
-plan's total minus its framework reserve.
+GPT-3 175B; examples/moe.py as Mixtral-8x7B, ZeRO-3 and expert parallel), 8 to 1024 GPUs, ZeRO 0-3, tp 1-8, pp
+1-8, context parallel 2, recompute none / selective / full, micro-batch 1-8, CPU offload. `zplan dryrun DIR` then
+runs the plan's program on fake tensors for the pipeline's end stages (the planner prices the more loaded of the
+first and last: planner/cost/memory.py) and the figure compared is peak allocated bytes on the most loaded rank:
+measured by the dry run (runtime.dryrun.live_memory), predicted as the plan's total minus its framework reserve.
 
 Besides: the Llama-3-8B plan at 64 GPUs is dry-run as `python -m zplan dryrun` in a child process whose wall time
 and peak RSS are the keys dryrun_8b_64_s and dryrun_peak_rss_bytes (target: under 60 s, 4 GB on 2 cores).
@@ -34,6 +34,7 @@ MODELS = {  # name -> (example file, build_model keyword arguments)
     "llama3-8b": ("llama.py", {}),
     "llama3-70b": ("llama.py", dict(num_layers=80, hidden=8192, heads=64, kv_heads=8, ffn_hidden=28672)),
     "gpt3-175b": ("gpt.py", {}),
+    "mixtral-8x7b": ("moe.py", {}),  # examples/moe.py's defaults: 8 experts, top-2
 }
 # (name, model, gpus, cluster, pins): pins as zplan compile's options
 PLANS = [
@@ -81,6 +82,13 @@ PLANS = [
     ("8b-32-z2-tp4", "llama3-8b", 32, "dgx-h100", dict(tp=4, zero=2, micro_batch=4, recompute="full")),
     ("8b-8-cp2-z3", "llama3-8b", 8, "dgx-h100", dict(dp=4, cp=2, zero=3, micro_batch=1, recompute="none",
                                                      seq=8192)),
+    # mixtures of experts: 8 experts over 64 ranks (ZeRO-3 shards them on another dim), and expert parallel
+    ("moe-64-z3", "mixtral-8x7b", 64, "dgx-h100", dict(tp=1, pp=1, zero=3, micro_batch=1, recompute="full",
+                                                       seq=4096)),
+    ("moe-64-z3-pp4", "mixtral-8x7b", 64, "dgx-h100", dict(tp=1, pp=4, zero=3, micro_batch=1, recompute="full",
+                                                           seq=4096)),
+    ("moe-128-ep8-pp4", "mixtral-8x7b", 128, "dgx-h100", dict(tp=1, pp=4, ep=8, zero=0, micro_batch=1,
+                                                              recompute="full", seq=4096)),
 ]
 QUICK = ["8b-8-z3", "8b-8-z1-tp2", "8b-8-tp4-pp2", "8b-64", "70b-64-tp8", "175b-1024-tp8-pp8"]
 

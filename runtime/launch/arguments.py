@@ -168,7 +168,7 @@ def train_argument_parser(doc: str | None, lr: float) -> ArgumentParser:
                         help="the Hugging Face tokenizer folder (save_pretrained's) for text --data / --val-data")
     parser.add_argument("--val-data", type=path_name, metavar="PATH",
                         help="validation data (as --data): val_loss and val_ppl logged every --eval-every steps and "
-                             "after the last (not under a pipeline plan)")
+                             "after the last")
     parser.add_argument("--eval-every", type=integer(0, MAX_STEPS), default=0, metavar="N",
                         help="evaluate --val-data every N steps (default 0: after the last step only)")
     parser.add_argument("--eval-batches", type=integer(1, MAX_EVAL_BATCHES), default=DEFAULT_EVAL_BATCHES,

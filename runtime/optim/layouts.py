@@ -112,9 +112,12 @@ def state_layout(p: torch.Tensor, dp_mesh: DeviceMesh, sharded: bool = True
                  ) -> tuple[DeviceMesh, list[Placement]]:
     """Mesh and placements of the moments of `p` (module docstring): Shard(0) on `dp_mesh` for a plain
     parameter; for a DTensor parameter on the tp mesh, on the (dp, tp) mesh the dp row split of its tp-local tensor
-    followed by its tp placement. sharded=False (ZeRO 0): Replicate on dp instead."""
+    followed by its tp placement. sharded=False (ZeRO 0): Replicate on dp instead; an expert-parallel parameter
+    (Shard(0) over the "ep" dim, runtime.parallel.expert_dispatch) keeps its own layout."""
     if not isinstance(p, DTensor):
         return dp_mesh, [Shard(0) if sharded else Replicate()]
+    if not sharded and p.device_mesh.mesh_dim_names == ("ep",):  # ZeRO 0's experts: each rank's own, as the weights
+        return p.device_mesh, list(p.placements)
     if p.device_mesh.ndim != 1:
         raise ValueError(f"RowShards takes tensor-parallel parameters on a 1-D tp mesh, replicated over dp "
                          f"(runtime.parallel.grad_reduce); got placements {p.placements} on {p.device_mesh}")

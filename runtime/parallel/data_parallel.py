@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
 
 from zplan.model.modules import transformer_blocks
 from zplan.runtime.compression import grad_compression as compression
@@ -117,7 +118,7 @@ def apply_data_parallel(
         parameters_on_host = offload != "none"
     offload_policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if parameters_on_host else OffloadPolicy()
     options = dict(mesh=dp_mesh, reshard_after_forward=zero_stage == 3, mp_policy=mp_policy,
-                   offload_policy=offload_policy)
+                   offload_policy=offload_policy, shard_placement_fn=_evenly_sharded_dim(dp_mesh.size()))
     for block in transformer_blocks(model, block_prefix):
         fully_shard(block, **options)
     fully_shard(model, **options)  # the root: embedding, final norm, head
@@ -130,6 +131,18 @@ def apply_data_parallel(
 
 
 _GATHERED_UNTIL_LAST_BACKWARD = "_zplan_gathered_until_last_backward"
+
+
+def _evenly_sharded_dim(ranks: int):
+    """FSDP2's shard_placement_fn: a parameter whose dim 0 is shorter than the ranks (stacked experts: E = 8 rows
+    over 64 ranks would leave 56 of them nothing and rank 0 a whole expert) is sharded on its longest other dim, so
+    that each rank holds 1 / ranks of it, as the planner prices it; the others on dim 0 (FSDP2's default)."""
+    def placement(param: nn.Parameter) -> Shard | None:
+        if param.dim() < 2 or param.shape[0] >= ranks:
+            return None
+        longest = max(range(1, param.dim()), key=lambda d: param.shape[d])
+        return Shard(longest) if param.shape[longest] > param.shape[0] else None
+    return placement
 
 
 def _refuse(**values) -> None:

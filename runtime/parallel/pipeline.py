@@ -134,6 +134,10 @@ class PipelineRun(nn.Module):
         return self._built_chunks[0]._skeleton_of[1]
 
     @property
+    def num_micro_batches(self) -> int:  # per step(): this rank's slice of one global batch
+        return self._num_micro_batches
+
+    @property
     def stage_indices(self) -> list[int]:
         return list(self._stage_indices)
 
@@ -271,6 +275,10 @@ class PipelineRun(nn.Module):
                 else torch.zeros((), device=self._device))
         dist.broadcast(loss, group=self._group, group_src=(self._num_stages - 1) % self._pp)
         return loss
+
+    def evaluate(self, micro_batches: Sequence[Any]) -> torch.Tensor:
+        from zplan.runtime.parallel.pipeline_eval import evaluate_pipeline  # the validation loss, forward only
+        return evaluate_pipeline(self, micro_batches)
 
     def _sum_over_ranks(self, local: torch.Tensor, holders: list[int]) -> None:
         """local <- the sum of `local` over the pipeline ranks `holders`, added in rank order on each (so the

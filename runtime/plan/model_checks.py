@@ -25,6 +25,7 @@ from torch.overrides import TorchFunctionMode
 from zplan.model.fused_layout import FusedLayout
 from zplan.model.modules import is_conv1d, parent_path
 from zplan.runtime.parallel.context_parallel import accepts_position_ids
+from zplan.runtime.parallel.experts import apply_experts
 from zplan.runtime.parallel.pipeline import PipelineSplitError, check_split, split_model
 from zplan.runtime.parallel.tensor_parallel import localize_head_counts, projection_features
 from zplan.runtime.precision.float8 import fp8_convertible
@@ -43,6 +44,7 @@ def context_parallel_traits(model: nn.Module, block: nn.Module, example_call: tu
     self-attention through F.scaled_dot_product_attention (the calls of the model's forward on meta up to the end of
     block 0, as every block attends alike, are recorded: none, one without a causal flag or mask, one whose queries
     and keys differ in length, or a config's sliding window)."""
+    apply_experts(model)  # routed experts run zplan's executor, as parallelize runs them
     traits = []
     if not accepts_position_ids(model.forward):
         traits.append(ModelTrait(kind="no_position_ids", module="", detail="forward() has no position_ids argument"))
@@ -108,6 +110,7 @@ def rank_block_problem(model: nn.Module, block: nn.Module, tp_rules: list[Tensor
     """Why block 0, run as one of `tp` tensor-parallel ranks runs it (on meta, shapes only: each split projection
     with this rank's slice of its weight, the head counts of modules slicing a fused projection made this rank's,
     as runtime/parallel/tensor_parallel.py does), does not give the block's output shape ('' when it does)."""
+    apply_experts(model)  # routed experts run zplan's executor, as parallelize runs them
     def capture(module, args, kwargs):
         raise _BlockInputs(args, kwargs)
 
@@ -164,6 +167,7 @@ def split_problem(model: nn.Module, layers: list[LayerCost], example_call: tuple
     """Why the runtime's own pipeline split (runtime/parallel/pipeline.py), cut in two in the middle of the blocks and
     run on the meta device, does not reproduce the model's forward ('' when it does, or when there are too few
     blocks)."""
+    apply_experts(model)  # routed experts run zplan's executor, as parallelize runs them
     blocks = [index for index, layer in enumerate(layers) if layer.kind == "block"]
     if len(blocks) < 2:
         return ""

@@ -80,19 +80,15 @@ class RunData:
 
 
 def open_run_data(model_file, *, data: str | None, val_data: str | None, tokenizer: str | None, vocab: int,
-                  seq_len: int, global_batch: int, pipeline_stages: int, eval_batches: int) -> RunData:
+                  seq_len: int, global_batch: int, eval_batches: int) -> RunData:
     """--data and --val-data opened and checked (DataError naming the file and the fix), on every rank before any
-    collective: a train_data hook beside --data, --val-data under a pipeline, ids beyond `vocab`, fewer sequences
-    than one global batch of `global_batch` (--eval-batches of them for --val-data)."""
+    collective: a train_data hook beside --data, ids beyond `vocab`, fewer sequences than one global batch of
+    `global_batch` (--eval-batches of them for --val-data)."""
     hook = getattr(model_file, "user_train_data", None)
     if data and hook is not None:
         raise DataError(f"--data {data} is given and the model file {getattr(model_file, 'path', '')} defines its own "
                         "train_data hook: zplan would not know which to train on. Drop --data to train on the hook, "
                         "or remove (rename) train_data in the model file to train on --data")
-    if val_data and pipeline_stages > 1:
-        raise DataError(f"--val-data {val_data} with a pipeline plan ({pipeline_stages} stages): validation is not "
-                        "run under pipeline parallel yet (its schedule runs the backward too); compile a plan with "
-                        "--pp 1, or evaluate the saved weights apart")
     loaded: dict = {}  # the tokenizer, loaded once for both
     train = open_data(data, vocab=vocab, tokenizer=tokenizer, loaded=loaded) if data else None
     val = open_data(val_data, vocab=vocab, tokenizer=tokenizer, option="--val-data", loaded=loaded) if val_data \

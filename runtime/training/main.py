@@ -130,7 +130,7 @@ def run_training(args: argparse.Namespace, ctx: RunContext, script: TrainScript)
     p = plan.parallel
     # --data and --val-data opened and checked on every rank before any collective (runtime/training/data.py)
     run_data = open_run_data(model_file, data=args.data, val_data=args.val_data, tokenizer=args.tokenizer,
-                             vocab=plan.model.vocab, seq_len=plan.train.seq_len, pipeline_stages=p.pp,
+                             vocab=plan.model.vocab, seq_len=plan.train.seq_len,
                              global_batch=p.dp * p.num_micro_batches * p.micro_batch, eval_batches=args.eval_batches)
     # every output writable on every rank before the first step (one all-reduce), or nothing is trained
     check_output_paths(ctx, save_weights=args.save_weights, log_json=args.log_json, checkpoint_dir=args.checkpoint_dir,

@@ -4,7 +4,9 @@ data-parallel rank its slice of them as in training.
 
 val_loss is the mean of the micro-batch losses over the global batch, all-reduced as the training loss is
 (runtime/training/loop.py: a sum over all ranks / world size, right under tensor and context parallel too);
-val_ppl = exp(val_loss). A pipeline plan is refused --val-data at start-up (its schedule runs backward too).
+val_ppl = exp(val_loss). Under pipeline parallel the stages run forward only, outside the training schedule
+(runtime.parallel.pipeline.PipelineRun.evaluate: one global batch's micro-batches at a time, their mean loss on every
+pipeline rank, as its step() returns the training loss), then the same all-reduce.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import nn
 
 from zplan.runtime.data.source import TokenData, token_batches
 from zplan.runtime.launch.distributed import RunContext
+from zplan.runtime.parallel.pipeline import PipelineRun
 from zplan.runtime.training.step import attention_scope, forward_batch, to_device
 
 
@@ -43,14 +46,21 @@ def evaluate(model: nn.Module, loss_fn: Callable, validation: Validation, ctx: R
     """{"val_loss": ..., "val_ppl": ...} over validation's batches (collective: every rank calls it)."""
     was_training = model.training
     model.eval()
-    total = torch.zeros((), device=ctx.device)
+    total = torch.zeros((), device=ctx.device)  # fp32: the sum of the micro-batch losses
     batches = validation.batches()
     try:
         with torch.no_grad():
-            for _ in range(validation.micro_batches):
-                batch = to_device(next(batches), ctx.device)
-                with attention_scope(batch):
-                    total += loss_fn(forward_batch(model, batch), batch).detach().float()
+            if isinstance(model, PipelineRun):  # the model's loss_fn, which the run holds (as for step())
+                per_step = model.num_micro_batches  # one global batch at a time: this rank's slice of it
+                for _ in range(0, validation.micro_batches, per_step):
+                    micro_batches = [to_device(next(batches), ctx.device) for _ in range(per_step)]
+                    with attention_scope(micro_batches[0]):  # context parallel: as around step()
+                        total += model.evaluate(micro_batches) * per_step
+            else:
+                for _ in range(validation.micro_batches):
+                    batch = to_device(next(batches), ctx.device)
+                    with attention_scope(batch):
+                        total += loss_fn(forward_batch(model, batch), batch).detach().float()
     finally:
         model.train(was_training)
     total /= validation.micro_batches

@@ -167,11 +167,9 @@ def test_run_data_refusals(tmp_path):
     path = write_tokens(tmp_path / "t.bin", np.arange(200) % 64)
     hooked = types.SimpleNamespace(user_train_data=lambda batch_size, seq_len: iter(()), path=Path("model.py"))
     plain = types.SimpleNamespace(user_train_data=None)
-    options = dict(tokenizer=None, vocab=64, seq_len=16, global_batch=4, pipeline_stages=1, eval_batches=1)
+    options = dict(tokenizer=None, vocab=64, seq_len=16, global_batch=4, eval_batches=1)
     _refused(lambda: open_run_data(hooked, data=str(path), val_data=None, **options), "train_data hook",
              "Drop --data")
-    _refused(lambda: open_run_data(plain, data=None, val_data=str(path), **{**options, "pipeline_stages": 2}),
-             "pipeline", "--pp 1")
     # 200 tokens: 13 sequences of 16; 4 global batches of 4 need 16
     _refused(lambda: open_run_data(plain, data=None, val_data=str(path), **{**options, "eval_batches": 4}),
              "fewer than the 16", "--eval-batches")

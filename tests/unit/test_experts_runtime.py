@@ -242,3 +242,18 @@ def test_transformers_experts_without_a_gate_are_refused():
     with pytest.raises(PlanMismatchError, match=r"layers\.1\.mlp\.experts \(OlmoeExperts\).*have no gate"):
         experts_math(experts, "model.layers.1.mlp.experts")
     assert [layer.path for layer in apply_experts(model)] == ["model.layers.0.mlp.experts"]  # its own forward
+
+
+def test_zero3_shards_stacked_experts_evenly_over_more_ranks_than_experts():
+    """FSDP2 shards dim 0 by default: 8 stacked experts over 64 ranks would give rank 0 a whole expert and 56 ranks
+    nothing (a Mixtral-8x7B dry run at dp 64 measured 171.7 GiB against 29.2 planned); the longest other dim is
+    sharded instead, 1 / 64 a rank."""
+    from torch.distributed.tensor import Shard
+
+    from zplan.runtime.parallel.data_parallel import _evenly_sharded_dim
+
+    placement = _evenly_sharded_dim(64)
+    assert placement(nn.Parameter(torch.empty(8, 28672, 4096))) == Shard(1)  # Mixtral's gate_up (E, 2F, h)
+    assert placement(nn.Parameter(torch.empty(8, 4096, 14336))) == Shard(2)  # down (E, h, F)
+    assert placement(nn.Parameter(torch.empty(128, 64))) is None  # dim 0 long enough: FSDP2's Shard(0)
+    assert placement(nn.Parameter(torch.empty(8))) is None and placement(nn.Parameter(torch.empty(8, 4))) is None
