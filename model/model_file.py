@@ -69,7 +69,21 @@ def hf_models_see_whole_sequences() -> None:
     for name, answer in answers.items():
         if callable(getattr(masking, name, None)):
             setattr(masking, name, _unless_values(getattr(masking, name), answer))
+    # a padding token id in the config makes the forward look for it at the ends of input_ids, to warn (GPT-2)
+    model_class = getattr(sys.modules.get("transformers.modeling_utils"), "PreTrainedModel", None)
+    warn = getattr(model_class, "warn_if_padding_and_no_attention_mask", None)
+    if callable(warn):
+        model_class.warn_if_padding_and_no_attention_mask = _warns_only_with_values(warn)
     masking.zplan_whole_sequences = True
+
+
+def _warns_only_with_values(warn: Callable) -> Callable:
+    """PreTrainedModel.warn_if_padding_and_no_attention_mask, silent where input_ids have no values to look in."""
+    @functools.wraps(warn)
+    def call(self: Any, input_ids: Any, attention_mask: Any) -> None:
+        if not (isinstance(input_ids, torch.Tensor) and (input_ids.is_meta or is_fake(input_ids))):
+            warn(self, input_ids, attention_mask)
+    return call
 
 
 def _unless_values(original: Callable, answer: Callable) -> Callable:

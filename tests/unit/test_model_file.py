@@ -206,6 +206,30 @@ def test_hf_models_see_whole_sequences_on_meta_and_fake_tensors_and_their_own_va
         assert masking_utils.find_packed_sequence_indices(torch.zeros(1, 6, dtype=torch.long)) is None
 
 
+HF_GPT2_WITH_PAD_TOKEN = """
+from transformers import AutoModelForCausalLM, GPT2Config
+
+def build_model():
+    return AutoModelForCausalLM.from_config(GPT2Config(
+        vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=16, pad_token_id=0, use_cache=False),
+        attn_implementation="eager")
+"""
+
+
+def test_a_pad_token_in_the_config_is_looked_for_only_in_real_ids(tmp_path, monkeypatch):
+    """GPT-2 with a pad_token_id looks for it at the ends of input_ids (to warn of padding without a mask): on meta
+    ids there is nothing to look in and the forward runs; real ids are still looked in."""
+    pytest.importorskip("transformers")
+    model = load_model_file(write(tmp_path, HF_GPT2_WITH_PAD_TOKEN)).build(device="meta")
+    assert model(torch.zeros(2, 8, dtype=torch.long, device="meta")).logits.shape == (2, 8, 64)
+    real = load_model_file(write(tmp_path, HF_GPT2_WITH_PAD_TOKEN)).build(device="cpu")
+    looked = []
+    monkeypatch.setattr(type(real.config), "pad_token_id", property(lambda config: looked.append(1) or 0),
+                        raising=False)
+    real(torch.zeros(1, 4, dtype=torch.long))  # padding (id 0) at both ends, no attention mask
+    assert looked  # transformers' own check read the pad token id to look for it
+
+
 def test_hf_attention_on_fake_tensors_is_the_real_ones_for_an_attention_mask_of_ones(tmp_path, monkeypatch):
     """Context parallel hands a Hugging Face model its tokens' global positions and an attention mask of ones
     (runtime.parallel.context_parallel): on real tensors transformers reads the ones and calls
