@@ -39,6 +39,18 @@ DECODERS = {
     "gpt2": ("GPT2Config", "vocab_size=VOCAB_SIZE, n_embd=32, n_layer=2, n_head=4, n_positions=64"),
 }
 
+# Mixtures of experts run under expert parallel (tests/distributed/test_hf_parallel.py) beside Mixtral: Qwen3-MoE and
+# DeepSeek-V3 (its shared expert, multi-head latent attention, a dense first block and group-limited routing)
+MOE_DECODERS = {
+    "qwen3_moe": ("Qwen3MoeConfig", COMMON + ", num_key_value_heads=2, head_dim=8, max_position_embeddings=64, "
+                  "moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, "
+                  "mlp_only_layers=[], tie_word_embeddings=False"),
+    "deepseek_v3": ("DeepseekV3Config", COMMON + ", num_key_value_heads=4, max_position_embeddings=64, "
+                    "moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, "
+                    "first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=8, qk_rope_head_dim=4, "
+                    "qk_nope_head_dim=4, v_head_dim=8, n_group=2, topk_group=2, tie_word_embeddings=False"),
+}
+
 # Every dropout of each decoder's config, set to 0 (explicitly, whatever the config's default): runs of the same
 # model under different plans then compute the same function, so their losses and weights can be compared.
 DROPOUT_FREE = {
@@ -49,6 +61,8 @@ DROPOUT_FREE = {
     "phi3": "attention_dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0",
     "mixtral": "attention_dropout=0.0, router_jitter_noise=0.0",
     "gpt2": "resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0",
+    "qwen3_moe": "attention_dropout=0.0",
+    "deepseek_v3": "attention_dropout=0.0",
 }
 
 BERT = '''"""A tiny Hugging Face BERT (masked LM), built from its config."""
@@ -168,12 +182,13 @@ def model_sources() -> dict[str, str]:
     return sources
 
 
-def deterministic_decoder_sources() -> dict[str, str]:
-    """The model files of DECODERS with every dropout 0 (DROPOUT_FREE), same names and sizes, transformers'
-    defaults otherwise (the KV cache on, the default attention)."""
+def deterministic_decoder_sources(moe: bool = False) -> dict[str, str]:
+    """The model files of DECODERS (and MOE_DECODERS with `moe`) with every dropout 0 (DROPOUT_FREE), same names and
+    sizes, transformers' defaults otherwise (the KV cache on, the default attention)."""
+    decoders = {**DECODERS, **(MOE_DECODERS if moe else {})}
     return {name: DECODER.format(name=name, config=config, args=f"{args}, {DROPOUT_FREE[name]}", setup_doc="",
                                  setup="")
-            for name, (config, args) in DECODERS.items()}
+            for name, (config, args) in decoders.items()}
 
 
 def save_llama_config(folder: Path) -> Path:

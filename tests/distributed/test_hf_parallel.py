@@ -57,7 +57,10 @@ PARALLELISMS = {"tp2": Pins(tp=2), "pp2": Pins(pp=2), "zero3": Pins(zero=3, dp=2
                 "ep2tp2": Pins(ep=2, dp=2, tp=2, zero=0), "ep2pp2": Pins(ep=2, dp=2, pp=2, zero=0)}
 WORLD_OF = {"tp2pp2": 4, "ep2dp2": 4, "ep2tp2": 4, "ep2pp2": 4}
 ONLY = {"tp2pp2": ("llama", "gpt2"),  # 4 processes: two decoders (rotary positions from the hidden state; fused)
-        **{par: ("mixtral",) for par in ("ep2", "ep2dp2", "ep2tp2", "ep2pp2")}}
+        # expert parallel: the mixtures of experts (Qwen3-MoE and DeepSeek-V3 under ep 2 alone: 2 processes; DeepSeek's
+        # latent attention norms keep tp 1)
+        "ep2": ("mixtral", "qwen3_moe", "deepseek_v3"), "ep2dp2": ("mixtral",), "ep2tp2": ("mixtral",),
+        "ep2pp2": ("mixtral", "qwen3_moe")}
 DECODERS = tuple(deterministic_decoder_sources())
 # (model, parallelism) -> the capability trait (schemas.capability.RULES) behind the compile-time refusal
 REFUSED: dict[tuple[str, str], str] = {}
@@ -116,7 +119,7 @@ class Parallelism:
 def models(tmp_path_factory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("models")
     paths = {}
-    for name, source in deterministic_decoder_sources().items():
+    for name, source in deterministic_decoder_sources(moe=True).items():
         paths[name] = folder / f"hf_{name}.py"
         paths[name].write_text(source)
     return paths
@@ -243,4 +246,36 @@ def test_fused_projections_checkpoint_reshards_across_tp_and_exports_in_file_ord
     assert max_weight_diff(torch.load(tmp_path / "zero3.pt"), trained) <= TOLERANCE
 
     exported = load_file(export_checkpoint(ckpt / "step-000004", tmp_path / "tp2.safetensors"))
+    assert set(exported) == set(trained) and max_weight_diff(exported, trained) == 0.0
+
+
+def test_expert_parallel_checkpoint_reshards_across_ep_and_exports_whole_experts(models, tmp_path):
+    """A Mixtral checkpoint written under ep=2 (each rank half of the experts) after step 2 resumes under ZeRO-3 on
+    dp=2 (every rank a shard of every expert): steps 3 and 4 see the losses the ep=2 run saw and the final weights
+    equal its final weights; `zplan export` of the ep=2 run's last checkpoint holds every expert: equal to its
+    --save-weights."""
+    from safetensors.torch import load_file
+
+    from tests.distributed.harness import train_args
+    from zplan.export import export_checkpoint
+
+    saved, resumed = compile_for(models["mixtral"], Pins(ep=2, dp=2, zero=0), tmp_path / "ep2"), tmp_path / "zero3"
+    compile_for(models["mixtral"], Pins(zero=3, dp=2), resumed)
+    ckpt, weights = tmp_path / "ckpt", tmp_path / "ep2.pt"
+    Ranks([str(tmp_path / "ep2" / "train.py"), *train_args(STEPS, SEED, LR, tmp_path / "ep2.jsonl"),
+           "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--save-weights", str(weights)],
+          WORLD, tmp_path / "logs").wait_ok()
+    assert saved.parallel.ep == 2
+    output = Ranks([str(resumed / "train.py"), *train_args(STEPS, SEED, LR, tmp_path / "zero3.jsonl"),
+                    "--resume", str(ckpt / "step-000002"), "--save-weights", str(tmp_path / "zero3.pt")],
+                   WORLD, tmp_path / "logs").wait_ok()
+    assert "resumed from" in output
+    ref = {r["step"]: r["loss"] for r in read_log(tmp_path / "ep2.jsonl")}
+    got = {r["step"]: r["loss"] for r in read_log(tmp_path / "zero3.jsonl")}
+    assert sorted(got) == [3, 4] and max(abs(got[s] - ref[s]) for s in got) <= TOLERANCE, (got, ref)
+    trained = torch.load(weights)
+    assert any(t.shape[0] == 4 and t.dim() == 3 for t in trained.values())  # whole: 4 experts stacked
+    assert max_weight_diff(torch.load(tmp_path / "zero3.pt"), trained) <= TOLERANCE
+
+    exported = load_file(export_checkpoint(ckpt / "step-000004", tmp_path / "ep2.safetensors"))
     assert set(exported) == set(trained) and max_weight_diff(exported, trained) == 0.0
