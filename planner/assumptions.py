@@ -51,6 +51,13 @@ def assumptions(cluster: ClusterSpec, summary: ModelSummary, train: TrainSpec) -
                               "parameters, gradients and activations as bf16; MFU against the bf16 peak",
             f"{src}; NVIDIA, Pretraining LLMs with NVFP4 (2025); torchao NVFP4Tensor (runtime/precision/nvfp4.py)")]
           if train.precision == "nvfp4" else []),
+        *([("routing", f"{summary.experts.describe()}; tokens spread over the experts "
+                       + ("evenly (balanced, dropless: as the published benchmarks force it; --moe-imbalance F "
+                          "prices a busiest expert-parallel rank at F times the mean)"
+                          if summary.experts.imbalance == 1.0 else
+                          f"unevenly: the busiest expert-parallel rank gets {summary.experts.imbalance:g}x the mean "
+                          "routed tokens (--moe-imbalance), its compute, all-to-alls and activations priced so"),
+            "planner/expert_trace.py")] if summary.experts else []),
         ("HBM capacity", f"{gpu.hbm_bytes / GB:.0f} GB", src),
         ("HBM bandwidth", f"{gpu.hbm_bandwidth_Bps / GB:.0f} GB/s", src),
         ("intra-node link", f"{cluster.intra_node_bandwidth_Bps / GB:.1f} GB/s per GPU per direction", src),

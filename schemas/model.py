@@ -75,6 +75,9 @@ class ExpertsSummary(BaseModel):
     routed_params: int = Field(gt=0, description="Parameters of every routed expert of every block.")
     active_params: int = Field(gt=0, description="Parameters one token uses: all but the routed experts', plus k / E "
                                "of theirs.")
+    imbalance: float = Field(default=1.0, ge=1.0, description="Routing assumed: the tokens of the busiest expert-"
+                             "parallel rank over the mean (1: balanced, as the published benchmarks force it; "
+                             "--moe-imbalance).")
 
     def describe(self) -> str:
         """'8 routed experts of FFN 14336, top-2, in 32 blocks', for the reports."""

@@ -54,9 +54,10 @@ def default_compute_dtype(cluster: ClusterSpec) -> str:
 
 
 def prepare(model_ref: str, gpus: int, cluster: str, global_batch: int | None, seq_len: int | None,
-            precision: str | None, pins: Pins, delayed_update: str = "auto") -> Request:
+            precision: str | None, pins: Pins, delayed_update: str = "auto",
+            moe_imbalance: float | None = None) -> Request:
     """Load the cluster and the model and check the request; raises ZplanError subclasses. precision None: the
-    device's fastest (default_compute_dtype)."""
+    device's fastest (default_compute_dtype); moe_imbalance None: balanced routing (with_routing_imbalance)."""
     check_train_sizes(global_batch, seq_len)
     spec = load_cluster(cluster)
     check_gpus(gpus, spec)
@@ -73,6 +74,7 @@ def prepare(model_ref: str, gpus: int, cluster: str, global_batch: int | None, s
     check_delayed_update(delayed_update, pins)
     check_compression(pins.compress, pins, gpus, delayed_update)
     _, summary = summarize_model(model_ref, seq_len, compute_dtype(precision))
+    summary = with_routing_imbalance(summary, moe_imbalance)
     check_pins_against_model(pins, summary, precision)
     check_model_for_compression(pins.compress, summary)
     batch = global_batch if global_batch is not None else default_global_batch(gpus)
@@ -82,6 +84,24 @@ def prepare(model_ref: str, gpus: int, cluster: str, global_batch: int | None, s
                         f"--global-batch {(batch // dp + 1) * dp} (a multiple of {dp}).")
     train = TrainSpec(global_batch=batch, seq_len=summary.seq_len, precision=precision)
     return Request(model_ref, summary, spec, gpus, train, pins, delayed_update)
+
+
+def with_routing_imbalance(summary: ModelSummary, imbalance: float | None) -> ModelSummary:
+    """`summary` with its experts' routing assumed `imbalance` (--moe-imbalance: the busiest expert-parallel rank's
+    tokens over the mean), SpecError for a dense model or a value outside 1 .. E / k (the busiest expert gets every
+    token at most)."""
+    if imbalance is None:
+        return summary
+    experts = summary.experts
+    if experts is None:
+        raise SpecError(f"--moe-imbalance {imbalance}: the model has no routed experts (a mixture of experts' "
+                        "routing); drop the option")
+    most = experts.num_experts / experts.top_k
+    if not 1.0 <= imbalance <= most:
+        raise SpecError(f"--moe-imbalance {imbalance} is outside 1 (balanced) .. {most:g} (E / k = "
+                        f"{experts.num_experts} / {experts.top_k}: every token at the busiest expert): pass a value "
+                        "in that range")
+    return summary.model_copy(update={"experts": experts.model_copy(update={"imbalance": float(imbalance)})})
 
 
 def default_global_batch(gpus: int) -> int:

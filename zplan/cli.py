@@ -91,6 +91,10 @@ CP = typer.Option(None, "--cp", help="Pin the context-parallel degree: each sequ
 EP = typer.Option(None, "--ep", help="Pin the expert-parallel degree of a mixture of experts: its routed experts split "
                                      "over ep data-parallel ranks (ep divides the experts and dp; the runtime runs it "
                                      "with ZeRO 0). Searched only when pinned (default: 1).")
+MOE_IMBALANCE = typer.Option(None, "--moe-imbalance", metavar="F",
+                             help="A mixture of experts' routing: the busiest expert-parallel rank gets F times the "
+                                  "mean routed tokens (1 to E / k; default 1: balanced, as published benchmarks "
+                                  "force it). Prices its compute, all-to-alls and activations.")
 ZERO = typer.Option(None, "--zero", help="Pin the ZeRO stage (0-3).")
 OFFLOAD = typer.Option(None, "--offload", help="Pin where optimizer states live: none (the GPU), cpu or nvme (these "
                                                 "need ZeRO >= 1; default: the search's choice).")
@@ -120,7 +124,8 @@ def _cluster_or_default(cluster: Optional[str]) -> str:
 
 def _check_mode_options(mode: Mode, given: dict[str, bool]) -> None:
     """Options of the other mode are errors naming the option (given: option -> whether it was passed)."""
-    training_only = ("--global-batch", "--seq", "--pp", "--dp", "--cp", "--ep", "--zero", "--micro-batch",
+    training_only = ("--global-batch", "--seq", "--pp", "--dp", "--cp", "--ep", "--moe-imbalance", "--zero",
+                     "--micro-batch",
                      "--recompute", "--sequence-parallel", "--interleave", "--delayed-update", "--compress")
     inference_only = ("--target", "--batch", "--prompt-len", "--gen-len", "--precision int8", "--precision int4")
     other, kind, fix = ((training_only, "training", "drop {} with --mode inference (inference takes "
@@ -151,7 +156,7 @@ def compile(
              "when nothing else fits or when given here; fp8: weights and activations in fp8 (GPUs with fp8 tensor "
              "cores; only when given here)."),
     tp: Optional[int] = TP, pp: Optional[int] = PP, dp: Optional[int] = DP, cp: Optional[int] = CP,
-    ep: Optional[int] = EP, zero: Optional[int] = ZERO,
+    ep: Optional[int] = EP, moe_imbalance: Optional[float] = MOE_IMBALANCE, zero: Optional[int] = ZERO,
     offload: Optional[Offload] = typer.Option(
         None, "--offload", help="Training: where optimizer states live: none (GPU memory), cpu or nvme (needs ZeRO "
                                 ">= 1); parameters (ZeRO 3) and gradients (ZeRO >= 2) follow only where they do not "
@@ -194,7 +199,8 @@ def compile(
     report.md/html and ds_config.json (--mode inference: plan.json, alternatives.json, generate.py, serve.py,
     launch/, report.md/html)."""
     given = {"--global-batch": global_batch is not None, "--seq": seq is not None, "--pp": pp is not None,
-             "--dp": dp is not None, "--cp": cp is not None, "--ep": ep is not None, "--zero": zero is not None,
+             "--dp": dp is not None, "--cp": cp is not None, "--ep": ep is not None,
+             "--moe-imbalance": moe_imbalance is not None, "--zero": zero is not None,
              "--micro-batch": micro_batch is not None,
              "--recompute": recompute is not None, "--sequence-parallel": sequence_parallel is not None,
              "--interleave": interleave is not None, "--delayed-update": delayed_update is not None,
@@ -228,7 +234,7 @@ def compile(
                      ep)
         with err.status("tracing the model", spinner="dots") as status:
             req = prepare(model, gpus, cluster, global_batch, seq, precision.value if precision else None, pins,
-                          delayed_update.value)
+                          delayed_update.value, moe_imbalance)
             status.update(f"scoring configurations for {gpus} GPUs")
             plan, alternatives = compile_with_alternatives(req)
         if verify:
@@ -298,7 +304,7 @@ def estimate(
     gpus: int = GPUS, cluster: Optional[str] = CLUSTER, global_batch: Optional[int] = BATCH, seq: Optional[int] = SEQ,
     precision: Optional[Precision] = PRECISION, tp: int = typer.Option(..., "--tp", help="Tensor-parallel degree."),
     pp: int = typer.Option(..., "--pp", help="Pipeline-parallel degree."), dp: Optional[int] = DP,
-    cp: Optional[int] = CP, ep: Optional[int] = EP,
+    cp: Optional[int] = CP, ep: Optional[int] = EP, moe_imbalance: Optional[float] = MOE_IMBALANCE,
     zero: Optional[int] = ZERO, offload: Optional[Offload] = OFFLOAD, micro_batch: Optional[int] = MICRO,
     recompute: Optional[Recompute] = RECOMPUTE, sequence_parallel: Optional[bool] = SP,
     interleave: Optional[int] = INTERLEAVE, compress: Optional[str] = COMPRESS, as_json: bool = JSON,
@@ -312,7 +318,8 @@ def estimate(
     try:
         pins = _pins(tp, pp, dp, zero, offload, micro_batch, recompute, sequence_parallel, interleave, compress, cp,
                      ep)
-        req = prepare(model, gpus, cluster, global_batch, seq, precision.value if precision else None, pins)
+        req = prepare(model, gpus, cluster, global_batch, seq, precision.value if precision else None, pins,
+                      moe_imbalance=moe_imbalance)
         result = estimate_config(req)
     except ZplanError as exc:
         _fail(exc)

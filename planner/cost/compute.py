@@ -110,7 +110,8 @@ def block_time_s(
     experts = b * model.block_expert_fwd_flops * ((1.0 + BACKWARD_OVER_FORWARD) + (cand.recompute == 2))
     expert_tokens = b * model.seq_len * model.top_k * cand.ep / max(model.num_experts, 1)
     expert_eff = gemm_efficiency(2.0 * expert_tokens * model.hidden * model.expert_ffn_hidden, cluster)
-    experts_s = experts / (peak * expert_eff) if model.block_expert_fwd_flops > 0 else 0.0
+    busiest = model.busiest_rank(cand.ep)  # the step waits for the rank with the most routed tokens
+    experts_s = busiest * experts / (peak * expert_eff) if model.block_expert_fwd_flops > 0 else 0.0
     attention = cluster.efficiency.attention
     unfused = model.block_attention_core_bytes > 0  # batched GEMMs and a softmax streamed through HBM
     attention_eff = eff if attention is None or unfused else attention

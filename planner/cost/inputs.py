@@ -108,6 +108,7 @@ class ModelNumbers:
     block_rowwise_linears: int = 0  # and by input features
     kv_heads: int = 0  # key/value heads (GQA); 0: as many as the query heads
     moe_blocks: int = 0  # blocks with routed experts
+    routing_imbalance: float = 1.0  # the busiest expert-parallel rank's routed tokens over the mean (ExpertsSummary)
     block_attention_fwd_flops: float = 0.0  # per sample, the traced attention cores' (0: 2 s^2 h, planner.cost.compute)
     # Routed experts (mean over blocks; 0 for a dense model): whole on every tp rank, which splits only the Linears
     block_expert_params: float = 0.0  # all E experts of a block
@@ -121,6 +122,11 @@ class ModelNumbers:
         """One block's parameters on a rank: its Linears split over tp, its routed experts whole on every tp rank and
         split over ep."""
         return (self.block_params - self.block_expert_params) / tp + self.block_expert_params / ep
+
+    def busiest_rank(self, ep: np.ndarray) -> np.ndarray:
+        """The routed tokens of the busiest rank over the mean: routing_imbalance under expert parallel (ep > 1);
+        1 otherwise, every rank running all experts on its own tokens."""
+        return np.where(ep > 1, self.routing_imbalance, 1.0)
 
     @staticmethod
     def from_summary(summary: ModelSummary) -> ModelNumbers:
@@ -157,5 +163,6 @@ class ModelNumbers:
             top_k=summary.experts.top_k if summary.experts else 0,
             expert_ffn_hidden=summary.experts.ffn_hidden if summary.experts else 0,
             moe_blocks=summary.experts.moe_blocks if summary.experts else 0,
+            routing_imbalance=summary.experts.imbalance if summary.experts else 1.0,
             block_attention_fwd_flops=float(np.mean([u.attention_fwd_flops for u in blocks])),
         )

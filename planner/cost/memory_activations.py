@@ -122,6 +122,7 @@ def block_activation_bytes(model: ModelNumbers, cand: Candidates, precision: str
     b, t, sp = gpu_sequences(cand), cand.tp.astype(float), cand.sp.astype(bool)
     s, h = model.seq_len, model.hidden
     experts = b * model.block_expert_act_bytes  # whole on every tp rank (tp splits only the Linears)
+    experts_here = experts * model.busiest_rank(cand.ep)  # the busiest ep rank holds the most routed tokens' bytes
     total = b * model.block_act_bytes - experts
     replicated = np.minimum(total, 5.0 * s * h * elem * b)  # 10*s*b*h at 16-bit
     sharded = total - replicated
@@ -129,7 +130,7 @@ def block_activation_bytes(model: ModelNumbers, cand: Candidates, precision: str
     # column-parallel projections (attention, MLP: 2*s*b*h) and their matmuls save them whole (Megatron re-gathers
     # them in backward instead); measured by the dry run.
     gathered = np.minimum(replicated, 2.0 * s * h * elem * b)
-    none = sharded / t + np.where(sp, (replicated - gathered) / t + gathered, replicated) + experts
+    none = sharded / t + np.where(sp, (replicated - gathered) / t + gathered, replicated) + experts_here
     none = none + gathered_kv_bytes(model, cand, precision)  # selective and full recompute re-gather them
     block_input = np.where(sp, s * b * h * elem / t, s * b * h * elem)
     # Selective: the runtime keeps the projections' outputs and recomputes everything else (runtime.training.recompute's

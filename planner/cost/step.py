@@ -198,6 +198,7 @@ def expert_parallel_block_s(model: ModelNumbers, cand: Candidates, cluster: Clus
     ranks apart (the mesh is pp, dp, cp, tp); balanced routing, so (ep - 1) / ep of the tokens leave the GPU."""
     exchanges = 4.0 + 2.0 * (cand.recompute == 2)
     routed = gpu_sequences(cand) * model.seq_len * model.top_k * model.hidden * elem  # bytes of (b s k, h)
+    routed = routed * model.busiest_rank(cand.ep)  # the busiest rank receives the most
     share = model.moe_blocks / max(model.num_blocks, 1)
     return share * exchanges * all_to_all_s(routed, cand.ep, cand.tp * cand.cp, cluster)
 

@@ -114,3 +114,42 @@ def test_ep_on_a_dense_model_is_refused():
     request = prepare(str(EXAMPLES / "tiny.py"), 8, "dgx-h100", 16, None, "bf16", Pins(ep=2))
     with pytest.raises(SpecError, match="ep > 1 needs a mixture of experts"):
         compile_with_alternatives(request)
+
+
+def test_routing_imbalance_slows_the_busiest_expert_parallel_rank_only():
+    """--moe-imbalance F: under ep > 1 the busiest rank computes and receives F times the mean routed tokens; at
+    ep = 1 every rank runs all experts on its own tokens, so nothing changes."""
+    from dataclasses import replace
+
+    from zplan.planner.cost.compute import block_time_s
+
+    balanced, skewed = moe_numbers(), replace(moe_numbers(), routing_imbalance=1.5)
+    for ep in (1, 8):
+        cand = one(ep=ep)
+        skewed_step = estimate_step(skewed, cand, H100, "bf16", global_batch=8)
+        busiest = 1.5 * S * K * H * 2  # the busiest rank's (b s k, h) bf16 bytes
+        a2a = all_to_all_s(np.array([busiest]), np.array([ep]), np.array([1]), H100)[0]
+        assert skewed_step.expert_parallel_s[0] == pytest.approx(L * 4 * a2a)  # 0 at ep = 1
+        slower = block_time_s(skewed, cand, H100, "bf16")[0] - block_time_s(balanced, cand, H100, "bf16")[0]
+        assert (slower > 0) == (ep > 1)
+
+
+@pytest.mark.parametrize("value, words", [(0.5, "outside 1 \\(balanced\\) .. 2"), (3.0, "outside 1")])
+def test_an_imbalance_out_of_range_is_refused(tiny_moe, value, words):
+    from zplan.api import with_routing_imbalance
+
+    with pytest.raises(SpecError, match=words):
+        with_routing_imbalance(tiny_moe, value)
+    assert with_routing_imbalance(tiny_moe, 1.25).experts.imbalance == 1.25
+
+
+def test_the_report_states_the_routing_assumed(tiny_moe):
+    from zplan.api import with_routing_imbalance
+    from zplan.planner.assumptions import assumptions
+    from zplan.schemas.spec import TrainSpec
+
+    train = TrainSpec(global_batch=16, seq_len=64, precision="bf16")
+    rows = {a.name: a.value for a in assumptions(H100, tiny_moe, train)}
+    assert "evenly (balanced, dropless" in rows["routing"]
+    rows = {a.name: a.value for a in assumptions(H100, with_routing_imbalance(tiny_moe, 1.5), train)}
+    assert "busiest expert-parallel rank gets 1.5x" in rows["routing"]
