@@ -153,16 +153,7 @@ def validate(reference: Path, picks: bool = False, moe: bool = True) -> dict:
         rows.append(row)
 
     in_sample = stack_efficiencies(rows)
-    by_source = defaultdict(list)
-    for row in rows:
-        by_source[row["source"]].append(row)
-    loso = {}
-    for source, held_out in by_source.items():
-        fitted = stack_efficiencies([r for r in rows if r["source"] != source])
-        for row in held_out:
-            row["loso_error"] = relative_error(row, fitted)
-        loso[source] = {"rows": len(held_out), "loso_mean_abs_error": mean(abs(r["loso_error"]) for r in held_out),
-                        "efficiencies_used": {s: fitted.get(s, (1.0, 1.0)) for s in {r["stack"] for r in held_out}}}
+    loso, by_source = leave_one_source_out(rows, rows)
     for row in rows:
         row["error"] = relative_error(row, in_sample)
         row["raw_error"] = relative_error(row, {})
@@ -223,6 +214,23 @@ def moe_row(run: ReferenceRun, predicted: dict) -> dict:
             "caveat": run.caveat}
 
 
+def leave_one_source_out(rows: list[dict], fit_on: list[dict]) -> tuple[dict, dict]:
+    """Each row's loso_error (set on it): predicted with the stack efficiencies fitted on the rows of `fit_on` from
+    the other sources. Returns (per source: its rows' count, mean absolute error and the efficiencies used; the rows
+    by source)."""
+    by_source = defaultdict(list)
+    for row in rows:
+        by_source[row["source"]].append(row)
+    loso = {}
+    for source, held_out in by_source.items():
+        fitted = stack_efficiencies([r for r in fit_on if r["source"] != source])
+        for row in held_out:
+            row["loso_error"] = relative_error(row, fitted)
+        loso[source] = {"rows": len(held_out), "loso_mean_abs_error": mean(abs(r["loso_error"]) for r in held_out),
+                        "efficiencies_used": {s: fitted.get(s, (1.0, 1.0)) for s in {r["stack"] for r in held_out}}}
+    return loso, by_source
+
+
 def validate_moe(reference: Path, dense_rows: list[dict]) -> dict:
     """The moe_* figures (module docstring): the MoE rows predicted, with efficiencies fitted on every row (in
     sample), on every other source (leave one source out) and on the dense rows alone."""
@@ -238,16 +246,7 @@ def validate_moe(reference: Path, dense_rows: list[dict]) -> dict:
         rows.append(moe_row(run, predicted))
     everything = dense_rows + rows
     in_sample, dense_fit = stack_efficiencies(everything), stack_efficiencies(dense_rows)
-    by_source = defaultdict(list)
-    for row in rows:
-        by_source[row["source"]].append(row)
-    loso = {}
-    for source, held_out in by_source.items():
-        fitted = stack_efficiencies([r for r in everything if r["source"] != source])
-        for row in held_out:
-            row["loso_error"] = relative_error(row, fitted)
-        loso[source] = {"rows": len(held_out), "loso_mean_abs_error": mean(abs(r["loso_error"]) for r in held_out),
-                        "efficiencies_used": {s: fitted.get(s, (1.0, 1.0)) for s in {r["stack"] for r in held_out}}}
+    loso, by_source = leave_one_source_out(rows, everything)
     for row in rows:
         row["error"] = relative_error(row, in_sample)
         row["dense_fit_error"] = relative_error(row, dense_fit)
