@@ -255,7 +255,8 @@ def run_serve(args: argparse.Namespace, plan_path: Path, model_path: Path | None
         overrides["queue_size"] = args.queue_size
     engine, tokenizer, ctx = engine_from_plan(plan, model_path, weights=args.weights, seed=args.seed,
                                               nvme_dir=args.nvme_path, settings=settings)
-    limits = ServerLimits.for_engine(engine.max_seq_len, engine.max_batch, args.max_new_tokens, **overrides)
+    limits = ServerLimits.for_engine(engine.max_seq_len, engine.max_batch, args.max_new_tokens,
+                                     tokenizer.max_chars_per_token, **overrides)
     try:
         return serve(engine, tokenizer, ctx, args.host, args.port, limits)
     finally:

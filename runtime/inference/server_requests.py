@@ -26,12 +26,13 @@ class ServerLimits:
     body_timeout_s: float = 30.0  # a request's body read within this after its headers (else 408)
 
     @classmethod
-    def for_engine(cls, max_seq_len: int, max_batch: int, default_max_new_tokens: int, **overrides: Any):
+    def for_engine(cls, max_seq_len: int, max_batch: int, default_max_new_tokens: int, max_chars_per_token: int = 1,
+                   **overrides: Any):
         default = max(1, min(default_max_new_tokens, max_seq_len - 1))
-        # a byte tokenizer makes at most 4 tokens of a character and at least 1: chars beyond max_seq_len
-        # cannot fit, so refuse them before tokenizing
+        # a token holds at most max_chars_per_token characters (the byte tokenizer 1; a Hugging Face one its longest
+        # token's): a prompt of more than max_seq_len of them cannot fit, so it is refused before tokenizing
         return cls(max_new_tokens=max(1, max_seq_len - 1), default_max_new_tokens=default,
-                   max_prompt_chars=max_seq_len,
+                   max_prompt_chars=max_seq_len * max(1, max_chars_per_token),
                    **{"queue_size": 8 * max_batch, **overrides})
 
 

@@ -29,6 +29,7 @@ class ByteTokenizer:
                              f"the model has {vocab_size}: use a model with vocab_size >= {BYTE_IDS}.")
         self.vocab_size = vocab_size
         self.eos_id: int | None = BYTE_IDS if vocab_size > BYTE_IDS else None  # end of text
+        self.max_chars_per_token = 1  # a character is 1 to 4 byte tokens
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -60,6 +61,8 @@ class HfTokenizer:
             raise ZplanError(f"cannot read the tokenizer in {folder} ({line}): put back the files "
                              "save_pretrained wrote") from error
         self.vocab_size = vocab_size
+        # the longest token's text: a prompt of more characters than this times max_seq_len cannot fit
+        self.max_chars_per_token = max((len(token) for token in self._tokenizer.get_vocab()), default=1)
         self.eos_id: int | None = _generation_eos(Path(folder))
         if self.eos_id is None:
             self.eos_id = self._tokenizer.eos_token_id

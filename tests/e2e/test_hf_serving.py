@@ -184,7 +184,12 @@ def test_server_answers_a_completion_as_generate(compiled):
     with Engine(folder, out) as run:
         prompt_ids = run.tokenizer.encode(PROMPTS[0])
         expected = run.engine.generate([prompt_ids], NEW_TOKENS, SamplingParams(stop_token=run.tokenizer.eos_id))[0]
-        limits = ServerLimits.for_engine(run.engine.max_seq_len, run.engine.max_batch, NEW_TOKENS)
+        limits = ServerLimits.for_engine(run.engine.max_seq_len, run.engine.max_batch, NEW_TOKENS,
+                                         run.tokenizer.max_chars_per_token)
+        # the folder's tokenizer makes tokens of several characters: a prompt longer in characters than the KV cache
+        # in tokens is not refused before it is tokenized
+        long_prompt = " ".join([PROMPTS[0]] * 2)
+        assert len(long_prompt) > run.engine.max_seq_len >= len(run.tokenizer.encode(long_prompt)) + NEW_TOKENS
         worker = BatchWorker(run.engine, run.tokenizer.eos_id, limits, None, device=run.ctx.device)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
@@ -199,11 +204,14 @@ def test_server_answers_a_completion_as_generate(compiled):
                 assert time.monotonic() < deadline, "uvicorn did not start"
                 time.sleep(0.01)
             status, answer = post(sock.getsockname()[1], {"prompt": PROMPTS[0], "max_new_tokens": NEW_TOKENS})
+            long_status, long_answer = post(sock.getsockname()[1], {"prompt": long_prompt,
+                                                                    "max_new_tokens": NEW_TOKENS})
         finally:
             server.should_exit = True
             thread.join(10)
             worker.close()
     assert status == 200, answer
+    assert long_status == 200, long_answer  # 47 characters, 36 tokens of KV cache: it fits in tokens
     assert answer["tokens"] == expected
     eos = run.tokenizer.eos_id
     assert answer["text"] == run.tokenizer.decode([t for t in expected if t != eos])
