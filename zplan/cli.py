@@ -90,7 +90,7 @@ CP = typer.Option(None, "--cp", help="Pin the context-parallel degree: each sequ
                                      "searched where each GPU keeps at least 4096 tokens of a sequence).")
 EP = typer.Option(None, "--ep", help="Pin the expert-parallel degree of a mixture of experts: its routed experts split "
                                      "over ep data-parallel ranks (ep divides the experts and dp; the runtime runs it "
-                                     "with ZeRO 0). Searched only when pinned (default: 1).")
+                                     "with ZeRO 0 or 1). Searched inside the NVLink domain (default: the search's).")
 MOE_IMBALANCE = typer.Option(None, "--moe-imbalance", metavar="F",
                              help="A mixture of experts' routing: the busiest expert-parallel rank gets F times the "
                                   "mean routed tokens (1 to E / k; default 1: balanced, as published benchmarks "

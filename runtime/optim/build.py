@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 from zplan.runtime.compression.grad_compression import OneBitGradients
 from zplan.runtime.optim.device_states import DeviceStates
 from zplan.runtime.optim.host_states import HostStates
-from zplan.runtime.optim.layouts import RowShards, WholeShards
+from zplan.runtime.optim.layouts import ExpertRowShards, RowShards, WholeShards
 from zplan.runtime.optim.nvme_states import NvmeStates
 from zplan.runtime.optim.sharded_adamw import ShardedAdamW
 from zplan.schemas import legality
@@ -38,7 +38,7 @@ def build_optimizer(
     model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, lr: float, weight_decay: float, offload: Tier,
     precision: Precision = "fp32", nvme_path: str | None = None, swap_parameters: bool = False,
     delayed_update: bool = False, grad_compression: GradCompression = "none", onebit_warmup_steps: int = 100,
-    parameters_on_host: bool | None = None,
+    parameters_on_host: bool | None = None, expert_dp_mesh: DeviceMesh | None = None,
 ) -> torch.optim.Optimizer:
     """AdamW (fused kernel: ~7x foreach on CPU, DESIGN.md facts) as runtime.optim.sharded_adamw.ShardedAdamW, its
     parts chosen from the plan:
@@ -75,7 +75,9 @@ def build_optimizer(
     # (runtime/optim/layouts.py); ZeRO 0: for all of it, where it keeps masters
     rows = zero_stage == 1 or (zero_stage == 0 and gradients is None
                                and parameters_in_compute_dtype(0, precision, grad_compression))
-    if rows:
+    if rows and zero_stage == 1 and expert_dp_mesh is not None:  # expert parallel: the experts' rows over edp
+        layout = ExpertRowShards(dp_mesh, expert_dp_mesh)
+    elif rows:
         layout = RowShards(dp_mesh, shard_states=zero_stage == 1)
     else:  # FSDP2's shards (ZeRO 2/3); or 1-bit Adam under ZeRO 0: every rank updates whole parameters alike
         layout = WholeShards()

@@ -116,7 +116,7 @@ def state_layout(p: torch.Tensor, dp_mesh: DeviceMesh, sharded: bool = True
     (Shard(0) over the "ep" dim, runtime.parallel.expert_dispatch) keeps its own layout."""
     if not isinstance(p, DTensor):
         return dp_mesh, [Shard(0) if sharded else Replicate()]
-    if not sharded and p.device_mesh.mesh_dim_names == ("ep",):  # ZeRO 0's experts: each rank's own, as the weights
+    if not sharded and is_expert_parallel(p):  # ZeRO 0's experts: each rank's own, as the weights
         return p.device_mesh, list(p.placements)
     if p.device_mesh.ndim != 1:
         raise ValueError(f"RowShards takes tensor-parallel parameters on a 1-D tp mesh, replicated over dp "
@@ -312,6 +312,48 @@ class RowShards:
             offset += rows.chunk_numel
 
 
+
+
+class ExpertRowShards:
+    """ZeRO 1 under expert parallel: RowShards over dp for every parameter but the routed experts', whose rows are
+    sharded over the edp ranks that hold the same experts (an expert-parallel parameter is a Shard(0) DTensor over
+    the "ep" dim: runtime.parallel.expert_dispatch), as the planner prices them (states over dp / ep)."""
+
+    keeps_rows_of_replicas = True
+
+    def __init__(self, dp_mesh: DeviceMesh, expert_dp_mesh: DeviceMesh):
+        self.dense, self.experts = RowShards(dp_mesh), RowShards(expert_dp_mesh)
+
+    def _of(self, p: torch.Tensor) -> RowShards:
+        return self.experts if is_expert_parallel(p) else self.dense
+
+    def bind(self, params: list[torch.Tensor]) -> None:
+        self.dense.bind([p for p in params if not is_expert_parallel(p)])
+        self.experts.bind([p for p in params if is_expert_parallel(p)])
+
+    def owned(self, p: torch.Tensor) -> torch.Tensor:
+        return self._of(p).owned(p)
+
+    def grad(self, p: torch.Tensor) -> torch.Tensor:
+        return self._of(p).grad(p)
+
+    def is_empty(self, p: torch.Tensor) -> bool:
+        return self._of(p).is_empty(p)
+
+    def as_state(self, local: torch.Tensor, p: torch.Tensor) -> DTensor:
+        return self._of(p).as_state(local, p)
+
+    def rows_of(self, local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        return self._of(p).rows_of(local, p)
+
+    def publish(self) -> None:
+        self.dense.publish()
+        self.experts.publish()
+
+
+def is_expert_parallel(p: torch.Tensor) -> bool:
+    """A routed experts' parameter split over the expert-parallel ranks (a DTensor on the mesh's "ep" dim)."""
+    return isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("ep",)
 
 
 class WholeShards:

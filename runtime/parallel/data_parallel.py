@@ -30,7 +30,7 @@ def apply_data_parallel(
 
     0: DDP, gradients all-reduced (with tensor parallel, whose DTensors DDP cannot hold, the same done by
     runtime.parallel.grad_reduce.GradientReducer on their local tensors, every `num_micro_batches` backward passes;
-    likewise under expert parallel, `expert_group` the edp ranks holding this rank's experts: ZeRO 0 only).
+    likewise under expert parallel, `expert_group` the edp ranks holding this rank's experts: ZeRO 0 and 1).
     1: the same here, optimizer states sharded
     by build_optimizer (runtime.optim.layouts.RowShards, over the tp-local tensors under tensor parallel).
     2: FSDP2 fully_shard per block and at the root, parameters kept gathered between forward and

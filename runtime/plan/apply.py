@@ -199,7 +199,7 @@ def plan_optimizer(model: nn.Module, mesh: DeviceMesh, plan: Plan, *, lr: float,
         precision=plan.train.precision, nvme_path=nvme_path, swap_parameters=plan.placement.parameters == "nvme",
         delayed_update=p.delayed_update, grad_compression=p.compression.grad,
         onebit_warmup_steps=onebit_warmup_steps or min(ONE_BIT_WARMUP_STEPS, max(1, int(0.3 * steps))),
-        parameters_on_host=plan.placement.parameters != "gpu")
+        parameters_on_host=plan.placement.parameters != "gpu", expert_dp_mesh=mesh["edp"] if p.ep > 1 else None)
 
 
 def plan_figures(plan: Plan) -> PlanFigures:

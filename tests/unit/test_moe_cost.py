@@ -81,7 +81,7 @@ def tiny_moe():
         num_layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=96, num_experts=4, top_k=2, vocab_size=128))[1]
 
 
-def test_the_ep_pin_is_priced_and_runs_with_zero0(tiny_moe):
+def test_the_ep_pin_is_priced_with_every_zero_stage_and_runs_with_zero0_or_1(tiny_moe):
     from zplan.api import Request, compile_with_alternatives
     from zplan.runtime.plan.check import runtime_gaps
     from zplan.schemas.spec import TrainSpec
@@ -93,8 +93,8 @@ def test_the_ep_pin_is_priced_and_runs_with_zero0(tiny_moe):
 
     plan = plan_for(0)
     assert (plan.parallel.ep, plan.parallel.dp) == (4, 8)
-    assert plan.prediction.time.expert_parallel > 0 and runtime_gaps(plan) == []
-    assert any("ep=4" in gap and "--zero 0" in gap for gap in runtime_gaps(plan_for(1)))  # priced, not run yet
+    assert plan.prediction.time.expert_parallel > 0 and runtime_gaps(plan) == runtime_gaps(plan_for(1)) == []
+    assert any("ep=4" in gap and "--zero 1" in gap for gap in runtime_gaps(plan_for(3)))  # priced, not run yet
 
 
 @pytest.mark.parametrize("ep, words", [(3, "ep divides the 4 routed experts"), (16, "ep divides the 4 routed")])
