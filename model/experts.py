@@ -8,8 +8,11 @@ DeepSeek-V3, OLMoE, GPT-OSS):
               them transposed, or with biases (E, n)); at least two of them 3-d, every one with E leading, E >= 2
     router    a sibling module (or the parent) with a weight (E, h) and a `top_k`: it picks k experts per token
 
-and the experts module is called as experts(hidden (T, h), top_k_index (T, k), top_k_weights (T, k)). Shared experts
-(DeepSeek-V3's shared_experts, Qwen2-MoE's shared_expert) are plain Linears: dense, not found here.
+and the experts module is called as experts(hidden (T, h), top_k_index (T, k), top_k_weights (T, k)). Stacked
+parameters without a router and a top-k beside them, or a module called otherwise (transformers' Llama 4 runs every
+expert on every token, its routing folded into the input), are not routed experts: they are traced and run as the
+model computes them, densely. Shared experts (DeepSeek-V3's shared_experts, Qwen2-MoE's shared_expert) are plain
+Linears: dense, not found here.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from zplan.errors import TraceError
 from zplan.model.modules import parent_path
 
 TOP_K_NAMES = ("top_k", "num_experts_per_tok", "router_top_k", "moe_topk")  # attributes and config keys, in order
@@ -72,32 +74,30 @@ def _router(model: nn.Module, parent: str, experts_path: str, num_experts: int) 
     return None
 
 
+def _called_with_routing(module: nn.Module) -> bool:
+    """Whether `module` is called as experts(hidden, top_k_index, top_k_weights): three positional arguments."""
+    arguments = [p for p in inspect.signature(module.forward).parameters.values()
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(arguments) == CALL_ARGUMENTS
+
+
 def find_expert_layers(model: nn.Module) -> list[ExpertLayer]:
-    """Every routed-experts module of `model`, in module order; TraceError for one whose router or top-k cannot be
-    found, or which is not called as experts(hidden, top_k_index, top_k_weights), naming the module."""
+    """Every routed-experts module of `model`, in module order (module docstring: stacked parameters beside a router
+    with a top-k, called as experts(hidden, top_k_index, top_k_weights)); other stacked parameters are left out."""
     found = []
     config = getattr(model, "config", None)
     for path, module in model.named_modules():
         num_experts = stacked_parameters(module)
-        if num_experts is None:
+        if num_experts is None or not _called_with_routing(module):
             continue
         parent = parent_path(path)
         router = _router(model, parent, path, num_experts)
         if router is None:
-            raise TraceError(f"{path} ({type(module).__name__}) holds {num_experts} stacked experts but no module "
-                             f"beside it has a router weight ({num_experts}, hidden): zplan cannot tell how tokens "
-                             "reach them; give the router a weight of that shape and a top_k")
+            continue
         router_path, hidden = router
         top_k = _top_k([model.get_submodule(router_path), model.get_submodule(parent), module], config)
         if top_k is None or top_k > num_experts:
-            raise TraceError(f"{path}: no top_k (experts per token) on {router_path} or in the model's config "
-                             f"(looked for {', '.join(TOP_K_NAMES)}): set top_k on the router")
-        arguments = [p for p in inspect.signature(module.forward).parameters.values()
-                     if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        if len(arguments) != CALL_ARGUMENTS:
-            raise TraceError(f"{path} ({type(module).__name__}) is called with {len(arguments)} arguments; zplan "
-                             "runs experts called as experts(hidden (T, h), top_k_index (T, k), top_k_weights (T, k)), "
-                             "as transformers' Mixtral, Qwen-MoE and DeepSeek-V3 experts are")
+            continue
         params = [p for p in module._parameters.values() if p is not None]
         matrices = [p for p in params if p.dim() == 3]
         down = matrices[-1]  # (E, h, F) or (E, F, h): its other side is F

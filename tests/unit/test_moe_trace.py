@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import zplan.examples
-from zplan.errors import TraceError
 from zplan.model.experts import find_expert_layers
 from zplan.model_input import trace_module
 
@@ -147,7 +146,9 @@ def test_each_family_finds_its_experts_router_and_width(name, config):
     assert all(u.expert_fwd_flops == 32 * per_token for u in blocks)
 
 
-def test_experts_without_a_router_are_refused_naming_the_module():
+def test_stacked_parameters_without_a_router_or_routing_call_are_not_routed_experts():
+    """Stacked (E, ...) parameters without a router beside them, or called without the routing (transformers' Llama 4
+    runs every expert on every token), are traced as the model computes them: densely."""
     class Experts(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -162,9 +163,12 @@ def test_experts_without_a_router_are_refused_naming_the_module():
             super().__init__()
             self.experts = Experts()
 
-    model = torch.nn.Sequential(Block())
-    with pytest.raises(TraceError, match=r"0\.experts .*4 stacked experts but no module beside it has a router"):
-        find_expert_layers(model)
+    assert find_expert_layers(torch.nn.Sequential(Block())) == []
+    llama4 = build(transformers.Llama4TextConfig(**TINY, intermediate_size=96, intermediate_size_mlp=128,
+                                                 num_local_experts=4, num_experts_per_tok=1, head_dim=16))
+    assert find_expert_layers(llama4) == []
+    summary = trace(llama4, 32)
+    assert summary.experts is None and summary.params == sum(p.numel() for p in llama4.parameters())
 
 
 def test_the_plain_example_traces_as_the_mixtral_it_copies():
