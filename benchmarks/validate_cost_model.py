@@ -135,13 +135,8 @@ def validate(reference: Path, picks: bool = False, moe: bool = True) -> dict:
     depend on them)."""
     runs, refused = load_reference_runs(reference)
     total = len(runs) + len(refused)
-    rows = []
-    for run in runs:
-        try:
-            predicted = predict(run)
-        except ZplanError as error:
-            refused[run.label] = f"zplan refuses the layout: {str(error).splitlines()[0]}"
-            continue
+
+    def dense_row(run: ReferenceRun, predicted: dict) -> dict:
         row = {"label": run.label, "source": run.source, "stack": run.stack, "cluster": run.cluster,
                "precision": run.precision, "gpus": run.gpus, "measured_s": run.measured_s,
                "predicted_s": predicted["predicted_s"], "attention_s": predicted["attention_s"],
@@ -150,7 +145,9 @@ def validate(reference: Path, picks: bool = False, moe: bool = True) -> dict:
             chosen = compile_plan(prepare(run.spec, run.gpus, run.cluster, run.global_batch, None, run.precision,
                                           Pins()))
             row["zplan_pick_over_published"] = chosen.prediction.step_time_s / predicted["step_s"]  # both zplan's
-        rows.append(row)
+        return row
+
+    rows = predicted_rows(runs, refused, dense_row)
 
     in_sample = stack_efficiencies(rows)
     loso, by_source = leave_one_source_out(rows, rows)
@@ -214,6 +211,20 @@ def moe_row(run: ReferenceRun, predicted: dict) -> dict:
             "caveat": run.caveat}
 
 
+def predicted_rows(runs: list[ReferenceRun], refused: dict[str, str], make_row) -> list[dict]:
+    """make_row(run, predict(run)) for every run zplan prices; a run whose layout zplan refuses goes to `refused`
+    with the reason."""
+    rows = []
+    for run in runs:
+        try:
+            predicted = predict(run)
+        except ZplanError as error:
+            refused[run.label] = f"zplan refuses the layout: {str(error).splitlines()[0]}"
+            continue
+        rows.append(make_row(run, predicted))
+    return rows
+
+
 def leave_one_source_out(rows: list[dict], fit_on: list[dict]) -> tuple[dict, dict]:
     """Each row's loso_error (set on it): predicted with the stack efficiencies fitted on the rows of `fit_on` from
     the other sources. Returns (per source: its rows' count, mean absolute error and the efficiencies used; the rows
@@ -236,14 +247,7 @@ def validate_moe(reference: Path, dense_rows: list[dict]) -> dict:
     sample), on every other source (leave one source out) and on the dense rows alone."""
     runs, refused = load_moe_runs(reference)
     total = len(runs) + len(refused)
-    rows = []
-    for run in runs:
-        try:
-            predicted = predict(run)
-        except ZplanError as error:
-            refused[run.label] = f"zplan refuses the layout: {str(error).splitlines()[0]}"
-            continue
-        rows.append(moe_row(run, predicted))
+    rows = predicted_rows(runs, refused, moe_row)
     everything = dense_rows + rows
     in_sample, dense_fit = stack_efficiencies(everything), stack_efficiencies(dense_rows)
     loso, by_source = leave_one_source_out(rows, everything)

@@ -220,35 +220,43 @@ def test_decoder_under_parallelism_equals_single_process(name, par, parallelism,
     assert weight_diff <= WEIGHT_TOLERANCE.get(name, TOLERANCE), weight_diff
 
 
-def test_fused_projections_checkpoint_reshards_across_tp_and_exports_in_file_order(models, tmp_path):
-    """Phi-3's fused qkv_proj and gate_up_proj are stored grouped at every tp (model/fused_layout.py). A checkpoint
-    written under tp=2 after step 2 resumes under ZeRO-3 on dp=2: steps 3 and 4 see the losses the tp=2 run saw and
-    the final weights equal its final weights; `zplan export` of the tp=2 run's last checkpoint gives the model
-    file's order: equal to its --save-weights."""
+def reshard_to_zero3_and_export(model: Path, pins: Pins, tmp_path: Path) -> tuple[Plan, dict[str, torch.Tensor]]:
+    """Train `model` under `pins` for STEPS steps with a checkpoint every 2, resume its step-2 checkpoint under ZeRO-3
+    on dp=2 and check that steps 3 and 4 see the same losses and end at the same weights, then that `zplan export` of
+    the last checkpoint equals the run's --save-weights. Returns (the first run's plan, its final weights)."""
     from safetensors.torch import load_file
 
     from tests.distributed.harness import train_args
     from zplan.export import export_checkpoint
 
-    saved, resumed = compile_for(models["phi3"], Pins(tp=2), tmp_path / "tp2"), tmp_path / "zero3"
-    compile_for(models["phi3"], Pins(zero=3, dp=2), resumed)
-    ckpt, weights = tmp_path / "ckpt", tmp_path / "tp2.pt"
-    Ranks([str(tmp_path / "tp2" / "train.py"), *train_args(STEPS, SEED, LR, tmp_path / "tp2.jsonl"),
+    saved, resumed = compile_for(model, pins, tmp_path / "saved"), tmp_path / "zero3"
+    compile_for(model, Pins(zero=3, dp=2), resumed)
+    ckpt, weights = tmp_path / "ckpt", tmp_path / "saved.pt"
+    Ranks([str(tmp_path / "saved" / "train.py"), *train_args(STEPS, SEED, LR, tmp_path / "saved.jsonl"),
            "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--save-weights", str(weights)],
           WORLD, tmp_path / "logs").wait_ok()
-    assert saved.parallel.tp == 2
     output = Ranks([str(resumed / "train.py"), *train_args(STEPS, SEED, LR, tmp_path / "zero3.jsonl"),
                     "--resume", str(ckpt / "step-000002"), "--save-weights", str(tmp_path / "zero3.pt")],
                    WORLD, tmp_path / "logs").wait_ok()
     assert "resumed from" in output
-    ref = {r["step"]: r["loss"] for r in read_log(tmp_path / "tp2.jsonl")}
+    ref = {r["step"]: r["loss"] for r in read_log(tmp_path / "saved.jsonl")}
     got = {r["step"]: r["loss"] for r in read_log(tmp_path / "zero3.jsonl")}
     assert sorted(got) == [3, 4] and max(abs(got[s] - ref[s]) for s in got) <= TOLERANCE, (got, ref)
     trained = torch.load(weights)
     assert max_weight_diff(torch.load(tmp_path / "zero3.pt"), trained) <= TOLERANCE
 
-    exported = load_file(export_checkpoint(ckpt / "step-000004", tmp_path / "tp2.safetensors"))
+    exported = load_file(export_checkpoint(ckpt / "step-000004", tmp_path / "saved.safetensors"))
     assert set(exported) == set(trained) and max_weight_diff(exported, trained) == 0.0
+    return saved, trained
+
+
+def test_fused_projections_checkpoint_reshards_across_tp_and_exports_in_file_order(models, tmp_path):
+    """Phi-3's fused qkv_proj and gate_up_proj are stored grouped at every tp (model/fused_layout.py). A checkpoint
+    written under tp=2 after step 2 resumes under ZeRO-3 on dp=2: steps 3 and 4 see the losses the tp=2 run saw and
+    the final weights equal its final weights; `zplan export` of the tp=2 run's last checkpoint gives the model
+    file's order: equal to its --save-weights."""
+    saved, _ = reshard_to_zero3_and_export(models["phi3"], Pins(tp=2), tmp_path)
+    assert saved.parallel.tp == 2
 
 
 def test_expert_parallel_checkpoint_reshards_across_ep_and_exports_whole_experts(models, tmp_path):
@@ -256,28 +264,6 @@ def test_expert_parallel_checkpoint_reshards_across_ep_and_exports_whole_experts
     dp=2 (every rank a shard of every expert): steps 3 and 4 see the losses the ep=2 run saw and the final weights
     equal its final weights; `zplan export` of the ep=2 run's last checkpoint holds every expert: equal to its
     --save-weights."""
-    from safetensors.torch import load_file
-
-    from tests.distributed.harness import train_args
-    from zplan.export import export_checkpoint
-
-    saved, resumed = compile_for(models["mixtral"], Pins(ep=2, dp=2, zero=0), tmp_path / "ep2"), tmp_path / "zero3"
-    compile_for(models["mixtral"], Pins(zero=3, dp=2), resumed)
-    ckpt, weights = tmp_path / "ckpt", tmp_path / "ep2.pt"
-    Ranks([str(tmp_path / "ep2" / "train.py"), *train_args(STEPS, SEED, LR, tmp_path / "ep2.jsonl"),
-           "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--save-weights", str(weights)],
-          WORLD, tmp_path / "logs").wait_ok()
+    saved, trained = reshard_to_zero3_and_export(models["mixtral"], Pins(ep=2, dp=2, zero=0), tmp_path)
     assert saved.parallel.ep == 2
-    output = Ranks([str(resumed / "train.py"), *train_args(STEPS, SEED, LR, tmp_path / "zero3.jsonl"),
-                    "--resume", str(ckpt / "step-000002"), "--save-weights", str(tmp_path / "zero3.pt")],
-                   WORLD, tmp_path / "logs").wait_ok()
-    assert "resumed from" in output
-    ref = {r["step"]: r["loss"] for r in read_log(tmp_path / "ep2.jsonl")}
-    got = {r["step"]: r["loss"] for r in read_log(tmp_path / "zero3.jsonl")}
-    assert sorted(got) == [3, 4] and max(abs(got[s] - ref[s]) for s in got) <= TOLERANCE, (got, ref)
-    trained = torch.load(weights)
     assert any(t.shape[0] == 4 and t.dim() == 3 for t in trained.values())  # whole: 4 experts stacked
-    assert max_weight_diff(torch.load(tmp_path / "zero3.pt"), trained) <= TOLERANCE
-
-    exported = load_file(export_checkpoint(ckpt / "step-000004", tmp_path / "ep2.safetensors"))
-    assert set(exported) == set(trained) and max_weight_diff(exported, trained) == 0.0
