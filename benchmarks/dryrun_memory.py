@@ -83,12 +83,16 @@ PLANS = [
     ("8b-8-cp2-z3", "llama3-8b", 8, "dgx-h100", dict(dp=4, cp=2, zero=3, micro_batch=1, recompute="none",
                                                      seq=8192)),
     # mixtures of experts: 8 experts over 64 ranks (ZeRO-3 shards them on another dim), and expert parallel
-    ("moe-64-z3", "mixtral-8x7b", 64, "dgx-h100", dict(tp=1, pp=1, zero=3, micro_batch=1, recompute="full",
+    ("moe-64-z3", "mixtral-8x7b", 64, "dgx-h100", dict(tp=1, pp=1, ep=1, zero=3, micro_batch=1, recompute="full",
                                                        seq=4096)),
-    ("moe-64-z3-pp4", "mixtral-8x7b", 64, "dgx-h100", dict(tp=1, pp=4, zero=3, micro_batch=1, recompute="full",
-                                                           seq=4096)),
+    ("moe-64-z3-pp4", "mixtral-8x7b", 64, "dgx-h100", dict(tp=1, pp=4, ep=1, zero=3, micro_batch=1,
+                                                           recompute="full", seq=4096)),
     ("moe-128-ep8-pp4", "mixtral-8x7b", 128, "dgx-h100", dict(tp=1, pp=4, ep=8, zero=0, micro_batch=1,
                                                               recompute="full", seq=4096)),
+    ("moe-64-ep8-z3", "mixtral-8x7b", 64, "dgx-h100", dict(tp=1, pp=1, ep=8, zero=3, micro_batch=1,
+                                                           recompute="full", seq=4096)),
+    ("moe-256-ep4-tp2-z2", "mixtral-8x7b", 256, "dgx-h100", dict(tp=2, pp=1, ep=4, zero=2, micro_batch=2,
+                                                                 recompute="full", seq=4096)),
 ]
 QUICK = ["8b-8-z3", "8b-8-z1-tp2", "8b-8-tp4-pp2", "8b-64", "70b-64-tp8", "175b-1024-tp8-pp8"]
 

@@ -5,6 +5,7 @@ fields satisfy DeepSpeed's check train_batch_size == micro * accumulation * data
 data-parallel size counts the GPUs that hold different sequences: context parallel's cp GPUs share each sequence,
 so a cp > 1 plan sets "sequence_parallel_size" (DeepSpeed-Ulysses), by which DeepSpeedConfig divides the world
 size without an mpu (deepspeed/runtime/config.py, DeepSpeedConfig.__init__, DeepSpeed 0.19).
+Expert parallel is DeepSpeed's AutoEP ("expert_parallel": autoep_size).
 What DeepSpeed cannot express from a config (the tensor-parallel layer plan, the pipeline stage
 boundaries, selective recompute) is listed by `deepspeed_config_notes` and printed in the report.
 Compression: 1-bit gradients map to DeepSpeed's 1-bit Adam optimizer ("OneBitAdam", freeze_step = the warm-up;
@@ -104,6 +105,8 @@ def deepspeed_config(plan: Plan) -> dict[str, Any]:
         config["sequence_parallel_size"] = parallel.cp
     if parallel.tp > 1:
         config["tensor_parallel"] = {"autotp_size": parallel.tp}
+    if parallel.ep > 1:  # DeepSpeed's AutoEP (deepspeed/module_inject/auto_ep_config.py, DeepSpeed 0.19)
+        config["expert_parallel"] = {"enabled": True, "autoep_size": parallel.ep}
     if parallel.pp > 1:
         config["pipeline"] = {
             "stages": parallel.pp,
@@ -122,6 +125,11 @@ def deepspeed_config_notes(plan: Plan) -> list[str]:
     if parallel.tp > 1:
         notes.append(f"Tensor parallelism (tp={parallel.tp}) is set as DeepSpeed AutoTP; Megatron-style "
                      "models pass their own mpu instead. The column/row split of each Linear is in train.py.")
+    if parallel.ep > 1:
+        notes.append(f"Expert parallelism (ep={parallel.ep}) is DeepSpeed's AutoEP (expert_parallel.autoep_size), "
+                     "which finds the MoE layers of the model families it has presets for (Mixtral, Qwen3-MoE, "
+                     "DeepSeek-V2/V3); under tensor parallelism it folds the experts over the tensor-parallel "
+                     "ranks, where zplan keeps them whole on each tp rank, and it runs that folding with pp 1 only.")
     if parallel.pp > 1:
         notes.append(f"Pipeline parallelism needs deepspeed.pipe.PipelineModule(num_stages={parallel.pp}); "
                      "the plan's stage boundaries are listed in the Stages table.")

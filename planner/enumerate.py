@@ -104,8 +104,7 @@ def _grid(model: ModelSummary, cluster: ClusterSpec, gpus: int, global_batch: in
         else [int(pins.sequence_parallel)]
     inter = _pinned(list(INTERLEAVE_CHOICES), pins.interleave)
     tiers = [0, 1, 2] if pins.offload is None else [OFFLOAD_TIERS.index(pins.offload)]
-    # expert parallel: unpinned, the divisors of the experts whose group stays inside the NVLink domain, with ZeRO 0/1
-    # (what the runtime runs: runtime.parallel.experts' expert_parallel_gap); a pin is priced with any stage
+    # expert parallel: unpinned, the divisors of the experts whose group stays inside the NVLink domain
     num_experts = model.experts.num_experts if model.experts else 1
     eps = _pinned([e for e in divisors(num_experts) if e <= cluster.link_domain()], pins.ep)
     if cluster.nvme_bytes == 0 and pins.offload is None:
@@ -150,9 +149,9 @@ def _grid(model: ModelSummary, cluster: ClusterSpec, gpus: int, global_batch: in
         Rule(f"ep divides the {num_experts} routed experts of each MoE block and dp (expert parallel is carved out of "
              "the data-parallel ranks)" if model.experts else "ep > 1 needs a mixture of experts, and the model has "
              "no routed experts", ("ep", "dp", "tp", "pp"), (e == 1) | ((num_experts % e == 0) & (d % e == 0))),
-        Rule(f"unpinned, expert parallel is searched where it runs: ZeRO 0 or 1, its ep * tp * cp ranks inside the "
-             f"{cluster.link_domain()}-GPU NVLink domain (pin --ep to price any other)", ("ep", "zero"),
-             (e == 1) | (pins.ep is not None) | ((z <= 1) & (e * t * c <= cluster.link_domain()))),
+        Rule(f"unpinned, expert parallel is searched with its ep * tp * cp ranks inside the "
+             f"{cluster.link_domain()}-GPU NVLink domain (pin --ep to price any other)", ("ep", "tp", "cp"),
+             (e == 1) | (pins.ep is not None) | (e * t * c <= cluster.link_domain())),
     ]
     # the combinations schemas.legality rules out, over the candidates' fields
     values = dict(tp=t, pp=p, cp=c, ep=e, zero=z, offload=off, sequence_parallel=sp, interleave=v,

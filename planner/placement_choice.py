@@ -34,8 +34,9 @@ from zplan.planner.cost.memory import (
     HOST_USABLE_FRACTION,
     MASTER_BYTES,
     element_bytes,
+    optimizer_shard_params,
     sixteen_bit_states,
-    state_bytes_per_param,
+    state_bytes,
 )
 from zplan.planner.cost.step import StepEstimate, gpu_adam_step_s
 from zplan.planner.placement import PlacementResult, place_model_states
@@ -75,8 +76,9 @@ def place(cand: Candidates, est: StepEstimate, cluster: ClusterSpec, train: Trai
     # As the runtime holds them (cost.memory: fp32 weights and gradients, Adam's m and v; or 16-bit weights and
     # gradients, the fp32 masters with m and v), on any tier.
     sixteen_bit = bool(sixteen_bit_states(z, train.precision, cand.grad_compress[0]))
-    weights, grads, optim = (float(b) * params_gpu for b in state_bytes_per_param(z, dp, False, None, sixteen_bit))
-    optim_params = params_gpu / (dp if z >= 1 else 1)
+    experts, ep = float(mem.peak_stage_expert_params[0]), int(cand.ep[0])  # routed experts: over dp / ep ranks
+    weights, grads, optim = (float(b) for b in state_bytes(z, dp, ep, params_gpu, experts, False, None, sixteen_bit))
+    optim_params = float(optimizer_shard_params(z, dp, ep, params_gpu, experts))
     gpu_free = cluster.gpu.hbm_bytes - float(mem.activations[0] + mem.comm_buffers[0] + mem.reserve[0])
     per_gpu = HOST_USABLE_FRACTION / cluster.gpus_per_node
     eff = cluster.efficiency

@@ -62,7 +62,9 @@ from zplan.planner.cost.memory_states import (
     compute_copy_bytes,
     element_bytes,
     optimizer_bytes_per_param,
+    optimizer_shard_params,
     sixteen_bit_states,
+    state_bytes,
     state_bytes_per_param,
 )
 from zplan.schemas.cluster import ClusterSpec
@@ -95,7 +97,9 @@ class MemoryEstimate:
     nvme_bytes_per_node: np.ndarray
     fits: np.ndarray  # bool: device, host and NVMe capacity all respected
     stage_params: np.ndarray  # parameters per GPU on the most loaded stage (blocks / tp, embedding and head whole)
+    stage_shard_params: np.ndarray  # of stage_params, those one rank's optimizer steps (its ZeRO shard)
     peak_stage_params: np.ndarray  # parameters per GPU on the end stage whose memory peaks (`total`'s stage)
+    peak_stage_expert_params: np.ndarray  # of peak_stage_params, routed experts' (E / ep of them)
     parameters_offloaded: np.ndarray  # bool: ZeRO 2/3 offload with the weight and gradient shards on the host too
 
 
@@ -231,16 +235,10 @@ def memory_per_gpu(
     def on_gpu(params_off: np.ndarray) -> tuple[np.ndarray, ...]:
         """(weights, gradients, optimizer, activations, comm buffers, not at the peak, total, parameters) of the more
         loaded end stage."""
-        per_param = state_bytes_per_param(z, dp, offloaded, params_off, sixteen)
-        per_expert = state_bytes_per_param(z, dp / ep, offloaded, params_off, sixteen)  # sharded over dp / ep
-
-        def states(params, expert_params):
-            return tuple(dense * (params - expert_params) + routed * expert_params
-                         for dense, routed in zip(per_param, per_expert, strict=True))
-
-        w1, g1, o1 = states(first_params, first_experts)
-        w2, g2, o2 = states(last_params, last_experts)
-        tied_sum = np.where(single, 0.0, per_param[1] * model.head_shared_params)  # both end stages hold the table
+        w1, g1, o1 = state_bytes(z, dp, ep, first_params, first_experts, offloaded, params_off, sixteen)
+        w2, g2, o2 = state_bytes(z, dp, ep, last_params, last_experts, offloaded, params_off, sixteen)
+        grad_bytes = state_bytes_per_param(z, dp, offloaded, params_off, sixteen)[1]
+        tied_sum = np.where(single, 0.0, grad_bytes * model.head_shared_params)  # both end stages hold the table
 
         def buffers_beside(acts):  # 1-bit Adam's step outlives the activations it is larger than
             one_bit_step = np.maximum(0.0, ONE_BIT_STEP_BYTES_PER_PARAM * params_gpu - acts)
@@ -267,21 +265,22 @@ def memory_per_gpu(
              (buffers1 + first_copies + standing + tied_sum + table_grad + root_in_backward + root_after + fp8_casts,
               buffers2 + last_copies + standing + tied_sum + table_grad + root_reduce_last + root_grads + fp8_casts),
              (slack1, slack2), (peak1, peak2)))
-        return weights, grads, optim, acts, buffers, slack, total + reserve, np.where(use_first, first_params,
-                                                                                 last_params)
+        return (weights, grads, optim, acts, buffers, slack, total + reserve,
+                np.where(use_first, first_params, last_params), np.where(use_first, first_experts, last_experts))
 
     # An offloaded ZeRO 2/3 candidate keeps its weight and gradient shards on the GPU when they fit there (the
     # optimizer alone offloaded: no per-micro-batch traffic), else FSDP2's CPUOffloadPolicy takes them to the host.
-    kept_total = on_gpu(np.zeros(len(cand), dtype=bool))[-2]
+    kept_total = on_gpu(np.zeros(len(cand), dtype=bool))[-3]
     params_off = offloaded & (z >= 2) & (kept_total > cluster.gpu.hbm_bytes)
-    weights, grads, optim, acts, comm, not_at_peak, total, peak_stage_params = on_gpu(params_off)
+    weights, grads, optim, acts, comm, not_at_peak, total, peak_stage_params, peak_stage_experts = on_gpu(params_off)
 
     # Host / NVMe: the offloaded states of every GPU of the node. Parameters on the GPU: the optimizer on the CPU
     # holds HOST_OPTIMIZER_BYTES + HOST_GRAD_BUFFER_BYTES per parameter of the shard on the host; on NVMe, its
     # moments (ADAM_BYTES) in files and a 16-bit parameter's fp32 master (ZeRO-1) in host memory. Under FSDP2's
     # CPUOffloadPolicy (params_off) the fp32 parameter shards (the masters) and gradient shards in host memory, and
     # m and v there too (CPU) or in files (NVMe).
-    shard = params_gpu / np.where(z >= 1, dp, 1.0)
+    experts_gpu = np.where(first_params >= last_params, first_experts, last_experts)
+    shard = optimizer_shard_params(z, dp, ep, params_gpu, experts_gpu)
     beside_device = (HOST_OPTIMIZER_BYTES + HOST_GRAD_BUFFER_BYTES) * shard
     host_shards = np.where(params_off, (PARAM_BYTES + GRAD_BYTES) * shard, 0.0)
     nvme_host_masters = np.where(sixteen, MASTER_BYTES * shard, 0.0)
@@ -299,5 +298,6 @@ def memory_per_gpu(
         parameters=weights, gradients=grads, optimizer=optim, activations=acts, comm_buffers=comm,
         reserve=reserve, not_at_peak=not_at_peak, total=total, cpu_bytes_per_node=cpu, nvme_bytes_per_node=nvme,
         fits=fits,
-        stage_params=params_gpu, peak_stage_params=peak_stage_params, parameters_offloaded=params_off,
+        stage_params=params_gpu, stage_shard_params=shard, peak_stage_params=peak_stage_params,
+        peak_stage_expert_params=peak_stage_experts, parameters_offloaded=params_off,
     )

@@ -72,6 +72,24 @@ def state_bytes_per_param(zero, dp, offloaded, parameters_offloaded=None, sixtee
 
 
 
+def state_bytes(zero, dp, ep, params, expert_params, offloaded, parameters_offloaded=None, sixteen_bit=False) -> tuple:
+    """(weights, gradients, optimizer) bytes on a GPU holding `params` parameters, `expert_params` of them routed
+    experts (its E / ep of them): state_bytes_per_param's bytes, the experts' sharded over the dp / ep ranks that hold
+    the same experts (runtime.parallel.data_parallel, runtime.optim.layouts.ExpertRowShards), the others over dp."""
+    ep = np.asarray(ep, dtype=float)
+    dense = state_bytes_per_param(zero, dp, offloaded, parameters_offloaded, sixteen_bit)
+    routed = state_bytes_per_param(zero, np.asarray(dp, dtype=float) / ep, offloaded, parameters_offloaded,
+                                   sixteen_bit)
+    return tuple(d * (params - expert_params) + r * expert_params for d, r in zip(dense, routed, strict=True))
+
+
+def optimizer_shard_params(zero, dp, ep, params, expert_params) -> np.ndarray:
+    """Parameters one rank's optimizer steps (ZeRO 1-3: its shard; 0: all it holds), as state_bytes shards them."""
+    ep, dp = np.asarray(ep, dtype=float), np.asarray(dp, dtype=float)
+    shard = (params - expert_params) / dp + expert_params * ep / dp
+    return np.where(np.asarray(zero) >= 1, shard, params)
+
+
 def compute_copy_bytes(params_gpu: np.ndarray, zero: np.ndarray, precision: str,
                        uncast_params: np.ndarray | float = 0.0, grad_compress: np.ndarray | int = 0) -> np.ndarray:
     """Parameters held in the compute dtype besides the fp32 ones, from forward until backward: ZeRO-2

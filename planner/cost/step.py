@@ -221,7 +221,7 @@ def estimate_step(
     """Predict every candidate. `stage_blocks` overrides the slowest stage's load (block-times), `end_stage_blocks`
     the blocks the first and last pipeline stage hold (memory_per_gpu), both from a partition."""
     elem = element_bytes(precision)
-    t, p, dp, z, v = cand.tp, cand.pp, cand.dp, cand.zero, cand.interleave.astype(float)
+    t, p, dp, v = cand.tp, cand.pp, cand.dp, cand.interleave.astype(float)
     m = global_batch / (dp * cand.micro_batch)
     b = gpu_sequences(cand)  # one GPU's share of a micro-batch: its tokens' hidden states below
     s, h = model.seq_len, model.hidden
@@ -257,7 +257,7 @@ def estimate_step(
     params_gpu = memory.stage_params
     dp_s = data_parallel_s(model, cand, cluster, params_gpu, elem, compute_mb, m)
 
-    shard = params_gpu / np.where(z >= 1, gradient_group(cand), 1)
+    shard = memory.stage_shard_params  # the parameters this rank's optimizer steps
     offload_s = offload_time_s(cand, params_gpu, m, cluster, precision, memory.parameters_offloaded)
     optimizer_s = np.where(cand.offload == 0, gpu_adam_step_s(shard, cluster), 0.0)
     optimizer_s = optimizer_s + OPTIMIZER_STEP_OPS * cluster.host_overheads.op_s

@@ -6,13 +6,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from zplan.model.modules import transformer_blocks
 from zplan.runtime.compression import grad_compression as compression
 from zplan.runtime.compression.weight_allgather import quantize_weight_all_gathers
 from zplan.runtime.parallel import tensor_parallel
-from zplan.runtime.parallel.experts import expert_parallel_gap, expert_parameters
+from zplan.runtime.parallel.experts import expert_modules, expert_parameters
 from zplan.runtime.parallel.grad_reduce import GradientReducer
 from zplan.runtime.parallel.pipeline import PipelineRun
 from zplan.runtime.precision.mixed import cast_parameters, compute_torch_dtype, forward_under_autocast
@@ -24,18 +24,22 @@ from zplan.schemas.spec import GradCompression, Precision, Tier, WeightCompressi
 def apply_data_parallel(
     model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, precision: Precision, offload: Tier, block_prefix: str,
     grad_compression: GradCompression = "none", weight_compression: WeightCompression = "none",
-    parameters_on_host: bool | None = None, num_micro_batches: int = 1, expert_group=None,
+    parameters_on_host: bool | None = None, num_micro_batches: int = 1, expert_dp_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Replicate or shard the model over `dp_mesh` by ZeRO stage.
 
     0: DDP, gradients all-reduced (with tensor parallel, whose DTensors DDP cannot hold, the same done by
     runtime.parallel.grad_reduce.GradientReducer on their local tensors, every `num_micro_batches` backward passes;
-    likewise under expert parallel, `expert_group` the edp ranks holding this rank's experts: ZeRO 0 and 1).
+    likewise under expert parallel, the experts' gradients over `expert_dp_mesh`, the edp ranks holding this rank's
+    experts).
     1: the same here, optimizer states sharded
     by build_optimizer (runtime.optim.layouts.RowShards, over the tp-local tensors under tensor parallel).
     2: FSDP2 fully_shard per block and at the root, parameters kept gathered between forward and
     backward (reshard_after_forward=False), so gradients and optimizer states are sharded.
     3: the same with reshard_after_forward=True, parameters sharded too.
+    Under expert parallel (ZeRO 2/3) each experts module is its own FSDP2 unit over `expert_dp_mesh` (its Shard(0)
+    DTensors over the ep ranks become 2-D), its gradients divided by all dp ranks as the others' (torchtitan's
+    apply_fsdp does the same); the rest of each block is sharded over dp.
     Mixed precision keeps fp32 master weights: under ZeRO 2/3 FSDP2's MixedPrecisionPolicy (fp32 shards, compute
     in bf16/fp16, gradients reduced in fp32); under ZeRO 0/1 the parameters themselves are cast to the compute dtype
     (cast_parameters: 16-bit gradients, reduced in 16 bits, accumulated over micro-batches in 16 bits) and the
@@ -54,7 +58,7 @@ def apply_data_parallel(
         for index, chunk in enumerate(model.chunks):
             model.chunks[index] = apply_data_parallel(chunk, dp_mesh, zero_stage, precision, offload, block_prefix,
                                                       grad_compression, weight_compression, parameters_on_host,
-                                                      num_micro_batches, expert_group)
+                                                      num_micro_batches, expert_dp_mesh)
         return model
     if grad_compression not in ("none", "int8", "1bit"):
         raise ValueError(f"gradient compression must be none, int8 or 1bit, got {grad_compression!r}")
@@ -71,12 +75,9 @@ def apply_data_parallel(
         sixteen_bit = parameters_in_compute_dtype(zero_stage, precision, grad_compression)
         if sixteen_bit:
             cast_parameters(model, compute_dtype)
-        if expert_group is not None:  # expert parallel: the experts' gradients over their own group
-            gap = expert_parallel_gap(2, zero_stage)
-            if gap:
-                raise NotImplementedError(gap)
+        if expert_dp_mesh is not None:  # expert parallel: the experts' gradients over their own group
             GradientReducer(model, dp_mesh.get_group(), num_micro_batches, expert_params=expert_parameters(model),
-                            expert_group=expert_group)
+                            expert_group=expert_dp_mesh.get_group())
             return model
         if tensor_parallel.has_tensor_parallel_parameters(model):  # tp > 1: DDP cannot hold DTensors
             _refuse(tp=2, grad=grad_compression)
@@ -119,6 +120,14 @@ def apply_data_parallel(
     offload_policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if parameters_on_host else OffloadPolicy()
     options = dict(mesh=dp_mesh, reshard_after_forward=zero_stage == 3, mp_policy=mp_policy,
                    offload_policy=offload_policy, shard_placement_fn=_evenly_sharded_dim(dp_mesh.size()))
+    if expert_dp_mesh is not None:  # each experts module its own unit over edp, before its block takes the rest
+        for experts in expert_modules(model):
+            fully_shard(experts, **{**options, "mesh": expert_dp_mesh,
+                                    "shard_placement_fn": _evenly_sharded_dim(expert_dp_mesh.size())})
+            experts.set_gradient_divide_factor(float(dp_mesh.size()))
+            # divide, then sum: gloo has no PREMUL_SUM. Not on one edp rank, where torch 2.13's foreach_reduce,
+            # forced so, divides twice (and unforced, once, without a collective)
+            experts.set_force_sum_reduction_for_comms(expert_dp_mesh.size() > 1)
     for block in transformer_blocks(model, block_prefix):
         fully_shard(block, **options)
     fully_shard(model, **options)  # the root: embedding, final norm, head
@@ -135,13 +144,15 @@ _GATHERED_UNTIL_LAST_BACKWARD = "_zplan_gathered_until_last_backward"
 
 def _evenly_sharded_dim(ranks: int):
     """FSDP2's shard_placement_fn: a parameter whose dim 0 is shorter than the ranks (stacked experts: E = 8 rows
-    over 64 ranks would leave 56 of them nothing and rank 0 a whole expert) is sharded on its longest other dim, so
-    that each rank holds 1 / ranks of it, as the planner prices it; the others on dim 0 (FSDP2's default)."""
+    over 64 ranks would leave 56 of them nothing and rank 0 a whole expert; under expert parallel the E / ep rows of
+    this rank, FSDP2 shards a DTensor's local tensor) is sharded on its longest other dim, so that each rank holds
+    1 / ranks of it, as the planner prices it; the others on dim 0 (FSDP2's default)."""
     def placement(param: nn.Parameter) -> Shard | None:
-        if param.dim() < 2 or param.shape[0] >= ranks:
+        shape = param.to_local().shape if isinstance(param, DTensor) else param.shape
+        if len(shape) < 2 or shape[0] >= ranks:
             return None
-        longest = max(range(1, param.dim()), key=lambda d: param.shape[d])
-        return Shard(longest) if param.shape[longest] > param.shape[0] else None
+        longest = max(range(1, len(shape)), key=lambda d: shape[d])
+        return Shard(longest) if shape[longest] > shape[0] else None
     return placement
 
 

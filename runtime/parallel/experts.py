@@ -199,18 +199,11 @@ def apply_experts(model: nn.Module, ep_mesh: DeviceMesh | None = None) -> list[E
     return layers
 
 
+def expert_modules(model: nn.Module) -> list[nn.Module]:
+    """The experts modules zplan's executor runs (apply_experts), in module order."""
+    return [module for module in model.modules() if isinstance(module, ZplanExperts)]
+
+
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The parameters of the experts modules zplan's executor runs (apply_experts), in module order."""
-    return [p for module in model.modules() if isinstance(module, ZplanExperts) for p in module.parameters()]
-
-
-def expert_parallel_gap(ep: int, zero_stage: int) -> str | None:
-    """Why the runtime cannot run expert parallel over `ep` ranks at this ZeRO stage (None: it runs): it reduces the
-    experts' gradients over their own ranks (runtime.parallel.grad_reduce) and shards ZeRO 1's optimizer states of
-    the experts over them (runtime.optim.layouts.ExpertRowShards), but FSDP2 (ZeRO 2/3) shards parameters over all
-    dp ranks, which hold different experts."""
-    if ep > 1 and zero_stage > 1:
-        return (f"expert parallel (ep={ep}) runs with ZeRO 0 or 1: the runtime shards ZeRO {zero_stage}'s parameters "
-                "over all data-parallel ranks (FSDP2), not yet over the ranks that hold the same experts; pin --zero 1 "
-                "(or --ep 1)")
-    return None
+    return [p for module in expert_modules(model) for p in module.parameters()]

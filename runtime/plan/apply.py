@@ -121,7 +121,7 @@ def parallelize(model: nn.Module, weights, mesh: DeviceMesh, plan: Plan, model_f
                                 grad_compression=p.compression.grad, weight_compression=p.compression.weights,
                                 parameters_on_host=plan.placement.parameters != "gpu",
                                 num_micro_batches=p.num_micro_batches,
-                                expert_group=mesh["edp"].get_group() if p.ep > 1 else None)
+                                expert_dp_mesh=mesh["edp"] if p.ep > 1 else None)
     if not replicated:
         materialized = materialize_weights(model, weights, device)
     return model, materialized

@@ -13,7 +13,6 @@ from pydantic import ValidationError
 
 from zplan.errors import PlanMismatchError, validation_message
 from zplan.model.hf_folder import is_hf_folder, source_sha256
-from zplan.runtime.parallel.experts import expert_parallel_gap
 from zplan.safe_files import UnsafeFileError, read_capped
 from zplan.schemas import legality
 from zplan.schemas.capability import capability_problems
@@ -102,9 +101,7 @@ def runtime_gaps(plan: Plan) -> list[str]:
     fit; the emitted train.py refuses them before any collective.
     """
     values = plan_values(plan)
-    gaps = [f"{legality.describe(rule, values)} ({rule.reason}): {rule.fix}" for rule in legality.violations(values)]
-    expert_gap = expert_parallel_gap(plan.parallel.ep, plan.parallel.zero_stage)  # priced, not all of it run
-    return gaps + ([expert_gap] if expert_gap else [])
+    return [f"{legality.describe(rule, values)} ({rule.reason}): {rule.fix}" for rule in legality.violations(values)]
 
 
 def context_parallel_problems(plan: Plan, model_path: str | Path | None) -> list[str]:

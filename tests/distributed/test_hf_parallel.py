@@ -54,13 +54,18 @@ PARALLELISMS = {"tp2": Pins(tp=2), "pp2": Pins(pp=2), "zero3": Pins(zero=3, dp=2
                 "tp2pp2": Pins(tp=2, pp=2, sequence_parallel=True),
                 # expert parallel: each rank half of the experts, tokens exchanged by all-to-all
                 "ep2": Pins(ep=2, dp=2, zero=0), "ep2dp2": Pins(ep=2, dp=4, zero=0),
-                "ep2dp2zero1": Pins(ep=2, dp=4, zero=1),
+                "ep2dp2zero1": Pins(ep=2, dp=4, zero=1), "ep2dp2zero3": Pins(ep=2, dp=4, zero=3),
+                "ep2zero2": Pins(ep=2, dp=2, zero=2), "ep2tp2zero3": Pins(ep=2, dp=2, tp=2, zero=3),
+                "ep2pp2zero3": Pins(ep=2, dp=2, pp=2, zero=3),
                 "ep2tp2": Pins(ep=2, dp=2, tp=2, zero=0), "ep2pp2": Pins(ep=2, dp=2, pp=2, zero=0)}
-WORLD_OF = {"tp2pp2": 4, "ep2dp2": 4, "ep2dp2zero1": 4, "ep2tp2": 4, "ep2pp2": 4}
+WORLD_OF = {"tp2pp2": 4, "ep2dp2": 4, "ep2dp2zero1": 4, "ep2dp2zero3": 4, "ep2tp2zero3": 4, "ep2pp2zero3": 4,
+            "ep2tp2": 4, "ep2pp2": 4}
 ONLY = {"tp2pp2": ("llama", "gpt2"),  # 4 processes: two decoders (rotary positions from the hidden state; fused)
         # expert parallel: the mixtures of experts (Qwen3-MoE and DeepSeek-V3 under ep 2 alone: 2 processes; DeepSeek's
         # latent attention norms keep tp 1)
         "ep2": ("mixtral", "qwen3_moe", "deepseek_v3"), "ep2dp2": ("mixtral",), "ep2dp2zero1": ("mixtral",),
+        "ep2dp2zero3": ("mixtral",), "ep2zero2": ("qwen3_moe", "deepseek_v3"), "ep2tp2zero3": ("mixtral",),
+        "ep2pp2zero3": ("mixtral",),
         "ep2tp2": ("mixtral",),
         "ep2pp2": ("mixtral", "qwen3_moe")}
 DECODERS = tuple(deterministic_decoder_sources())
@@ -260,10 +265,10 @@ def test_fused_projections_checkpoint_reshards_across_tp_and_exports_in_file_ord
 
 
 def test_expert_parallel_checkpoint_reshards_across_ep_and_exports_whole_experts(models, tmp_path):
-    """A Mixtral checkpoint written under ep=2 (each rank half of the experts) after step 2 resumes under ZeRO-3 on
-    dp=2 (every rank a shard of every expert): steps 3 and 4 see the losses the ep=2 run saw and the final weights
-    equal its final weights; `zplan export` of the ep=2 run's last checkpoint holds every expert: equal to its
-    --save-weights."""
-    saved, trained = reshard_to_zero3_and_export(models["mixtral"], Pins(ep=2, dp=2, zero=0), tmp_path)
+    """A Mixtral checkpoint written under ep=2 and ZeRO-3 (each rank half of the experts, as FSDP2 units of their own
+    over the edp ranks) after step 2 resumes under ZeRO-3 on dp=2 (every rank a shard of every expert): steps 3 and 4
+    see the losses the ep=2 run saw and the final weights equal its final weights; `zplan export` of the ep=2 run's
+    last checkpoint holds every expert: equal to its --save-weights."""
+    saved, trained = reshard_to_zero3_and_export(models["mixtral"], Pins(ep=2, dp=2, zero=3), tmp_path)
     assert saved.parallel.ep == 2
     assert any(t.shape[0] == 4 and t.dim() == 3 for t in trained.values())  # whole: 4 experts stacked

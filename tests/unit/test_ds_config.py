@@ -163,3 +163,31 @@ def test_a_context_parallel_config_counts_the_gpus_of_a_sequence_once(single_pro
     assert parsed.train_batch_size == plan.train.global_batch
     notes = " ".join(deepspeed_config_notes(plan))
     assert "Context parallelism (cp=2) is DeepSpeed's sequence_parallel_size" in notes
+
+
+def test_an_expert_parallel_plan_is_deepspeeds_autoep(single_process):
+    """ep 4 of a mixture of experts on 8 GPUs (dp 8, ZeRO 1): ds_config.json's expert_parallel block parses as
+    DeepSpeed's AutoEP config with autoep_size 4, which DeepSpeed's own validation accepts at that world size; the
+    batch fields still count all 8 data-parallel ranks."""
+    from deepspeed.module_inject.auto_ep_config import validate_autoep_config
+
+    from tests.unit.test_moe_cost import EXAMPLES, H100
+    from zplan.api import Request, compile_plan
+    from zplan.model_input import trace_model_file
+    from zplan.schemas.spec import Pins, TrainSpec
+
+    summary = trace_model_file(EXAMPLES / "moe.py", 64, "bf16", build_overrides=dict(
+        num_layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=96, num_experts=4, top_k=2, vocab_size=128))[1]
+    plan = compile_plan(Request("moe.py", summary, H100, 8, TrainSpec(global_batch=16, seq_len=64, precision="bf16"),
+                                Pins(ep=4, tp=1, pp=1, zero=1), "auto"))
+    config = deepspeed_config(plan)
+    assert config["expert_parallel"] == {"enabled": True, "autoep_size": 4}
+    assert "expert_parallel" not in deepspeed_config(sample_plan("tiny-dp"))
+    parsed = deepspeed_runtime_config.DeepSpeedConfig(config, mpu=DataParallelOnly(8))
+    autoep = parsed.expert_parallel_config
+    assert (autoep.enabled, autoep.autoep_size, parsed.train_batch_size) == (True, 4, 16)
+    validate_autoep_config(autoep, world_size=8, pp_size=1, tp_size=1, sp_size=1, zero_stage=1)
+    with pytest.raises(ValueError):  # the check can fail: 3 does not divide 8 ranks
+        validate_autoep_config(type(autoep)(enabled=True, autoep_size=3), world_size=8, pp_size=1, tp_size=1,
+                               sp_size=1, zero_stage=1)
+    assert any("AutoEP" in note for note in deepspeed_config_notes(plan))
