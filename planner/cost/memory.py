@@ -158,10 +158,17 @@ def memory_per_gpu(
     grad_elem = np.where(sixteen, 2.0, GRAD_BYTES)  # bytes of one gradient value under ZeRO 0/1
     # ZeRO 0/1: DDP's gradient buckets (and ZeRO-1's parameter all-gather, bucketed the same way).
     comm = np.where(z <= 1, 2.0 * np.minimum(DDP_BUCKET_BYTES, grad_elem * first_params), 0.0)
-    # ZeRO 2/3: two blocks' unsharded gradients in the reduce-scatter (one reduced while the next is
-    # computed); ZeRO-3 two blocks' gathered parameters (current + prefetched), ZeRO-2 all of them.
-    comm = comm + np.where(z >= 2, 2.0 * GRAD_BYTES * block_params_gpu, 0.0)
-    comm = comm + np.where(z == 3, 2.0 * elem * block_params_gpu, 0.0)
+    # ZeRO 2/3, in a block's backward (FSDP2, as the dry run measures it): the fp32 reduce-scatter input of the block
+    # after it, kept until this block's reduce-scatter; ZeRO-3 the next block's gathered parameters (prefetched); and
+    # at the block's end the larger of what it holds before and after its reduce-scatter: its gradients in the
+    # compute dtype with (ZeRO-3) its own gathered parameters, or its own fp32 input. At the block's start it holds
+    # its own parameters and its recomputed activations (`live_block`), no gradients yet: what those add above its
+    # end is `live_beside_buffers`. ZeRO-2's gathered parameters: copies.
+    reduce_input = GRAD_BYTES * block_params_gpu
+    gathered = np.where(z == 3, elem * block_params_gpu, 0.0)
+    block_end = np.maximum(elem * block_params_gpu + gathered, reduce_input)
+    comm = comm + np.where(z >= 2, reduce_input + gathered + block_end, 0.0)
+    live_beside_buffers = np.where(z >= 2, np.maximum(0.0, gathered + live_block - block_end), live_block)
     comm = comm + np.where(t > 1, 2.0 * b * s * h * elem, 0.0)  # sequence-parallel gather buffers
     # expert parallel: one MoE block's routed tokens (b s k, h) sent and received by all-to-all
     comm = comm + np.where(ep > 1, 2.0 * b * s * model.top_k * h * elem, 0.0)
@@ -175,6 +182,10 @@ def memory_per_gpu(
     last_root = model.head_params + model.head_shared_params
     root_reduce = np.where(z >= 2, GRAD_BYTES * (1.0 + 1.0 / dp), 0.0)  # bytes per parameter of the root unit
     root_reduce_first, root_reduce_last = root_reduce * first_root, root_reduce * last_root
+    # ...and under ZeRO-3 in one stage, at the end of the blocks' backward, before it reduces: its parameters gathered
+    # again for its backward and its unsharded gradients, in the compute dtype (measured by the dry run: examples/moe.py
+    # at Mixtral-8x7B's sizes on 64 ranks)
+    root_at_backward_end = np.where(single & (z == 3), 2.0 * elem * first_root, 0.0)
     # the compute copies of each end stage: under 1-bit Adam (DDP, tp 1) autocast's, which leave the embedding table
     # in fp32
     uncast = model.embed_params - model.head_shared_params
@@ -225,11 +236,17 @@ def memory_per_gpu(
         parts = (weights + grads + optim + acts + copies + buffers + standing + tied_sum + table_grad + root_in_backward
                  + root_after + root_grads + fp8_casts)
         # the root unit reduces once the blocks' reductions are done: its buffers and theirs are not live together
-        backward = (grads - early + np.maximum(buffers, root_in_backward) + live_block + table_grad + root_grads
-                    + fp8_casts)
-        during = weights + optim + acts - loss - live_block + copies + early + np.maximum(loss, backward)
+        in_block = np.maximum(buffers, root_in_backward) + table_grad + root_grads + fp8_casts
+        # Through the backward the saved activations of the blocks still to run shrink and the gradients not made
+        # before it (grads - early) grow, both block by block: their sum is largest at one end, at its start (every
+        # activation, the first block recomputed) or at its end (every gradient, the last block recomputed, no saved
+        # activation left; its recomputed activations, their gradients and its own weights' gradients budgeted as
+        # live beside the block's buffers: a tiny Llama's MLP in tests/unit/test_float8_plan.py peaks so).
+        during = (weights + optim + acts - loss - live_block + copies + early
+                  + np.maximum(loss, in_block + live_beside_buffers))
+        backward_end = weights + optim + copies + grads + in_block + live_block + root_at_backward_end
         after = weights + grads + optim + np.maximum(tied_sum, root_after)
-        at_peak = standing + np.maximum(during, after)
+        at_peak = standing + np.maximum(np.maximum(during, backward_end), after)
         return at_peak, parts - at_peak
 
     def on_gpu(params_off: np.ndarray) -> tuple[np.ndarray, ...]:
