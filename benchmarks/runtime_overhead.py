@@ -45,7 +45,7 @@ zplan median over the baseline's median; the CPU-time ratio (same steps) is prin
 this shared 2-core machine other processes take the cores and the wall ratio of a single round can
 swing by +-50 %, while CPU time shows whether zplan does more work. The load average is printed.
 Targets: max_step_time_ratio <= 1.05, step_time_ratio_vs_deepspeed <= 1.0 (zplan over
-DeepSpeed, the larger of ZeRO 1 and 2, fp32). Issue 16: zero1_bf16_vs_deepspeed <= 1.0 (zplan's bf16 ZeRO-1 step
+DeepSpeed, the larger of ZeRO 1 and 2, fp32). Target: zero1_bf16_vs_deepspeed <= 1.0 (zplan's bf16 ZeRO-1 step
 time over DeepSpeed's; zero1_bf16_vs_deepspeed_cpu, its CPU-time ratio, beside it).
 
 The first DeepSpeed run on a machine JIT-builds its shared-memory comm op (about 3.5 minutes on 2

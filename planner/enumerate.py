@@ -106,7 +106,9 @@ def _grid(model: ModelSummary, cluster: ClusterSpec, gpus: int, global_batch: in
     tiers = [0, 1, 2] if pins.offload is None else [OFFLOAD_TIERS.index(pins.offload)]
     # expert parallel: unpinned, the divisors of the experts whose group stays inside the NVLink domain
     num_experts = model.experts.num_experts if model.experts else 1
-    eps = _pinned([e for e in divisors(num_experts) if e <= cluster.link_domain()], pins.ep)
+    eps = _pinned([e for e in divisors(num_experts) if e == 1 or (e <= cluster.link_domain()
+                                                                   and allows(model.traits, "expert_parallel"))],
+                  pins.ep)
     if cluster.nvme_bytes == 0 and pins.offload is None:
         tiers = [x for x in tiers if x != 2]
     if not layouts:

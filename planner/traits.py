@@ -58,7 +58,8 @@ def find_traits(model: nn.Module, graph: ModelGraph, tp_rules: list[TensorParall
         pipeline.append(ModelTrait(kind="forward_not_split_by_stages", module="", detail=problem))
     return [*traits, *pipeline, *runtime_checks.fp8_traits(block, block_name),
             *runtime_checks.nvfp4_traits(block, block_name),
-            *runtime_checks.context_parallel_traits(model, block, example_call)]
+            *runtime_checks.context_parallel_traits(model, block, example_call),
+            *runtime_checks.expert_traits(model)]
 
 
 # ---- tensor and sequence parallel -----------------------------------------------------------------------------

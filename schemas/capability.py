@@ -14,7 +14,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-Capability = Literal["tensor_parallel", "sequence_parallel", "pipeline", "fp8", "nvfp4", "context_parallel"]
+Capability = Literal["tensor_parallel", "sequence_parallel", "pipeline", "fp8", "nvfp4", "context_parallel",
+                     "expert_parallel"]
 CAPABILITIES: tuple[str, ...] = Capability.__args__
 
 TraitKind = Literal[
@@ -31,6 +32,7 @@ TraitKind = Literal[
     "attention_not_sdpa",
     "attention_not_causal",
     "own_loss",
+    "experts_not_dispatchable",
 ]
 FP8_DIM_MULTIPLE = 16  # an fp8 GEMM (torch._scaled_mm) needs both of a Linear's widths divisible by 16
 # An NVFP4 operand is quantised in blocks of 16 along its GEMM's reduction dim, and a Linear's three GEMMs reduce over
@@ -110,17 +112,23 @@ RULES: dict[str, Rule] = {
         blocks=("context_parallel",),
         why="context parallel splits the default next-token loss over the ranks' tokens, and the model file defines "
             "its own loss_fn"),
+    "experts_not_dispatchable": Rule(
+        blocks=("expert_parallel",),
+        why="expert parallel runs each rank's experts with zplan's own executor (runtime/parallel/experts.py), which "
+            "must know an experts module's projections and activation, and this one does not declare them (it "
+            "trains as the model has it, with every expert on every rank)"),
 }
 
 # The pin that asks for each capability, and the plan.json field that holds it.
 PIN_OF: dict[str, str] = {"tensor_parallel": "--tp", "sequence_parallel": "--sequence-parallel", "pipeline": "--pp",
-                          "fp8": "--precision fp8", "nvfp4": "--precision nvfp4", "context_parallel": "--cp"}
+                          "fp8": "--precision fp8", "nvfp4": "--precision nvfp4", "context_parallel": "--cp",
+                          "expert_parallel": "--ep"}
 FIELD_OF: dict[str, str] = {"tensor_parallel": "parallel.tp", "sequence_parallel": "parallel.sequence_parallel",
                             "pipeline": "parallel.pp", "fp8": "train.precision", "nvfp4": "train.precision",
-                            "context_parallel": "parallel.cp"}
+                            "context_parallel": "parallel.cp", "expert_parallel": "parallel.ep"}
 FIX_OF: dict[str, str] = {"tensor_parallel": "--tp 1", "sequence_parallel": "no --sequence-parallel",
                           "pipeline": "--pp 1", "fp8": "--precision bf16", "nvfp4": "--precision bf16",
-                          "context_parallel": "--cp 1"}
+                          "context_parallel": "--cp 1", "expert_parallel": "--ep 1"}
 
 
 def blocking(traits: list[ModelTrait], capability: str) -> list[ModelTrait]:
@@ -148,12 +156,12 @@ def sequence_parallel_fits(block_tokens: int | None, tp):
 
 def capability_problems(traits: list[ModelTrait], tp: int, pp: int, sequence_parallel: bool,
                         names: dict[str, str] = FIELD_OF, block_tokens: int | None = None,
-                        fp8: bool = False, nvfp4: bool = False, cp: int = 1) -> list[str]:
-    """What in a configuration (tp, pp, sequence_parallel, fp8 or nvfp4 training, cp) the runtime cannot run on a
+                        fp8: bool = False, nvfp4: bool = False, cp: int = 1, ep: int = 1) -> list[str]:
+    """What in a configuration (tp, pp, sequence_parallel, fp8 or nvfp4 training, cp, ep) the runtime cannot run on a
     model with `traits`, one message per capability naming what asked for it (`names`: the plan field, or PIN_OF for
     the pin), the module and the fix; empty when it runs."""
     asked = {"tensor_parallel": tp > 1, "sequence_parallel": sequence_parallel, "pipeline": pp > 1, "fp8": fp8,
-             "nvfp4": nvfp4, "context_parallel": cp > 1}
+             "nvfp4": nvfp4, "context_parallel": cp > 1, "expert_parallel": ep > 1}
     problems = [f"{names[c]}: the runtime cannot run {c.replace('_', ' ')} on this model: {explain(traits, c)}; "
                 f"use {FIX_OF[c]}" for c, wanted in asked.items() if wanted and not allows(traits, c)]
     if sequence_parallel and allows(traits, "sequence_parallel") and not sequence_parallel_fits(block_tokens, tp):

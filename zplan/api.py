@@ -158,7 +158,7 @@ def check_pins_against_model(pins: Pins, summary: ModelSummary, precision: str =
     pin to change (schemas.capability)."""
     problems = capability_problems(summary.traits, pins.tp or 1, pins.pp or 1, bool(pins.sequence_parallel),
                                    names=PIN_OF, block_tokens=summary.block_tokens, fp8=precision == "fp8",
-                                   nvfp4=precision == "nvfp4", cp=pins.cp or 1)
+                                   nvfp4=precision == "nvfp4", cp=pins.cp or 1, ep=pins.ep or 1)
     if problems:
         raise SpecError("; ".join(problems) + ".")
 

@@ -4,7 +4,8 @@ What is predicted: the peak of allocated bytes (torch.cuda.max_memory_allocated'
 measures: zplan dryrun, runtime.dryrun.live_memory) plus the cluster's framework reserve, which stands for what
 allocation does not count (CUDA context, NCCL's buffers, kernel workspaces, the caching allocator's reserve and
 fragmentation). The peak is of one moment (memory_per_gpu's peak): the loss's temporaries and the backward's
-buffers are not live together.
+buffers are not live together, nor, under ZeRO 2/3 with one micro-batch, every saved activation and every gradient
+shard (the backward peaks at its start or its end).
 
 Model states (weights, gradients, optimizer states, compute copies): planner.cost.memory_states. Activations,
 the loss, context parallel and pipeline buffers: planner.cost.memory_activations.

@@ -52,27 +52,37 @@ class ExpertsMath:
 
 
 def experts_math(module: nn.Module, path: str) -> ExpertsMath:
-    """The math of `module` (module docstring), or PlanMismatchError naming its class and what zplan cannot run."""
-    kind = type(module).__name__
+    """The math of `module` (module docstring), or PlanMismatchError naming it, its class and what zplan cannot run."""
+    math = _math_or_problem(module)
+    if isinstance(math, str):
+        raise PlanMismatchError(f"{path} ({type(module).__name__}): {math}")
+    return math
+
+
+def experts_problem(module: nn.Module) -> str | None:
+    """Why zplan's executor cannot run `module` (a routed-experts module), or None when it can."""
+    math = _math_or_problem(module)
+    return math if isinstance(math, str) else None
+
+
+def _math_or_problem(module: nn.Module) -> ExpertsMath | str:
     names = {name for name, p in module._parameters.items() if p is not None}
-    if all(hasattr(module, a) for a in ("has_gate", "has_bias", "is_transposed", "_apply_gate")):  # transformers 5
-        problems = []
-        if not module.has_gate:
-            problems.append("its experts have no gate (up_proj and an activation)")
-        if getattr(module, "has_post_expert_norm", False):
-            problems.append("it normalises each expert's output (post_expert_norm)")
-        biases = ("gate_up_proj_bias", "down_proj_bias") if module.has_bias else (None, None)
-        math = ExpertsMath("gate_up_proj", "down_proj", *biases, bool(module.is_transposed), "module")
-    else:
-        raise PlanMismatchError(
-            f"{path} ({kind}) holds stacked experts, but zplan cannot tell what its forward computes: zplan runs "
-            "experts that declare has_gate, has_bias, is_transposed and _apply_gate, as transformers 5's MoE classes "
-            "(use_experts_implementation) and zplan's examples/moe.py do")
+    if not all(hasattr(module, a) for a in ("has_gate", "has_bias", "is_transposed", "_apply_gate")):
+        return ("it holds stacked experts, but zplan cannot tell what its forward computes: zplan runs experts that "
+                "declare has_gate, has_bias, is_transposed and _apply_gate, as transformers 5's MoE classes "
+                "(use_experts_implementation) and zplan's examples/moe.py do")
+    problems = []  # transformers 5's protocol
+    if not module.has_gate:
+        problems.append("its experts have no gate (up_proj and an activation)")
+    if getattr(module, "has_post_expert_norm", False):
+        problems.append("it normalises each expert's output (post_expert_norm)")
+    biases = ("gate_up_proj_bias", "down_proj_bias") if module.has_bias else (None, None)
+    math = ExpertsMath("gate_up_proj", "down_proj", *biases, bool(module.is_transposed), "module")
     expected = {n for n in (math.up, math.down, math.up_bias, math.down_bias) if n}
     if names != expected:
         problems.append(f"it holds the parameters {sorted(names)}, not {sorted(expected)}")
     if problems:
-        raise PlanMismatchError(f"{path} ({kind}): zplan's experts executor cannot run it: {'; '.join(problems)}")
+        return f"zplan's experts executor cannot run it: {'; '.join(problems)}"
     return math
 
 

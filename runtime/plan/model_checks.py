@@ -22,10 +22,11 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from zplan.model.experts import find_expert_layers
 from zplan.model.fused_layout import FusedLayout
 from zplan.model.modules import is_conv1d, parent_path
 from zplan.runtime.parallel.context_parallel import accepts_position_ids
-from zplan.runtime.parallel.experts import apply_experts
+from zplan.runtime.parallel.experts import apply_experts, experts_problem
 from zplan.runtime.parallel.pipeline import PipelineSplitError, check_split, split_model
 from zplan.runtime.parallel.tensor_parallel import localize_head_counts, projection_features
 from zplan.runtime.precision.float8 import fp8_convertible
@@ -91,6 +92,19 @@ def fp8_traits(block: nn.Module, block_name: str) -> list[ModelTrait]:
         return []
     return [ModelTrait(kind="no_fp8_linears", module=block_name,
                        detail=f"no nn.Linear with both widths multiples of {FP8_DIM_MULTIPLE}")]
+
+
+def expert_traits(model: nn.Module) -> list[ModelTrait]:
+    """Each routed-experts module (model.experts.find_expert_layers) whose math zplan's executor does not know
+    (runtime.parallel.experts.experts_problem): it runs as the model has it, and expert parallel cannot split it."""
+    traits = []
+    for layer in find_expert_layers(model):
+        module = model.get_submodule(layer.path)
+        problem = experts_problem(module)
+        if problem:
+            traits.append(ModelTrait(kind="experts_not_dispatchable", module=layer.path,
+                                     detail=f"{type(module).__name__}: {problem}"))
+    return traits
 
 
 def nvfp4_traits(block: nn.Module, block_name: str) -> list[ModelTrait]:

@@ -107,7 +107,7 @@ OFFLOAD_PIN_RUNS = {  # name: the pins; each plan must offload to the pinned tie
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(OFFLOAD_PIN_RUNS))
 def test_offload_pin_is_honoured_and_runs(tmp_path, name):
-    """Issue 12: an --offload pin is a requirement (the optimizer states go to the pinned tier, even when tiny.py
+    """An --offload pin is a requirement (the optimizer states go to the pinned tier, even when tiny.py
     fits on the device), NVMe runs with ZeRO 1, 2 and 3, and train.py runs the plan for 3 steps (here, or in the
     test RUN_ELSEWHERE names)."""
     from zplan.api import compile_plan, prepare, write_outputs

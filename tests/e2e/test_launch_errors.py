@@ -1,4 +1,4 @@
-"""Issue 13 end to end, the emitted programs: a user error of train.py comes out of launch/torchrun.sh once, with exit
+"""End to end, the emitted programs: a user error of train.py comes out of launch/torchrun.sh once, with exit
 status 2 and no torchrun traceback; train.py refuses a checkpoint folder another run holds, a plan.json made for
 another model, and --steps 0, each with one message and exit status 2, before anything is trained."""
 

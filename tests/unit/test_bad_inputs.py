@@ -1,4 +1,4 @@
-"""Issue 13, user errors: every bad flag and bad file of the zplan command gives one message naming what is wrong,
+"""User errors: every bad flag and bad file of the zplan command gives one message naming what is wrong,
 exit status 2, no traceback and nothing written; inputs that made it hang (huge GPU counts and batches, a family
 of 10^8 layers, a YAML alias bomb) are refused at once; outputs under a file are refused before any work."""
 

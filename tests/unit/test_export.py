@@ -191,7 +191,7 @@ class _RunsCode:
 
 @pytest.mark.parametrize("target", [".metadata", "rank-00000.pt"])
 def test_a_crafted_checkpoint_runs_nothing_on_resume_or_export(ctx, tmp_path, target):
-    """Issue 13: DCP's metadata and the rank files are pickles; a checkpoint carrying an object that runs code when
+    """DCP's metadata and the rank files are pickles; a checkpoint carrying an object that runs code when
     unpickled is refused, naming the file, and the code does not run (neither on --resume nor on zplan export)."""
     import pickle
 

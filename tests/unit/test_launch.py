@@ -1,4 +1,4 @@
-"""Issue 13, one message and exit status 2 through the launchers: runtime/launch/torchrun.py's report of its workers'
+"""One message and exit status 2 through the launchers: runtime/launch/torchrun.py's report of its workers'
 failures (each distinct message once, the first failure's status), a worker's error file, launch/slurm.sbatch on a
 path with spaces (fake scontrol and srun), and runtime/plan/origin.py: another compile's or another model's plan
 beside train.py is refused saying so."""

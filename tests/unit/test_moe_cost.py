@@ -157,3 +157,86 @@ def test_the_report_states_the_routing_assumed(tiny_moe):
     assert "evenly (balanced, dropless" in rows["routing"]
     rows = {a.name: a.value for a in assumptions(H100, with_routing_imbalance(tiny_moe, 1.5), train)}
     assert "busiest expert-parallel rank gets 1.5x" in rows["routing"]
+
+
+UNKNOWN_EXPERTS_MODEL = '''"""Stacked experts beside a router with a top-k, declaring nothing of their math."""
+import torch
+from torch import nn
+
+VOCAB_SIZE, SEQ_LEN = 64, 32
+
+
+class Experts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(4, 16, 8) * 0.02)
+        self.w2 = nn.Parameter(torch.randn(4, 8, 16) * 0.02)
+
+    def forward(self, x, top_k_index, top_k_weights):
+        out = torch.zeros_like(x)
+        for e in range(4):
+            weight = (top_k_weights * (top_k_index == e)).sum(-1, keepdim=True)
+            out = out + weight * (torch.relu(x @ self.w1[e].T) @ self.w2[e].T)
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(8, 4, bias=False)
+        self.gate.top_k = 2
+        self.experts = Experts()
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        weights, index = torch.topk(self.gate(flat).softmax(-1), 2)
+        return self.experts(flat, index, weights).reshape(x.shape)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.mlp = nn.LayerNorm(8), MoE()
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB_SIZE, 8)
+        self.layers = nn.ModuleList([Block() for _ in range(2)])
+        self.head = nn.Linear(8, VOCAB_SIZE)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        for block in self.layers:
+            x = block(x)
+        return self.head(x)
+
+
+def build_model():
+    return Model()
+'''
+
+
+def test_ep_on_experts_the_runtime_cannot_dispatch_is_refused_at_compile(tmp_path):
+    """Experts whose math zplan's executor cannot tell run as the model has them (ep 1 plans), and --ep 2 is refused
+    at compile naming the module and why: exit status 2, nothing written."""
+    from typer.testing import CliRunner
+
+    from zplan.cli import app
+
+    model = tmp_path / "unknown_experts.py"
+    model.write_text(UNKNOWN_EXPERTS_MODEL)
+    args = ["compile", str(model), "--gpus", "4", "--cluster", "cpu-local", "--global-batch", "8"]
+    refused = CliRunner().invoke(app, [*args, "--ep", "2", "-o", str(tmp_path / "ep2")])
+    text = " ".join(refused.output.split())
+    assert refused.exit_code == 2 and "Traceback" not in refused.output, refused.output
+    assert "--ep: the runtime cannot run expert parallel on this model: layers.0.mlp.experts (Experts:" in text
+    assert "cannot tell what its forward computes" in text and "use --ep 1" in text
+    assert not (tmp_path / "ep2").exists()
+    planned = CliRunner().invoke(app, [*args, "-o", str(tmp_path / "auto")])
+    assert planned.exit_code == 0, planned.output
+    assert '"ep": 1' in (tmp_path / "auto" / "plan.json").read_text()

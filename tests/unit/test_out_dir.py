@@ -1,4 +1,4 @@
-"""Issue 13: `zplan compile -o DIR` into an existing folder is all or nothing, and never overwrites a file the user
+"""`zplan compile -o DIR` into an existing folder is all or nothing, and never overwrites a file the user
 changed since zplan wrote it (zplan.out_dir: the outputs built beside DIR, checked against DIR and its manifest of
 SHA-256s, then swapped in; --force overwrites changed files)."""
 

@@ -247,7 +247,7 @@ def test_enumerated_legal_placements_match_the_rules():
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])
 @pytest.mark.parametrize("offload", ["cpu", "nvme"])
 def test_an_offload_pin_puts_the_optimizer_on_its_tier_even_when_it_fits_on_the_gpu(zero_stage, offload):
-    """Issue 12: --offload is a requirement for the optimizer. Parameters and gradients stay on the GPU where they fit,
+    """--offload is a requirement for the optimizer. Parameters and gradients stay on the GPU where they fit,
     under ZeRO 2/3 too (the optimizer alone offloaded); under ZeRO 2/3 they leave with it when they do not fit
     (FSDP2's CPUOffloadPolicy keeps their shards on the host)."""
     sizes, plenty = (2 * GB, 2 * GB, 12 * GB), {"gpu": 80 * GB, "cpu": 1e12, "nvme": 1e13}

@@ -1,4 +1,4 @@
-"""Issue 13, two writers in one checkpoint folder: the run lock (runtime/checkpoint/run_lock.py) refuses a second run
+"""Two writers in one checkpoint folder: the run lock (runtime/checkpoint/run_lock.py) refuses a second run
 naming the first one's pid and host, goes with its process however it ends, and workers die with their launcher
 (runtime.launch.distributed.die_with_launcher, prctl PR_SET_PDEATHSIG), although torchrun starts them in sessions of
 their own."""

@@ -1,4 +1,4 @@
-"""Issue 13, the server against hostile and careless clients, over real sockets, with a tiny GPT's real engine
+"""The server against hostile and careless clients, over real sockets, with a tiny GPT's real engine
 (runtime.inference.server started in-process as serve() configures uvicorn: server_config):
 a NaN or infinite temperature and a body that is not UTF-8 are 422 (were 500: the error renderer failed); request
 headers and bodies that do not arrive in time are 408; connections beyond the cap are 503; a client that goes away
