@@ -24,22 +24,36 @@ def parent_path(path: str) -> str:
 
 
 def unsplit_parameter_owners(block: nn.Module, split: set[str]
-                             ) -> list[tuple[str, nn.Module, Literal["beside", "norm", "other"]]]:
+                             ) -> list[tuple[str, nn.Module, Literal["beside", "head_norm", "norm", "other"]]]:
     """The modules of `block` that own parameters and are not among the `split` Linears (paths in the block),
-    each with its role under tensor parallel: 'beside' (inside a module holding split Linears: it would see one
-    rank's features or heads), 'norm' (elsewhere, a norm: sequence parallel runs it on this rank's tokens) or
-    'other' (elsewhere: replicated, but under sequence parallel it would see one rank's tokens). The runtime's
-    check_block_split and the tracer's traits both judge by this."""
+    each with its role under tensor parallel: 'head_norm' (inside a module holding split Linears, a norm whose
+    weights are head_dim long, that module's: it normalises each head, and a rank holds whole heads, as Qwen3's
+    q_norm and k_norm), 'beside' (any other inside such a module: it would see one rank's features or heads),
+    'norm' (elsewhere, a norm: sequence parallel runs it on this rank's tokens) or 'other' (elsewhere: replicated,
+    but under sequence parallel it would see one rank's tokens). The runtime's check_block_split and the tracer's
+    traits both judge by this."""
     holders = {parent_path(path) for path in split} - {""}
     owners = []
     for name, module in block.named_modules():
         if name in split or not any(p is not None for p in module._parameters.values()):
             continue
-        if name in holders or any(name.startswith(holder + ".") for holder in holders):
+        holder = next((h for h in sorted(holders, key=len, reverse=True) if name == h or name.startswith(h + ".")),
+                      None)
+        if holder is not None and name != holder and _normalises_each_head(module, block.get_submodule(holder)):
+            owners.append((name, module, "head_norm"))
+        elif holder is not None:
             owners.append((name, module, "beside"))
         else:
             owners.append((name, module, "norm" if name and is_norm(module) else "other"))
     return owners
+
+
+def _normalises_each_head(module: nn.Module, holder: nn.Module) -> bool:
+    """A norm whose every parameter is one vector of the holder's head_dim: it runs over each head's features."""
+    head_dim = getattr(holder, "head_dim", None)
+    params = [p for p in module._parameters.values() if p is not None]
+    return is_norm(module) and isinstance(head_dim, int) and all(p.dim() == 1 and p.numel() == head_dim
+                                                                 for p in params)
 
 
 def transformer_blocks(model: nn.Module, block_prefix: str) -> list[nn.Module]:

@@ -210,6 +210,11 @@ def check_block_split(block: nn.Module, block_name: str, tp_plan: dict[str, str]
     return norms
 
 
+def head_norms(block: nn.Module, tp_plan: dict[str, str]) -> list[str]:
+    """The paths of the block's per-head norms beside its split Linears (model.modules.unsplit_parameter_owners)."""
+    return [name for name, _, role in unsplit_parameter_owners(block, set(tp_plan)) if role == "head_norm"]
+
+
 def fused_problems(block: nn.Module, block_name: str, fused: dict[str, FusedLayout], tp: int,
                    style: str = "colwise") -> list[str]:
     """What does not fit in the plan's fused layouts for this block: the parts must add up to the module's output
@@ -413,6 +418,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[s
         conv1d = frozenset(path for path in tp_plan if is_conv1d(block.get_submodule(path)))
         float8 = frozenset(path for path in tp_plan if is_float8_linear(block.get_submodule(path)))
         parallelize_module(block, tp_mesh, block_styles(tp_plan, sequence_parallel, norms, conv1d, float8))
+        for path in head_norms(block, tp_plan):
+            # each rank normalises its own heads (any dim but the last: the norm runs over head_dim); the weights
+            # replicated, their gradient summed over the ranks (a partial sum each, as sequence parallel's norms)
+            parallelize_module(block.get_submodule(path), tp_mesh, SequenceParallel(sequence_dim=0,
+                                                                                    use_local_output=True))
         for path, layout in fused.items():
             give_output_in_file_order(block.get_submodule(path), tp)
             localize_head_counts(block.get_submodule(parent_path(path)) if parent_path(path) else block, layout, tp)

@@ -61,12 +61,11 @@ PARALLELISMS = {"tp2": Pins(tp=2), "pp2": Pins(pp=2), "zero3": Pins(zero=3, dp=2
 WORLD_OF = {"tp2pp2": 4, "ep2dp2": 4, "ep2dp2zero1": 4, "ep2dp2zero3": 4, "ep2tp2zero3": 4, "ep2pp2zero3": 4,
             "ep2tp2": 4, "ep2pp2": 4}
 ONLY = {"tp2pp2": ("llama", "gpt2"),  # 4 processes: two decoders (rotary positions from the hidden state; fused)
-        # expert parallel: the mixtures of experts (Qwen3-MoE and DeepSeek-V3 under ep 2 alone: 2 processes; DeepSeek's
-        # latent attention norms keep tp 1)
+        # expert parallel: the mixtures of experts (DeepSeek's latent attention norms keep tp 1)
         "ep2": ("mixtral", "qwen3_moe", "deepseek_v3"), "ep2dp2": ("mixtral",), "ep2dp2zero1": ("mixtral",),
         "ep2dp2zero3": ("mixtral",), "ep2zero2": ("qwen3_moe", "deepseek_v3"), "ep2tp2zero3": ("mixtral",),
         "ep2pp2zero3": ("mixtral",),
-        "ep2tp2": ("mixtral",),
+        "ep2tp2": ("mixtral", "qwen3_moe"),  # Qwen3's per-head q_norm and k_norm under tp
         "ep2pp2": ("mixtral", "qwen3_moe")}
 DECODERS = tuple(deterministic_decoder_sources())
 # (model, parallelism) -> the capability trait (schemas.capability.RULES) behind the compile-time refusal

@@ -285,9 +285,10 @@ def test_examples_keep_their_heads_under_tensor_parallel(tmp_path):
 
 def test_splits_that_cannot_work_are_refused():
     """Llama with 2 key/value heads cannot go to tp=4 (a rank would hold half a head); a plan naming a
-    module the model lacks, or a parameterised module among the split Linears, is refused too."""
+    module the model lacks, or a parameterised module among the split Linears, is refused too; a norm of each head
+    (Qwen3's q_norm) is not."""
     from zplan.errors import PlanMismatchError
-    from zplan.runtime.parallel.tensor_parallel import check_block_split
+    from zplan.runtime.parallel.tensor_parallel import check_block_split, head_norms
 
     example = import_file(REPO / "examples" / "llama.py", "example_llama_refusal")
     block = example.build_model(num_layers=1, hidden=64, heads=8, kv_heads=2, ffn_hidden=96, vocab_size=128).layers[0]
@@ -298,7 +299,10 @@ def test_splits_that_cannot_work_are_refused():
         check_block_split(block, "layers.0", plan, 4, sequence_parallel=False)
     with pytest.raises(PlanMismatchError, match=r"layers\.0\.attn\.proj does not exist"):
         check_block_split(block, "layers.0", {"attn.proj": "rowwise"}, 2, sequence_parallel=False)
-    block.attn.q_norm = torch.nn.RMSNorm(8)  # per-head: would see this rank's heads only
+    block.attn.q_norm = torch.nn.RMSNorm(8)  # per head (head_dim 8): a rank holds whole heads, so it runs
+    check_block_split(block, "layers.0", plan, 2, sequence_parallel=False)
+    assert head_norms(block, plan) == ["attn.q_norm"]
+    block.attn.q_norm = torch.nn.RMSNorm(64)  # over all heads' features: would see this rank's heads only
     with pytest.raises(PlanMismatchError, match=r"layers\.0\.attn\.q_norm \(RMSNorm\) has parameters of its own"):
         check_block_split(block, "layers.0", plan, 2, sequence_parallel=False)
 
