@@ -255,8 +255,8 @@ def memory_per_gpu(
         return at_peak, parts - at_peak
 
     def on_gpu(params_off: np.ndarray) -> tuple[np.ndarray, ...]:
-        """(weights, gradients, optimizer, activations, comm buffers, not at the peak, total, parameters) of the more
-        loaded end stage."""
+        """(weights, gradients, optimizer, activations, comm buffers, not at the peak, total, parameters, routed
+        experts' parameters) of the more loaded end stage."""
         w1, g1, o1 = state_bytes(z, dp, ep, first_params, first_experts, offloaded, params_off, sixteen)
         w2, g2, o2 = state_bytes(z, dp, ep, last_params, last_experts, offloaded, params_off, sixteen)
         grad_bytes = state_bytes_per_param(z, dp, offloaded, params_off, sixteen)[1]
