@@ -32,13 +32,12 @@ def unsplit_parameter_owners(block: nn.Module, split: set[str]
     'norm' (elsewhere, a norm: sequence parallel runs it on this rank's tokens) or 'other' (elsewhere: replicated,
     but under sequence parallel it would see one rank's tokens). The runtime's check_block_split and the tracer's
     traits both judge by this."""
-    holders = {parent_path(path) for path in split} - {""}
+    holders = sorted({parent_path(path) for path in split} - {""}, key=len, reverse=True)  # innermost first
     owners = []
     for name, module in block.named_modules():
         if name in split or not any(p is not None for p in module._parameters.values()):
             continue
-        holder = next((h for h in sorted(holders, key=len, reverse=True) if name == h or name.startswith(h + ".")),
-                      None)
+        holder = next((h for h in holders if name == h or name.startswith(h + ".")), None)
         if holder is not None and name != holder and _normalises_each_head(module, block.get_submodule(holder)):
             owners.append((name, module, "head_norm"))
         elif holder is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -126,7 +127,9 @@ def run_one(out: Path, index: int, ctx) -> None:
         losses = real_train(model, optimizer, data, loss_fn, config, ctx)
         seen.update({k: v for k, v in read_optimizer(model, optimizer).items() if k != "grad_devices"})
         seen["device"] = ctx.device.type
-        seen["nvme_files"] = sum(1 for p in nvme.rglob("*") if p.is_file()) if nvme.exists() else 0
+        # os.walk skips a folder the other rank removes meanwhile (its swap folder, at its optimizer's close); rglob
+        # raised FileNotFoundError
+        seen["nvme_files"] = sum(len(files) for _, _, files in os.walk(nvme))
         return losses
 
     train_main.train = train
