@@ -4,7 +4,8 @@ Four kinds, each launched through its emitted launch script (torchrun, gloo, 2 p
   train-zero3      a tiny Hugging Face Phi-3 (built from its config: fused qkv and gate/up), ZeRO-3 dp 2, 3 steps
   train-tp2        examples/tiny.py, tensor parallel 2, 3 steps
   generate-tp2     examples/tiny.py's inference plan at tp 2, two prompts
-  serve-tp2        the same plan's server: one request, then SIGTERM to rank 0; every rank must exit 0
+  serve-tp2        the same plan's server: one POST /v1/completions, then SIGTERM to rank 0; every rank must
+                   exit 0
 A run fails when the launcher exits non-zero; it is an abort when a process died of SIGABRT or printed
 "terminate called" (what the C++ runtime prints when it aborts). Prints one line per kind and, with --json,
 {"runs": N, "kinds": {kind: {"runs", "failures", "aborts", "seconds"}}, "aborts": total}.
@@ -104,8 +105,9 @@ def _rank_zero_child(parent: int) -> int | None:
 
 
 def run_serve(plan: Path) -> tuple[int, str]:
-    """Start the tp 2 server, wait for /health, answer one request, SIGTERM rank 0 (as an orchestrator stopping
-    the replica's front process does); torchrun must then exit 0."""
+    """Start the tp 2 server, wait for /health, answer one greedy completion of 4 tokens (both ranks run its engine
+    steps), SIGTERM rank 0 (as an orchestrator stopping the replica's front process does); torchrun must then exit
+    0."""
     port = free_port()
     launcher = subprocess.Popen(["bash", str(plan / "launch" / "serve.sh")], env={**environment(), "PORT": str(port)},
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -116,11 +118,17 @@ def run_serve(plan: Path) -> tuple[int, str]:
                 raise RuntimeError("the server did not come up")
             time.sleep(0.2)
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        connection.request("POST", "/v1/generate", body=json.dumps({"prompt": "abc", "max_new_tokens": 4}))
-        status = connection.getresponse().status
+        connection.request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
+                           body=json.dumps({"prompt": "abc", "max_tokens": 4, "temperature": 0}))
+        response = connection.getresponse()
+        status, body = response.status, response.read()
+        try:  # examples/tiny.py has no end-of-text token: the completion runs to its 4 tokens
+            completed = status == 200 and json.loads(body)["usage"]["completion_tokens"] == 4
+        except (ValueError, KeyError, TypeError):  # not a completion's JSON
+            completed = False
         rank0 = _rank_zero_child(launcher.pid)
-        if status != 200 or rank0 is None:
-            raise RuntimeError(f"request answered {status}; rank 0 pid {rank0}")
+        if not completed or rank0 is None:
+            raise RuntimeError(f"request answered {status} {body[:300]!r}; rank 0 pid {rank0}")
         os.kill(rank0, signal.SIGTERM)
         output, _ = launcher.communicate(timeout=120)
         return launcher.returncode, output

@@ -73,6 +73,35 @@ def alternative_rows(plan: InferencePlan, alternatives: InferenceAlternatives | 
     return rows
 
 
+def serving_rows(plan: InferencePlan) -> list[dict[str, str]]:
+    """The continuous-batching curve (plan.prediction.continuous_batching), one row per concurrency ([] in a plan
+    without it)."""
+    curve = plan.prediction.continuous_batching
+    return [{"concurrency": f"{p.concurrency:,}", "tokens_per_s": f"{p.tokens_per_s:,.1f}",
+             "tpot": format_seconds(p.tpot_s), "ttft": format_seconds(p.ttft_s),
+             "prefill_steps": f"{p.prefill_steps:,}"}
+            for p in (curve.points if curve is not None else [])]
+
+
+def serving_context(plan: InferencePlan) -> dict[str, Any]:
+    """The paged KV cache and the continuous-batching curve, formatted; has_serving False in a plan without them."""
+    curve, par = plan.prediction.continuous_batching, plan.parallel
+    if curve is None or par.kv_blocks is None:
+        return {"has_serving": False, "serving_rows": [], "serving_curve": None}
+    return {
+        "has_serving": True,
+        "serving_curve": curve,
+        "serving_rows": serving_rows(plan),
+        "kv_blocks": f"{par.kv_blocks:,}",
+        "kv_block_tokens": par.kv_block_tokens,
+        "kv_block_bytes": format_bytes(curve.kv_block_bytes),
+        "kv_budget": format_bytes(curve.kv_budget_bytes),
+        "blocks_per_request": f"{curve.blocks_per_request:,}",
+        "max_concurrency": f"{curve.max_concurrency:,}",
+        "step_tokens": f"{curve.step_tokens:,}",
+    }
+
+
 def run_commands(plan: InferencePlan) -> list[dict[str, str]]:
     """How to run the emitted programs (codegen.inference_script writes them)."""
     return [
@@ -159,4 +188,5 @@ def inference_report_context(plan: InferencePlan, alternatives: InferenceAlterna
         "cluster_rows": cluster_rows(plan),
         "peak_flops": format_rate(cluster.peak_flops(par.compute_dtype), "FLOP"),
         "run_commands": run_commands(plan),
+        **serving_context(plan),
     }

@@ -39,8 +39,9 @@ def plan_constants_code(plan: InferencePlan, model_path_for_script: str | None) 
         ("COMPUTE_DTYPE", py_literal(p.compute_dtype), "activations and KV cache (fp32 on a machine without CUDA)"),
         ("WEIGHT_TIER", py_literal(p.weight_tier), "where block weights live: gpu (resident), cpu or nvme (streamed)"),
         ("PREFETCH_LAYERS", str(p.prefetch_layers), "layers streamed ahead of the one computing"),
-        ("MAX_BATCH", str(p.max_batch), "sequences run together; the KV cache is preallocated for them"),
+        ("MAX_BATCH", str(p.max_batch), "sequences in flight at most (serve.py: decoded together each step)"),
         ("MAX_SEQ_LEN", str(p.max_seq_len), "prompt + generated tokens per sequence"),
+        ("KV_BLOCKS", str(p.kv_blocks), "serve.py's paged KV cache, in blocks of 16 tokens"),
         ("GEN_LEN", str(plan.spec.gen_len), f"default --max-new-tokens (the plan's gen_len; prompt_len "
                                             f"{plan.spec.prompt_len})"),
     ]
@@ -59,6 +60,7 @@ def plan_constants_code(plan: InferencePlan, model_path_for_script: str | None) 
         "SETTINGS = EngineSettings(",
         "    tp=TP, weight_precision=WEIGHT_PRECISION, group_size=QUANT_GROUP_SIZE, compute_dtype=COMPUTE_DTYPE,",
         "    weight_tier=WEIGHT_TIER, prefetch_layers=PREFETCH_LAYERS, max_batch=MAX_BATCH, max_seq_len=MAX_SEQ_LEN,",
+        "    kv_blocks=KV_BLOCKS,",
         ")",
     ]
     return Code(family_note + "\n".join(lines))

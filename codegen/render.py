@@ -99,10 +99,12 @@ def _render_script_files(plan: Plan, out_dir: Path, model_path_for_script: str |
 def render_inference_reports(plan: InferencePlan, alternatives: InferenceAlternatives | None = None) -> dict[str, str]:
     """File name -> text of an inference plan's report.md and report.html."""
     context = inference_report_context(plan, alternatives)
+    charts = {"serving": svg_charts.serving_svg(context["serving_curve"], plan.parallel.replicas)
+              if context["serving_curve"] is not None else ""}
     environment = report_environment()
     return {
         "report.md": environment.get_template("report_inference.md.j2").render(**context),
-        "report.html": environment.get_template("report_inference.html.j2").render(**context),
+        "report.html": environment.get_template("report_inference.html.j2").render(**context, charts=charts),
     }
 
 

@@ -15,6 +15,7 @@ from markupsafe import Markup
 
 from zplan.codegen.context import GiB, format_bytes, format_seconds
 from zplan.codegen.report import MemoryChart, ParetoChart, ParetoPoint, PipelineTimeline, TimeChart
+from zplan.schemas.inference import ContinuousBatchingPrediction
 
 WIDTH = 960
 FONT = 12
@@ -62,10 +63,13 @@ def _line(x1: float, y1: float, x2: float, y2: float, stroke: str, dash: str = "
             f' stroke-width="{_n(width)}"{dashes}/>')
 
 
-def _svg(chart_id: str, height: float, label: str, body: list[str]) -> Markup:
+def _svg(chart_id: str, height: float, label: str, body: list[str], namespace: bool = True) -> Markup:
+    """The chart's <svg> element; `namespace` False leaves out xmlns, which SVG inline in HTML5 does not need (the
+    inference report holds no URL)."""
+    xmlns = 'xmlns="http://www.w3.org/2000/svg" ' if namespace else ""
     return Markup(
         f'<svg id="{chart_id}" class="chart" viewBox="0 0 {WIDTH} {_n(height)}" role="img" '
-        f'aria-label="{escape(label)}" xmlns="http://www.w3.org/2000/svg" '
+        f'aria-label="{escape(label)}" {xmlns}'
         f'font-family="system-ui, -apple-system, Segoe UI, Roboto, sans-serif">'
         + "".join(body) + "</svg>"
     )
@@ -393,3 +397,62 @@ def pareto_svg(chart: ParetoChart) -> Markup:
 def _text_width(text: str, size: int) -> float:
     """A generous estimate of a label's width in px (sans-serif averages ~0.55 em per character)."""
     return len(text) * size * 0.6
+
+
+SERVING_BOX = (88, WIDTH - 30, 20, 340)  # left, right, top, bottom of the plot area
+
+
+def serving_svg(curve: ContinuousBatchingPrediction, replicas: int) -> Markup:
+    """Throughput against latency under continuous batching: tokens/s over all replicas against the time per output
+    token, one point per concurrency (requests in flight per replica), joined in order of concurrency."""
+    left, right, top, bottom = SERVING_BOX
+    points = curve.points
+    if not points:
+        body = [_text(left, top + 20, "Not one request of this length fits in the KV cache: no curve.", fill=ALERT)]
+        return _svg("chart-serving", top + 40, "Throughput against time per output token", body, namespace=False)
+    fastest, slowest = min(p.tpot_s for p in points), max(p.tpot_s for p in points)
+    time_scale, time_unit = (1.0, "s") if slowest >= 1 else (1e3, "ms") if slowest >= 1e-3 else (1e6, "us")
+    x_ticks = nice_ticks(fastest * time_scale * 0.95, slowest * time_scale * 1.05, 8)
+    y_ticks = nice_ticks(0.0, max(p.tokens_per_s for p in points) * 1.08, 6)
+
+    def to_x(seconds: float) -> float:
+        return left + (seconds * time_scale - x_ticks[0]) / (x_ticks[-1] - x_ticks[0]) * (right - left)
+
+    def to_y(tokens_per_s: float) -> float:
+        return bottom - tokens_per_s / y_ticks[-1] * (bottom - top)
+
+    body = []
+    for tick in x_ticks:
+        body.append(_line(to_x(tick / time_scale), top, to_x(tick / time_scale), bottom, GRID))
+        body.append(_text(to_x(tick / time_scale), bottom + 18, _tick_label(tick), "middle", 11, MUTED))
+    for tick in y_ticks:
+        body.append(_line(left, to_y(tick), right, to_y(tick), GRID))
+        body.append(_text(left - 8, to_y(tick) + 4, f"{tick:,.0f}" if tick >= 10 else f"{tick:g}", "end", 11,
+                          MUTED))
+    body.append(_text((left + right) / 2, bottom + 38, f"time per output token ({time_unit})", "middle", 12, MUTED))
+    middle = _n((top + bottom) / 2)
+    body.append(f'<text x="18" y="{middle}" text-anchor="middle" font-size="12" fill="{MUTED}" '
+                f'transform="rotate(-90 18 {middle})">output tokens/s, {replicas} replica'
+                f'{"s" if replicas != 1 else ""}</text>')
+    if len(points) > 1:
+        path = " ".join(f"{'M' if i == 0 else 'L'}{_n(to_x(p.tpot_s))},{_n(to_y(p.tokens_per_s))}"
+                        for i, p in enumerate(points))
+        body.append(f'<path d="{path}" fill="none" stroke="#2f5d8a" stroke-width="2" stroke-opacity="0.6">'
+                    f"{_title('by concurrency: more requests in flight, more tokens/s, longer steps')}</path>")
+    labels: list[tuple[float, float, float]] = []  # (x, y, half width) of the labels drawn
+    for point in reversed(points):  # the largest concurrency first: its label is always drawn
+        cx, cy = to_x(point.tpot_s), to_y(point.tokens_per_s)
+        tooltip = (f"{point.concurrency:,} in flight per replica: {point.tokens_per_s:,.1f} tokens/s, "
+                   f"{format_seconds(point.tpot_s)} per output token, {format_seconds(point.ttft_s)} to the first "
+                   f"token")
+        body.append(f'<circle cx="{_n(cx)}" cy="{_n(cy)}" r="5" fill="#4e79a7" stroke="#ffffff" '
+                    f'stroke-width="1">{_title(tooltip)}</circle>')
+        label = f"{point.concurrency:,}"
+        half = _text_width(label, 11) / 2 + 2
+        if all(abs(cx - x) > half + other or abs(cy - y) > 14 for x, y, other in labels):
+            body.append(_text(cx, cy - 9, label, "middle", 11, INK, halo=True))
+            labels.append((cx, cy, half))
+    note = (f"Labels: requests in flight per replica (at most {curve.max_concurrency:,}, what the KV blocks hold); "
+            f"each step carries at most {curve.step_tokens:,} tokens.")
+    body.append(_text(left, bottom + 62, note, size=11, fill=MUTED))
+    return _svg("chart-serving", bottom + 72, "Throughput against time per output token", body, namespace=False)

@@ -50,7 +50,8 @@ TRACERS = ("fx", "hooks", "export")  # tried in this order
 
 def trace_model_file(path: str | Path, seq_len: int | None, precision: str, *,
                      build_overrides: dict[str, Any] | None = None, tracers: tuple[str, ...] = TRACERS,
-                     runtime_checks: ModuleType | None = None) -> tuple[ModelGraph, ModelSummary]:
+                     runtime_checks: ModuleType | None = None, serving: bool = False
+                     ) -> tuple[ModelGraph, ModelSummary]:
     """Load a model file, build it on meta and trace one sample of seq_len tokens (None: the file's
     SEQ_LEN, else DEFAULT_SEQ_LEN); see trace_module."""
     model_file = load_model_file(path)
@@ -59,7 +60,7 @@ def trace_model_file(path: str | Path, seq_len: int | None, precision: str, *,
     with torch.device("meta"):
         inputs = model_file.example_inputs(1, seq_len)
     graph, summary = trace_module(model, inputs, seq_len, precision, name=model_file.name, tracers=tracers,
-                                  runtime_checks=runtime_checks)
+                                  runtime_checks=runtime_checks, serving=serving)
     if model_file.loss_fn is not next_token_loss:  # context parallel splits only the default loss
         own = ModelTrait(kind="own_loss", module="", detail="the model file defines loss_fn")
         summary = summary.model_copy(update={"traits": [*summary.traits, own]})
@@ -67,10 +68,12 @@ def trace_model_file(path: str | Path, seq_len: int | None, precision: str, *,
 
 
 def trace_module(model: nn.Module, example_inputs: Any, seq_len: int, precision: str, *, name: str = "model",
-                 tracers: tuple[str, ...] = TRACERS, runtime_checks: ModuleType | None = None
-                 ) -> tuple[ModelGraph, ModelSummary]:
+                 tracers: tuple[str, ...] = TRACERS, runtime_checks: ModuleType | None = None,
+                 serving: bool = False) -> tuple[ModelGraph, ModelSummary]:
     """Trace `model` (ideally on meta) called with `example_inputs` (a Tensor, tuple or dict of one sample);
-    `runtime_checks`: the runtime's answers to what it can run on it (planner/traits.py find_traits)."""
+    `runtime_checks`: the runtime's answers to what it can run on it (planner/traits.py find_traits); `serving`
+    (compile --mode inference): ask them too whether the inference engine serves it (runtime_checks.inference_traits,
+    traits that rule out the "inference" capability)."""
     element_bytes(precision)
     hf_models_see_whole_sequences()  # a module handed in directly, not built from a model file
     prefix, num_blocks = find_block_container(model)
@@ -78,7 +81,7 @@ def trace_module(model: nn.Module, example_inputs: Any, seq_len: int, precision:
     with experts_as_operations(model, experts):  # each priced by top-k (planner/expert_trace.py)
         raw = run_tracers(model, example_inputs, tracers)
     graph = _build_graph(raw, model, prefix, num_blocks, seq_len, precision)
-    return graph, _summarize(graph, raw, model, name, as_call(example_inputs), runtime_checks, experts)
+    return graph, _summarize(graph, raw, model, name, as_call(example_inputs), runtime_checks, experts, serving)
 
 
 # --- running the tracers (zplan.planner.tracers: a model and one sample -> TracedOps) ------------------
@@ -258,7 +261,7 @@ def _mark_tensor_parallel(graph: ModelGraph, model: nn.Module, blocks: range) ->
 
 def _summarize(graph: ModelGraph, raw: RawTrace, model: nn.Module, name: str,
                example_call: tuple[tuple, dict], runtime_checks: ModuleType | None,
-               experts: list[ExpertLayer]) -> ModelSummary:
+               experts: list[ExpertLayer], serving: bool = False) -> ModelSummary:
     prefix, num_blocks = graph.block_prefix, graph.num_blocks
     by_name = {op.name: op for op in raw.ops}
     units = ["embedding"] + [f"{prefix}.{i}" for i in range(num_blocks)] + ["head"]
@@ -324,13 +327,17 @@ def _summarize(graph: ModelGraph, raw: RawTrace, model: nn.Module, name: str,
         parts, groups = (fused_parts(graph, model, module) if style == "colwise" else None) or ([], 1)
         rules.append(TensorParallelRule(module=module[len(f"{prefix}.0."):], style=style, parts=parts,
                                         groups=max(groups, 1)))
-    traits = find_traits(model, graph, rules, layers, example_call, runtime_checks)
-    return ModelSummary(
+    summary = ModelSummary(
         name=name, source="file", tracer=graph.tracer, num_blocks=num_blocks, hidden=hidden, heads=heads,
         kv_heads=kv_heads, ffn_hidden=ffn_hidden, vocab=vocab, seq_len=graph.seq_len,
         params=sum(p.numel() for p in all_params.values()), layers=layers, block_prefix=prefix, tp_rules=rules,
-        block_tokens=_block_tokens(graph, block0), experts=_experts_summary(experts, all_params), traits=traits,
+        block_tokens=_block_tokens(graph, block0), experts=_experts_summary(experts, all_params), traits=[],
     )
+    # the engine's recogniser reads the model as built, before find_traits's checks give routed experts zplan's
+    # executor
+    serving_traits = runtime_checks.inference_traits(model, summary) if serving and runtime_checks else []
+    traits = find_traits(model, graph, rules, layers, example_call, runtime_checks)
+    return summary.model_copy(update={"traits": [*traits, *serving_traits]})
 
 
 def _experts_summary(experts: list[ExpertLayer], all_params: dict[str, nn.Parameter]) -> ExpertsSummary | None:

@@ -6,6 +6,11 @@ of trait, which parallelisms the runtime cannot run on such a model and what to 
 decides or checks a plan reads this one table: the enumerator proposes only what it allows, a pin it rules out
 is refused at compile time, and the emitted program's check_plan refuses a plan.json that contradicts it
 before any collective. When the runtime learns to run a trait, its rule goes, and nothing else changes.
+
+Serving is one more capability, "inference": `zplan compile --mode inference` asks the engine's own recogniser
+(runtime/inference/decoder_spec.py, run on the meta model by runtime/plan/model_checks.py inference_traits) and
+records what it refuses as a trait, so that compile refuses (inference_problems) what the engine would refuse when it
+starts. Training compiles do not ask, so their plans never hold these traits.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 Capability = Literal["tensor_parallel", "sequence_parallel", "pipeline", "fp8", "nvfp4", "context_parallel",
-                     "expert_parallel"]
+                     "expert_parallel", "inference"]
 CAPABILITIES: tuple[str, ...] = Capability.__args__
 
 TraitKind = Literal[
@@ -33,6 +38,8 @@ TraitKind = Literal[
     "attention_not_causal",
     "own_loss",
     "experts_not_dispatchable",
+    "experts_not_served",
+    "decoder_not_recognised",
 ]
 FP8_DIM_MULTIPLE = 16  # an fp8 GEMM (torch._scaled_mm) needs both of a Linear's widths divisible by 16
 # An NVFP4 operand is quantised in blocks of 16 along its GEMM's reduction dim, and a Linear's three GEMMs reduce over
@@ -117,18 +124,28 @@ RULES: dict[str, Rule] = {
         why="expert parallel runs each rank's experts with zplan's own executor (runtime/parallel/experts.py), which "
             "must know an experts module's projections and activation, and this one does not declare them (it "
             "trains as the model has it, with every expert on every rank)"),
+    "experts_not_served": Rule(
+        blocks=("inference",),
+        why="the inference engine does not run expert layers yet: it serves dense decoders, one MLP per block "
+            "(runtime/inference/decoder.py), and this model routes its tokens to experts"),
+    "decoder_not_recognised": Rule(
+        blocks=("inference",),
+        why="the inference engine serves only the pre-norm decoders it recognises module by module "
+            "(runtime/inference/decoder.py)"),
 }
 
 # The pin that asks for each capability, and the plan.json field that holds it.
 PIN_OF: dict[str, str] = {"tensor_parallel": "--tp", "sequence_parallel": "--sequence-parallel", "pipeline": "--pp",
                           "fp8": "--precision fp8", "nvfp4": "--precision nvfp4", "context_parallel": "--cp",
-                          "expert_parallel": "--ep"}
+                          "expert_parallel": "--ep", "inference": "--mode inference"}
 FIELD_OF: dict[str, str] = {"tensor_parallel": "parallel.tp", "sequence_parallel": "parallel.sequence_parallel",
                             "pipeline": "parallel.pp", "fp8": "train.precision", "nvfp4": "train.precision",
-                            "context_parallel": "parallel.cp", "expert_parallel": "parallel.ep"}
+                            "context_parallel": "parallel.cp", "expert_parallel": "parallel.ep",
+                            "inference": "an InferencePlan"}
 FIX_OF: dict[str, str] = {"tensor_parallel": "--tp 1", "sequence_parallel": "no --sequence-parallel",
                           "pipeline": "--pp 1", "fp8": "--precision bf16", "nvfp4": "--precision bf16",
-                          "context_parallel": "--cp 1", "expert_parallel": "--ep 1"}
+                          "context_parallel": "--cp 1", "expert_parallel": "--ep 1",
+                          "inference": "--mode training (zplan plans its training), or serve it with another engine"}
 
 
 def blocking(traits: list[ModelTrait], capability: str) -> list[ModelTrait]:
@@ -146,6 +163,15 @@ def explain(traits: list[ModelTrait], capability: str) -> str:
     where = f"{trait.module} " if trait.module else ""
     more = len(blocking(traits, capability)) - 1
     return f"{where}({trait.detail}): {RULES[trait.kind].why}" + (f" (and {more} more)" if more else "")
+
+
+def inference_problems(traits: list[ModelTrait], names: dict[str, str] = PIN_OF) -> list[str]:
+    """Why the inference engine cannot serve a model with `traits` (one message naming what asked for it, the module
+    and the fix); empty when it can."""
+    if allows(traits, "inference"):
+        return []
+    return [f"{names['inference']}: the inference engine cannot serve this model: {explain(traits, 'inference')}; "
+            f"use {FIX_OF['inference']}"]
 
 
 def sequence_parallel_fits(block_tokens: int | None, tp):

@@ -73,6 +73,13 @@ class InferenceParallel(Frozen):
     max_batch: int = Field(gt=0, description="Sequences one replica runs together; the KV cache is preallocated "
                            "for this many.")
     max_seq_len: int = Field(gt=0, description="Prompt plus generated tokens per sequence the KV cache holds.")
+    kv_block_tokens: int = Field(default=16, gt=0, description="Positions per block of the paged KV cache the "
+                                 "serving runtime keeps (runtime/inference/paged_cache.py).")
+    kv_blocks: Optional[int] = Field(default=None, ge=0, description="Blocks of the paged KV cache on each GPU: the "
+                                     "KV budget (95 % of the memory the resident weights and the framework reserve "
+                                     "leave) // the bytes of a block, 2 * layers * kv_heads/tp * kv_block_tokens * "
+                                     "head_dim * bytes; the runtime admits requests while free blocks remain. None in "
+                                     "plans written before the paged cache.")
 
 
 class InferenceMemory(Frozen):
@@ -109,6 +116,32 @@ class InferenceTime(Frozen):
     decode_stream_s: float = Field(ge=0, description="Per decode step: waiting for streamed weights, not hidden.")
 
 
+class ServingPoint(Frozen):
+    """Continuous batching at one concurrency (planner/inference/throughput.py, `continuous`)."""
+
+    concurrency: int = Field(gt=0, description="Requests in flight on one replica (each replaced when it finishes).")
+    prefill_steps: int = Field(gt=0, description="Engine steps a request reads its prompt in (chunked prefill within "
+                               "the step token budget).")
+    tokens_per_s: float = Field(ge=0, description="Generated tokens per second over all replicas.")
+    tpot_s: float = Field(ge=0, description="Time per output token: one engine step (every running sequence decodes "
+                          "one token and prompt chunks are read), s.")
+    ttft_s: float = Field(ge=0, description="Time to first token: prefill_steps steps, s.")
+
+
+class ContinuousBatchingPrediction(Frozen):
+    """What the serving runtime's continuous batching over the paged KV cache gives on the chosen configuration, at
+    concurrencies 1, 2, 4, ... up to the most the KV blocks hold (planner/inference/throughput.py, `continuous`)."""
+
+    kv_budget_bytes: float = Field(ge=0, description="Bytes per GPU the paged KV cache gets.")
+    kv_block_bytes: float = Field(gt=0, description="Bytes of one block on one GPU.")
+    blocks_per_request: int = Field(gt=0, description="Blocks a request of prompt_len + gen_len tokens holds.")
+    step_tokens: int = Field(gt=0, description="Tokens one engine step carries at most (decodes, then prompt "
+                             "chunks).")
+    max_concurrency: int = Field(ge=0, description="Requests one replica holds at once without preemption: kv_blocks "
+                                 "// blocks_per_request.")
+    points: list[ServingPoint] = Field(default_factory=list, description="The curve, by concurrency.")
+
+
 class InferencePrediction(Frozen):
     ttft_s: float = Field(ge=0, description="Time to first token: prefill of the batch, s.")
     tpot_s: float = Field(ge=0, description="Time per output token: one decode step, s.")
@@ -118,6 +151,9 @@ class InferencePrediction(Frozen):
     memory: InferenceMemory = Field(description="Per-GPU memory.")
     time: InferenceTime = Field(description="Where the time goes.")
     feasible: bool = Field(description="Fits device, host and NVMe capacity.")
+    continuous_batching: Optional[ContinuousBatchingPrediction] = Field(
+        default=None, description="Throughput against latency under the serving runtime's continuous batching (None "
+        "in plans written before it).")
 
 
 class InferenceCandidate(Frozen):

@@ -35,6 +35,7 @@ from zplan.reduce_cli import reduce_command
 from zplan.runtime.plan.check import runtime_gaps
 from zplan.schemas.inference import InferencePlan
 from zplan.schemas.spec import Pins
+from zplan.serve_cli import serve_command
 
 # rich_markup_mode=None: click's plain help, which wraps each option's text beside its name at any width; rich's
 # seven-column option table leaves compile's help texts about 15 characters at 80 columns and cuts words with "…"
@@ -436,4 +437,5 @@ def probe(
 app.command("reduce")(reduce_command)  # zplan reduce: zplan/reduce_cli.py
 app.command("dryrun")(dryrun_command)  # zplan dryrun: zplan/dryrun_cli.py
 app.command("calibrate")(calibrate_command)  # zplan calibrate: zplan/calibrate_cli.py
+app.command("serve")(serve_command)  # zplan serve: zplan/serve_cli.py
 app.add_typer(data_app, name="data")  # zplan data prepare: zplan/data_cli.py

@@ -1,7 +1,11 @@
 """Public API of inference planning: check a request (`prepare`) and compile it into an InferencePlan and its scored
 alternatives (`compile_inference_with_alternatives`; `compile_inference_plan`: the plan alone); zplan.api.write_outputs
 writes them. Cluster and model loading, the GPU-count check and
-the fingerprint are zplan.api's."""
+the fingerprint are zplan.api's.
+
+A model the inference engine cannot serve is refused here, at compile, with the engine's own reason (one contract
+with the runtime): tracing asks the engine's recogniser (runtime/plan/model_checks.py inference_traits, the function
+the engine runs when it starts) and schemas/capability.py's "inference" rules say what its answers rule out."""
 
 from __future__ import annotations
 
@@ -35,9 +39,17 @@ from zplan.planner.inference.search import (
     reason,
     score,
 )
+from zplan.planner.inference.throughput import (
+    KV_BLOCK_TOKENS,
+    STEP_TOKENS,
+    ContinuousBatching,
+    plan_continuous_batching,
+)
 from zplan.schemas.alternatives import InferenceAlternatives
+from zplan.schemas.capability import inference_problems
 from zplan.schemas.cluster import ClusterSpec
 from zplan.schemas.inference import (
+    ContinuousBatchingPrediction,
     InferenceCandidate,
     InferenceMemory,
     InferenceParallel,
@@ -46,6 +58,7 @@ from zplan.schemas.inference import (
     InferencePrediction,
     InferenceSpec,
     InferenceTime,
+    ServingPoint,
 )
 from zplan.schemas.model import ModelSummary
 from zplan.schemas.spec import MAX_GLOBAL_BATCH
@@ -93,14 +106,16 @@ def compute_dtype_for(precision: str | None, cluster: ClusterSpec) -> str:
 
 
 def lengths(prompt_len: int | None, gen_len: int | None, model: InferenceModel, seq_len: int) -> tuple[int, int]:
-    """Prompt and generated tokens: defaults 512 and 128 cut so that prompt + gen <= the model's sequence length;
-    given values beyond a learned position table are an error naming the largest allowed."""
+    """Prompt and generated tokens: defaults 512 and 128 cut so that prompt + gen <= the model's sequence length (and
+    its learned positions, where it has a table); given values beyond a learned position table are an error naming
+    the largest allowed."""
     for name, value in (("--prompt-len", prompt_len), ("--gen-len", gen_len)):
         if value is not None and value < 1:
             raise SpecError(f"{name} must be at least 1 (got {value}).")
+    rows = model.position_rows
+    seq_len = min(seq_len, rows) if rows else seq_len
     gen = gen_len if gen_len is not None else max(1, min(DEFAULT_GEN_LEN, seq_len // 4, seq_len - (prompt_len or 0)))
     prompt = prompt_len if prompt_len is not None else max(1, min(DEFAULT_PROMPT_LEN, seq_len - gen))
-    rows = model.position_rows
     if rows is not None and prompt + gen > rows:
         if prompt >= rows:
             raise SpecError(f"--prompt-len {prompt} leaves no room to generate: the model has {rows} learned "
@@ -131,7 +146,8 @@ def prepare(model_ref: str, gpus: int, cluster: str, target: str = "latency", ba
     spec = load_cluster(cluster)
     check_gpus(gpus, spec)
     dtype = compute_dtype_for(precision, spec)
-    _, summary = summarize_model(model_ref, None, dtype)
+    _, summary = summarize_model(model_ref, None, dtype, serving=True)
+    check_servable(summary)
     model = InferenceModel.from_summary(summary)
     check_tp(tp, model, gpus, spec)
     prompt, gen = lengths(prompt_len, gen_len, model, summary.seq_len)
@@ -143,6 +159,14 @@ def prepare(model_ref: str, gpus: int, cluster: str, target: str = "latency", ba
     pins = InferencePins(tp=tp, precision=precision, offload=tier)
     return InferenceRequest(model_ref=model_ref, summary=summary, cluster=spec, gpus=gpus, target=target,
                             batch=batch, prompt_len=prompt, gen_len=gen, compute_dtype=dtype, pins=pins)
+
+
+def check_servable(summary: ModelSummary) -> None:
+    """SpecError (exit 2, nothing written) when the engine cannot serve the model: a mixture of experts, or a block it
+    does not recognise (the traits tracing recorded, schemas/capability.py's "inference" rules)."""
+    problems = inference_problems(summary.traits)
+    if problems:
+        raise SpecError("; ".join(problems) + ".")
 
 
 def search_space(req: InferenceRequest) -> SearchSpace:
@@ -168,11 +192,14 @@ def compile_inference_with_alternatives(req: InferenceRequest) -> tuple[Inferenc
     order = best_per_config(scored, req.target)
     capacity = float(cluster.gpu.hbm_bytes)
     tp, tier, batch = int(cand.tp[chosen]), WEIGHT_TIERS[cand.tier[chosen]], int(cand.batch[chosen])
+    precision = WEIGHT_PRECISIONS[cand.precision[chosen]]
+    # the serving runtime's continuous batching on the chosen configuration: its paged KV cache and the curve
+    serving = plan_continuous_batching(model, cluster, work, tp, precision, tier, float(est.weights[chosen]), batch)
     parallel = InferenceParallel(
-        tp=tp, replicas=req.gpus // tp, weight_precision=WEIGHT_PRECISIONS[cand.precision[chosen]],
+        tp=tp, replicas=req.gpus // tp, weight_precision=precision,
         quant_group_size=int(quant_group_size(model, cand.tp[[chosen]])[0]), compute_dtype=req.compute_dtype,
         weight_tier=tier, prefetch_layers=0 if tier == "gpu" else PREFETCH_LAYERS, max_batch=batch,
-        max_seq_len=work.max_seq_len)
+        max_seq_len=work.max_seq_len, kv_block_tokens=KV_BLOCK_TOKENS, kv_blocks=serving.kv_blocks)
     alternatives = [
         InferenceCandidate(
             tp=int(cand.tp[i]), weight_precision=WEIGHT_PRECISIONS[cand.precision[i]],
@@ -186,7 +213,8 @@ def compile_inference_with_alternatives(req: InferenceRequest) -> tuple[Inferenc
     plan = InferencePlan(
         zplan_version=__version__, fingerprint=fingerprint(req), model=req.summary, cluster=cluster,
         spec=InferenceSpec(target=req.target, batch=batch, prompt_len=work.prompt_len, gen_len=work.gen_len),
-        pins=req.pins, parallel=parallel, prediction=prediction(est, chosen, capacity),
+        pins=req.pins, parallel=parallel,
+        prediction=prediction(est, chosen, capacity, continuous_batching(serving, parallel.replicas)),
         reason=reason(scored, chosen, req.target, order, req.pins, req.batch is None, req.gpus, capacity),
     )
     return plan, InferenceAlternatives(
@@ -199,8 +227,20 @@ def compile_inference_plan(req: InferenceRequest) -> InferencePlan:
     return compile_inference_with_alternatives(req)[0]
 
 
-def prediction(est: InferenceEstimate, i: int, capacity: float) -> InferencePrediction:
-    """The chosen candidate i's numbers as the plan's prediction."""
+def continuous_batching(serving: ContinuousBatching, replicas: int) -> ContinuousBatchingPrediction:
+    """The planner's curve (one replica) as the plan records it: tokens/s over all replicas."""
+    return ContinuousBatchingPrediction(
+        kv_budget_bytes=serving.kv_budget_bytes, kv_block_bytes=serving.kv_block_bytes,
+        blocks_per_request=serving.blocks_per_request, step_tokens=STEP_TOKENS,
+        max_concurrency=serving.max_concurrency,
+        points=[ServingPoint(concurrency=p.concurrency, prefill_steps=p.prefill_steps,
+                             tokens_per_s=replicas * p.tokens_per_s, tpot_s=p.step_s, ttft_s=p.ttft_s)
+                for p in serving.points])
+
+
+def prediction(est: InferenceEstimate, i: int, capacity: float,
+               serving: ContinuousBatchingPrediction | None = None) -> InferencePrediction:
+    """The chosen candidate i's numbers as the plan's prediction (`serving`: its continuous-batching curve)."""
 
     def f(name: str) -> float:
         return float(getattr(est, name)[i])
@@ -213,6 +253,7 @@ def prediction(est: InferenceEstimate, i: int, capacity: float) -> InferencePred
                                cpu_bytes_per_node=f("cpu_bytes_per_node"),
                                nvme_bytes_per_node=f("nvme_bytes_per_node")),
         time=InferenceTime(**{name: f(name) for name in InferenceTime.model_fields}),
+        continuous_batching=serving,
     )
 
 

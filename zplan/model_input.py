@@ -32,22 +32,26 @@ def is_family_reference(model_ref: str) -> bool:
 
 def trace_model_file(path: str | Path, seq_len: int | None, precision: str, *,
                      build_overrides: dict[str, Any] | None = None,
-                     tracers: tuple[str, ...] = TRACERS) -> tuple[ModelGraph, ModelSummary]:
-    """planner.trace.trace_model_file with the runtime's checks: every trait of the model."""
+                     tracers: tuple[str, ...] = TRACERS, serving: bool = False) -> tuple[ModelGraph, ModelSummary]:
+    """planner.trace.trace_model_file with the runtime's checks: every trait of the model (`serving`: whether the
+    inference engine serves it too, compile --mode inference)."""
     return trace.trace_model_file(path, seq_len, precision, build_overrides=build_overrides, tracers=tracers,
-                                  runtime_checks=model_checks)
+                                  runtime_checks=model_checks, serving=serving)
 
 
 def trace_module(model: nn.Module, example_inputs: Any, seq_len: int, precision: str, *, name: str = "model",
-                 tracers: tuple[str, ...] = TRACERS) -> tuple[ModelGraph, ModelSummary]:
-    """planner.trace.trace_module with the runtime's checks: every trait of the model."""
+                 tracers: tuple[str, ...] = TRACERS, serving: bool = False) -> tuple[ModelGraph, ModelSummary]:
+    """planner.trace.trace_module with the runtime's checks: every trait of the model (`serving`: as
+    trace_model_file)."""
     return trace.trace_module(model, example_inputs, seq_len, precision, name=name, tracers=tracers,
-                              runtime_checks=model_checks)
+                              runtime_checks=model_checks, serving=serving)
 
 
 def summarize_model(model_ref: str, seq_len: int | None, precision: str, *,
-                    build_overrides: dict[str, Any] | None = None) -> tuple[ModelGraph | None, ModelSummary]:
-    """(graph, summary) of a model file, or (None, summary) of a family spec."""
+                    build_overrides: dict[str, Any] | None = None,
+                    serving: bool = False) -> tuple[ModelGraph | None, ModelSummary]:
+    """(graph, summary) of a model file, or (None, summary) of a family spec (`serving`: as trace_model_file; a family
+    spec has no modules to ask about)."""
     if is_family_reference(model_ref):
         return None, family_summary(model_ref, seq_len, precision)
-    return trace_model_file(model_ref, seq_len, precision, build_overrides=build_overrides)
+    return trace_model_file(model_ref, seq_len, precision, build_overrides=build_overrides, serving=serving)

@@ -33,6 +33,30 @@ cost.py, and composes steps into the two policies serving benchmarks measure:
           prefill together, decode in lockstep and finish on the same step, and nothing is admitted until they
           do: the engine runs consecutive static batches ("waves") of N, and R requests take
             time = floor(R / N) * static(N) + static(R mod N),  output tokens/s = R * O / time.
+  continuous  what zplan's own serving runtime runs (runtime/inference/scheduler.py over paged_cache.py): iteration-
+          level scheduling (Orca) over a paged KV cache (Kwon et al. 2023, "PagedAttention", SOSP). The cache is cut
+          into blocks of KV_BLOCK_TOKENS = 16 positions; the KV budget of one GPU is kv_fraction of the memory left
+          after the resident weights and the framework reserve (the rest covers a step's activations), and holds
+            kv_blocks = budget // (2 * L * ceil(a_kv / t) * 16 * d * kv_bytes)   blocks (the same on every tp rank).
+          Every step decodes every running sequence (one token each) and then reads prompt chunks, at most
+          STEP_TOKENS = 512 tokens in all (chunked prefill, Agrawal et al. 2024, "Sarathi-Serve", OSDI); a request
+          is admitted while free blocks remain and fewer than max_batch sequences run. The cache takes no more
+          blocks than max_batch sequences of max_seq_len fill. Priced at concurrency N (N requests in flight, each
+          replaced by a new one when it finishes: a closed loop of N clients), N up to the most the blocks hold
+          without preemption, min(max_batch, kv_blocks // ceil((I + O) / 16)). A request lives k + O - 1 steps:
+          k steps reading its prompt (its first token comes with the last chunk), then O - 1 decode steps. With N
+          in flight a step holds on average D = N (O - 1) / (k + O - 1) decode tokens and the prompts of
+          n_p = N / (k + O - 1) requests, N (I + O - 1) / (k + O - 1) tokens, which the step budget caps, so k is the
+          fewest steps that keep it within 512 (and each chunk within 512):
+            k = max(1, ceil(I / 512), ceil(N (I + O - 1) / 512 - (O - 1)))
+            step = step(D, c = I + O / 2, n_p, P = I)  (+ streamed weights not hidden, + the host's dispatch)
+            output tokens/s = N * O / ((k + O - 1) * step),  TPOT = step.
+          A request's first token takes the k steps that read its prompt, each with a 1 / k chunk of it beside the
+          other N - 1 requests' share of the average step:
+            TTFT = k * step(D = (N - 1) (O - 1) / (k + O - 1), c, n_p = 1 / k + (N - 1) / (k + O - 1), P = I).
+          At N = 1 with a prompt of at most 512 tokens TTFT is a lone prefill (ttft_s) and TPOT max load's step at
+          N = 1; as N grows the step budget stretches k, throughput saturates near 512 * O / (I + O - 1) tokens
+          per step, and TTFT grows. Queueing beyond N and preemption (never needed at these N) are not priced.
 
 Numerics says what the step's numbers are stored and computed in: weight bytes per block Linear weight and per head
 weight, KV-cache bytes per element, activation bytes (the all-reduce payload), the block GEMMs' peak and the peak
@@ -40,32 +64,46 @@ of the rest (attention, logits). numerics_for() gives zplan's own engine's (the 
 prices, fp8 W8A8 included); a benchmark may state where another engine differs (e.g. an fp8 KV cache) explicitly,
 as that engine's condition. EngineEfficiency
 scales a step's FLOPs and bytes times for an engine faster or slower than the profile assumes (1, 1: zplan's).
-benchmarks/validate_serving.py checks these formulas against published TensorRT-LLM runs; `zplan compile --mode
-inference` does not call this module yet (its plan reports cost.py's static-batch tokens/s).
+benchmarks/validate_serving.py checks the static and max-load formulas against published TensorRT-LLM runs. `zplan
+compile --mode inference` chooses by cost.py's static batch and records the continuous-batching curve of the chosen
+configuration beside it (plan_continuous_batching: plan.json's parallel.kv_blocks and prediction.continuous_batching).
+KV_BLOCK_TOKENS and STEP_TOKENS are the runtime's own numbers (paged_cache.BLOCK_TOKENS and
+scheduler.DEFAULT_STEP_TOKENS; tests/unit/test_inference_cost.py holds them equal), so what is priced is what runs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import ceil
 
 import numpy as np
 
 from zplan.planner.cost.comm import all_reduce_s
 from zplan.planner.cost.compute import gemm_efficiency
 from zplan.planner.inference.cost import (
+    BLOCK_FORWARD_OPS,
+    EDGE_FORWARD_OPS,
     FLOAT_BYTES,
     WEIGHT_PRECISIONS,
+    WEIGHT_TIERS,
+    InferenceCandidates,
     InferenceModel,
+    Workload,
+    block_weight_bytes,
     fp8_scales_per_weight,
     is_fp8,
     is_quantized,
+    not_hidden_stream_s,
     quant_group_size,
+    stream_link_Bps,
     weight_bytes_per_param,
 )
 from zplan.schemas.cluster import ClusterSpec
 
 DEFAULT_KV_FRACTION = 0.95  # share of the memory left after weights given to the KV cache (TensorRT-LLM's default
 # kv_cache_free_gpu_mem_fraction is 0.9; its perf overview runs 0.95 "in many cases")
+KV_BLOCK_TOKENS = 16  # positions per paged KV-cache block: runtime/inference/paged_cache.py's BLOCK_TOKENS (vLLM's)
+STEP_TOKENS = 512  # tokens one engine pass carries at most: runtime/inference/scheduler.py's DEFAULT_STEP_TOKENS
 
 
 @dataclass(frozen=True)
@@ -281,3 +319,124 @@ def max_load_waves(model: InferenceModel, cluster: ClusterSpec, tp: int, num: Nu
         return conc, 0.0
     waves = max_load_waves_steps(model, cluster, tp, num, input_len, output_len, requests, conc.requests)
     return conc, requests * output_len / waves.seconds(eff)
+
+
+# ---- continuous batching over the paged KV cache (module docstring, `continuous`) ------------------------------
+
+
+def kv_block_bytes(model: InferenceModel, tp: int, num: Numerics) -> float:
+    """Bytes of one KV-cache block on one GPU: 2 * L * ceil(a_kv / t) * KV_BLOCK_TOKENS * d * kv_bytes."""
+    return KV_BLOCK_TOKENS * kv_bytes_per_token(model, tp, num)
+
+
+def kv_budget_bytes(capacity: float, weights: float, reserve: float, kv_fraction: float = DEFAULT_KV_FRACTION
+                    ) -> float:
+    """The KV cache's share of one GPU: kv_fraction of what the resident weights and the framework reserve leave."""
+    return max(0.0, kv_fraction * (capacity - weights - reserve))
+
+
+def blocks_per_request(input_len: int, output_len: int) -> int:
+    """Blocks one request of I + O tokens holds at its end: ceil((I + O) / KV_BLOCK_TOKENS)."""
+    return ceil((input_len + output_len) / KV_BLOCK_TOKENS)
+
+
+def concurrencies(max_concurrency: int) -> list[int]:
+    """1, 2, 4, ... below max_concurrency, then max_concurrency itself ([] when not one request fits)."""
+    points, n = [], 1
+    while n < max_concurrency:
+        points.append(n)
+        n *= 2
+    return points + [max_concurrency] if max_concurrency >= 1 else []
+
+
+def prefill_steps(concurrency: int, input_len: int, output_len: int, step_tokens: int = STEP_TOKENS) -> int:
+    """k: the steps a request reads its prompt in, at `concurrency` requests in flight (module docstring,
+    `continuous`): k = max(1, ceil(I / S), ceil(N (I + O - 1) / S - (O - 1)))."""
+    return max(1, ceil(input_len / step_tokens),
+               ceil(concurrency * (input_len + output_len - 1) / step_tokens - (output_len - 1)))
+
+
+@dataclass(frozen=True)
+class ServingPoint:
+    """One concurrency of the continuous-batching curve (one replica)."""
+
+    concurrency: int  # N requests in flight
+    prefill_steps: int  # k: steps a request reads its prompt in
+    step_s: float  # one engine pass: a running request's time per output token
+    tokens_per_s: float  # output tokens / s of one replica
+    ttft_s: float  # the k steps that read its prompt
+
+
+@dataclass(frozen=True)
+class ContinuousBatching:
+    """The paged KV cache of one GPU and the curve priced on it (module docstring, `continuous`)."""
+
+    kv_budget_bytes: float
+    kv_block_bytes: float
+    kv_blocks: int
+    blocks_per_request: int
+    max_concurrency: int  # kv_blocks // blocks_per_request
+    points: tuple[ServingPoint, ...]  # at concurrencies(max_concurrency)
+
+
+def continuous_batching_point(model: InferenceModel, cluster: ClusterSpec, tp: int, num: Numerics, input_len: int,
+                              output_len: int, concurrency: int, eff: EngineEfficiency = ZPLAN_ENGINE,
+                              layer_transfer_s: float = 0.0, step_tokens: int = STEP_TOKENS) -> ServingPoint:
+    """One point of the curve (module docstring, `continuous`): N requests in flight, each living k + O - 1 steps.
+    `layer_transfer_s`: seconds to move one layer's block weights to the GPU (streamed tiers; 0 when resident), the
+    part the step's compute does not hide added to each step (cost.py's not_hidden_stream_s; all of it where the
+    cluster cannot overlap copies with compute)."""
+    n, out = float(concurrency), float(output_len)
+    k = prefill_steps(concurrency, input_len, output_len, step_tokens)
+    life = k + out - 1.0
+    context = input_len + out / 2.0
+
+    def seconds(decodes: float, prompts: float) -> float:
+        one = steps(model, cluster, tp, num, decodes, context, prompts, input_len).seconds(eff)
+        if layer_transfer_s <= 0:
+            return one
+        return one + (not_hidden_stream_s(np.array(layer_transfer_s), np.array(one), model.layers).item()
+                      if cluster.overlaps_comm_with_compute else model.layers * layer_transfer_s)
+
+    step = seconds(n * (out - 1.0) / life, n / life)  # the average step: every request in flight
+    reading = seconds((n - 1.0) * (out - 1.0) / life, 1.0 / k + (n - 1.0) / life)  # one reading this prompt's chunk
+    return ServingPoint(concurrency=concurrency, prefill_steps=k, step_s=step,
+                        tokens_per_s=n * out / (life * step), ttft_s=k * reading)
+
+
+def continuous_batching(model: InferenceModel, cluster: ClusterSpec, tp: int, num: Numerics, input_len: int,
+                        output_len: int, kv_budget: float, max_running: int, max_seq_len: int,
+                        eff: EngineEfficiency = ZPLAN_ENGINE, layer_transfer_s: float = 0.0,
+                        step_tokens: int = STEP_TOKENS) -> ContinuousBatching:
+    """The paged cache on one GPU and the curve at concurrencies 1, 2, 4, ... up to the most requests of I + O
+    tokens it holds (module docstring, `continuous`). The runtime runs at most `max_running` sequences at a time (the
+    plan's max_batch, as vLLM's max_num_seqs), so the cache takes the blocks `kv_budget` bytes hold but no more than
+    max_running sequences of max_seq_len fill."""
+    block = kv_block_bytes(model, tp, num)
+    blocks = min(int(kv_budget // block), max_running * ceil(max_seq_len / KV_BLOCK_TOKENS))
+    per_request = blocks_per_request(input_len, output_len)
+    most = min(max_running, blocks // per_request)
+    points = tuple(continuous_batching_point(model, cluster, tp, num, input_len, output_len, n, eff,
+                                             layer_transfer_s, step_tokens) for n in concurrencies(most))
+    return ContinuousBatching(kv_budget_bytes=kv_budget, kv_block_bytes=block, kv_blocks=blocks,
+                              blocks_per_request=per_request, max_concurrency=most, points=points)
+
+
+def plan_continuous_batching(model: InferenceModel, cluster: ClusterSpec, work: Workload, tp: int, precision: str,
+                             tier: str, weights_bytes: float, max_running: int) -> ContinuousBatching:
+    """The curve of one configuration of a plan: zplan's engine numerics (numerics_for), the host's dispatch per
+    pass where the profile has one (cost.py's BLOCK_FORWARD_OPS per block, as cost.py's prefill and decode),
+    `weights_bytes` the weights the configuration keeps on a GPU (cost.py's estimate: the layers in flight for a
+    streamed tier), whose blocks then cross the tier's link every pass."""
+    num = numerics_for(precision, work.compute_dtype, model, tp, cluster)
+    host_s = (BLOCK_FORWARD_OPS * model.layers + EDGE_FORWARD_OPS) * cluster.host_overheads.op_s
+    tier_index = WEIGHT_TIERS.index(tier)
+    layer_transfer = 0.0
+    if tier != "gpu":
+        one = InferenceCandidates(tp=np.array([tp]), precision=np.array([WEIGHT_PRECISIONS.index(precision)]),
+                                  tier=np.array([tier_index]), batch=np.array([1]))
+        link = stream_link_Bps(np.array([tier_index]), cluster, work.gpus)
+        layer_transfer = float((block_weight_bytes(model, one) / model.layers / link)[0])
+    budget = kv_budget_bytes(float(cluster.gpu.hbm_bytes), weights_bytes, float(cluster.framework_reserve_bytes))
+    return continuous_batching(model, cluster, tp, num, work.prompt_len, work.gen_len, budget, max_running,
+                               work.max_seq_len, EngineEfficiency(pass_overhead_s=host_s), layer_transfer)

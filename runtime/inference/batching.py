@@ -1,6 +1,20 @@
-"""The inference server's batching (runtime/inference/server.py): a bounded queue of tokenized requests and the
-worker thread that runs them through engine.stream, max_batch at a time, and the loop of the other tensor-parallel
-ranks, which run each batch rank 0 broadcasts."""
+"""The serving worker (runtime/inference/server.py's engine side): a thread that runs the continuous-batching
+scheduler (runtime/inference/scheduler.py) step after step, takes new requests and cancellations between steps, and
+hands each new token to its request's asyncio queue; and the loop of the other tensor-parallel ranks, which run
+each step rank 0 broadcasts.
+
+    worker = ServingWorker(engine, stop_token, limits, num_blocks=..., max_running=...)
+    worker.start(); worker.submit(request); ...; worker.cancel(request); worker.close()
+
+A request's events, pushed through its event loop (loop.call_soon_threadsafe):
+    ("token", (token_id, logprob or None))   one per generated token (the stop token included)
+    ("done", "stop" | "length")              it finished
+    ("error", message)                       it failed alone (the engine pass it was in failed, or its logits
+                                             could not be sampled); the worker goes on
+After cancel() takes effect a request gets no more events.
+"""
+
+from __future__ import annotations
 
 import asyncio
 import queue
@@ -11,24 +25,23 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from zplan.runtime.inference.sampling import SamplingFailure
+from zplan.runtime.inference.scheduler import Outcome, Scheduler, Sequence, blocks_for
 from zplan.runtime.inference.server_requests import ServerLimits
 
 HEARTBEAT_S = 30.0  # idle broadcast period under tensor parallel (gloo and NCCL time out after minutes)
 POLL_S = 0.1  # how often an idle worker looks for a stop
 
 
-@dataclass
+@dataclass(eq=False)
 class PendingRequest:
-    """A tokenized request; the worker thread pushes ("token", id), ("done", reason) or ("error", message)
-    events onto `events` through the event loop."""
+    """A tokenized request; the worker thread pushes its events (module docstring) onto `events`."""
 
     prompt_ids: list[int]
     max_new_tokens: int
     sampling: Any  # SamplingParams
     loop: asyncio.AbstractEventLoop
+    logprobs: bool = False
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    finished: bool = False  # read and written by the worker thread only
 
     def push(self, kind: str, value: Any) -> None:
         try:
@@ -37,8 +50,19 @@ class PendingRequest:
             pass
 
 
+@dataclass(frozen=True)
+class ServingStats:
+    running: int  # sequences in the engine's batch
+    waiting: int  # requests not admitted yet
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefix_cache_hit_tokens: int  # prompt tokens found in the prefix cache (counted at admission)
+    prefix_cache_query_tokens: int  # prompt tokens looked up
+    preemptions: int
+
+
 class Broadcaster:
-    """Rank 0's side of tensor parallel: sends each batch (or a heartbeat, or shutdown) to the other ranks."""
+    """Rank 0's side of tensor parallel: sends each step (or a heartbeat, or shutdown) to the other ranks."""
 
     def __init__(self, group=None):
         self.group = group
@@ -49,17 +73,31 @@ class Broadcaster:
         dist.broadcast_object_list([message], src=0, group=self.group)
 
 
-class BatchWorker:
-    """The bounded queue and the thread that runs its requests through engine.stream, max_batch at a time."""
+def default_blocks(max_running: int, max_seq_len: int) -> int:
+    """KV blocks for max_running sequences of max_seq_len tokens (the plan's KV budget in blocks)."""
+    return max_running * blocks_for(max_seq_len)
+
+
+class ServingWorker:
+    """The thread that runs the scheduler; submit and cancel are safe from any thread."""
 
     def __init__(self, engine, stop_token: int | None, limits: ServerLimits, broadcaster: Broadcaster | None = None,
-                 device=None):
+                 device=None, *, num_blocks: int | None = None, max_running: int | None = None,
+                 max_step_tokens: int | None = None):
         self.engine, self.stop_token, self.limits = engine, stop_token, limits
         self.broadcaster, self.device = broadcaster, device
-        self.waiting: queue.Queue[PendingRequest] = queue.Queue(maxsize=limits.queue_size)
-        self.batches_run = 0
+        max_running = max_running or engine.max_batch
+        extra = {} if max_step_tokens is None else {"max_step_tokens": max_step_tokens}
+        self.scheduler = Scheduler(engine, num_blocks or default_blocks(max_running, engine.max_seq_len),
+                                   max_running=max_running, runner=self._send_step if broadcaster else None, **extra)
+        self.steps_run = 0
+        self._lock = threading.Lock()
+        self._inbox: list[PendingRequest] = []
+        self._cancels: list[PendingRequest] = []
+        self._sequences: dict[int, Sequence] = {}  # id(request) -> its sequence, while it runs or waits
+        self._wake = threading.Event()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="zplan-batch-worker", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="zplan-serving-worker", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -69,22 +107,45 @@ class BatchWorker:
         return self._thread.is_alive() and not self._stop.is_set()
 
     def submit(self, request: PendingRequest) -> None:
-        """Queue `request`; queue.Full when the queue is full, RuntimeError when stopping."""
+        """Queue `request`: queue.Full when limits.queue_size requests wait already, RuntimeError when stopping,
+        ValueError (the reason) when the engine cannot serve it."""
         if not self.alive:
             raise RuntimeError("the server is stopping")
-        self.waiting.put_nowait(request)
+        problem = self.scheduler.check(request.prompt_ids, request.max_new_tokens)
+        if problem:
+            raise ValueError(problem)
+        with self._lock:
+            if len(self._inbox) + len(self.scheduler.waiting) >= self.limits.queue_size:
+                raise queue.Full
+            self._inbox.append(request)
+        self._wake.set()
+
+    def cancel(self, request: PendingRequest) -> None:
+        """Stop `request` before the next step (its blocks are freed then); it gets no more events."""
+        with self._lock:
+            self._cancels.append(request)
+        self._wake.set()
+
+    def stats(self) -> ServingStats:
+        pool = self.scheduler.pool
+        return ServingStats(running=len(self.scheduler.running),
+                            waiting=len(self.scheduler.waiting) + len(self._inbox),
+                            kv_blocks_used=pool.used, kv_blocks_total=pool.num_blocks,
+                            prefix_cache_hit_tokens=pool.hit_tokens, prefix_cache_query_tokens=pool.query_tokens,
+                            preemptions=self.scheduler.preemptions)
 
     def close(self, timeout_s: float = 60.0) -> bool:
-        """Finish the batch in flight, fail the queued requests, and end the other ranks' loops. True when every
-        rank stopped in step (the process group can then be closed with its final barrier)."""
+        """Finish the step in flight, fail every request still waiting or running, and end the other ranks' loops.
+        True when every rank stopped in step (the process group can then be closed with its final barrier)."""
         self._stop.set()
+        self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
-        self._fail_waiting("the server is stopping")
-        if self._thread.is_alive():  # a batch still running: a second thread must not start a collective
-            print(f"zplan: the batch in flight did not end within {timeout_s:.0f} s; stopping without it",
+        if self._thread.is_alive():  # a step still running: a second thread must not start a collective
+            print(f"zplan: the engine step in flight did not end within {timeout_s:.0f} s; stopping without it",
                   file=sys.stderr, flush=True)
             return False
+        self._fail_everything("the server is stopping")
         if self.broadcaster is not None:
             try:
                 self.broadcaster.send({"kind": "shutdown"})
@@ -95,27 +156,25 @@ class BatchWorker:
                 self.broadcaster = None
         return True
 
-    def _fail_waiting(self, message: str) -> None:
-        while True:
-            try:
-                self.waiting.get_nowait().push("error", message)
-            except queue.Empty:
-                return
+    # ---- the worker thread ------------------------------------------------------------------------------------
 
-    def _next_batch(self) -> list[PendingRequest]:
-        """Up to max_batch waiting requests; [] after POLL_S with none (to notice a stop)."""
-        try:
-            first = self.waiting.get(timeout=POLL_S)
-        except queue.Empty:
-            return []
-        batch = [first]
-        deadline = time.monotonic() + self.limits.batch_wait_s
-        while len(batch) < self.engine.max_batch:
-            try:
-                batch.append(self.waiting.get(timeout=max(0.0, deadline - time.monotonic())))
-            except queue.Empty:
-                break
-        return batch
+    def _take_mail(self) -> None:
+        """Cancellations first (a request both new and cancelled never runs), then the new requests."""
+        with self._lock:
+            inbox, cancels = self._inbox, self._cancels
+            self._inbox, self._cancels = [], []
+        cancelled = {id(r) for r in cancels}
+        for request in cancels:
+            sequence = self._sequences.pop(id(request), None)
+            if sequence is not None:
+                self.scheduler.cancel(sequence)
+        for request in inbox:
+            if id(request) in cancelled:
+                continue
+            sequence = Sequence(request.prompt_ids, request.max_new_tokens, request.sampling, handle=request,
+                                logprobs=request.logprobs)
+            self._sequences[id(request)] = sequence
+            self.scheduler.add(sequence)
 
     def _run(self) -> None:
         if self.device is not None and self.device.type == "cuda":
@@ -124,19 +183,50 @@ class BatchWorker:
             torch.cuda.set_device(self.device)  # the CUDA device is per thread
         last_sent = time.monotonic()
         while not self._stop.is_set():
-            batch = self._next_batch()
-            if batch:
-                self.run_batch(batch)
+            self._take_mail()
+            if self.scheduler.busy:
+                for outcome in self.scheduler.step():
+                    self._report(outcome)
+                self.steps_run += 1
                 last_sent = time.monotonic()
-            elif self.broadcaster is not None and time.monotonic() - last_sent > HEARTBEAT_S:
+                continue
+            self._wake.wait(POLL_S)
+            self._wake.clear()
+            if self.broadcaster is not None and time.monotonic() - last_sent > HEARTBEAT_S:
                 try:
-                    self._broadcast({"kind": "idle"})
+                    self._send({"kind": "idle"})
                 except RuntimeError as error:
                     print(f"zplan: {error}", file=sys.stderr, flush=True)
                 last_sent = time.monotonic()
-        self._fail_waiting("the server is stopping")
 
-    def _broadcast(self, message: dict) -> None:
+    def _report(self, outcome: Outcome) -> None:
+        request: PendingRequest = outcome.sequence.handle
+        if outcome.finish == "error":
+            print(f"zplan: a sequence failed after {outcome.sequence.generated} tokens: {outcome.message}",
+                  file=sys.stderr, flush=True)
+            self._sequences.pop(id(request), None)
+            request.push("error", outcome.message)
+            return
+        request.push("token", (outcome.token, outcome.logprob))
+        if outcome.finish:
+            self._sequences.pop(id(request), None)
+            request.push("done", outcome.finish)
+
+    def _fail_everything(self, message: str) -> None:
+        with self._lock:
+            pending = self._inbox
+            self._inbox = []
+        for request in pending:
+            request.push("error", message)
+        for sequence in list(self._sequences.values()):
+            self.scheduler.cancel(sequence)
+            sequence.handle.push("error", message)
+        self._sequences.clear()
+
+    def _send_step(self, batch, params) -> None:
+        self._send({"kind": "step", "batch": batch, "params": params})
+
+    def _send(self, message: dict) -> None:
         """Send to the other ranks; when one is gone, stop serving (health then answers 503) and raise."""
         try:
             self.broadcaster.send(message)
@@ -145,56 +235,17 @@ class BatchWorker:
             self.broadcaster = None  # nobody left to tell about the shutdown
             raise RuntimeError(f"a tensor-parallel rank is gone ({error}): restart the server") from error
 
-    def run_batch(self, batch: list[PendingRequest]) -> None:
-        prompts = [r.prompt_ids for r in batch]
-        max_new = [r.max_new_tokens for r in batch]
-        sampling = [r.sampling for r in batch]
-        self.batches_run += 1
-        try:
-            if self.broadcaster is not None:
-                self._broadcast({"kind": "batch", "prompts": prompts, "max_new_tokens": max_new,
-                                 "sampling": sampling})
-            counts = [0] * len(batch)
-            for step in self.engine.stream(prompts, max_new, sampling):
-                for i, (request, token) in enumerate(zip(batch, step, strict=True)):
-                    if request.finished:
-                        continue
-                    if token is None:
-                        self._finish(request, counts[i], last=None)
-                    elif isinstance(token, SamplingFailure):  # this sequence alone failed; the others go on
-                        print(f"zplan: a sequence of a batch of {len(batch)} failed after {counts[i]} tokens: "
-                              f"{token.message}", file=sys.stderr, flush=True)
-                        request.finished = True
-                        request.push("error", token.message)
-                    else:
-                        counts[i] += 1
-                        request.push("token", int(token))
-                        if counts[i] >= request.max_new_tokens or token == self.stop_token:
-                            self._finish(request, counts[i], last=int(token))
-            for i, request in enumerate(batch):
-                if not request.finished:
-                    self._finish(request, counts[i], last=None)
-        except Exception as error:  # the engine failed: fail this batch's requests, keep serving
-            message = f"{type(error).__name__}: {error}"
-            print(f"zplan: batch of {len(batch)} failed: {message}", file=sys.stderr, flush=True)
-            for request in batch:
-                if not request.finished:
-                    request.finished = True
-                    request.push("error", message)
 
-    def _finish(self, request: PendingRequest, count: int, last: int | None) -> None:
-        request.finished = True
-        stopped = last is not None and last == self.stop_token
-        request.push("done", "stop" if stopped or count < request.max_new_tokens else "length")
-
-
-def follow_batches(engine) -> int:
-    """The loop of tensor-parallel ranks other than 0: run each batch rank 0 broadcasts, until shutdown.
-    SIGTERM / SIGINT are held until rank 0's shutdown message (torchrun sends them to every rank)."""
+def follow_steps(engine, num_blocks: int) -> int:
+    """The loop of tensor-parallel ranks other than 0: run each step rank 0 broadcasts on a paged cache of the same
+    size, until shutdown. SIGTERM / SIGINT are held until rank 0's shutdown message (torchrun sends them to every
+    rank)."""
+    import torch
     import torch.distributed as dist
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: None)
+    cache = engine.paged_cache(num_blocks)
     while True:
         message = [None]
         try:
@@ -205,9 +256,11 @@ def follow_batches(engine) -> int:
         kind = message[0]["kind"]
         if kind == "shutdown":  # close_distributed's barrier then pairs with rank 0's
             return 0
-        if kind == "batch":
+        if kind == "step":
+            params = message[0]["params"]
             try:
-                for _ in engine.stream(message[0]["prompts"], message[0]["max_new_tokens"], message[0]["sampling"]):
-                    pass
-            except Exception as error:  # rank 0 fails the same batch and reports it
-                print(f"zplan: rank {dist.get_rank()}: batch failed: {error}", file=sys.stderr, flush=True)
+                logits = engine.forward_paged(cache, message[0]["batch"])
+                if params:  # rank 0 samples; this joins its broadcast of the tokens
+                    engine.sample(logits, params, [torch.Generator() for _ in params])
+            except Exception as error:  # rank 0 fails the same sequences and reports it
+                print(f"zplan: rank {dist.get_rank()}: step failed: {error}", file=sys.stderr, flush=True)

@@ -49,15 +49,17 @@ class EngineSettings:
     compute_dtype: str  # fp32 | bf16 | fp16 (activations, KV cache)
     weight_tier: WeightTier  # gpu (resident) | cpu | nvme (streamed layer by layer)
     prefetch_layers: int  # layers streamed ahead of the one computing
-    max_batch: int  # sequences per engine batch (the KV cache is preallocated for them)
+    max_batch: int  # sequences in flight at most (generate.py: per batch; serve.py: decoded together each step)
     max_seq_len: int  # prompt + generated tokens per sequence
+    kv_blocks: int | None = None  # serve.py's paged KV cache in blocks of 16 tokens (None, plans before it: what
+    # max_batch sequences of max_seq_len fill)
 
     @classmethod
     def from_plan(cls, plan: InferencePlan) -> EngineSettings:
         p = plan.parallel
         return cls(tp=p.tp, weight_precision=p.weight_precision, group_size=p.quant_group_size,
                    compute_dtype=p.compute_dtype, weight_tier=p.weight_tier, prefetch_layers=p.prefetch_layers,
-                   max_batch=p.max_batch, max_seq_len=p.max_seq_len)
+                   max_batch=p.max_batch, max_seq_len=p.max_seq_len, kv_blocks=p.kv_blocks)
 
 
 def load_inference_plan(path: str | Path) -> InferencePlan:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from zplan.errors import SpecError, ZplanError
+from zplan.runtime.inference.batching import default_blocks
 from zplan.runtime.inference.build import (
     EngineSettings,
     check_inference_plan,
@@ -197,12 +198,13 @@ def generate_main(plan_path: Path, model_path: Path | None, settings: EngineSett
 
 
 def _serve_parser(default_max_new_tokens: int) -> argparse.ArgumentParser:
-    parser = ArgumentParser(description="Serve POST /v1/generate and GET /health over HTTP.")
+    parser = ArgumentParser(description="Serve an OpenAI-compatible API over HTTP: POST /v1/completions, "
+                            "POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics.")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: all)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     _common_arguments(parser, default_max_new_tokens)
-    parser.add_argument("--queue-size", type=int, help="requests waiting beyond which the server answers 503 "
-                        "(default: 8 x the plan's max batch)")
+    parser.add_argument("--queue-size", type=int, help="requests waiting beyond which the server answers 429 "
+                        "(default: 8 x the plan's max batch, at least 256)")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     parser.add_argument("--max-connections", type=int, default=256,
                         help="open connections at most; one more is answered 503 and closed (default 256)")
@@ -210,7 +212,21 @@ def _serve_parser(default_max_new_tokens: int) -> argparse.ArgumentParser:
                         help="seconds a request's headers may take to arrive, else 408 (default 10)")
     parser.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
                         help="seconds a request's body may take to arrive after its headers, else 408 (default 30)")
+    parser.add_argument("--api-key", default=os.environ.get("ZPLAN_API_KEY") or None, metavar="KEY",
+                        help="require `Authorization: Bearer KEY` on every endpoint but /health (default: "
+                             "$ZPLAN_API_KEY; none: no key needed)")
+    parser.add_argument("--model-name", metavar="NAME", help="the model's name in the API (GET /v1/models, the "
+                        "requests' \"model\"; default: the model folder's or file's name)")
     return parser
+
+
+def served_model_name(args: argparse.Namespace, model_path: Path | None) -> str:
+    """--model-name, else the model folder's name or the model file's name without its suffix, else "zplan"."""
+    if args.model_name:
+        return args.model_name
+    if model_path is None:
+        return "zplan"
+    return model_path.name if model_path.is_dir() else model_path.stem
 
 
 # (option, attribute, lowest, highest) of the server's numeric options
@@ -258,6 +274,8 @@ def run_serve(args: argparse.Namespace, plan_path: Path, model_path: Path | None
     limits = ServerLimits.for_engine(engine.max_seq_len, engine.max_batch, args.max_new_tokens,
                                      tokenizer.max_chars_per_token, **overrides)
     try:
-        return serve(engine, tokenizer, ctx, args.host, args.port, limits)
+        num_blocks = settings.kv_blocks or default_blocks(engine.max_batch, engine.max_seq_len)
+        return serve(engine, tokenizer, ctx, args.host, args.port, limits, num_blocks=num_blocks,
+                     model_name=served_model_name(args, model_path), api_key=args.api_key)
     finally:
         engine.close()

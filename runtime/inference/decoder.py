@@ -20,6 +20,7 @@ zplan.cuda.weight_quant layout), or "<name>.fp8_weight" + "<name>.fp8_scale" (fp
 fp32 scale per output row, runtime/inference/fp8.py), plus "<name>.bias" when it has one:
 
     norm1.weight [norm1.bias]  qkv (q, k, v rows stacked)  o  norm2.weight [norm2.bias]  up | gate_up  down
+    [q_norm.weight k_norm.weight]  (Qwen3: RMSNorms of each head's q and k before RoPE, head_dim weights)
 
 Under tensor parallelism (Megatron-LM, Shoeybi et al. 2019) q/k/v/up/gate keep this rank's output rows (its
 heads/tp query and kv_heads/tp key/value heads), o/down this rank's input columns; their biases are added once,
@@ -101,6 +102,8 @@ def pack_layer(block: nn.Module, spec: DecoderSpec, shards: Shards, weight_dtype
         put(f"{name}.bias", bias)  # replicated, added once after the all-reduce
 
     norms = {"norm1": spec.norm1, "norm2": spec.norm2}
+    if spec.head_norm is not None:  # (head_dim,) weights: every tp rank keeps them whole
+        norms.update(q_norm=spec.head_norm, k_norm=spec.head_norm)
     if spec.sandwich:
         norms.update(post_attn_norm=spec.norm1, post_mlp_norm=spec.norm2)  # the same kind of norm as the block's others
     for norm, kind in norms.items():
@@ -230,6 +233,8 @@ def block_forward(spec: DecoderSpec, layer: dict[str, torch.Tensor], x: torch.Te
     q = q.view(batch, seq, -1, d).transpose(1, 2)  # (B, a/tp, T, d)
     k = k.view(batch, seq, -1, d).transpose(1, 2)  # (B, a_kv/tp, T, d)
     v = v.view(batch, seq, -1, d).transpose(1, 2)
+    if spec.head_norm is not None:  # Qwen3: each head's q and k normalised over its d features
+        q, k = norm(layer, "q_norm", spec.head_norm, q), norm(layer, "k_norm", spec.head_norm, k)
     if rotary is not None:
         q, k = rotary(q), rotary(k)
     attended = _rowwise(layer, "o", attend(q, k, v), reduce)  # (B, T, h)

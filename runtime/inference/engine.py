@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zplan.cuda import paged_attention
 from zplan.cuda.weight_quant import QuantizedWeight, dequantize_groupwise
 from zplan.errors import ZplanError
 from zplan.model.model_file import logits_of
@@ -36,7 +37,9 @@ from zplan.runtime.inference import decoder, fp8
 from zplan.runtime.inference.decoder import Shards, linear, norm
 from zplan.runtime.inference.decoder_spec import DecoderSpec, UnsupportedModelError, recognise
 from zplan.runtime.inference.kv_cache import KVCache
+from zplan.runtime.inference.paged_cache import BLOCK_TOKENS, PagedKVCache
 from zplan.runtime.inference.sampling import FAILED, SamplingFailure, SamplingParams, make_generators, sample_next
+from zplan.runtime.inference.step_batch import StepBatch, paged_slots
 from zplan.runtime.inference.weight_store import ResidentWeights, WeightStore, tensor_bytes
 from zplan.runtime.inference.zero_inference import StreamedWeights
 from zplan.schemas.inference import WeightPrecision, WeightTier
@@ -62,8 +65,8 @@ class InferenceEngine:
         self.tp = 1 if tp_mesh is None else tp_mesh.size()
         self._group = None if tp_mesh is None else tp_mesh.get_group()
         self._outer_bytes = outer_bytes
-        kv_heads = spec.kv_heads // self.tp
-        self.cache = KVCache(spec.num_layers, max_batch, kv_heads, max_seq_len, spec.head_dim, compute_dtype, device)
+        self.kv_heads = spec.kv_heads // self.tp  # this rank's key/value heads
+        self._cache: KVCache | None = None  # stream()'s cache, allocated on its first use (serving pages its own)
         has_rope = spec.rope_theta is not None or spec.rope_inv_freq is not None
         self._rope = decoder.rope_table(spec, max_seq_len, compute_dtype, device) if has_rope else None
         self._gqa = spec.kv_heads != spec.heads
@@ -232,6 +235,90 @@ class InferenceEngine:
                          lambda i, q, k, v: self._attention(i, q, k, v, masks), rotary)
         return self._logits(x)
 
+    @property
+    def cache(self) -> KVCache:
+        """stream()'s KV cache for max_batch sequences of max_seq_len positions."""
+        if self._cache is None:
+            self._cache = KVCache(self.spec.num_layers, self.max_batch, self.kv_heads, self.max_seq_len,
+                                  self.spec.head_dim, self.compute_dtype, self.device)
+        return self._cache
+
+    def paged_cache(self, num_blocks: int) -> PagedKVCache:
+        """A paged KV cache of num_blocks blocks for this engine's layers and this rank's heads; builds the paged
+        attention kernel now where it applies (a first build takes ~30 s: before serving, not in the first request)."""
+        paged_attention.kernel_applies(self.device, self.compute_dtype)
+        return PagedKVCache(self.spec.num_layers, num_blocks, self.kv_heads, self.spec.head_dim,
+                            self.compute_dtype, self.device)
+
+    def kv_bytes_per_block(self) -> int:
+        return PagedKVCache.bytes_per_block(self.spec.num_layers, self.kv_heads, self.spec.head_dim,
+                                            torch.finfo(self.compute_dtype).bits // 8)
+
+    @torch.no_grad()
+    def forward_paged(self, cache: PagedKVCache, batch: StepBatch) -> torch.Tensor:
+        """One scheduler iteration (runtime/inference/scheduler.py): every token of `batch` in one pass, its keys
+        and values written to their slots of `cache`, each segment attending to its own positions 0..context-1 ->
+        fp32 logits (len(batch.sample), V) at the last token of the segments batch.sample names.
+
+        The Linears run once over all N tokens. The decodes (batch.decodes single tokens) attend by
+        zplan.cuda.paged_attention's C++ kernel on the CPU in fp32 (the cache read in place), else in batches of like
+        context length (_decode_groups) over their slots gathered, padded and masked; each prompt chunk attends
+        alone, causally from its first position; a chunk that is a whole prompt attends to its own fresh keys."""
+        dev = self.device
+        cache.clear(batch.fresh)
+        tokens = torch.tensor(batch.tokens, dtype=torch.long, device=dev)  # (N,)
+        positions = torch.tensor(batch.positions, dtype=torch.long, device=dev)  # (N,)
+        slots = torch.tensor(batch.slots, dtype=torch.long, device=dev)  # (N,)
+        decodes = batch.decodes
+        # per attention call: (first token, tokens, slots to read (B, S) or None: its own keys, masks, whether its
+        # tokens are B decodes, one query each)
+        parts = []
+        kernel = decodes and paged_attention.kernel_applies(dev, self.compute_dtype)
+        if kernel:  # the decodes in one C++ call per layer, reading the cache in place
+            blocks = max(len(table) for table in batch.tables[:decodes])
+            tables = torch.tensor([table + [0] * (blocks - len(table)) for table in batch.tables[:decodes]],
+                                  dtype=torch.long)  # (D, B)
+            lengths = torch.tensor([context for _, context in batch.segments[:decodes]], dtype=torch.long)  # (D,)
+        else:  # the torch way: gathered in runs of like length
+            for start, end in _decode_groups([context for _, context in batch.segments[:decodes]]):
+                width = max(context for _, context in batch.segments[start:end])
+                read = paged_slots(batch.tables[start:end], width, dev)  # (D, S)
+                parts.append((start, end - start, read, self._masks(positions[start:end, None], width), True))
+        first = decodes
+        for (count, context), table in zip(batch.segments[decodes:], batch.tables[decodes:], strict=True):
+            query_positions = positions[first:first + count][None]  # (1, n)
+            if context == count:  # a whole prompt: causal over its own keys
+                parts.append((first, count, None, self._masks(query_positions, context) if self._masked else {},
+                              False))
+            else:
+                read = paged_slots([table], context, dev)  # (1, S)
+                parts.append((first, count, read, self._masks(query_positions, context), False))
+            first += count
+
+        def attend(i, q, k, v):  # q (1, a, N, d), k and v (1, a_kv, N, d)
+            cache.write(i, slots, k[0].transpose(0, 1), v[0].transpose(0, 1))  # (N, a_kv, d)
+            outputs = []
+            if kernel:
+                spec = self.spec
+                y = paged_attention.paged_decode_attention(
+                    q[0, :, :decodes].transpose(0, 1), cache.k[i], cache.v[i], tables, lengths,
+                    scale=spec.head_dim ** -0.5 if spec.attn_scale is None else spec.attn_scale,
+                    window=self._windows[i], softcap=spec.attn_softcap, block_tokens=BLOCK_TOKENS)  # (D, a, d)
+                outputs.append(y.reshape(1, decodes, -1))
+            for start, count, read, masks, decoding in parts:
+                query = q[:, :, start:start + count]  # (1, a, n, d)
+                if read is None:
+                    keys, values = k[:, :, start:start + count], v[:, :, start:start + count]
+                else:
+                    keys, values = cache.read(i, read)  # (B, a_kv, S, d)
+                if decoding:
+                    query = query[0].transpose(0, 1)[:, :, None]  # (D, a, 1, d)
+                outputs.append(self._attention(i, query, keys, values, masks).reshape(1, count, -1))
+            return torch.cat(outputs, dim=1)  # (1, N, a d)
+
+        x = self._layers(self._embed(tokens[None], positions), attend, self._rotary(positions))  # (1, N, h)
+        return self._logits(x[0, torch.tensor(batch.sample_rows(), dtype=torch.long, device=dev)])
+
     def _prefill(self, tokens: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         """tokens (B, T) right-padded; caches positions 0..T-1; fp32 logits (B, V) at positions last (B,)."""
         batch, seq = tokens.shape
@@ -262,7 +349,7 @@ class InferenceEngine:
         x = self._layers(self._embed(tokens[:, None], positions[:, None]), attend, rotary)  # (B, 1, h)
         return self._logits(x[:, 0])
 
-    def _sample(self, logits: torch.Tensor, params, generators) -> list[int | SamplingFailure]:
+    def sample(self, logits: torch.Tensor, params, generators) -> list[int | SamplingFailure]:
         """Tokens chosen on tp rank 0 and broadcast, so every rank continues with the same ones (a failed row
         travels as FAILED; tp rank 0 keeps its message)."""
         sampled = sample_next(logits, params, generators)
@@ -325,7 +412,7 @@ class InferenceEngine:
         finished = [False] * batch
         positions = last.clone()  # where each sequence's newest token goes
         while True:
-            chosen = self._sample(logits, params, generators)
+            chosen = self.sample(logits, params, generators)
             step: list[int | SamplingFailure | None] = []
             for b in range(batch):
                 if finished[b]:
@@ -368,6 +455,20 @@ class InferenceEngine:
 
     def close(self) -> None:
         self.store.close()
+
+
+def _decode_groups(contexts: list[int], min_fill: float = 0.5) -> list[tuple[int, int]]:
+    """(start, end) runs of the decodes, longest context first (the scheduler's order), each read as one batch
+    padded to its first context: a run ends where a context is below min_fill of it, so that padding stays under
+    half of what is read."""
+    groups, start = [], 0
+    for i, context in enumerate(contexts):
+        if context < min_fill * contexts[start]:
+            groups.append((start, i))
+            start = i
+    if contexts:
+        groups.append((start, len(contexts)))
+    return groups
 
 
 def _eager_reference(model: nn.Module) -> str | None:

@@ -1,62 +1,84 @@
-"""The HTTP server behind the emitted serve.py: POST /v1/generate and GET /health on FastAPI + uvicorn.
+"""The HTTP server behind the emitted serve.py: an OpenAI-compatible API on FastAPI + uvicorn.
 
-Requests are validated (pydantic, extra fields refused), tokenized and put on a bounded queue (full: 503
-with Retry-After). One worker thread takes up to engine.max_batch waiting requests at a time, runs them as
-one engine.stream batch and hands each new token to its request's asyncio queue (loop.call_soon_threadsafe),
-so the event loop only ever waits. A client that goes away leaves its sequence running to the end of the
-batch (the engine has no per-sequence cancel); the others are not disturbed, and the server prints one line. An
-engine error fails the requests of that batch (500 with the message) and the worker goes on with the next; a
-sequence the engine could not sample (a SamplingFailure: runtime/inference/sampling.py) fails its request alone.
+    POST /v1/completions        {"prompt", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", ...}
+    POST /v1/chat/completions   {"messages", "max_completion_tokens" (or "max_tokens"), the same sampling fields}
+    GET  /v1/models             the served model (its name, max_model_len)
+    GET  /health                200 {"status": "ok", ...}, 503 while stopping (never needs the API key)
+    GET  /metrics               Prometheus text (runtime/inference/metrics.py)
 
-A request's own values cannot fail the others batched with it: each field's type and range is checked by the
-request model (request_model: strict types, so no "5", true or [5] for a number; no NaN or infinity), a 422 names
-the field and what it accepts, and sampling is numerically safe per sequence (a temperature below 1e-5 is greedy).
+The fields and their bounds: runtime/inference/server_requests.py (strict types, no NaN or infinity, unknown fields
+refused; a 400 names each bad field and what it accepts). Answers and errors have OpenAI's shapes
+(runtime/inference/openai_api.py); a stream is server-sent events, one `data: {chunk}` per token's text (an
+incomplete UTF-8 character, or text that may begin a stop string, is held back until it is known), then the chunk
+with finish_reason, the usage chunk when stream_options.include_usage, then `data: [DONE]`. POST /v1/generate, the
+server's own API before this one, is retired.
 
-Slow and greedy clients: a request's headers must arrive within header_timeout_s and its body within
-body_timeout_s (else 408), and at most max_connections connections are open at a time (more get 503):
-runtime/inference/http_limits.py. A body that is not JSON, not UTF-8 or holds NaN or an infinite number is 422.
+Each request is tokenized (a chat through tokenizer.chat_prompt) and submitted to the worker (ServingWorker of
+runtime/inference/batching.py, duck-typed here: submit, cancel, stats, alive), which pushes ("token", (id,
+logprob)), ("done", "stop" | "length") or ("error", message) events to the request's asyncio queue from its thread;
+the event loop only ever waits. A stop string found in the text ends the request ("stop") and cancels its sequence;
+so does a client that goes away (a stream's response is cancelled; a plain request's connection is polled every
+DISCONNECT_POLL_S). An engine error fails only its request (500, or an error chunk once streaming). A full queue
+is 429 with Retry-After; a stopping server 503 with Retry-After.
 
-Tensor parallel: every rank of the replica must run the same engine.stream. Rank 0 serves HTTP and, before
-each batch, broadcasts it (torch.distributed.broadcast_object_list); the other ranks loop in follow_batches
-receiving and running it. While idle, rank 0 broadcasts a heartbeat every HEARTBEAT_S so that no rank waits
-past the process group's timeout. SIGTERM or Ctrl-C on rank 0 stops uvicorn gracefully, then the worker,
-then broadcasts a shutdown message that ends the other ranks.
+With an API key (serve.py --api-key, or ZPLAN_API_KEY), every endpoint but /health needs `Authorization: Bearer
+KEY` (401 otherwise). Slow and greedy clients: a request's headers must arrive within header_timeout_s and its body
+within body_timeout_s (else 408), a body is at most max_body_bytes (else 413), and at most max_connections
+connections are open at a time (more get 503): runtime/inference/http_limits.py.
 
-API (JSON):
-    POST /v1/generate {"prompt": str (1 to max_seq_len characters), "max_new_tokens": int (1 to max_seq_len - 1),
-                       "temperature": float (0 to 10; below 1e-5 greedy), "top_p": float (0 < top_p <= 1),
-                       "seed": int (0 to 2^63 - 1), "stream": bool}
-      stream false: {"text", "tokens", "finish_reason": "stop"|"length", "usage": {"prompt_tokens",
-                     "completion_tokens"}}
-      stream true:  NDJSON, one line per token {"token": id, "text": the text it completes ("" while a
-                     UTF-8 character is incomplete)}, then {"finish_reason", "text", "tokens", "usage"}
-                     ({"error": message, "finish_reason": "error"} if the engine fails mid-stream)
-    GET /health   {"status": "ok", "max_batch", "max_seq_len", "tp", "queued"}
+Tensor parallel: every rank of the replica must run the same engine steps; batching.py owns that (rank 0's worker
+broadcasts what it runs, the other ranks follow it). SIGTERM or Ctrl-C on rank 0 stops uvicorn gracefully, then
+the worker, which tells the other ranks to stop.
 """
+
+from __future__ import annotations
 
 import asyncio
 import errno
-import json
+import hmac
 import queue
+import secrets
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from zplan.errors import ZplanError
-from zplan.runtime.inference.batching import BatchWorker, Broadcaster, PendingRequest, follow_batches
+from zplan.runtime.inference.batching import PendingRequest
+from zplan.runtime.inference.metrics import CONTENT_TYPE, Metrics
+from zplan.runtime.inference.openai_api import (
+    ApiError,
+    IncrementalText,
+    StopText,
+    chat_logprobs,
+    completion_logprobs,
+    error_body,
+    error_response,
+    install_error_handlers,
+    new_id,
+    now_s,
+    sse,
+    usage,
+)
 from zplan.runtime.inference.sampling import SamplingParams
 from zplan.runtime.inference.server_requests import (
     ServerLimits,
     allowed_values,
-    request_model,
-    validation_response,
+    chat_request_model,
+    completion_request_model,
+    validation_message,
 )
+
+__all__ = ["IncrementalText", "ServeError", "ServerLimits", "bind_socket", "create_app", "serve", "server_config"]
+
+DISCONNECT_POLL_S = 0.5  # how often a plain (not streamed) request checks that its client is still there
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
+OWNER = "zplan"
 
 # ---- HTTP ----------------------------------------------------------------------------------------------------
 
@@ -72,8 +94,7 @@ class BodySizeLimit:
             return await self.app(scope, receive, send)
         length = dict(scope.get("headers", [])).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            response = JSONResponse({"detail": self._message()}, status_code=413)
-            return await response(scope, receive, send)
+            return await error_response(413, self._message())(scope, receive, send)
         received = 0
 
         async def limited_receive():
@@ -91,121 +112,349 @@ class BodySizeLimit:
         return f"request body over {self.max_bytes} bytes"
 
 
+class ApiKeyCheck:
+    """ASGI middleware: 401 unless the request carries `Authorization: Bearer <api_key>` (/health is open)."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.api_key = app, api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] == "/health":
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers", [])).get(b"authorization")
+        scheme, _, key = (given or b"").partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self.api_key):
+            return await self.app(scope, receive, send)
+        message = ("no API key: send the header Authorization: Bearer KEY" if given is None else
+                   "invalid API key")
+        response = error_response(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return await response(scope, receive, send)
+
+
+class ClientGone(Exception):
+    """The client went away; nobody reads an answer."""
+
+
 def _client(request: Request) -> str:
     return f"{request.client.host}:{request.client.port}" if request.client else "a client"
 
 
-def _json_line(payload: dict) -> bytes:
-    return (json.dumps(payload, ensure_ascii=False) + "\n").encode()
+def _log(message: str) -> None:
+    print(f"zplan: {message}", file=sys.stderr, flush=True)
 
 
-class IncrementalText:
-    """The text of a growing token list, released only where it is final: a trailing U+FFFD may be an
-    incomplete UTF-8 character that the next byte completes."""
+class Generation:
+    """A submitted request's events turned into the text its client is sent: pieces (text, logprob entries), then
+    finish_reason ("stop" | "length") or error (the engine's message)."""
 
-    def __init__(self, decode: Callable[[list[int]], str]):
-        self.decode, self.tokens, self.released = decode, [], ""
+    def __init__(self, request: PendingRequest, worker, tokenizer, metrics: Metrics, prompt_tokens: int,
+                 stops: list[str], logprobs: bool):
+        self.request, self.worker, self.tokenizer, self.metrics = request, worker, tokenizer, metrics
+        self.prompt_tokens, self.logprobs = prompt_tokens, logprobs
+        self.stop_token = worker.stop_token
+        self.text = IncrementalText(lambda ids: tokenizer.decode([t for t in ids if t != self.stop_token]))
+        self.stop = StopText(stops)
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.started = metrics.request_started(prompt_tokens)
+        self.last_token_at: float | None = None
+        self.pending: tuple | None = None  # an event read ahead (first_event)
 
-    def add(self, token: int) -> str:
-        self.tokens.append(token)
-        stable = self.decode(self.tokens).rstrip("\ufffd")
-        if not stable.startswith(self.released):
-            return ""
-        delta, self.released = stable[len(self.released):], stable
-        return delta
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    async def next_event(self, http_request: Request | None = None) -> tuple:
+        """The next event; with `http_request`, ClientGone once its client has disconnected."""
+        if self.pending is not None:
+            event, self.pending = self.pending, None
+            return event
+        if http_request is None:
+            return await self.request.events.get()
+        while True:
+            try:
+                return await asyncio.wait_for(self.request.events.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await http_request.is_disconnected():
+                    raise ClientGone() from None
+
+    async def first_event(self, http_request: Request) -> None:
+        """Wait for the first event (kept for pieces()); ApiError 500 when it is an engine error."""
+        self.pending = await self.next_event(http_request)
+        if self.pending[0] == "error":
+            self._fail(self.pending[1])
+            raise ApiError(500, f"generation failed: {self.error}")
+
+    async def pieces(self, http_request: Request | None = None) -> AsyncIterator[tuple[str, list]]:
+        """(text delta, [(token text, logprob, offset)]) as tokens come; ends with finish_reason or error set."""
+        while not self.done:
+            kind, value = await self.next_event(http_request)
+            if kind == "token":
+                token, logprob = value
+                self.last_token_at = self.metrics.token(self.started, self.last_token_at)
+                self.completion_tokens += 1
+                if token == self.stop_token:  # no text; "done" follows
+                    continue
+                offset = len(self.text.released)
+                delta = self.stop.add(self.text.add(token))
+                entries = [(self.tokenizer.decode([token]), logprob, offset)] if self.logprobs else []
+                if self.stop.stopped:
+                    self._finish("stop")
+                    self.worker.cancel(self.request)
+                if delta or entries:
+                    yield delta, entries
+            elif kind == "done":
+                rest = self.stop.add(self.text.finish())
+                self._finish("stop" if self.stop.stopped else value)
+                rest += self.stop.finish()
+                if rest:
+                    yield rest, []
+            else:
+                self._fail(value)
+
+    async def collect(self, http_request: Request) -> tuple[str, list]:
+        """The whole text and logprob entries (a plain answer), watching for the client to go away."""
+        text, entries = "", []
+        async for delta, more in self.pieces(http_request):
+            text += delta
+            entries += more
+        return text, entries
+
+    def abort(self, http_request: Request, what: str) -> None:
+        """The client went away: stop the sequence now."""
+        if self.done:
+            return
+        self.worker.cancel(self.request)
+        self.finish_reason = "abort"
+        self.metrics.request_finished("abort")
+        _log(f"{_client(http_request)} disconnected {what}; its sequence was cancelled")
+
+    def _finish(self, reason: str) -> None:
+        if not self.done:
+            self.finish_reason = reason
+            self.metrics.request_finished(reason)
+
+    def _fail(self, message: str) -> None:
+        if not self.done:
+            self.error = message
+            self.metrics.request_finished("error")
 
 
-def create_app(worker: BatchWorker, tokenizer, limits: ServerLimits, *, tp: int = 1) -> FastAPI:
-    """The FastAPI app of `worker` (started by the caller)."""
+def create_app(worker, tokenizer, limits: ServerLimits, *, model_name: str = "zplan", api_key: str | None = None,
+               tp: int = 1) -> FastAPI:
+    """The FastAPI app serving `worker` (started by the caller; ServingWorker's interface) as `model_name`;
+    with `api_key`, every endpoint but /health requires it."""
     engine = worker.engine
-    GenerateRequest = request_model(limits)  # noqa: N806 (a class)
-    allowed = allowed_values(GenerateRequest)
-    app = FastAPI(title="zplan inference server", docs_url=None, redoc_url=None)
+    completion_model, chat_model = completion_request_model(limits), chat_request_model(limits)
+    allowed_completion, allowed_chat = allowed_values(completion_model), allowed_values(chat_model)
+    metrics = Metrics()
+    started_at = now_s()
+    app = FastAPI(title="zplan inference server", docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes)
-    stop_token = worker.stop_token
+    if api_key:
+        app.add_middleware(ApiKeyCheck, api_key=api_key)  # added last: runs first, before the body is read
 
-    def completion(tokens: list[int]) -> str:
-        return tokenizer.decode([t for t in tokens if t != stop_token])
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, error: ClientGone):
+        return Response(status_code=499)  # nobody reads it
 
-    def final(tokens: list[int], prompt_tokens: int, reason: str) -> dict:
-        return {"text": completion(tokens), "tokens": tokens, "finish_reason": reason,
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(tokens)}}
-
-    @app.get("/health")
-    async def health():
-        status = 200 if worker.alive else 503
-        return JSONResponse({"status": "ok" if worker.alive else "stopping", "max_batch": engine.max_batch,
-                             "max_seq_len": engine.max_seq_len, "tp": tp, "queued": worker.waiting.qsize()},
-                            status_code=status)
-
-    @app.post("/v1/generate")
-    async def generate(http_request: Request):
+    async def read_body(http_request: Request, model: type[BaseModel], allowed: dict[str, str]):
         # parsed here rather than by FastAPI, so that a body sent without Content-Type: application/json (curl -d)
-        # is read as JSON too; errors keep FastAPI's 422 format
+        # is read as JSON too, and every error names its field
         try:
             raw = await asyncio.wait_for(http_request.body(), limits.body_timeout_s)
         except ClientDisconnect:
-            print(f"zplan: {_client(http_request)} disconnected before its request body was read", file=sys.stderr,
-                  flush=True)
-            return Response(status_code=499)  # nobody reads it
-        except TimeoutError:
-            print(f"zplan: {_client(http_request)} sent no whole request body within {limits.body_timeout_s:g} s",
-                  file=sys.stderr, flush=True)
-            return JSONResponse({"detail": f"request body not received within {limits.body_timeout_s:g} s"},
-                                status_code=408, headers={"Connection": "close"})
+            _log(f"{_client(http_request)} disconnected before its request body was read")
+            raise ClientGone() from None
+        except asyncio.TimeoutError:
+            _log(f"{_client(http_request)} sent no whole request body within {limits.body_timeout_s:g} s")
+            raise ApiError(408, f"request body not received within {limits.body_timeout_s:g} s",
+                           headers={"Connection": "close"}) from None
         try:
-            body = GenerateRequest.model_validate_json(raw)
+            raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ApiError(400, f"the request body is not UTF-8 ({error.reason} at byte {error.start})") from None
+        try:
+            return model.model_validate_json(raw)
         except ValidationError as error:
-            return validation_response(error, allowed)
-        prompt_ids = tokenizer.encode(body.prompt)
-        if len(prompt_ids) + body.max_new_tokens > engine.max_seq_len:
-            raise HTTPException(400, f"prompt of {len(prompt_ids)} tokens + max_new_tokens {body.max_new_tokens} "
-                                     f"exceeds max_seq_len {engine.max_seq_len} (the KV cache's length per "
-                                     "sequence): shorten the prompt or ask for fewer tokens")
-        sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                                  stop_token=stop_token)
-        request = PendingRequest(prompt_ids, body.max_new_tokens, sampling, asyncio.get_running_loop())
+            message, param = validation_message(error, allowed)
+            raise ApiError(400, message, param=param) from None
+
+    def check_common(body) -> None:
+        """The checks both endpoints share that the model cannot write: the model's name, stream_options."""
+        if body.model is not None and body.model != model_name:
+            raise ApiError(404, f"the model {body.model!r} does not exist: this server serves {model_name!r} "
+                                "(GET /v1/models)", param="model", code="model_not_found")
+        if body.stream_options is not None and not body.stream:
+            raise ApiError(400, "stream_options: allowed only with stream true", param="stream_options")
+
+    def submit(body, prompt_ids: list[int], max_tokens: int | None, max_param: str, prompt_param: str,
+               logprobs: bool) -> Generation:
+        """Check the lengths, then queue the request; its Generation."""
+        room = engine.max_seq_len - len(prompt_ids)
+        if max_tokens is None:  # the default, shortened to what the KV cache has room for
+            max_tokens = min(limits.default_max_new_tokens, room) if room >= 1 else limits.default_max_new_tokens
+        if len(prompt_ids) + max_tokens > engine.max_seq_len:
+            raise ApiError(400, f"this model's maximum context length is {engine.max_seq_len} tokens (max_seq_len, "
+                                f"the KV cache's length per sequence); you asked for {len(prompt_ids) + max_tokens} "
+                                f"tokens ({len(prompt_ids)} in the {prompt_param}, {max_param} {max_tokens}): "
+                                f"shorten the {prompt_param} or ask for fewer tokens",
+                           param=prompt_param, code="context_length_exceeded")
+        stops = [] if body.stop is None else [body.stop] if isinstance(body.stop, str) else list(body.stop)
+        sampling = SamplingParams(
+            temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            seed=secrets.randbits(63) if body.seed is None else body.seed, stop_token=worker.stop_token)
+        request = PendingRequest(prompt_ids, max_tokens, sampling, asyncio.get_running_loop(), logprobs=logprobs)
         try:
             worker.submit(request)
-        except (queue.Full, RuntimeError) as error:
-            detail = (f"server busy: {limits.queue_size} requests already waiting; retry"
-                      if isinstance(error, queue.Full) else str(error))
-            return JSONResponse({"detail": detail}, status_code=503,
-                                headers={"Retry-After": str(limits.retry_after_s)})
+        except ValueError as error:  # the engine cannot serve it (the worker says why)
+            raise ApiError(400, str(error), param=prompt_param) from None
+        except queue.Full:
+            raise ApiError(429, f"server busy: {limits.queue_size} requests already waiting; retry",
+                           code="queue_full", headers={"Retry-After": str(limits.retry_after_s)}) from None
+        except RuntimeError as error:
+            raise ApiError(503, str(error), code="stopping",
+                           headers={"Retry-After": str(limits.retry_after_s)}) from None
+        return Generation(request, worker, tokenizer, metrics, len(prompt_ids), stops, logprobs)
 
-        first = await request.events.get()
-        if not body.stream or first[0] == "error":
-            tokens, event = [], first
-            while event[0] == "token":
-                tokens.append(event[1])
-                event = await request.events.get()
-            if await http_request.is_disconnected():
-                print(f"zplan: {_client(http_request)} disconnected before its answer ({len(tokens)} tokens)",
-                      file=sys.stderr, flush=True)
-                return Response(status_code=499)  # nobody reads it
-            if event[0] == "error":
-                return JSONResponse({"detail": f"generation failed: {event[1]}"}, status_code=500)
-            return final(tokens, len(prompt_ids), event[1])
+    async def plain(generation: Generation, http_request: Request) -> tuple[str, list]:
+        """The whole answer; ClientGone (the sequence cancelled) when the client leaves first."""
+        try:
+            await generation.first_event(http_request)
+            text, entries = await generation.collect(http_request)
+        except ClientGone:
+            generation.abort(http_request, f"before its answer ({generation.completion_tokens} tokens)")
+            raise
+        if generation.error is not None:
+            raise ApiError(500, f"generation failed: {generation.error}")
+        return text, entries
 
-        async def lines() -> AsyncIterator[bytes]:
-            tokens, text, event, finished = [], IncrementalText(completion), first, False
+    def events(generation: Generation, http_request: Request, chunk, include_usage: bool,
+               first: list[bytes]) -> StreamingResponse:
+        """The server-sent events of a stream: `first`, a chunk per piece (chunk(text, entries, finish_reason)),
+        the finish chunk, the usage chunk, [DONE]."""
+
+        async def stream() -> AsyncIterator[bytes]:
+            finished = False
             try:
-                while event[0] == "token":
-                    tokens.append(event[1])
-                    yield _json_line({"token": event[1], "text": text.add(event[1])})
-                    await asyncio.sleep(0)  # a lost connection is noticed here, before the next write
-                    event = await request.events.get()
-                if event[0] == "error":
-                    yield _json_line({"error": f"generation failed: {event[1]}", "finish_reason": "error"})
+                for data in first:
+                    yield data
+                async for delta, entries in generation.pieces():
+                    yield sse(chunk(delta, entries, None))
+                if generation.error is not None:
+                    yield sse(error_body(500, f"generation failed: {generation.error}"))
                 else:
-                    yield _json_line(final(tokens, len(prompt_ids), event[1]))
+                    yield sse(chunk(None, [], generation.finish_reason))
+                    if include_usage:
+                        yield sse(chunk(None, [], None, final_usage=True))
+                yield sse("[DONE]")
                 finished = True
             finally:
                 if not finished:  # the response was cancelled: the client went away
-                    print(f"zplan: {_client(http_request)} disconnected after {len(tokens)} streamed tokens; its "
-                          "sequence runs to the end of its batch", file=sys.stderr, flush=True)
+                    generation.abort(http_request, f"after {generation.completion_tokens} streamed tokens")
 
-        return StreamingResponse(lines(), media_type="application/x-ndjson")
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def stream_start(generation: Generation, http_request: Request) -> None:
+        """Wait for the first event, so that an engine error is a 500 rather than a broken stream."""
+        try:
+            await generation.first_event(http_request)
+        except ClientGone:
+            generation.abort(http_request, "before its first token")
+            raise
+
+    @app.get("/health")
+    async def health():
+        alive, stats = worker.alive, worker.stats()
+        return JSONResponse({"status": "ok" if alive else "stopping", "model": model_name,
+                             "max_batch": engine.max_batch, "max_seq_len": engine.max_seq_len, "tp": tp,
+                             "running": stats.running, "waiting": stats.waiting}, status_code=200 if alive else 503)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": started_at,
+                                            "owned_by": OWNER, "max_model_len": engine.max_seq_len}]}
+
+    @app.get("/metrics")
+    async def metrics_page():
+        return Response(metrics.render(worker.stats()), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/completions")
+    async def completions(http_request: Request):
+        body = await read_body(http_request, completion_model, allowed_completion)
+        check_common(body)
+        prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+        generation = submit(body, tokenizer.encode(prompt), body.max_tokens, "max_tokens", "prompt",
+                            body.logprobs is not None)
+        answer_id, created = new_id("cmpl"), now_s()
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def chunk(text, entries, finish_reason, final_usage: bool = False) -> dict:
+            out = {"id": answer_id, "object": "text_completion", "created": created, "model": model_name,
+                   "choices": [] if final_usage else [{
+                       "index": 0, "text": text or "", "finish_reason": finish_reason,
+                       "logprobs": completion_logprobs(entries) if entries else None}]}
+            if include_usage:
+                out["usage"] = (usage(generation.prompt_tokens, generation.completion_tokens) if final_usage else
+                                None)
+            return out
+
+        if body.stream:
+            await stream_start(generation, http_request)
+            return events(generation, http_request, chunk, include_usage, [])
+        text, entries = await plain(generation, http_request)
+        return {"id": answer_id, "object": "text_completion", "created": created, "model": model_name,
+                "choices": [{"index": 0, "text": text, "finish_reason": generation.finish_reason,
+                             "logprobs": completion_logprobs(entries) if generation.logprobs else None}],
+                "usage": usage(generation.prompt_tokens, generation.completion_tokens)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http_request: Request):
+        body = await read_body(http_request, chat_model, allowed_chat)
+        check_common(body)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        chars = sum(len(m["content"]) for m in messages)
+        if chars > limits.max_prompt_chars:
+            raise ApiError(400, f"messages: {chars} characters in all; at most {limits.max_prompt_chars} fit in "
+                                f"max_seq_len {engine.max_seq_len} tokens", param="messages",
+                           code="context_length_exceeded")
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        try:
+            prompt_ids = tokenizer.chat_prompt(messages)
+        except Exception as error:  # a chat template may refuse a conversation (jinja2's raise_exception)
+            raise ApiError(400, f"messages: the model's chat template refused them: {error}",
+                           param="messages") from None
+        generation = submit(body, prompt_ids, max_tokens, max_param, "messages", bool(body.logprobs))
+        answer_id, created = new_id("chatcmpl"), now_s()
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def chunk(text, entries, finish_reason, final_usage: bool = False, delta: dict | None = None) -> dict:
+            if delta is None:
+                delta = {} if text is None else {"content": text}
+            out = {"id": answer_id, "object": "chat.completion.chunk", "created": created, "model": model_name,
+                   "choices": [] if final_usage else [{
+                       "index": 0, "delta": delta, "finish_reason": finish_reason,
+                       "logprobs": chat_logprobs(entries) if entries else None}]}
+            if include_usage:
+                out["usage"] = (usage(generation.prompt_tokens, generation.completion_tokens) if final_usage else
+                                None)
+            return out
+
+        if body.stream:
+            await stream_start(generation, http_request)
+            role = sse(chunk(None, [], None, delta={"role": "assistant", "content": ""}))
+            return events(generation, http_request, chunk, include_usage, [role])
+        text, entries = await plain(generation, http_request)
+        return {"id": answer_id, "object": "chat.completion", "created": created, "model": model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "finish_reason": generation.finish_reason,
+                             "logprobs": chat_logprobs(entries) if generation.logprobs else None}],
+                "usage": usage(generation.prompt_tokens, generation.completion_tokens)}
 
     return app
 
@@ -244,16 +493,24 @@ def server_config(app: FastAPI, limits: ServerLimits):
                           http=limited_protocol(limits.max_connections, limits.header_timeout_s))
 
 
-def serve(engine, tokenizer, ctx, host: str, port: int, limits: ServerLimits) -> int:
-    """Serve until SIGTERM / Ctrl-C on rank 0; the other tensor-parallel ranks follow rank 0's batches.
-    Every rank of the replica calls this. Returns the process's exit status."""
+ENDPOINTS = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics"
+
+
+def serve(engine, tokenizer, ctx, host: str, port: int, limits: ServerLimits, *, model_name: str,
+          num_blocks: int, api_key: str | None = None) -> int:
+    """Serve until SIGTERM / Ctrl-C on rank 0; the other tensor-parallel ranks follow rank 0's worker.
+    num_blocks: the paged KV cache's blocks (the same on every rank). Every rank of the replica calls this. Returns
+    the process's exit status."""
     import uvicorn
 
+    # batching.py owns the worker and the tensor-parallel broadcast
+    from zplan.runtime.inference.batching import Broadcaster, ServingWorker, follow_steps
+
     if ctx.rank != 0:
-        return follow_batches(engine)
+        return follow_steps(engine, num_blocks)
     broadcaster = Broadcaster() if ctx.world_size > 1 else None
-    worker = BatchWorker(engine, tokenizer.eos_id, limits, broadcaster, device=ctx.device)
-    app = create_app(worker, tokenizer, limits, tp=ctx.world_size)
+    worker = ServingWorker(engine, tokenizer.eos_id, limits, broadcaster, device=ctx.device, num_blocks=num_blocks)
+    app = create_app(worker, tokenizer, limits, model_name=model_name, api_key=api_key, tp=ctx.world_size)
     # uvicorn handles SIGINT/SIGTERM (graceful shutdown) and raises the signal again when done: this handler
     # receives it then, so that the worker is closed and the other ranks told to stop.
     received: list[int] = []
@@ -263,13 +520,12 @@ def serve(engine, tokenizer, ctx, host: str, port: int, limits: ServerLimits) ->
     try:
         sock = bind_socket(host, port)  # in the try: a failure still stops the other ranks
         worker.start()
-        print(f"zplan: serving on http://{host}:{port} (POST /v1/generate, GET /health); max batch "
-              f"{engine.max_batch}, max_seq_len {engine.max_seq_len}, tp {ctx.world_size}", file=sys.stderr,
-              flush=True)
+        _log(f"serving {model_name!r} on http://{host}:{port} ({ENDPOINTS}{'; API key required' if api_key else ''});"
+             f" max batch {engine.max_batch}, max_seq_len {engine.max_seq_len}, tp {ctx.world_size}")
         server.run(sockets=[sock])
     finally:
         stopped_in_step = worker.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    print(f"zplan: server stopped ({worker.batches_run} batches run)", file=sys.stderr, flush=True)
+    _log("server stopped")
     return 0 if server.started and stopped_in_step else 1

@@ -8,6 +8,11 @@ tokenizers will answer with noise; the ids are still valid).
     tok = ByteTokenizer(vocab_size=50257)
     ids = tok.encode("héllo")   # [104, 195, 169, 108, 108, 111]
     tok.decode(ids)             # "héllo"
+
+Chat (the server's POST /v1/chat/completions): chat_prompt(messages) is the prompt ids of a conversation. A Hugging
+Face tokenizer with a chat template applies it (with the generation prompt); otherwise, and always for the byte
+tokenizer, the plain template PLAIN_CHAT_TEMPLATE is used: one "role: content" line per message, then "assistant: ".
+A model not trained on that format answers it as ordinary text.
 """
 
 from __future__ import annotations
@@ -18,6 +23,15 @@ from zplan.errors import ZplanError
 from zplan.safe_files import UnreadableFileError, read_json_capped
 
 BYTE_IDS = 256  # ids 0..255 are the bytes
+PLAIN_CHAT_TEMPLATE = "{role}: {content}\n"  # a message of the plain chat template; the prompt ends "assistant: "
+PLAIN_CHAT_REPLY = "assistant: "
+
+
+def plain_chat_text(messages: list[dict]) -> str:
+    """The plain chat template's text of `messages` ([{"role", "content": str}, ...]): "system: Be brief.\nuser:
+    Hi\nassistant: "."""
+    return "".join(PLAIN_CHAT_TEMPLATE.format(role=m["role"], content=m["content"]) for m in messages) + \
+        PLAIN_CHAT_REPLY
 
 
 class ByteTokenizer:
@@ -36,6 +50,10 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < BYTE_IDS).decode("utf-8", errors="replace")
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """The prompt ids of a conversation ([{"role", "content": str}, ...]): the plain template's bytes."""
+        return self.encode(plain_chat_text(messages))
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # what save_pretrained writes beside a tokenizer
@@ -74,6 +92,15 @@ class HfTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """The prompt ids of a conversation ([{"role", "content": str}, ...]): the tokenizer's chat template with
+        the generation prompt when it has one, else the plain template (plain_chat_text) encoded."""
+        if getattr(self._tokenizer, "chat_template", None):
+            ids = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                      return_dict=False)
+            return [int(i) for i in ids]
+        return self.encode(plain_chat_text(messages))
 
 
 def _generation_eos(folder: Path) -> int | None:

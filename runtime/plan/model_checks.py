@@ -10,7 +10,10 @@ runtime; the runtime's code stays the one judge of what it runs.
                    (split_problem);
   fp8, nvfp4       a block with no Linear the conversion takes (fp8_traits, nvfp4_traits);
   context parallel the forward takes position_ids, and its attention is causal self-attention through
-                   F.scaled_dot_product_attention (context_parallel_traits).
+                   F.scaled_dot_product_attention (context_parallel_traits);
+  inference        the serving engine recognises the model (runtime/inference/decoder_spec.py recognise, the very
+                   function the engine runs when it starts; asked by `zplan compile --mode inference` only):
+                   inference_traits.
 Each function is torch only: no process group, and torchao is imported by the conversions alone.
 """
 
@@ -25,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 from zplan.model.experts import find_expert_layers
 from zplan.model.fused_layout import FusedLayout
 from zplan.model.modules import is_conv1d, parent_path
+from zplan.runtime.inference.decoder_spec import UnsupportedExpertsError, UnsupportedModelError, recognise
 from zplan.runtime.parallel.context_parallel import accepts_position_ids
 from zplan.runtime.parallel.experts import apply_experts, experts_problem
 from zplan.runtime.parallel.pipeline import PipelineSplitError, check_split, split_model
@@ -32,7 +36,7 @@ from zplan.runtime.parallel.tensor_parallel import localize_head_counts, project
 from zplan.runtime.precision.float8 import fp8_convertible
 from zplan.runtime.precision.nvfp4 import nvfp4_convertible
 from zplan.schemas.capability import FP8_DIM_MULTIPLE, NVFP4_DIM_MULTIPLE, ModelTrait
-from zplan.schemas.model import LayerCost, TensorParallelRule
+from zplan.schemas.model import LayerCost, ModelSummary, TensorParallelRule
 
 
 class _BlockDone(BaseException):  # raised after block 0's forward: the rest of the model need not run
@@ -105,6 +109,20 @@ def expert_traits(model: nn.Module) -> list[ModelTrait]:
             traits.append(ModelTrait(kind="experts_not_dispatchable", module=layer.path,
                                      detail=f"{type(module).__name__}: {problem}"))
     return traits
+
+
+def inference_traits(model: nn.Module, summary: ModelSummary) -> list[ModelTrait]:
+    """What keeps the inference engine from serving `model` (on the meta device; `summary` its trace), as the engine
+    itself judges it when it starts (decoder_spec.recognise): experts_not_served for a mixture of experts,
+    decoder_not_recognised for anything else it refuses, with its message; [] when it recognises the model. (The
+    engine's start also compares its logits with the model's, which needs weights: compile cannot.)"""
+    try:
+        recognise(model, summary)
+    except UnsupportedExpertsError as error:
+        return [ModelTrait(kind="experts_not_served", module=error.module, detail=error.detail)]
+    except UnsupportedModelError as error:
+        return [ModelTrait(kind="decoder_not_recognised", module=error.module, detail=str(error))]
+    return []
 
 
 def nvfp4_traits(block: nn.Module, block_name: str) -> list[ModelTrait]:

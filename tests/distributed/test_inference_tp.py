@@ -66,8 +66,36 @@ def _worker() -> None:
                 with torch.no_grad():
                     reference = model(tokens)
                 record["max_logit_diff_vs_model"] = (split.forward_logits(tokens) - reference).abs().max().item()
+                record["continuous_tp2"] = _continuous_batching(split)
             print("RESULT " + json.dumps(record), flush=True)
     dist.destroy_process_group()
+
+
+def _continuous_batching(engine) -> list[list[int]] | None:
+    """The serving path under tp: rank 0 schedules and broadcasts each step, rank 1 follows (its tokens: None)."""
+    import torch.distributed as dist
+
+    from zplan.runtime.inference.batching import Broadcaster, follow_steps
+    from zplan.runtime.inference.sampling import SamplingParams
+    from zplan.runtime.inference.scheduler import Scheduler, Sequence
+
+    blocks = 4  # the fewest that hold one sequence of max_seq_len 64; prompts read 4 tokens a step
+    if dist.get_rank() != 0:
+        assert follow_steps(engine, blocks) == 0
+        return None
+    broadcaster = Broadcaster()
+    scheduler = Scheduler(engine, blocks, max_running=3, max_step_tokens=4,
+                          runner=lambda batch, params: broadcaster.send({"kind": "step", "batch": batch,
+                                                                         "params": params}))
+    sequences = [Sequence(p, NEW_TOKENS, SamplingParams()) for p in PROMPTS]
+    out = {id(s): [] for s in sequences}
+    for sequence in sequences:
+        scheduler.add(sequence)
+    while scheduler.busy:
+        for outcome in scheduler.step():
+            out[id(outcome.sequence)].append(outcome.token)
+    broadcaster.send({"kind": "shutdown"})
+    return [out[id(s)] for s in sequences]
 
 
 @pytest.mark.slow
@@ -93,6 +121,8 @@ def test_tensor_parallel_engine_matches_one_process(tmp_path):
             assert r["max_logit_diff"] <= 1e-5
             if precision == "fp32":
                 assert r["max_logit_diff_vs_model"] <= 1e-5
+                if r["rank"] == 0:  # the serving path: continuous batching, rank 1 following rank 0's steps
+                    assert r["continuous_tp2"] == r["greedy_tp1"]
         assert ranks[0]["sampled_tp2"] == ranks[1]["sampled_tp2"]  # rank 0 samples, both continue alike
         assert ranks[0]["greedy_tp2"] == ranks[1]["greedy_tp2"]
 

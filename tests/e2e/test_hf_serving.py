@@ -5,9 +5,10 @@ attention implementation, weights moved off the init), saved with save_pretraine
 and compiled in this process with `zplan compile FOLDER --mode inference --gpus 1 --cluster cpu-local` (once per
 family). The engine the runtime builds from that plan and `--weights FOLDER` must give transformers' forward logits
 (fp32, within 1e-5) and model.generate(do_sample=False)'s greedy tokens; for the Llama, the emitted generate.py and
-the HTTP server too. The families cover q/k/v biases (Qwen2), sliding windows shorter than the text (Mistral,
-Gemma-2), Gemma-2's 1 + weight norms, sandwich norms, GeGLU, scaled embeddings and soft-capped scores and logits
-(eager), fused qkv / gate_up Linears with partial RoPE (Phi-3), and Conv1D with learned positions (GPT-2).
+the HTTP server too. The families cover q/k/v biases (Qwen2), per-head q/k norms (Qwen3), sliding windows shorter
+than the text (Mistral, Gemma-2), Gemma-2's 1 + weight norms, sandwich norms, GeGLU, scaled embeddings and soft-
+capped scores and logits (eager), fused qkv / gate_up Linears with partial RoPE (Phi-3), and Conv1D with learned
+positions (GPT-2).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -39,6 +39,7 @@ WINDOW = 5  # sliding window (tokens), shorter than prompt + generated text
 FAMILIES = {  # name -> (config, attention implementation)
     "llama": (lambda: transformers.LlamaConfig(**SIZES, **SPECIAL), "sdpa"),
     "qwen2": (lambda: transformers.Qwen2Config(**SIZES, **SPECIAL), "eager"),
+    "qwen3": (lambda: transformers.Qwen3Config(**SIZES, **SPECIAL, head_dim=8), "sdpa"),
     "mistral": (lambda: transformers.MistralConfig(**SIZES, **SPECIAL, sliding_window=WINDOW), "sdpa"),
     "gemma2": (lambda: transformers.Gemma2Config(**SIZES, **SPECIAL, head_dim=8, sliding_window=WINDOW,
                                                  query_pre_attn_scalar=16, attn_logit_softcapping=2.0,
@@ -138,6 +139,7 @@ def test_logits_and_greedy_tokens_equal_transformers(compiled, name):
         logits = run.engine.forward_logits(ids)  # (B, T, V) fp32
         engine_ids = [run.tokenizer.encode(p) for p in PROMPTS]  # the folder's own tokenizer
         tokens = run.engine.generate(engine_ids, NEW_TOKENS, SamplingParams(stop_token=run.tokenizer.eos_id))
+        paged = continuous_batching(run.engine, engine_ids, SamplingParams(stop_token=run.tokenizer.eos_id))
     with torch.no_grad():
         expected = hf(input_ids=ids).logits
     assert expected.abs().max() > 1.0  # logits far from zero: a wrong part would show
@@ -145,7 +147,24 @@ def test_logits_and_greedy_tokens_equal_transformers(compiled, name):
     assert engine_ids == prompt_ids
     assert run.tokenizer.eos_id == SPECIAL["eos_token_id"]
     assert tokens == [greedy(hf, p, SPECIAL["eos_token_id"]) for p in prompt_ids]
+    assert paged == tokens
     assert max(len(t) for t in tokens) + len(prompt_ids[0]) > WINDOW
+
+
+def continuous_batching(engine, prompts: list[list[int]], sampling) -> list[list[int]]:
+    """The serving path's tokens: the scheduler over a paged cache, prompts read in chunks of 5 tokens (shorter
+    than the prompts, so a chunk attends to cached keys, through the sliding windows too)."""
+    from zplan.runtime.inference.scheduler import Scheduler, Sequence, blocks_for
+
+    scheduler = Scheduler(engine, 2 * blocks_for(engine.max_seq_len), max_running=2, max_step_tokens=5)
+    sequences = [Sequence(p, NEW_TOKENS, sampling) for p in prompts]
+    out = {id(s): [] for s in sequences}
+    for sequence in sequences:
+        scheduler.add(sequence)
+    while scheduler.busy:
+        for outcome in scheduler.step():
+            out[id(outcome.sequence)].append(outcome.token)
+    return [out[id(s)] for s in sequences]
 
 
 def test_generate_py_of_a_folder_equals_transformers(compiled):
@@ -162,58 +181,58 @@ def test_generate_py_of_a_folder_equals_transformers(compiled):
     assert got == [greedy(hf, tokenizer(p)["input_ids"], SPECIAL["eos_token_id"]) for p in PROMPTS]
 
 
-def post(port: int, body: dict) -> tuple[int, dict]:
+def post(port: int, path: str, body: dict) -> tuple[int, dict]:
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    connection.request("POST", "/v1/generate", body=json.dumps(body).encode(),
-                       headers={"Content-Type": "application/json"})
+    connection.request("POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     response = connection.getresponse()
     data = response.read()
     connection.close()
     return response.status, json.loads(data)
 
 
-def test_server_answers_a_completion_as_generate(compiled):
-    """The HTTP server (create_app on the engine and the folder's tokenizer) against engine.generate."""
-    import uvicorn
-
-    from zplan.runtime.inference.batching import BatchWorker
-    from zplan.runtime.inference.sampling import SamplingParams
-    from zplan.runtime.inference.server import ServerLimits, create_app
-
-    folder, out = compiled("llama")
-    with Engine(folder, out) as run:
-        prompt_ids = run.tokenizer.encode(PROMPTS[0])
-        expected = run.engine.generate([prompt_ids], NEW_TOKENS, SamplingParams(stop_token=run.tokenizer.eos_id))[0]
-        limits = ServerLimits.for_engine(run.engine.max_seq_len, run.engine.max_batch, NEW_TOKENS,
-                                         run.tokenizer.max_chars_per_token)
-        # the folder's tokenizer makes tokens of several characters: a prompt longer in characters than the KV cache
-        # in tokens is not refused before it is tokenized
-        long_prompt = " ".join([PROMPTS[0]] * 2)
-        assert len(long_prompt) > run.engine.max_seq_len >= len(run.tokenizer.encode(long_prompt)) + NEW_TOKENS
-        worker = BatchWorker(run.engine, run.tokenizer.eos_id, limits, None, device=run.ctx.device)
-        sock = socket.socket()
+def free_port() -> int:
+    with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        server = uvicorn.Server(uvicorn.Config(create_app(worker, run.tokenizer, limits), log_level="warning",
-                                               access_log=False))
-        worker.start()
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-        thread.start()
-        try:
-            deadline = time.monotonic() + 20
-            while not server.started:
-                assert time.monotonic() < deadline, "uvicorn did not start"
-                time.sleep(0.01)
-            status, answer = post(sock.getsockname()[1], {"prompt": PROMPTS[0], "max_new_tokens": NEW_TOKENS})
-            long_status, long_answer = post(sock.getsockname()[1], {"prompt": long_prompt,
-                                                                    "max_new_tokens": NEW_TOKENS})
-        finally:
-            server.should_exit = True
-            thread.join(10)
-            worker.close()
-    assert status == 200, answer
-    assert long_status == 200, long_answer  # 47 characters, 36 tokens of KV cache: it fits in tokens
-    assert answer["tokens"] == expected
-    eos = run.tokenizer.eos_id
-    assert answer["text"] == run.tokenizer.decode([t for t in expected if t != eos])
+        return sock.getsockname()[1]
+
+
+def test_zplan_serve_answers_as_transformers(compiled, tmp_path):
+    """`zplan serve FOLDER` as a user runs it (a subprocess; it plans for this machine, then serves): greedy
+    completions equal transformers' generate, a prompt longer in characters than the KV cache in tokens is served,
+    and SIGTERM stops it cleanly."""
+    folder, _ = compiled("llama")
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "zplan", "serve", str(folder), "--port", str(port), "--plan",
+                               str(tmp_path / "plan")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert server.poll() is None, server.stdout.read()
+            assert time.monotonic() < deadline, "zplan serve did not start"
+            try:
+                connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                connection.request("GET", "/health")
+                if connection.getresponse().status == 200:
+                    break
+            except OSError:
+                time.sleep(0.5)
+        long_prompt = " ".join([PROMPTS[0]] * 3)
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        connection.request("GET", "/v1/models")
+        context = json.loads(connection.getresponse().read())["data"][0]["max_model_len"]
+        answers = [post(port, "/v1/completions", {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0})
+                   for prompt in (*PROMPTS, long_prompt)]
+    finally:
+        server.terminate()
+        output = server.communicate(timeout=60)[0]
+    assert server.returncode == 0, output[-3000:]
+    assert "planned for 1 x cpu-local" in output
     hf = reference(folder, "llama")
-    assert expected == greedy(hf, prompt_ids, SPECIAL["eos_token_id"])
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    for (status, answer), prompt in zip(answers, (*PROMPTS, long_prompt), strict=True):
+        assert status == 200, answer
+        expected = greedy(hf, tokenizer(prompt)["input_ids"], SPECIAL["eos_token_id"])
+        assert answer["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+        assert answer["usage"]["completion_tokens"] == len(expected)
+    assert len(long_prompt) > context  # more characters than the context holds tokens

@@ -1,10 +1,11 @@
 """End to end: `zplan compile examples/tiny.py --mode inference`, then the emitted programs with the real engine.
 
 generate.py reads prompts on stdin and its greedy tokens must equal engine.generate run in this process on the
-same seeded model; bad input ends with status 2 and a one-line message. serve.py runs as a subprocess on a
-loopback port under a bounded load (24 requests, 6 at a time, a third of them streaming, plus malformed ones):
-every good request gets generate.py's tokens for its prompt, the malformed ones 4xx, the server stays up and
-stops on SIGTERM with status 0.
+same seeded model; bad input ends with status 2 and a one-line message. serve.py (the OpenAI-compatible server)
+runs as a subprocess on a loopback port under a bounded load (24 greedy POST /v1/completions, 6 at a time, a third
+of them streaming, plus malformed ones): every good request gets generate.py's tokens for its prompt (its text is
+the tokenizer's decode of them, and `logprobs` names them token by token), the malformed ones 400 in OpenAI's
+error shape, the retired POST /v1/generate 404; the server stays up and stops on SIGTERM with status 0.
 """
 
 import http.client
@@ -67,23 +68,64 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def post(port: int, body: bytes) -> tuple[int, bytes]:
+def post(port: int, body: bytes, path: str = "/v1/completions") -> tuple[int, bytes]:
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    connection.request("POST", "/v1/generate", body=body, headers={"Content-Type": "application/json"})
+    connection.request("POST", path, body=body, headers={"Content-Type": "application/json"})
     response = connection.getresponse()
     data = response.read()
     connection.close()
     return response.status, data
 
 
-def ask(port: int, prompt: str, stream: bool) -> list[int]:
-    status, data = post(port, json.dumps({"prompt": prompt, "max_new_tokens": NEW_TOKENS, "stream": stream}).encode())
+def get(port: int, path: str) -> tuple[int, dict]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    connection.request("GET", path)
+    response = connection.getresponse()
+    status, body = response.status, json.loads(response.read())
+    connection.close()
+    return status, body
+
+
+def as_answer(tokens: list[int]) -> dict:
+    """What /v1/completions answers for the greedy `tokens` (the byte tokenizer of examples/tiny.py, vocabulary 256:
+    no end-of-text id, so every request runs to max_tokens): the text, each token's text, the finish, the count."""
+    from zplan.runtime.inference.tokenizer import ByteTokenizer
+
+    tokenizer = ByteTokenizer(256)
+    return {"text": tokenizer.decode(tokens), "tokens": [tokenizer.decode([t]) for t in tokens],
+            "finish_reason": "length", "completion_tokens": len(tokens)}
+
+
+def ask(port: int, prompt: str, stream: bool) -> dict:
+    """as_answer's dict of a greedy completion of `prompt` (streamed: its events put together)."""
+    fields = {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "logprobs": 1, "stream": stream}
+    if stream:
+        fields["stream_options"] = {"include_usage": True}
+    status, data = post(port, json.dumps(fields).encode())
     assert status == 200, data
     if not stream:
-        return json.loads(data)["tokens"]
-    lines = [json.loads(line) for line in data.decode().splitlines()]
-    assert [line["token"] for line in lines[:-1]] == lines[-1]["tokens"]
-    return lines[-1]["tokens"]
+        body = json.loads(data)
+        choice = body["choices"][0]
+        assert body["object"] == "text_completion" and len(body["choices"]) == 1
+        assert body["usage"]["prompt_tokens"] == len(prompt.encode())
+        return {"text": choice["text"], "tokens": choice["logprobs"]["tokens"],
+                "finish_reason": choice["finish_reason"], "completion_tokens": body["usage"]["completion_tokens"]}
+    blocks = [block for block in data.decode().split("\n\n") if block]
+    assert all(block.startswith("data: ") for block in blocks) and blocks[-1] == "data: [DONE]", blocks
+    *pieces, finish, usage = [json.loads(block[len("data: "):]) for block in blocks[:-1]]
+    assert all(chunk["choices"][0]["finish_reason"] is None for chunk in pieces) and usage["choices"] == []
+    assert usage["usage"]["prompt_tokens"] == len(prompt.encode())
+    return {"text": "".join(chunk["choices"][0]["text"] for chunk in pieces),
+            "tokens": [t for chunk in pieces if chunk["choices"][0]["logprobs"]
+                       for t in chunk["choices"][0]["logprobs"]["tokens"]],
+            "finish_reason": finish["choices"][0]["finish_reason"],
+            "completion_tokens": usage["usage"]["completion_tokens"]}
+
+
+def assert_400(status: int, data: bytes, param: str | None) -> None:
+    assert status == 400, data
+    error = json.loads(data)["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
 
 
 def wait_for_health(port: int, process: subprocess.Popen, timeout_s: float = 90) -> None:
@@ -131,18 +173,26 @@ def test_generate_and_serve(compiled):
         expected = dict(zip(PROMPTS, by_generate, strict=True))
 
         wait_for_health(port, server)
+        status, models = get(port, "/v1/models")
+        assert status == 200 and [m["id"] for m in models["data"]] == ["tiny"]  # the model file's name
+        assert models["data"][0]["max_model_len"] == max_seq_len
         jobs = [(PROMPTS[i % len(PROMPTS)], i % 3 == 0) for i in range(24)]
-        too_long = json.dumps({"prompt": "x" * (max_seq_len - NEW_TOKENS + 1), "max_new_tokens": NEW_TOKENS})
-        malformed = [b'{"prompt": "no end', b'{"prompt": "a", "n": 1}', b'{"prompt": ""}',
-                     b'{"prompt": "a", "max_new_tokens": 2.5}', too_long.encode()]
+        too_long = json.dumps({"prompt": "x" * (max_seq_len - NEW_TOKENS + 1), "max_tokens": NEW_TOKENS})
+        malformed = [(b'{"prompt": "no end', None), (b'{"prompt": "a", "n": 2}', "n"), (b'{"prompt": ""}', "prompt"),
+                     (b'{"prompt": "a", "max_tokens": 2.5}', "max_tokens"),
+                     (b'{"prompt": "a", "max_new_tokens": 2}', "max_new_tokens"),  # the retired API's field
+                     (too_long.encode(), "prompt")]  # fits the field's bounds, not max_seq_len with max_tokens
         with ThreadPoolExecutor(max_workers=6) as pool:
             answers = list(pool.map(lambda job: ask(port, *job), jobs))
-            bad = list(pool.map(lambda body: post(port, body)[0], malformed))
-        assert answers == [expected[prompt] for prompt, _ in jobs]
-        assert bad == [422, 422, 422, 422, 400]
-        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-        connection.request("GET", "/health")
-        assert json.loads(connection.getresponse().read())["status"] == "ok"
+            bad = list(pool.map(lambda job: post(port, job[0]), malformed))
+        assert answers == [as_answer(expected[prompt]) for prompt, _ in jobs]
+        for (status, data), (_, param) in zip(bad, malformed, strict=True):
+            assert_400(status, data, param)
+        assert json.loads(bad[-1][1])["error"]["code"] == "context_length_exceeded"
+        status, data = post(port, json.dumps({"prompt": "a", "max_new_tokens": 2}).encode(), "/v1/generate")
+        assert status == 404 and json.loads(data)["error"]["type"] == "invalid_request_error", data
+        status, health = get(port, "/health")
+        assert status == 200 and health["status"] == "ok" and health["running"] == health["waiting"] == 0
 
         server.send_signal(signal.SIGTERM)
         _, stderr = server.communicate(timeout=30)
@@ -252,8 +302,8 @@ def test_scripts_are_deterministic_and_a_family_plan_exits_with_a_message(compil
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds torchrun's workers through /proc")
 def test_tensor_parallel_server_and_its_shutdown(compiled, tmp_path):
-    """launch/serve.sh of a tp=2 replica: rank 0 serves, rank 1 follows its batches; SIGTERM to rank 0 stops both
-    (torchrun then exits 0: every worker exited cleanly)."""
+    """launch/serve.sh of a tp=2 replica: rank 0 serves, rank 1 follows its engine steps; SIGTERM to rank 0 stops
+    both (torchrun then exits 0: every worker exited cleanly)."""
     from zplan.codegen.inference_script import render_inference_scripts
     from zplan.runtime.inference.build import load_inference_plan
 
@@ -271,10 +321,11 @@ def test_tensor_parallel_server_and_its_shutdown(compiled, tmp_path):
     try:
         expected = dict(zip(PROMPTS, reference_tokens(compiled, PROMPTS), strict=True))
         wait_for_health(port, launcher)
+        assert get(port, "/health")[1]["tp"] == 2
         jobs = [(prompt, i % 2 == 0) for i, prompt in enumerate(PROMPTS)]
         with ThreadPoolExecutor(max_workers=6) as pool:
             answers = list(pool.map(lambda job: ask(port, *job), jobs))
-        assert answers == [expected[prompt] for prompt, _ in jobs]
+        assert answers == [as_answer(expected[prompt]) for prompt, _ in jobs]
         os.kill(rank_zero_child(launcher.pid), signal.SIGTERM)
         _, stderr = launcher.communicate(timeout=60)
         assert launcher.returncode == 0, stderr[-3000:]

@@ -180,3 +180,91 @@ def test_model_numbers_from_family_summaries():
     assert llama.block_linear_params == pytest.approx(2 * h * h + 2 * h * h_kv + 3 * h * f)
     assert llama.position_rows is None  # rotary
     assert llama.decode_read_params == pytest.approx(2 * 2 * h + h + 1000 * h)  # untied head, not the embedding
+
+
+# ---- continuous batching over the paged KV cache (planner/inference/throughput.py, `continuous`) ----------------
+
+def test_the_planner_prices_the_runtimes_block_and_step_sizes():
+    """What is priced is what runs: 16-token KV blocks and at most 512 tokens a step, the runtime's own numbers."""
+    from zplan.planner.inference import throughput
+    from zplan.runtime.inference import paged_cache, scheduler
+
+    assert throughput.KV_BLOCK_TOKENS == paged_cache.BLOCK_TOKENS == 16
+    assert throughput.STEP_TOKENS == scheduler.DEFAULT_STEP_TOKENS
+
+
+def test_kv_blocks_by_hand():
+    from zplan.planner.inference.throughput import (
+        blocks_per_request,
+        concurrencies,
+        continuous_batching,
+        kv_block_bytes,
+        kv_budget_bytes,
+        numerics_for,
+        weight_bytes_per_gpu,
+    )
+
+    num = numerics_for("bf16", "bf16", MODEL, 1, CLUSTER)
+    # a block: 2 (K, V) * 10 layers * 10 KV heads * 16 tokens * 100 head dim * 2 bytes
+    assert kv_block_bytes(MODEL, 1, num) == 2 * 10 * 10 * 16 * 100 * 2 == 640_000
+    assert kv_block_bytes(MODEL, 2, num) == 320_000  # 5 KV heads a GPU at tp=2
+    # weights 10 blocks * 12e6 + 2e6 replicated, bf16: 2.44e8 bytes; budget 95 % of 100e9 - 2.44e8 - 1e9
+    weights = weight_bytes_per_gpu(MODEL, 1, num)
+    assert weights == pytest.approx(2.44e8)
+    budget = kv_budget_bytes(CLUSTER.gpu.hbm_bytes, weights, CLUSTER.framework_reserve_bytes)
+    assert budget == pytest.approx(0.95 * (100e9 - 2.44e8 - 1e9))
+    assert blocks_per_request(100, 10) == 7  # ceil(110 / 16)
+    assert concurrencies(20) == [1, 2, 4, 8, 16, 20] and concurrencies(16) == [1, 2, 4, 8, 16]
+    assert concurrencies(0) == []
+    curve = continuous_batching(MODEL, CLUSTER, 1, num, 100, 10, budget, max_running=10**6, max_seq_len=110)
+    assert curve.kv_blocks == int(0.95 * (100e9 - 2.44e8 - 1e9) // 640_000) == 146_590
+    assert curve.max_concurrency == 146_590 // 7 == 20_941
+    assert [p.concurrency for p in curve.points] == concurrencies(20_941)
+    # at most 8 sequences run: the cache takes the 8 * ceil(128 / 16) = 64 blocks they can fill
+    small = continuous_batching(MODEL, CLUSTER, 1, num, 100, 10, budget, max_running=8, max_seq_len=128)
+    assert (small.kv_blocks, small.max_concurrency) == (64, 8)
+
+
+def test_one_concurrency_point_by_hand():
+    """N = 4 requests of I = 100, O = 10 on the round model and cluster, tp = 1, bf16, one step by hand."""
+    from zplan.planner.inference.throughput import continuous_batching_point, numerics_for
+
+    point = continuous_batching_point(MODEL, CLUSTER, 1, numerics_for("bf16", "bf16", MODEL, 1, CLUSTER), 100, 10, 4)
+    # k = max(1, ceil(100 / 512), ceil(4 * 109 / 512 - 9)) = 1: a request lives k + O - 1 = 10 steps
+    assert point.prefill_steps == 1
+    life, c = 10, 100 + 10 / 2  # mean decode context I + O / 2
+    decodes, prompts = 4 * 9 / life, 4 / life  # D = 3.6 tokens, n_p = 0.4 prompts of 100
+    tokens = decodes + prompts * 100
+    flops = (2 * 12e6 * 10 * tokens  # block GEMMs
+             + 2 * 10 * prompts * 100**2 * 1000 + 4 * 10 * decodes * c * 1000  # causal prompt + decode attention
+             + 2 * 1000 * 1000 * (decodes + prompts))  # logits
+    kv_per_token = 2 * 10 * 10 * 100 * BF16  # 40,000 bytes
+    weights_read = 10 * 12e6 * BF16 + 1e6 * BF16  # block Linears, and the replicated params a step reads
+    read = weights_read + kv_per_token * decodes * c
+    assert flops / FLOPS < read / HBM  # memory bound: the step reads
+    step = read / HBM  # tp = 1: no all-reduce; the GPU profile dispatches ops ahead of the device
+    assert step == pytest.approx(5.1424e-4)
+    assert point.step_s == pytest.approx(step)
+    assert point.tokens_per_s == pytest.approx(4 * 10 / (life * step))  # N O / ((k + O - 1) step) = N / step here
+    # TTFT: the one step reading this prompt whole, beside the other 3 requests' decodes and prompts
+    reading = (weights_read + kv_per_token * (3 * 9 / life) * c) / HBM
+    assert point.ttft_s == pytest.approx(reading)
+
+
+def test_a_lone_request_is_a_prefill_then_decode_steps():
+    """At N = 1 the first token is a lone prefill (throughput.ttft_s); the curve keeps growing with N until the step
+    budget (512 tokens) stretches each prompt over more steps, where tokens/s saturate and TTFT grows."""
+    from zplan.planner.inference.throughput import STEP_TOKENS, continuous_batching_point, numerics_for, ttft_s
+
+    num = numerics_for("bf16", "bf16", MODEL, 1, CLUSTER)
+    lone = continuous_batching_point(MODEL, CLUSTER, 1, num, 100, 10, 1)
+    assert lone.ttft_s == pytest.approx(ttft_s(MODEL, CLUSTER, 1, num, 100))
+    points = [continuous_batching_point(MODEL, CLUSTER, 1, num, 100, 10, n) for n in (1, 2, 4, 8, 16, 32, 64, 256)]
+    assert all(a.tokens_per_s <= b.tokens_per_s * (1 + 1e-9) for a, b in zip(points, points[1:], strict=False))
+    assert all(a.step_s <= b.step_s for a, b in zip(points, points[1:], strict=False))
+    crowded = points[-1]  # 256 * 109 tokens per life: k = ceil(256 * 109 / 512 - 9) = 46 steps per prompt
+    assert crowded.prefill_steps == 46 and crowded.ttft_s > 40 * crowded.step_s
+    # saturated: at most STEP_TOKENS tokens a step, of which O of every I + O - 1 give an output token
+    assert crowded.tokens_per_s <= STEP_TOKENS * 10 / 109 / crowded.step_s * (1 + 1e-9)
+    long_prompt = continuous_batching_point(MODEL, CLUSTER, 1, num, 2000, 10, 1)
+    assert long_prompt.prefill_steps == 4  # ceil(2000 / 512): a long prompt is read in chunks

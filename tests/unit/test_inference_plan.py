@@ -148,3 +148,49 @@ def test_outputs_are_deterministic_and_validate(tmp_path):
         assert part in report
     html = (tmp_path / "a" / "report.html").read_text()
     assert html.startswith("<!DOCTYPE html>") and "<script" not in html and "http" not in html.split("<body>")[1]
+
+
+def test_the_plan_sizes_the_paged_kv_cache_and_prices_continuous_batching(tmp_path):
+    """plan.json's parallel.kv_blocks by hand (the budget's blocks, but no more than max_batch sequences of
+    max_seq_len fill), and the curve at 1, 2, 4, ... up to what the blocks hold; its lone request's first token is
+    the static plan's prefill of one prompt; the report draws and tabulates the curve."""
+    p, s = plan_and_search(LLAMA_SMALL, gpus=1, cluster="dgx-h100", target="throughput", batch=200)
+    m, cluster = p.prediction.memory, p.cluster
+    # 4 layers, 2 KV heads of 512 / 8 = 64, 16 tokens, bf16: 2 * 4 * 2 * 16 * 64 * 2 bytes a block
+    block = 2 * 4 * 2 * 16 * 64 * 2
+    budget = 0.95 * (cluster.gpu.hbm_bytes - m.weights - cluster.framework_reserve_bytes)
+    curve = p.prediction.continuous_batching
+    assert (p.parallel.kv_block_tokens, curve.kv_block_bytes) == (16, block)
+    assert curve.kv_budget_bytes == pytest.approx(budget)
+    assert p.parallel.kv_blocks == min(int(budget // block), 200 * -(-p.parallel.max_seq_len // 16))
+    per_request = -(-(p.spec.prompt_len + p.spec.gen_len) // 16)
+    assert curve.blocks_per_request == per_request
+    assert curve.max_concurrency == min(200, p.parallel.kv_blocks // per_request) == 200
+    levels = [point.concurrency for point in curve.points]
+    assert levels[:4] == [1, 2, 4, 8] and levels[-1] == curve.max_concurrency
+    assert all(b == 2 * a for a, b in zip(levels[:-2], levels[1:-1], strict=True))
+    assert levels[-2] < levels[-1] <= 2 * levels[-2]
+    lone = curve.points[0]
+    one_at_a_time = plan_and_search(LLAMA_SMALL, gpus=1, cluster="dgx-h100")[0]  # latency: batch 1
+    assert lone.ttft_s == pytest.approx(one_at_a_time.prediction.ttft_s)
+    assert lone.prefill_steps == 1 and lone.tokens_per_s == pytest.approx(1 / lone.tpot_s)  # one token a step
+    write_outputs(p, tmp_path / "out", LLAMA_SMALL, alternatives=s)
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "## Continuous batching" in report and f"{p.parallel.kv_blocks:,} blocks of 16 tokens" in report
+    row = f"| 1 | {lone.tokens_per_s:,.1f} |"
+    assert row in report and report.count("\n| ") >= len(levels)
+    html = (tmp_path / "out" / "report.html").read_text()
+    assert '<svg id="chart-serving"' in html and html.count("<circle") >= len(levels)
+
+
+def test_plans_written_before_the_paged_cache_still_load_and_render(tmp_path):
+    p, s = plan_and_search(GPT_SMALL, gpus=2, cluster="cpu-local", precision="fp32")
+    data = json.loads(p.model_dump_json())
+    del data["parallel"]["kv_blocks"], data["parallel"]["kv_block_tokens"], data["prediction"]["continuous_batching"]
+    jsonschema.validate(data, json.loads((JSON_DIR / "inference_plan.schema.json").read_text()))
+    old = InferencePlan.model_validate(data)
+    assert old.parallel.kv_blocks is None and old.prediction.continuous_batching is None
+    assert old.parallel.kv_block_tokens == 16
+    write_outputs(old, tmp_path / "old", GPT_SMALL, alternatives=s.model_copy(update={"fingerprint": old.fingerprint}))
+    assert "Continuous batching" not in (tmp_path / "old" / "report.md").read_text()
+    assert "chart-serving" not in (tmp_path / "old" / "report.html").read_text()

@@ -1,8 +1,9 @@
-"""The server against hostile and careless clients, over real sockets, with a tiny GPT's real engine
-(runtime.inference.server started in-process as serve() configures uvicorn: server_config):
-a NaN or infinite temperature and a body that is not UTF-8 are 422 (were 500: the error renderer failed); request
-headers and bodies that do not arrive in time are 408; connections beyond the cap are 503; a client that goes away
-is one line on stderr, no traceback; serve.py's bad numbers are one message and exit status 2."""
+"""The server against hostile and careless clients, over real sockets, with a tiny GPT's real engine behind the
+serving worker (runtime.inference.server started in-process as serve() configures uvicorn: server_config):
+a NaN or infinite temperature and a body that is not UTF-8 are 400 in OpenAI's error shape (were 500: the error
+renderer failed); request headers and bodies that do not arrive in time are 408; connections beyond the cap are
+503; a client that goes away is one line on stderr, no traceback; serve.py's bad numbers are one message and exit
+status 2."""
 
 import http.client
 import json
@@ -17,10 +18,11 @@ import uvicorn
 
 from zplan.examples import gpt
 from zplan.model_input import trace_module
+from zplan.runtime.inference.batching import ServingWorker
 from zplan.runtime.inference.build import EngineSettings
 from zplan.runtime.inference.cli import serve_main
 from zplan.runtime.inference.engine import InferenceEngine
-from zplan.runtime.inference.server import BatchWorker, ServerLimits, create_app, server_config
+from zplan.runtime.inference.server import ServerLimits, create_app, server_config
 from zplan.runtime.inference.tokenizer import ByteTokenizer
 
 SIZES = dict(num_layers=1, hidden=32, heads=2, vocab_size=300, max_seq_len=64)
@@ -47,7 +49,7 @@ class Server:
     def __init__(self, engine, **limits):
         tokenizer = ByteTokenizer(SIZES["vocab_size"])
         self.limits = ServerLimits.for_engine(64, engine.max_batch, 8, **limits)
-        self.worker = BatchWorker(engine, tokenizer.eos_id, self.limits)
+        self.worker = ServingWorker(engine, tokenizer.eos_id, self.limits)
         self.worker.start()
         self.socket = socket.socket()
         self.socket.bind(("127.0.0.1", 0))
@@ -57,9 +59,9 @@ class Server:
         self.thread.start()
         wait_until(lambda: self.server.started)
 
-    def post(self, body: bytes):
+    def post(self, body: bytes, path: str = "/v1/completions"):
         connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=20)
-        connection.request("POST", "/v1/generate", body=body, headers={"Content-Type": "application/json"})
+        connection.request("POST", path, body=body, headers={"Content-Type": "application/json"})
         response = connection.getresponse()
         status, data = response.status, response.read()
         connection.close()
@@ -108,32 +110,32 @@ def read_all(sock: socket.socket) -> bytes:
     (b'{"prompt": "hi", "temperature": 1e999}', "temperature"),
     (b'{"prompt": "\xff\xfe hi"}', None),  # not UTF-8
 ])
-def test_nan_infinite_and_non_utf8_bodies_are_422(server, body, field):
+def test_nan_infinite_and_non_utf8_bodies_are_400(server, body, field):
     s = server()
     status, data = s.post(body)
-    assert status == 422, data
-    errors = json.loads(data)["detail"]
-    assert isinstance(errors, list) and errors
+    assert status == 400, data
+    error = json.loads(data)["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == field
     if field:
-        assert errors[0]["loc"] == ["body", field] and "finite" in errors[0]["msg"]
-    assert s.post(b'{"prompt": "hi", "max_new_tokens": 3}')[0] == 200
+        assert error["message"].startswith(f"{field}: ") and "finite" in error["message"]
+    assert s.post(b'{"prompt": "hi", "max_tokens": 3}')[0] == 200
 
 
 def test_headers_that_do_not_arrive_in_time_are_408(server, capfd):
     s = server(header_timeout_s=0.2)
     silent, slow = s.raw(), s.raw()
-    slow.sendall(b"POST /v1/generate HTTP/1.1\r\nHost: x\r\n")  # never finished
+    slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # never finished
     for sock in (silent, slow):
         assert read_all(sock).startswith(b"HTTP/1.1 408 Request Timeout\r\n")  # then closed
         sock.close()
     assert capfd.readouterr().err.count("no complete request headers within 0.2 s") == 2
-    assert s.post(b'{"prompt": "hi", "max_new_tokens": 2}')[0] == 200
+    assert s.post(b'{"prompt": "hi", "max_tokens": 2}')[0] == 200
 
 
 def test_a_body_that_does_not_arrive_in_time_is_408(server):
     s = server(body_timeout_s=0.2)
     sock = s.raw()
-    sock.sendall(b"POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: 100\r\n\r\n{\"prompt\": ")
     answer = read_all(sock)
     sock.close()
@@ -151,19 +153,19 @@ def test_connections_beyond_the_cap_are_refused_with_503(server, capfd):
     for sock in held:
         sock.close()
     wait_until(lambda: not s.server.server_state.connections)
-    assert s.post(b'{"prompt": "hi", "max_new_tokens": 2}')[0] == 200
+    assert s.post(b'{"prompt": "hi", "max_tokens": 2}')[0] == 200
 
 
 def test_each_client_disconnect_is_one_line_without_a_traceback(server, capfd):
     s = server()
-    body = b'{"prompt": "hi", "max_new_tokens": 40, "stream": true}'
+    body = b'{"prompt": "hi", "max_tokens": 60, "stream": true}'
     streaming = s.raw()
-    streaming.sendall(b"POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    streaming.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                       b"Content-Length: %d\r\n\r\n" % len(body) + body)
     assert streaming.recv(64).startswith(b"HTTP/1.1 200")
     streaming.close()
     half = s.raw()
-    half.sendall(b"POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"pro")
+    half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"pro")
     wait_until(lambda: len(s.server.server_state.tasks) >= 1)
     half.close()
     err = ""
@@ -174,8 +176,8 @@ def test_each_client_disconnect_is_one_line_without_a_traceback(server, capfd):
         return "streamed tokens" in err and "before its request body was read" in err
 
     wait_until(both_logged)
-    wait_until(lambda: s.worker.waiting.qsize() == 0)
-    assert s.post(b'{"prompt": "after", "max_new_tokens": 2}')[0] == 200
+    wait_until(lambda: s.worker.stats().running == 0 and s.worker.stats().waiting == 0)
+    assert s.post(b'{"prompt": "after", "max_tokens": 2}')[0] == 200
     err += capfd.readouterr().err
     assert err.count("disconnected") == 2, err
     assert "Traceback" not in err and "socket.send() raised exception" not in err and "ERROR" not in err
