@@ -250,10 +250,6 @@ class InferenceEngine:
         return PagedKVCache(self.spec.num_layers, num_blocks, self.kv_heads, self.spec.head_dim,
                             self.compute_dtype, self.device)
 
-    def kv_bytes_per_block(self) -> int:
-        return PagedKVCache.bytes_per_block(self.spec.num_layers, self.kv_heads, self.spec.head_dim,
-                                            torch.finfo(self.compute_dtype).bits // 8)
-
     @torch.no_grad()
     def forward_paged(self, cache: PagedKVCache, batch: StepBatch) -> torch.Tensor:
         """One scheduler iteration (runtime/inference/scheduler.py): every token of `batch` in one pass, its keys

@@ -63,10 +63,6 @@ class PagedKVCache:
         v = self.v[layer][slots]
         return k.transpose(1, 2), v.transpose(1, 2)
 
-    @staticmethod
-    def bytes_per_block(layers: int, kv_heads: int, head_dim: int, element_bytes: int) -> int:
-        return 2 * layers * BLOCK_TOKENS * kv_heads * head_dim * element_bytes
-
 
 class BlockPool:
     """Allocation of num_blocks blocks with user counts and the prefix cache of full prompt blocks."""

@@ -284,3 +284,13 @@ def test_paged_forward_equals_the_uncached_forward(engine):
     expected = engine.forward_logits(torch.tensor([prompt]))[0, -1]
     torch.testing.assert_close(logits[0], expected, rtol=1e-5, atol=1e-5)
 
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_quantized_engines_serve_their_own_tokens(precision):
+    """Weight-only INT8 / INT4 through the paged path: the same greedy tokens as the engine's own static path."""
+    quantized = make("llama", max_batch=4, weight_precision=precision, group_size=16)[1]
+    work = requests(5, 3)
+    scheduler = Scheduler(quantized, 12, max_running=3, max_step_tokens=9)
+    got = run(scheduler, [Sequence(p, n, SamplingParams()) for p, n in work])
+    assert got == [quantized.generate([p], n)[0] for p, n in work]
