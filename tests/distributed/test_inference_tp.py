@@ -75,6 +75,7 @@ def _continuous_batching(engine) -> list[list[int]] | None:
     """The serving path under tp: rank 0 schedules and broadcasts each step, rank 1 follows (its tokens: None)."""
     import torch.distributed as dist
 
+    from tests.unit.test_continuous_batching import run
     from zplan.runtime.inference.batching import Broadcaster, follow_steps
     from zplan.runtime.inference.sampling import SamplingParams
     from zplan.runtime.inference.scheduler import Scheduler, Sequence
@@ -87,15 +88,9 @@ def _continuous_batching(engine) -> list[list[int]] | None:
     scheduler = Scheduler(engine, blocks, max_running=3, max_step_tokens=4,
                           runner=lambda batch, params: broadcaster.send({"kind": "step", "batch": batch,
                                                                          "params": params}))
-    sequences = [Sequence(p, NEW_TOKENS, SamplingParams()) for p in PROMPTS]
-    out = {id(s): [] for s in sequences}
-    for sequence in sequences:
-        scheduler.add(sequence)
-    while scheduler.busy:
-        for outcome in scheduler.step():
-            out[id(outcome.sequence)].append(outcome.token)
+    tokens = run(scheduler, [Sequence(p, NEW_TOKENS, SamplingParams()) for p in PROMPTS])
     broadcaster.send({"kind": "shutdown"})
-    return [out[id(s)] for s in sequences]
+    return tokens
 
 
 @pytest.mark.slow

@@ -154,17 +154,11 @@ def test_logits_and_greedy_tokens_equal_transformers(compiled, name):
 def continuous_batching(engine, prompts: list[list[int]], sampling) -> list[list[int]]:
     """The serving path's tokens: the scheduler over a paged cache, prompts read in chunks of 5 tokens (shorter
     than the prompts, so a chunk attends to cached keys, through the sliding windows too)."""
+    from tests.unit.test_continuous_batching import run
     from zplan.runtime.inference.scheduler import Scheduler, Sequence, blocks_for
 
     scheduler = Scheduler(engine, 2 * blocks_for(engine.max_seq_len), max_running=2, max_step_tokens=5)
-    sequences = [Sequence(p, NEW_TOKENS, sampling) for p in prompts]
-    out = {id(s): [] for s in sequences}
-    for sequence in sequences:
-        scheduler.add(sequence)
-    while scheduler.busy:
-        for outcome in scheduler.step():
-            out[id(outcome.sequence)].append(outcome.token)
-    return [out[id(s)] for s in sequences]
+    return run(scheduler, [Sequence(p, NEW_TOKENS, sampling) for p in prompts])
 
 
 def test_generate_py_of_a_folder_equals_transformers(compiled):
