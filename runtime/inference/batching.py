@@ -56,6 +56,7 @@ class ServingStats:
     waiting: int  # requests not admitted yet
     kv_blocks_used: int
     kv_blocks_total: int
+    kv_blocks_touched: int  # blocks ever handed out: on the CPU, the cache's resident part
     prefix_cache_hit_tokens: int  # prompt tokens found in the prefix cache (counted at admission)
     prefix_cache_query_tokens: int  # prompt tokens looked up
     preemptions: int
@@ -131,6 +132,7 @@ class ServingWorker:
         return ServingStats(running=len(self.scheduler.running),
                             waiting=len(self.scheduler.waiting) + len(self._inbox),
                             kv_blocks_used=pool.used, kv_blocks_total=pool.num_blocks,
+                            kv_blocks_touched=pool.num_blocks - pool.untouched,
                             prefix_cache_hit_tokens=pool.hit_tokens, prefix_cache_query_tokens=pool.query_tokens,
                             preemptions=self.scheduler.preemptions)
 

@@ -6,7 +6,7 @@ the worker's gauges (running and waiting requests, KV-cache blocks, prefix-cache
 from worker.stats() when the page is rendered.
 
     zplan_requests_running / zplan_requests_waiting                 gauges (worker.stats())
-    zplan_kv_cache_blocks_used / zplan_kv_cache_blocks_total        gauges (worker.stats())
+    zplan_kv_cache_blocks_used / _total / _touched                  gauges (worker.stats())
     zplan_prefix_cache_hit_tokens_total / _query_tokens_total       counters (worker.stats())
     zplan_preemptions_total                                         counter (worker.stats())
     zplan_prompt_tokens_total / zplan_generation_tokens_total       counters
@@ -138,6 +138,8 @@ class Metrics:
         single("zplan_requests_waiting", "gauge", "Requests waiting to be scheduled.", stats.waiting)
         single("zplan_kv_cache_blocks_used", "gauge", "KV-cache blocks in use.", stats.kv_blocks_used)
         single("zplan_kv_cache_blocks_total", "gauge", "KV-cache blocks in all.", stats.kv_blocks_total)
+        single("zplan_kv_cache_blocks_touched", "gauge", "KV-cache blocks ever used (their host memory is taken).",
+               stats.kv_blocks_touched)
         single("zplan_prefix_cache_hit_tokens_total", "counter", "Prompt tokens found in the prefix cache.",
                stats.prefix_cache_hit_tokens)
         single("zplan_prefix_cache_query_tokens_total", "counter", "Prompt tokens looked up in the prefix cache.",

@@ -28,7 +28,7 @@ from zplan.runtime.inference.tokenizer import ByteTokenizer
 EOS = 256  # ByteTokenizer(257).eos_id
 MAX_SEQ_LEN = 64
 MODEL = "fake-model"
-STATS = dict(running=0, waiting=0, kv_blocks_used=3, kv_blocks_total=8, prefix_cache_hit_tokens=16,
+STATS = dict(running=0, waiting=0, kv_blocks_used=3, kv_blocks_total=8, kv_blocks_touched=5, prefix_cache_hit_tokens=16,
              prefix_cache_query_tokens=40, preemptions=2)
 
 
@@ -401,6 +401,7 @@ def test_metrics(server):
     assert samples["zplan_generation_tokens_per_second"] == pytest.approx(8 / 10)  # all within the last 10 s
     for name, value in STATS.items():  # the worker's gauges and counters, as its stats() says
         metric = {"kv_blocks_used": "zplan_kv_cache_blocks_used", "kv_blocks_total": "zplan_kv_cache_blocks_total",
+                  "kv_blocks_touched": "zplan_kv_cache_blocks_touched",
                   "preemptions": "zplan_preemptions_total"}.get(name, f"zplan_{name}")
         if name.startswith("prefix"):
             metric += "_total"
