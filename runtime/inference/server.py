@@ -383,6 +383,16 @@ def create_app(worker, tokenizer, limits: ServerLimits, *, model_name: str = "zp
     async def metrics_page():
         return Response(metrics.render(worker.stats()), media_type=CONTENT_TYPE)
 
+    def stream_chunk(generation: Generation, answer_id: str, kind: str, created: int, choice: dict,
+                     include_usage: bool, final_usage: bool) -> dict:
+        """One streamed chunk of either endpoint: `choice`, or none in the closing usage chunk; "usage" only when
+        stream_options.include_usage (null but in the last)."""
+        out = {"id": answer_id, "object": kind, "created": created, "model": model_name,
+               "choices": [] if final_usage else [choice]}
+        if include_usage:
+            out["usage"] = usage(generation.prompt_tokens, generation.completion_tokens) if final_usage else None
+        return out
+
     @app.post("/v1/completions")
     async def completions(http_request: Request):
         body = await read_body(http_request, completion_model, allowed_completion)
@@ -394,14 +404,10 @@ def create_app(worker, tokenizer, limits: ServerLimits, *, model_name: str = "zp
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         def chunk(text, entries, finish_reason, final_usage: bool = False) -> dict:
-            out = {"id": answer_id, "object": "text_completion", "created": created, "model": model_name,
-                   "choices": [] if final_usage else [{
-                       "index": 0, "text": text or "", "finish_reason": finish_reason,
-                       "logprobs": completion_logprobs(entries) if entries else None}]}
-            if include_usage:
-                out["usage"] = (usage(generation.prompt_tokens, generation.completion_tokens) if final_usage else
-                                None)
-            return out
+            choice = {"index": 0, "text": text or "", "finish_reason": finish_reason,
+                      "logprobs": completion_logprobs(entries) if entries else None}
+            return stream_chunk(generation, answer_id, "text_completion", created, choice, include_usage,
+                                final_usage)
 
         if body.stream:
             await stream_start(generation, http_request)
@@ -436,14 +442,10 @@ def create_app(worker, tokenizer, limits: ServerLimits, *, model_name: str = "zp
         def chunk(text, entries, finish_reason, final_usage: bool = False, delta: dict | None = None) -> dict:
             if delta is None:
                 delta = {} if text is None else {"content": text}
-            out = {"id": answer_id, "object": "chat.completion.chunk", "created": created, "model": model_name,
-                   "choices": [] if final_usage else [{
-                       "index": 0, "delta": delta, "finish_reason": finish_reason,
-                       "logprobs": chat_logprobs(entries) if entries else None}]}
-            if include_usage:
-                out["usage"] = (usage(generation.prompt_tokens, generation.completion_tokens) if final_usage else
-                                None)
-            return out
+            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason,
+                      "logprobs": chat_logprobs(entries) if entries else None}
+            return stream_chunk(generation, answer_id, "chat.completion.chunk", created, choice, include_usage,
+                                final_usage)
 
         if body.stream:
             await stream_start(generation, http_request)
