@@ -80,6 +80,11 @@ PLANS = [
                                                                 recompute="full")),
     ("8b-16-z0-pp8", "llama3-8b", 16, "dgx-h100", dict(pp=8, tp=1, dp=2, zero=0, micro_batch=1, seq=4096)),
     ("8b-32-z2-tp4", "llama3-8b", 32, "dgx-h100", dict(tp=4, zero=2, micro_batch=4, recompute="full")),
+    # pipelines of 32+ micro-batches: receive buffers for the micro-batches in flight only
+    ("8b-8-pp4-m32", "llama3-8b", 8, "dgx-h100", dict(pp=4, tp=1, dp=2, zero=1, micro_batch=1, recompute="full",
+                                                      batch=64, seq=4096)),
+    ("8b-8-pp2-v2-m32", "llama3-8b", 8, "dgx-h100", dict(pp=2, tp=1, dp=4, zero=1, micro_batch=1, interleave=2,
+                                                         recompute="full", batch=128, seq=4096)),
     ("8b-8-cp2-z3", "llama3-8b", 8, "dgx-h100", dict(dp=4, cp=2, zero=3, micro_batch=1, recompute="none",
                                                      seq=8192)),
     # mixtures of experts: 8 experts over 64 ranks (ZeRO-3 shards them on another dim), and expert parallel
@@ -117,8 +122,8 @@ def compile_plan(model: Path, gpus: int, cluster: str, pins: dict, out: Path) ->
     from zplan.schemas.spec import Pins
 
     pins = dict(pins)
-    seq = pins.pop("seq", None)
-    plan = compile_(prepare(str(model), gpus, cluster, None, seq, None, Pins(**pins)))
+    seq, batch = pins.pop("seq", None), pins.pop("batch", None)
+    plan = compile_(prepare(str(model), gpus, cluster, batch, seq, None, Pins(**pins)))
     write_outputs(plan, out, str(model))
 
 

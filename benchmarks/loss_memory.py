@@ -1,20 +1,23 @@
-"""Peak bytes per logit of the runtime's default loss, measured exactly, against the planner's budget.
+"""Peak bytes per logit of the runtime's losses, measured exactly, against the planner's budget.
 
     .venv/bin/python benchmarks/loss_memory.py [--json] [--shapes 1x2048x32000 2x1024x128256] [--real]
 
 What is measured: the logits are the head's output, a (B, T, V) tensor in the compute dtype (fp32, or bf16 /
 fp16 as autocast and FSDP2's MixedPrecisionPolicy make it) made by a matmul, as the runtime makes them; then
 
-    loss = next_token_loss(hidden @ W.t(), ids); loss.backward()
+    loss = LOSS(hidden @ W.t(), ids); loss.backward()
 
-runs (model.model_file.next_token_loss, the runtime's default loss: cross-entropy on
-logits[:, :-1].flatten(0, 1).float()). The number is the peak, over every aten op of that forward and
-backward, of the bytes of all live storages: the logits while the loss is computed, everything the loss
-allocates (the fp32 upcast, the log-softmax output, its gradient, the gradient of its input, the logits'
-gradient); nothing holds the logits after the loss is computed (the train loop does not, and the head's
-backward needs its input, not its output), so at the backward's peak three fp32 tensors of (B, T-1, V) live.
-Divided by B*T*V, it is the bytes per logit
-that planner/cost/memory.py budgets on the last pipeline stage (LOSS_BYTES_PER_LOGIT).
+runs, for two losses:
+- default: model.model_file.next_token_loss, the runtime's default, model/cross_entropy.py's in-place cross-entropy
+  on the whole flattened logits (the gradient written over them a chunk at a time): the logits' own storage and one
+  chunk's fp32 temporaries; the planner's planner.cost.memory_activations.logits_loss_bytes of a model without its
+  own loss (ModelNumbers.default_loss);
+- upcast: F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ...), the usual way (a model file's own loss, context
+  parallel's): at the backward's peak three fp32 tensors of (B, T-1, V) live (the upcast, the log-softmax output's
+  gradient, its input's), the logits themselves dropped (nothing holds them once the loss is computed: the head's
+  backward needs its input, not its output); the planner's LOSS_BYTES_PER_LOGIT.
+The number is the peak, over every aten op of that forward and backward, of the bytes of all live storages, divided
+by B*T*V.
 
 How: a TorchDispatchMode sees the output of every aten op, forward and backward, and counts each new
 storage's nbytes until the storage is freed (a weakref finalizer), so the count is exact, without an
@@ -38,8 +41,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch.nn.functional as F  # noqa: E402
+
 from zplan.model.model_file import next_token_loss  # noqa: E402
-from zplan.planner.cost.memory import LOSS_BYTES_PER_LOGIT  # noqa: E402
+from zplan.planner.cost.inputs import Candidates, ModelNumbers  # noqa: E402
+from zplan.planner.cost.memory import LOSS_BYTES_PER_LOGIT, logits_loss_bytes  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HEAD_WIDTH = 8  # hidden width of the stand-in head
@@ -77,8 +83,17 @@ class LiveStorageBytes(TorchDispatchMode):
         return out
 
 
-def loss_peak_bytes(batch: int, seq_len: int, vocab: int, precision: str, fake: bool = True) -> int:
-    """Peak live bytes of `next_token_loss(logits, ids); loss.backward()` with (B, T, V) logits in `precision`,
+def upcast_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy on an fp32 upcast of the shifted logits, the usual way (module docstring)."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+
+
+LOSSES = {"default": next_token_loss, "upcast": upcast_loss}
+
+
+def loss_peak_bytes(batch: int, seq_len: int, vocab: int, precision: str, fake: bool = True,
+                    loss: str = "default") -> int:
+    """Peak live bytes of `LOSSES[loss](logits, ids); loss.backward()` with (B, T, V) logits in `precision`,
     the logits and their gradient included, the token ids excluded."""
     dtype = DTYPES[precision]
     with FakeTensorMode() if fake else contextlib.nullcontext():
@@ -90,13 +105,27 @@ def loss_peak_bytes(batch: int, seq_len: int, vocab: int, precision: str, fake: 
         ids = torch.zeros(batch, seq_len, dtype=torch.long)  # (B, T)
         tracker = LiveStorageBytes()
         with tracker:
-            loss = next_token_loss(hidden @ weight.t(), ids)  # the logits (B, T, V) are made and dropped in here
-            loss.backward()
+            value = LOSSES[loss](hidden @ weight.t(), ids)  # the logits (B, T, V) are made in here
+            value.backward()
     return tracker.peak_bytes
 
 
-def bytes_per_logit(batch: int, seq_len: int, vocab: int, precision: str, fake: bool = True) -> float:
-    return loss_peak_bytes(batch, seq_len, vocab, precision, fake) / (batch * seq_len * vocab)
+def bytes_per_logit(batch: int, seq_len: int, vocab: int, precision: str, fake: bool = True,
+                    loss: str = "default") -> float:
+    return loss_peak_bytes(batch, seq_len, vocab, precision, fake, loss) / (batch * seq_len * vocab)
+
+
+def planner_bytes_per_logit(batch: int, seq_len: int, vocab: int, precision: str, loss: str = "default") -> float:
+    """What the planner budgets a logit for that loss: logits_loss_bytes of a one-GPU candidate (tp 1, cp 1) of a
+    model with the runtime's default loss, or LOSS_BYTES_PER_LOGIT for the upcast one."""
+    if loss == "upcast":
+        return LOSS_BYTES_PER_LOGIT[precision]
+    model = ModelNumbers(num_blocks=1, hidden=HEAD_WIDTH, heads=1, ffn_hidden=HEAD_WIDTH, vocab=vocab,
+                         seq_len=seq_len, params=0.0, embed_params=0.0, embed_fwd_flops=0.0, head_params=0.0,
+                         head_fwd_flops=0.0, block_params=0.0, block_fwd_flops=0.0, block_act_bytes=0.0,
+                         embed_act_bytes=0.0, head_act_bytes=0.0, default_loss=True)
+    cand = Candidates.single(tp=1, pp=1, dp=1, micro_batch=batch, zero=0, recompute=0, sp=0, interleave=1, offload=0)
+    return float(logits_loss_bytes(model, cand, precision)[0]) / (batch * seq_len * vocab)
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:
@@ -115,21 +144,27 @@ def main(argv: list[str] | None = None) -> dict:
 
     rows = []
     for batch, seq_len, vocab in args.shapes:
-        for precision in DTYPES:
-            measured = bytes_per_logit(batch, seq_len, vocab, precision, fake=not args.real)
-            rows.append(dict(batch=batch, seq_len=seq_len, vocab=vocab, precision=precision,
-                             bytes_per_logit=measured, planner_bytes_per_logit=LOSS_BYTES_PER_LOGIT[precision],
-                             planner_over_measured=LOSS_BYTES_PER_LOGIT[precision] / measured))
+        for loss in LOSSES:
+            for precision in DTYPES:
+                measured = bytes_per_logit(batch, seq_len, vocab, precision, not args.real, loss)
+                planned = planner_bytes_per_logit(batch, seq_len, vocab, precision, loss)
+                rows.append(dict(batch=batch, seq_len=seq_len, vocab=vocab, loss=loss, precision=precision,
+                                 bytes_per_logit=measured, planner_bytes_per_logit=planned,
+                                 planner_over_measured=planned / measured))
     result: dict = {"tensors": "real" if args.real else "fake", "rows": rows}
-    for precision in DTYPES:  # the largest over the shapes: what a budget has to cover
-        result[f"bytes_per_logit_{precision}"] = max(r["bytes_per_logit"] for r in rows if r["precision"] == precision)
-        result[f"planner_bytes_per_logit_{precision}"] = LOSS_BYTES_PER_LOGIT[precision]
+    for loss in LOSSES:
+        for precision in DTYPES:  # the largest over the shapes: what a budget has to cover
+            mine = [r for r in rows if r["precision"] == precision and r["loss"] == loss]
+            result[f"{loss}_bytes_per_logit_{precision}"] = max(r["bytes_per_logit"] for r in mine)
+            result[f"{loss}_planner_over_measured_{precision}"] = [min(r["planner_over_measured"] for r in mine),
+                                                                   max(r["planner_over_measured"] for r in mine)]
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(f"{'B':>3} {'T':>5} {'V':>7} {'precision':>9} {'measured B/logit':>17} {'planner':>8} {'ratio':>6}")
+        print(f"{'B':>3} {'T':>5} {'V':>7} {'loss':>7} {'precision':>9} {'measured B/logit':>17} {'planner':>8} "
+              f"{'ratio':>6}")
         for r in rows:
-            shape = f"{r['batch']:>3} {r['seq_len']:>5} {r['vocab']:>7} {r['precision']:>9}"
+            shape = f"{r['batch']:>3} {r['seq_len']:>5} {r['vocab']:>7} {r['loss']:>7} {r['precision']:>9}"
             print(f"{shape} {r['bytes_per_logit']:>17.4f} {r['planner_bytes_per_logit']:>8.2f} "
                   f"{r['planner_over_measured']:>6.3f}")
     return result

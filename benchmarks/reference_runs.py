@@ -72,6 +72,8 @@ class ReferenceRun:
     published_params_b: tuple[float, float] | None = None  # moe: (total, active) billions as the row prints them
     caveat: str = ""  # what zplan prices differently from the run (moe: Kimi K2's Muon optimizer)
     published_flops_per_token: float | None = None  # moe: tflops_per_gpu / tokens_per_s_per_gpu, as the row counts
+    assumed: str = ""  # what the row does not print that it is priced with (its stack's default optimizer sharding)
+    recompute_printed: bool = True  # False: the row prints no recompute (pinned none for its time)
 
 
 def stack_of(source: str, data_parallel: str) -> str:
@@ -86,17 +88,27 @@ def stack_of(source: str, data_parallel: str) -> str:
     return "megatron-core"
 
 
-def zero_stage(data_parallel: str) -> tuple[int, str]:
-    """(ZeRO stage, offload) of a row's data-parallel column."""
+# What a run priced with its stack's default optimizer sharding says (ReferenceRun.assumed): Megatron-Core's DDP under
+# NeMo's and Megatron-Bridge's recipes and Megatron-LM's performance scripts runs the distributed optimizer
+# (--use-distributed-optimizer: the fp32 master weights and Adam moments sharded over dp, ZeRO-1) unless told not to
+STACK_DEFAULT_OPTIMIZER = {"megatron-core": (1, "optimizer sharding not printed: priced as Megatron-Core's default, "
+                                                "the distributed optimizer (ZeRO-1)")}
+
+
+def zero_stage(data_parallel: str, stack: str = "") -> tuple[int, str, str]:
+    """(ZeRO stage, offload, what was assumed) of a row's data-parallel column: a stage it states, else its
+    stack's default (STACK_DEFAULT_OPTIMIZER, said in the third item), else 0."""
     text = data_parallel.lower()
     offload = "cpu" if "offload" in text and "capability" not in text else "none"
     if "shard_grad_op" in text:
-        return 2, offload
+        return 2, offload, ""
     if any(word in text for word in ("full_shard", "fsdp", "zero-3", "hsdp", "zero-powered")):
-        return 3, offload
+        return 3, offload, ""
     if "distributed optimizer" in text and "not stated" not in text:
-        return 1, offload
-    return 0, offload
+        return 1, offload, ""
+    if stack in STACK_DEFAULT_OPTIMIZER:
+        return (*STACK_DEFAULT_OPTIMIZER[stack][:1], offload, STACK_DEFAULT_OPTIMIZER[stack][1])
+    return 0, offload, ""
 
 
 def _int(value: str) -> int | None:
@@ -168,7 +180,8 @@ def training_run(row: dict, label: str) -> ReferenceRun | str:
     measured = measured_seconds(row, gpus, batch)
     if measured is None:
         return "no measured time basis"
-    zero, offload = zero_stage(row["zero_or_fsdp"])
+    stack = stack_of(row["source"], row["zero_or_fsdp"])
+    zero, offload, assumed = zero_stage(row["zero_or_fsdp"], stack)
     recompute = row["recompute"].lower()
     mode = "full" if recompute.startswith("full") else "selective" if "selective" in recompute else "none"
     micro = _int(row["micro_batch"])
@@ -178,8 +191,8 @@ def training_run(row: dict, label: str) -> ReferenceRun | str:
                 recompute=mode, sequence_parallel=False if tp == 1 else None,
                 interleave=int(virtual.group(1)) if virtual and pp > 1 else None)
     dtype = "fp16" if cluster == "dgx2-v100" else "fp8" if fp8 else "nvfp4" if nvfp4 else "bf16"
-    return ReferenceRun(label, row["source"], stack_of(row["source"], row["zero_or_fsdp"]), family_spec(row), cluster,
-                        gpus, batch, dtype, pins, measured)
+    return ReferenceRun(label, row["source"], stack, family_spec(row), cluster, gpus, batch, dtype, pins, measured,
+                        assumed=assumed if dp > 1 else "", recompute_printed=bool(recompute.strip()))
 
 
 def published_run(row: dict, label: str) -> ReferenceRun:
@@ -307,7 +320,7 @@ def moe_run(row: dict, label: str, model_dir: Path, index: int) -> ReferenceRun 
         return "no measured time basis"
     measured = batch * int(row["seq_len"]) / (float(row["tokens_per_s_per_gpu"]) * gpus)
     fsdp = _int(row.get("fsdp", "")) or 0
-    zero, offload = zero_stage("Megatron-FSDP" if fsdp else "Megatron distributed optimizer")
+    zero, offload, _ = zero_stage("Megatron-FSDP" if fsdp else "Megatron distributed optimizer")
     vp = _int(row.get("vp", "")) or 1
     pins = Pins(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, zero=zero if dp > 1 else 0, offload=offload,
                 micro_batch=_int(row["micro_batch"]), recompute="none",
@@ -319,7 +332,8 @@ def moe_run(row: dict, label: str, model_dir: Path, index: int) -> ReferenceRun 
                         precision, pins, measured, kind="moe",
                         published_params_b=(float(row["total_params_b"]), float(row["active_params_b"])),
                         caveat=caveat, published_flops_per_token=float(row["tflops_per_gpu"]) * 1e12 / float(
-                            row["tokens_per_s_per_gpu"]) if row.get("tflops_per_gpu", "").strip() else None)
+                            row["tokens_per_s_per_gpu"]) if row.get("tflops_per_gpu", "").strip() else None,
+                        recompute_printed=False)
 
 
 _MODEL_DIR: Path | None = None

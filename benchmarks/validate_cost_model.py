@@ -12,7 +12,11 @@ is known to overlap (STACK_HIDES, not fitted):
 - leave one source out (key loso_mean_abs_error, the headline): each source predicted with the efficiencies fitted
   on the other sources only (a stack seen in no other source keeps efficiency 1);
 - raw (key raw_mean_abs_error): zplan's runtime profile as is.
-coverage: expressible rows over all rows. --picks also compiles zplan's own plan for each row's model, GPUs and
+coverage: expressible rows over all rows. published_over_memory: the published layouts zplan's memory model does not
+fit as they ran (validate's memory_fit: a row that prints no recompute fits when some recompute mode does; a
+Megatron-Core row that does not print its optimizer sharding is priced with the stack's default, the distributed
+optimizer: reference_runs.STACK_DEFAULT_OPTIMIZER), each listed with how far over and its largest terms in
+published_over_memory_rows. --picks also compiles zplan's own plan for each row's model, GPUs and
 batch and prints its predicted time over the published layout's, both from the same model (a prediction, not a
 measurement; slow: a search per row).
 
@@ -79,8 +83,8 @@ def predict(run: ReferenceRun) -> dict:
     hidden = sum(estimate["time_breakdown"][part] for part in STACK_HIDES.get(run.stack, ()))
     flash = request.cluster.efficiency.attention
     step = estimate["step_time_s"]
-    result = {"step_s": step, "predicted_s": step - hidden, "attention_s": 0.0, "fits": estimate["feasible"],
-              "estimate": estimate, "summary": request.summary}
+    result = {"step_s": step, "predicted_s": step - hidden, "attention_s": 0.0, "estimate": estimate,
+              "summary": request.summary, **memory_fit(run, request, estimate)}
     if flash is None:
         return result
     chosen = estimate["config"]
@@ -90,6 +94,19 @@ def predict(run: ReferenceRun) -> dict:
         cluster=request.cluster.model_copy(
             update={"efficiency": request.cluster.efficiency.model_copy(update={"attention": flash / 2})}))
     return {**result, "attention_s": estimate_config(slower)["step_time_s"] - step}
+
+
+def memory_fit(run: ReferenceRun, request, estimate: dict) -> dict:
+    """fits: whether zplan's memory model fits the run as it ran: its layout as printed, and where it prints no
+    recompute (run.recompute_printed), with the least recompute that fits (fit_recompute); over_memory: for a run that
+    does not fit, how far over and the largest terms (zplan.api.over_memory)."""
+    if estimate["feasible"]:
+        return {"fits": True, "fit_recompute": estimate["config"]["recompute"], "over_memory": ""}
+    for mode in ("selective", "full") if not run.recompute_printed else ():
+        deeper = replace(request, pins=request.pins.model_copy(update={"recompute": mode}))
+        if estimate_config(deeper)["feasible"]:
+            return {"fits": True, "fit_recompute": mode, "over_memory": ""}
+    return {"fits": False, "fit_recompute": None, "over_memory": estimate["over_memory"]["summary"]}
 
 
 def stack_seconds(row: dict, factor: float) -> float:
@@ -140,7 +157,9 @@ def validate(reference: Path, picks: bool = False, moe: bool = True) -> dict:
         row = {"label": run.label, "source": run.source, "stack": run.stack, "cluster": run.cluster,
                "precision": run.precision, "gpus": run.gpus, "measured_s": run.measured_s,
                "predicted_s": predicted["predicted_s"], "attention_s": predicted["attention_s"],
-               "fits_in_zplans_memory_model": predicted["fits"]}
+               "fits_in_zplans_memory_model": predicted["fits"], "fit_recompute": predicted["fit_recompute"],
+               "over_memory": predicted["over_memory"], "assumed": run.assumed,
+               "recompute_printed": run.recompute_printed}
         if picks:
             chosen = compile_plan(prepare(run.spec, run.gpus, run.cluster, run.global_batch, None, run.precision,
                                           Pins()))
@@ -163,6 +182,11 @@ def validate(reference: Path, picks: bool = False, moe: bool = True) -> dict:
                   "pick_faster_by_5pct": sum(x < 0.95 for x in ratios), "pick_slower": sum(x > 1.001 for x in ratios),
                   "published_layout_over_memory": sum(not r["fits_in_zplans_memory_model"] for r in rows)}
         if ratios else None,
+        # the published layouts over zplan's memory model, as they ran (memory_fit), each with what overflows
+        "published_over_memory": sum(not r["fits_in_zplans_memory_model"] for r in rows),
+        "published_over_memory_rows": {r["label"]: r["over_memory"] for r in rows
+                                       if not r["fits_in_zplans_memory_model"]},
+        "priced_with_stack_default_optimizer": sum(bool(r["assumed"]) for r in rows),
         "coverage": len(rows) / total,
         "expressible_rows": len(rows),
         "all_rows": total,
@@ -306,6 +330,12 @@ def main() -> None:
               f"{p['median_pick_over_published']:.2f} over {p['rows']} rows; faster by > 5 % on "
               f"{p['pick_faster_by_5pct']}, slower on {p['pick_slower']} (the published layout is over zplan's "
               f"memory model on {p['published_layout_over_memory']}: the search may not pick it)")
+    print(f"\npublished layouts over zplan's memory model: {result['published_over_memory']} of "
+          f"{result['expressible_rows']} ({result['priced_with_stack_default_optimizer']} rows priced with their "
+          "stack's default optimizer sharding, the distributed optimizer; a row that prints no recompute fits when "
+          "some recompute mode fits):")
+    for label, over in result["published_over_memory_rows"].items():
+        print(f"  {label[:70]}: {over}")
     print(f"coverage {result['coverage']:.0%} ({result['expressible_rows']} of {result['all_rows']} rows); "
           f"mean |error| leave-one-source-out {result['loso_mean_abs_error']:.1%}, "
           f"in sample {result['mean_abs_error']:.1%}, raw {result['raw_mean_abs_error']:.1%}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from math import ceil
 from typing import Any
 
-from zplan.schemas.plan import Plan
+from zplan.schemas.plan import MEMORY_TERMS, Plan
 
 TiB = 1024**4
 GiB = 1024**3
@@ -180,6 +180,11 @@ def plan_context(plan: Plan) -> dict[str, Any]:
         "memory_used_percent": format_percent(share(memory.total, memory.capacity)),
         "cpu_bytes_per_node": format_bytes(memory.cpu_bytes_per_node),
         "nvme_bytes_per_node": format_bytes(memory.nvme_bytes_per_node),
+        # the peak by named term (schemas.plan.MEMORY_TERMS), the zero ones left out; empty for older plans
+        "memory_terms": [
+            {"label": name, "display": format_bytes(value) if value >= 0 else f"-{format_bytes(-value)}",
+             "what": MEMORY_TERMS.get(name, ""), "percent": format_percent(share(abs(value), memory.capacity))}
+            for name, value in memory.terms.items() if value],
         "memory_rows": [
             {"key": key, "label": label, "display": format_bytes(getattr(memory, key)),
              "percent": format_percent(share(getattr(memory, key), memory.capacity))}

@@ -31,8 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
+from torch.distributed.tensor import DTensor
 
 from zplan.errors import ModelLoadError
+from zplan.model.cross_entropy import can_overwrite, in_place_cross_entropy, shifted_targets
 from zplan.model.hf_folder import read_hf_folder
 
 _module_counter = itertools.count()
@@ -116,9 +118,16 @@ def logits_of(outputs: Any) -> torch.Tensor:
 
 
 def next_token_loss(outputs: Any, batch: Any) -> torch.Tensor:
-    """Mean cross-entropy of predicting token t+1 from tokens <= t: logits (B, T, V), batch ids (B, T)."""
+    """Mean cross-entropy of predicting token t+1 from tokens <= t: logits (B, T, V), batch ids (B, T). Plain logits
+    take the in-place cross-entropy (model/cross_entropy.py: the gradient written over the logits, nothing more held)
+    where it may overwrite them (can_overwrite: in training, made by the head's matmul); a DTensor (split over the
+    vocabulary: torch's loss_parallel computes its loss), logits without a gradient (validation) and logits an op
+    keeps F.cross_entropy on an fp32 upcast."""
     logits = logits_of(outputs)
     tokens = batch["input_ids"] if isinstance(batch, dict) else batch  # (B, T)
+    flat = logits.flatten(0, 1) if not isinstance(logits, DTensor) else None
+    if flat is not None and flat.is_contiguous() and can_overwrite(flat):
+        return in_place_cross_entropy(flat, shifted_targets(tokens))
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
 
 

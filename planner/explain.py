@@ -9,6 +9,7 @@ from zplan.planner.cost.inputs import OFFLOAD_TIERS, RECOMPUTE_MODES, Candidates
 from zplan.planner.cost.step import StepEstimate
 from zplan.planner.search import Choice, Scored, refine
 from zplan.schemas.alternatives import Candidate, RejectedFamily
+from zplan.schemas.capability import vocab_parallel
 from zplan.schemas.cluster import ClusterSpec
 from zplan.schemas.model import ModelSummary
 from zplan.schemas.plan import ParallelConfig
@@ -21,7 +22,8 @@ FAMILY_REFINE = 3  # members per family re-scored with the exact partition
 GiB = 1024**3
 
 
-def parallel_config(cand: Candidates, i: int, num_micro_batches: float) -> ParallelConfig:
+def parallel_config(cand: Candidates, i: int, num_micro_batches: float, summary: ModelSummary) -> ParallelConfig:
+    """Candidate i as plan.json's parallel section (`summary`: whether its vocabulary splits over tp)."""
     pp, v = int(cand.pp[i]), int(cand.interleave[i])
     schedule = "none" if pp == 1 else ("interleaved-1f1b" if v > 1 else "1f1b")
     return ParallelConfig(
@@ -29,11 +31,13 @@ def parallel_config(cand: Candidates, i: int, num_micro_batches: float) -> Paral
         micro_batch=int(cand.micro_batch[i]),
         num_micro_batches=int(round(num_micro_batches)), zero_stage=int(cand.zero[i]),
         recompute=RECOMPUTE_MODES[int(cand.recompute[i])], sequence_parallel=bool(cand.sp[i]),
-        interleave=v, schedule=schedule, offload=OFFLOAD_TIERS[int(cand.offload[i])],
+        vocab_parallel=bool(vocab_parallel(summary.traits, int(cand.tp[i]), summary.vocab, int(cand.cp[i]))),
+        interleave=v,
+        schedule=schedule, offload=OFFLOAD_TIERS[int(cand.offload[i])],
     )
 
 
-def _candidate(scored: Scored, i: int, refined: dict[int, Choice | None]) -> Candidate:
+def _candidate(scored: Scored, i: int, refined: dict[int, Choice | None], summary: ModelSummary) -> Candidate:
     """Quick-estimate numbers, or the exact-partition ones where the search refined the candidate (a
     refinement that found no partition fitting memory marks it infeasible)."""
     est, j, feasible = scored.estimate, i, bool(scored.estimate.memory.fits[i])
@@ -42,7 +46,7 @@ def _candidate(scored: Scored, i: int, refined: dict[int, Choice | None]) -> Can
         if feasible:
             est, j = refined[i].estimate, 0
     return Candidate(
-        parallel=parallel_config(scored.candidates, i, est.num_micro_batches[j]),
+        parallel=parallel_config(scored.candidates, i, est.num_micro_batches[j], summary),
         step_time_s=float(est.step_time_s[j]), memory_per_gpu_bytes=float(est.memory.total[j]),
         feasible=feasible,
     )
@@ -76,7 +80,7 @@ def alternatives(scored: Scored, refined: dict[int, Choice | None], choice: Choi
         seen.add(i)
         if i not in refined and est.memory.fits[i] and est.step_time_s[i] <= chosen_s:
             refined[i] = refine(summary, scored.candidates.take(np.array([i])), cluster, train)
-        picked.append(_candidate(scored, i, refined))
+        picked.append(_candidate(scored, i, refined, summary))
     return picked
 
 

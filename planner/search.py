@@ -8,7 +8,7 @@ recompute, offload), so the output is deterministic.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -64,7 +64,11 @@ def partition_for(summary: ModelSummary, cand: Candidates, cluster: ClusterSpec,
     if v > 1:
         return interleaved_partition(summary, units.time_s, pp * v)
     inflight = np.minimum(np.arange(pp, 0, -1), est.num_micro_batches[0]).astype(float)
-    return partition_layers(units.time_s, units.static_bytes, units.act_bytes, pp, capacity, inflight)
+    part = partition_layers(units.time_s, units.static_bytes, units.act_bytes, pp, capacity, inflight)
+    if pp == 1:  # one stage, one split: the memory model prices it whole (with what is not live at the peak)
+        fits = bool(est.memory.fits[0])
+        return replace(part, feasible=fits, min_feasible_capacity_bytes=None if fits else float(est.memory.total[0]))
+    return part
 
 
 def interleaved_partition(summary: ModelSummary, unit_time_s: np.ndarray, chunks: int) -> PartitionResult:
@@ -109,6 +113,11 @@ def refine(summary: ModelSummary, cand: Candidates, cluster: ClusterSpec, train:
     return Choice(candidate=cand, estimate=exact, partition=part)
 
 
+def fastest_fitting_s(scored: Scored) -> float | None:
+    """The quick estimate's step time of the fastest candidate that fits memory, None when none does."""
+    return float(scored.estimate.step_time_s[scored.order[0]]) if len(scored.order) else None
+
+
 def choose(summary: ModelSummary, cluster: ClusterSpec, gpus: int, train: TrainSpec, pins: Pins,
            scored: Scored) -> tuple[Choice, dict[int, Choice | None]]:
     """The fastest of the top candidates after refinement, and every refinement made (candidate index ->
@@ -123,5 +132,5 @@ def choose(summary: ModelSummary, cluster: ClusterSpec, gpus: int, train: TrainS
     choices = [c for c in refined.values() if c is not None]
     if not choices:
         raise_infeasible(summary, cluster, gpus, pins, scored,
-                         fits=lambda n, relaxed: len(score(summary, cluster, n, train, relaxed).order) > 0)
+                         fits=lambda n, changed: fastest_fitting_s(score(summary, cluster, n, train, changed)))
     return min(choices, key=lambda c: float(c.estimate.step_time_s[0])), refined

@@ -337,7 +337,8 @@ def _summarize(graph: ModelGraph, raw: RawTrace, model: nn.Module, name: str,
     # executor
     serving_traits = runtime_checks.inference_traits(model, summary) if serving and runtime_checks else []
     traits = find_traits(model, graph, rules, layers, example_call, runtime_checks)
-    return summary.model_copy(update={"traits": [*traits, *serving_traits]})
+    vocabulary = runtime_checks.vocabulary_traits(model, prefix, vocab) if runtime_checks else []
+    return summary.model_copy(update={"traits": [*traits, *serving_traits, *vocabulary]})
 
 
 def _experts_summary(experts: list[ExpertLayer], all_params: dict[str, nn.Parameter]) -> ExpertsSummary | None:
@@ -385,16 +386,19 @@ def _outermost(paths: list[str]) -> list[str]:
 
 
 def _hidden_and_vocab(graph: ModelGraph, by_name: dict[str, TracedOp], block0: list[str]) -> tuple[int, int]:
-    """(h, V) from the token embedding's weight (V, h): the embedding fed by the model's input ids."""
+    """(h, V) from the token embedding's weight (V, h): the embedding fed by the model's input ids, else the one whose
+    rows are the head's outputs (a Hugging Face GPT-2 reshapes its ids first, and its position table can be the
+    larger), else the largest."""
     embeddings = [by_name[n] for n, data in graph.iter_nodes(op="embedding")]
     tables = [(op, arg.shape) for op in embeddings for arg in op.args if arg.param is not None and arg.shape]
     fed_by_input = [(op, shape) for op, shape in tables
                     if any(a.producer and graph[a.producer]["op"] == "input" for a in op.args)]
-    chosen = fed_by_input or sorted(tables, key=lambda t: -t[1][0])
+    outputs = [graph[n]["shape"] for n in graph.nodes() if graph[n]["unit"] == "head" and graph[n]["shape"]]
+    head_rows = [(op, shape) for op, shape in tables if outputs and shape[0] == outputs[-1][-1]]
+    chosen = fed_by_input or head_rows or sorted(tables, key=lambda t: -t[1][0])
     if chosen:
         return int(chosen[0][1][1]), int(chosen[0][1][0])
     hidden = int(graph[block0[-1]]["shape"][-1]) if block0 else 1
-    outputs = [graph[n]["shape"] for n in graph.nodes() if graph[n]["unit"] == "head" and graph[n]["shape"]]
     return hidden, int(outputs[-1][-1]) if outputs else 1
 
 

@@ -20,7 +20,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 Capability = Literal["tensor_parallel", "sequence_parallel", "pipeline", "fp8", "nvfp4", "context_parallel",
-                     "expert_parallel", "inference"]
+                     "expert_parallel", "inference", "vocab_parallel"]
 CAPABILITIES: tuple[str, ...] = Capability.__args__
 
 TraitKind = Literal[
@@ -40,6 +40,7 @@ TraitKind = Literal[
     "experts_not_dispatchable",
     "experts_not_served",
     "decoder_not_recognised",
+    "vocab_not_split",
 ]
 FP8_DIM_MULTIPLE = 16  # an fp8 GEMM (torch._scaled_mm) needs both of a Linear's widths divisible by 16
 # An NVFP4 operand is quantised in blocks of 16 along its GEMM's reduction dim, and a Linear's three GEMMs reduce over
@@ -116,9 +117,9 @@ RULES: dict[str, Rule] = {
         why="context parallel masks the gathered keys causally by global position, and this attention is not plain "
             "causal self-attention (a sliding window, bidirectional or cross-attention)"),
     "own_loss": Rule(
-        blocks=("context_parallel",),
-        why="context parallel splits the default next-token loss over the ranks' tokens, and the model file defines "
-            "its own loss_fn"),
+        blocks=("context_parallel", "vocab_parallel"),
+        why="context parallel and a vocabulary split over tp compute the default next-token loss on the ranks' "
+            "tokens or vocabulary rows, and the model file defines its own loss_fn, which sees whole logits"),
     "experts_not_dispatchable": Rule(
         blocks=("expert_parallel",),
         why="expert parallel runs each rank's experts with zplan's own executor (runtime/parallel/experts.py), which "
@@ -132,20 +133,27 @@ RULES: dict[str, Rule] = {
         blocks=("inference",),
         why="the inference engine serves only the pre-norm decoders it recognises module by module "
             "(runtime/inference/decoder.py)"),
+    "vocab_not_split": Rule(
+        blocks=("vocab_parallel",),
+        why="tensor parallel splits the vocabulary of an nn.Embedding and an nn.Linear output head outside the blocks "
+            "(runtime/parallel/vocab_parallel.py), and this model's are not such modules: they stay replicated over "
+            "tp"),
 }
 
 # The pin that asks for each capability, and the plan.json field that holds it.
 PIN_OF: dict[str, str] = {"tensor_parallel": "--tp", "sequence_parallel": "--sequence-parallel", "pipeline": "--pp",
                           "fp8": "--precision fp8", "nvfp4": "--precision nvfp4", "context_parallel": "--cp",
-                          "expert_parallel": "--ep", "inference": "--mode inference"}
+                          "expert_parallel": "--ep", "inference": "--mode inference",
+                          "vocab_parallel": "--tp"}  # the vocabulary is split wherever tp > 1 and the model allows
 FIELD_OF: dict[str, str] = {"tensor_parallel": "parallel.tp", "sequence_parallel": "parallel.sequence_parallel",
                             "pipeline": "parallel.pp", "fp8": "train.precision", "nvfp4": "train.precision",
                             "context_parallel": "parallel.cp", "expert_parallel": "parallel.ep",
-                            "inference": "an InferencePlan"}
+                            "inference": "an InferencePlan", "vocab_parallel": "parallel.vocab_parallel"}
 FIX_OF: dict[str, str] = {"tensor_parallel": "--tp 1", "sequence_parallel": "no --sequence-parallel",
                           "pipeline": "--pp 1", "fp8": "--precision bf16", "nvfp4": "--precision bf16",
                           "context_parallel": "--cp 1", "expert_parallel": "--ep 1",
-                          "inference": "--mode training (zplan plans its training), or serve it with another engine"}
+                          "inference": "--mode training (zplan plans its training), or serve it with another engine",
+                          "vocab_parallel": "a plan compiled for this model (it keeps the vocabulary replicated)"}
 
 
 def blocking(traits: list[ModelTrait], capability: str) -> list[ModelTrait]:
@@ -174,6 +182,13 @@ def inference_problems(traits: list[ModelTrait], names: dict[str, str] = PIN_OF)
             f"use {FIX_OF['inference']}"]
 
 
+def vocab_parallel(traits: list[ModelTrait], tp, vocab: int, cp=1):
+    """Whether a plan splits the vocabulary over tp (ParallelConfig.vocab_parallel): wherever tp > 1, cp = 1 (context
+    parallel's loss sees whole logits) and the model has a vocabulary whose embedding and head the runtime can split,
+    with the runtime's own loss (tp and cp ints or integer arrays)."""
+    return (tp > 1) & (cp == 1) & (vocab > 0) & allows(traits, "vocab_parallel")
+
+
 def sequence_parallel_fits(block_tokens: int | None, tp):
     """Sequence parallel gives each tp rank T/tp of the tokens between blocks: T must divide (tp an int or an
     integer array; the answer has its shape)."""
@@ -182,12 +197,13 @@ def sequence_parallel_fits(block_tokens: int | None, tp):
 
 def capability_problems(traits: list[ModelTrait], tp: int, pp: int, sequence_parallel: bool,
                         names: dict[str, str] = FIELD_OF, block_tokens: int | None = None,
-                        fp8: bool = False, nvfp4: bool = False, cp: int = 1, ep: int = 1) -> list[str]:
-    """What in a configuration (tp, pp, sequence_parallel, fp8 or nvfp4 training, cp, ep) the runtime cannot run on a
-    model with `traits`, one message per capability naming what asked for it (`names`: the plan field, or PIN_OF for
-    the pin), the module and the fix; empty when it runs."""
+                        fp8: bool = False, nvfp4: bool = False, cp: int = 1, ep: int = 1,
+                        vocab_split: bool = False) -> list[str]:
+    """What in a configuration (tp, pp, sequence_parallel, fp8 or nvfp4 training, cp, ep, a split vocabulary) the
+    runtime cannot run on a model with `traits`, one message per capability naming what asked for it (`names`: the
+    plan field, or PIN_OF for the pin), the module and the fix; empty when it runs."""
     asked = {"tensor_parallel": tp > 1, "sequence_parallel": sequence_parallel, "pipeline": pp > 1, "fp8": fp8,
-             "nvfp4": nvfp4, "context_parallel": cp > 1, "expert_parallel": ep > 1}
+             "nvfp4": nvfp4, "context_parallel": cp > 1, "expert_parallel": ep > 1, "vocab_parallel": vocab_split}
     problems = [f"{names[c]}: the runtime cannot run {c.replace('_', ' ')} on this model: {explain(traits, c)}; "
                 f"use {FIX_OF[c]}" for c, wanted in asked.items() if wanted and not allows(traits, c)]
     if sequence_parallel and allows(traits, "sequence_parallel") and not sequence_parallel_fits(block_tokens, tp):

@@ -50,6 +50,13 @@ class ParallelConfig(Frozen):
     zero_stage: Literal[0, 1, 2, 3] = Field(description="ZeRO stage over the data-parallel dim.")
     recompute: Recompute = Field(description="Activation recompute mode.")
     sequence_parallel: bool = Field(description="Megatron sequence parallelism (needs tp > 1).")
+    vocab_parallel: bool = Field(
+        default=False, description="The token embedding and the output head split by vocabulary rows over tp "
+                                   "(Megatron's VocabParallelEmbedding and parallel cross-entropy): each tp rank "
+                                   "holds V/tp rows of each table and (B, T, V/tp) logits, the loss computed with "
+                                   "the max and the sum all-reduced (torch's loss_parallel). False: both replicated "
+                                   "over tp (plans from before it, tp 1, or a model whose embedding or head is not "
+                                   "an nn.Embedding / nn.Linear over the vocabulary).")
     interleave: int = Field(gt=0, description="Model chunks per pipeline stage (1: plain 1F1B).")
     schedule: Schedule = Field(description="Pipeline schedule.")
     offload: Tier = Field(description=(
@@ -131,6 +138,27 @@ class CompressionDecision(Frozen):
     reason: str = Field(default="", description="What it saves or would save, one or two sentences with the numbers.")
 
 
+# The named terms of a GPU's memory peak (MemoryBreakdown.terms; planner.cost.memory computes them), in order, with
+# what each is and the coarse part of MemoryBreakdown it belongs to
+MEMORY_TERMS: dict[str, str] = {
+    "weights": "parameters",
+    "gradients": "gradients",
+    "optimizer states": "optimizer: fp32 master weights and Adam moments",
+    "block activations": "activations: the blocks' saved tensors of the micro-batches in flight, their stage outputs",
+    "logits and loss": "activations: the (b, s, V / tp) logits and the loss's fp32 temporaries",
+    "collective buffers": "comm buffers: DDP / FSDP2 buckets, gathered blocks, sequence-parallel and all-to-all "
+                          "buffers, compression's",
+    "compute copies": "comm buffers: autocast's and ZeRO-2/3's compute-dtype copies of the weights",
+    "pipeline receive buffers": "comm buffers: hidden states and gradients received from the neighbouring stages",
+    "tied table gradient": "comm buffers: a tied embedding's gradient summed over the pipeline ranks that hold it",
+    "vocabulary table gradient": "comm buffers: a (V / tp, h) table's whole gradient before it joins its bucket",
+    "root unit reduce": "comm buffers: ZeRO 2/3's reduce of the embedding, final norm and head",
+    "low-precision cast temporaries": "comm buffers: fp8 / nvfp4 casts' fp32 temporaries in a Linear's backward",
+    "framework reserve": "reserve: CUDA context, NCCL, allocator",
+    "not live at the peak": "the parts above that do not coincide with the peak (negative)",
+}
+
+
 class MemoryBreakdown(Frozen):
     """Bytes per GPU on the most loaded pipeline stage."""
 
@@ -147,6 +175,11 @@ class MemoryBreakdown(Frozen):
     capacity: float = Field(description="Device memory.")
     cpu_bytes_per_node: float = Field(description="Host bytes used by offloaded states, per node.")
     nvme_bytes_per_node: float = Field(description="NVMe bytes used by offloaded states, per node.")
+    terms: dict[str, float] = Field(default_factory=dict, description="The peak by named term, bytes (weights, "
+                                    "gradients, optimizer states, block activations, logits and loss, collective "
+                                    "buffers, compute copies, pipeline receive buffers, ..., framework reserve, less "
+                                    "what is not live at the peak): they add up to total (MEMORY_TERMS says what each "
+                                    "is). Empty in plans from before it.")
 
 
 class TimeBreakdown(Frozen):

@@ -300,7 +300,8 @@ def runnable_plan(model_ref: str | Path, *, units: list[str], hidden: int, heads
                       fwd_flops_per_sample=0.0, params=0)],
         placement=Placement(parameters="gpu", gradients="gpu", optimizer="gpu"),
         prediction=Prediction(step_time_s=0.01, tokens_per_s=1.0, mfu=0.01, model_flops_per_step=1e6,
-                              memory=MemoryBreakdown(**dict.fromkeys(MemoryBreakdown.model_fields, 0.0)),
+                              memory=MemoryBreakdown(**dict.fromkeys(set(MemoryBreakdown.model_fields) - {"terms"},
+                                                                     0.0)),
                               time=TimeBreakdown(**dict.fromkeys(TimeBreakdown.model_fields, 0.0)),
                               feasible=True),
     )

@@ -11,7 +11,7 @@ import numpy as np
 
 from zplan import __version__
 from zplan.codegen.render import render_inference_outputs, render_outputs
-from zplan.errors import ClusterError, SpecError
+from zplan.errors import ClusterError, SpecError, ZplanError
 from zplan.model.hf_folder import is_hf_folder, source_sha256, weights_in_folder
 from zplan.model_input import summarize_model
 from zplan.out_dir import write_out_dir
@@ -22,8 +22,9 @@ from zplan.planner.cost.inputs import ModelNumbers
 from zplan.planner.cost.step import StepEstimate, estimate_step
 from zplan.planner.enumerate import explain_no_candidates, pin_words
 from zplan.planner.explain import alternatives, parallel_config, rejected_families
+from zplan.planner.infeasible import overflow, suggestions
 from zplan.planner.placement_choice import PlacedStates, decide_delayed_update, place
-from zplan.planner.search import choose, refine, score
+from zplan.planner.search import choose, fastest_fitting_s, refine, score
 from zplan.schemas import legality
 from zplan.schemas.alternatives import Alternatives, InferenceAlternatives
 from zplan.schemas.capability import PIN_OF, capability_problems
@@ -206,6 +207,10 @@ def prediction(est: StepEstimate, cluster: ClusterSpec, placed: PlacedStates | N
     moved = max(0.0, float(mem.gradients[0]) - states["gradients"])
     not_at_peak = max(0.0, float(mem.not_at_peak[0]) - moved)
     total = states["parameters"] + states["gradients"] + states["optimizer"] + others - not_at_peak
+    terms = {name: float(value[0]) for name, value in mem.terms.items()}
+    terms.update({"weights": states["parameters"], "gradients": states["gradients"],
+                  "optimizer states": states["optimizer"], "not live at the peak": -not_at_peak})
+    terms = {name: value for name, value in terms.items() if value}  # plan.json keeps the terms that add up
     step = float(est.step_time_s[0] - est.offload_s[0] - est.optimizer_s[0]) + offload_s + optimizer_s
     return Prediction(
         step_time_s=step, tokens_per_s=float(est.tokens_per_s[0] * est.step_time_s[0] / step),
@@ -213,7 +218,7 @@ def prediction(est: StepEstimate, cluster: ClusterSpec, placed: PlacedStates | N
         feasible=feasible and total <= cluster.gpu.hbm_bytes,
         memory=MemoryBreakdown(activations=float(mem.activations[0]), comm_buffers=float(mem.comm_buffers[0]),
                                reserve=float(mem.reserve[0]), not_at_peak=not_at_peak, total=total,
-                               capacity=float(cluster.gpu.hbm_bytes),
+                               capacity=float(cluster.gpu.hbm_bytes), terms=terms,
                                **states),
         time=TimeBreakdown(
             compute=float(est.compute_s[0]), tensor_parallel=float(est.tensor_parallel_s[0]),
@@ -263,7 +268,7 @@ def compile_with_alternatives(req: Request) -> tuple[Plan, Alternatives]:
     # only when the states do not fit on the GPU, planner.placement).
     delayed, decision = decide_delayed_update(req.delayed_update, int(cand.zero[0]), placed, est, req.cluster)
     compression = req.pins.compress or CompressionConfig()
-    parallel = parallel_config(cand, 0, est.num_micro_batches[0]).model_copy(
+    parallel = parallel_config(cand, 0, est.num_micro_batches[0], req.summary).model_copy(
         update=dict(offload=req.pins.offload or deepest_tier(placed.placement), delayed_update=delayed,
                     compression=compression))
     predicted = prediction(est, req.cluster, placed, decision.saved_s if delayed else 0.0)
@@ -304,20 +309,39 @@ def estimate_config(req: Request) -> dict:
     final = refined.estimate if refined is not None else estimate_step(
         ModelNumbers.from_summary(req.summary), one, req.cluster, req.train.precision, req.train.global_batch)
     pred = prediction(final, req.cluster)
-    cfg = parallel_config(one, 0, final.num_micro_batches[0]).model_copy(
+    cfg = parallel_config(one, 0, final.num_micro_batches[0], req.summary).model_copy(
         update={"compression": req.pins.compress or CompressionConfig()})
     compression = (compression_decision(req.summary, req.cluster, req.train, refined, pred.step_time_s)
                    if refined is not None else None)
+    feasible = pred.feasible and refined is not None
     return {
         "model": req.summary.name, "cluster": req.cluster.name, "gpus": req.gpus,
         "global_batch": req.train.global_batch, "seq_len": req.train.seq_len, "precision": req.train.precision,
-        "config": cfg.model_dump(), "feasible": pred.feasible and refined is not None,
+        "config": cfg.model_dump(), "feasible": feasible,
         "step_time_s": pred.step_time_s, "tokens_per_s": pred.tokens_per_s, "mfu": pred.mfu,
         "memory_per_gpu_bytes": pred.memory.total, "memory_breakdown": pred.memory.model_dump(),
         "time_breakdown": pred.time.model_dump(), "candidates_evaluated": len(cand),
         "compression": compression.model_dump() if compression is not None else None,
         "runtime_runs_it": not legality.violations(legality.config(precision=req.train.precision, tp=cfg.tp)),
+        "over_memory": None if feasible else over_memory(req, final.memory, pred.step_time_s),
     }
+
+
+def over_memory(req: Request, memory, step_s: float) -> dict:
+    """For an estimate that does not fit (`step_s`: its step time): how far over the GPU it is, its terms
+    largest first (schemas.plan.MEMORY_TERMS), and the single changes to the pins that fit, each with its predicted
+    step time and what it adds, the fastest first (planner.infeasible)."""
+    def fits(gpus: int, pins: Pins) -> float | None:
+        try:
+            return fastest_fitting_s(score(req.summary, req.cluster, gpus, req.train, pins))
+        except ZplanError:  # a change the legality table or the pins rule out
+            return None
+
+    terms = sorted(((float(v[0]), name) for name, v in memory.terms.items()), reverse=True)
+    return {"over_bytes": float(memory.total[0] - req.cluster.gpu.hbm_bytes),
+            "summary": overflow(memory, 0, req.cluster.gpu.hbm_bytes),
+            "terms": {name: value for value, name in terms},
+            "fixes": suggestions(fits, req.cluster, req.gpus, req.pins, step_s)}
 
 
 def write_outputs(plan: Plan | InferencePlan, out_dir: Path, model_ref: str, force: bool = False,

@@ -145,6 +145,10 @@ def print_estimate(console: Console, result: dict) -> None:
         table.add_row("runs on zplan", "NO: a prediction only (nvfp4 runs with tp 1 in zplan's runtime)")
     table.add_row("step time", f"{result['step_time_s']:.3f} s, MFU {result['mfu']:.1%}")
     table.add_row("memory/GPU", f"{result['memory_per_gpu_bytes'] / GiB:.1f} GiB")
+    over = result.get("over_memory")
+    if over:
+        table.add_row("over memory", over["summary"])
+        table.add_row("would fit", ", ".join(over["fixes"]) or "nothing tried: use a larger GPU")
     console.print(table)
 
 

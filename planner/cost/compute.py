@@ -161,15 +161,15 @@ def edge_time_s(
 ) -> np.ndarray:
     """Forward + backward seconds of the embedding or head for one micro-batch on one GPU, with the host cost
     of its `ops` aten ops (EMBEDDING_OPS or HEAD_OPS) and, for the head (`loss`), the loss's streamed bytes
-    (LOSS_STREAMED_BYTES_PER_LOGIT). The runtime replicates the embedding and the head over the tp ranks
-    (runtime/parallel/tensor_parallel.py; not vocabulary-parallel), so every tp rank computes all of their `fwd_flops`
-    (per sample), the logits GEMM is the whole (b*s, h) x (h, V) and the loss runs on all the logits: nothing is
-    divided by tp."""
+    (LOSS_STREAMED_BYTES_PER_LOGIT). Where the plan splits the vocabulary over tp (ModelNumbers.vocab_split) a rank
+    computes 1/tp of the logits GEMM, (b*s, h) x (h, V/tp), and of the loss; else every tp rank computes all of
+    `fwd_flops` (per sample). The embedding's lookup has no FLOPs to split."""
     peak = cluster.peak_flops(precision)
     b = gpu_sequences(cand)
-    gemm_flops = 2.0 * b * model.seq_len * model.hidden * model.vocab  # the head's logits GEMM, FLOPs per GPU
+    split = model.vocab_split(cand) if loss else 1.0
+    gemm_flops = 2.0 * b * model.seq_len * model.hidden * model.vocab / split  # the logits GEMM, FLOPs per GPU
     eff = gemm_efficiency(gemm_flops, cluster)
     per_logit = LOSS_STREAMED_BYTES_PER_LOGIT[compute_dtype(precision)]
-    streamed = b * model.seq_len * model.vocab * per_logit if loss else 0.0
-    return (b * (1.0 + BACKWARD_OVER_FORWARD) * fwd_flops / (peak * eff) + streamed / activation_ops_Bps(cluster)
-            + ops * cluster.host_overheads.op_s)
+    streamed = b * model.seq_len * model.vocab / split * per_logit if loss else 0.0
+    return (b * (1.0 + BACKWARD_OVER_FORWARD) * fwd_flops / split / (peak * eff)
+            + streamed / activation_ops_Bps(cluster) + ops * cluster.host_overheads.op_s)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
+from zplan.schemas.capability import ModelTrait, vocab_parallel
 from zplan.schemas.model import ModelSummary
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -81,6 +82,9 @@ def gradient_group(cand: Candidates) -> np.ndarray:
     return cand.dp * cand.cp
 
 
+NOT_SPLIT = [ModelTrait(kind="vocab_not_split", module="", detail="ModelNumbers.vocab_splittable is False")]
+
+
 @dataclass(frozen=True)
 class ModelNumbers:
     """A ModelSummary as floats: embedding, one average block, head (per sample at seq_len)."""
@@ -117,6 +121,28 @@ class ModelNumbers:
     num_experts: int = 0  # E
     top_k: int = 0  # k
     expert_ffn_hidden: int = 0  # F of one expert
+    # The vocabulary tables (V, h) of the token embedding (in embed_params) and of an untied head (in head_params; a
+    # tied head's is head_shared_params), which the runtime splits by rows over tp where vocab_splittable
+    # (runtime/parallel/vocab_parallel.py; schemas.capability.vocab_parallel)
+    embed_vocab_params: float = 0.0
+    head_vocab_params: float = 0.0
+    vocab_splittable: bool = False
+    default_loss: bool = False  # the model file has no loss_fn: the runtime's in-place next-token loss runs
+
+    def vocab_split(self, cand: Candidates) -> np.ndarray:
+        """Ranks each vocabulary table and the logits are split over: tp where the plan splits the vocabulary
+        (ParallelConfig.vocab_parallel: schemas.capability.vocab_parallel), else 1."""
+        tp = cand.tp.astype(float)
+        return np.where(vocab_parallel([] if self.vocab_splittable else NOT_SPLIT, cand.tp, self.vocab, cand.cp),
+                        tp, 1.0)
+
+    def edge_params(self, cand: Candidates) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(embedding, head, tied head's copy) parameters on one rank: whole, but for their vocabulary tables split
+        over vocab_split."""
+        split = self.vocab_split(cand)
+        kept = 1.0 - 1.0 / split
+        return (self.embed_params - kept * self.embed_vocab_params, self.head_params - kept * self.head_vocab_params,
+                self.head_shared_params / split)
 
     def block_params_per_rank(self, tp: np.ndarray | float, ep: np.ndarray | float = 1) -> np.ndarray | float:
         """One block's parameters on a rank: its Linears split over tp, its routed experts whole on every tp rank and
@@ -133,6 +159,7 @@ class ModelNumbers:
         blocks = [u for u in summary.layers if u.kind == "block"]
         first = next(i for i, u in enumerate(summary.layers) if u.kind == "block")
         pre, post = summary.layers[:first], summary.layers[first + len(blocks):]
+        table = summary.vocab * summary.hidden  # one (V, h) table
         return ModelNumbers(
             num_blocks=len(blocks),
             hidden=summary.hidden,
@@ -165,4 +192,8 @@ class ModelNumbers:
             moe_blocks=summary.experts.moe_blocks if summary.experts else 0,
             routing_imbalance=summary.experts.imbalance if summary.experts else 1.0,
             block_attention_fwd_flops=float(np.mean([u.attention_fwd_flops for u in blocks])),
+            embed_vocab_params=float(table if sum(u.params for u in pre) >= table else 0),
+            head_vocab_params=float(table if sum(u.params for u in post) >= table else 0),  # 0: tied, or no head
+            vocab_splittable=bool(vocab_parallel(summary.traits, 2, summary.vocab, 1)),
+            default_loss=not any(trait.kind == "own_loss" for trait in summary.traits),
         )

@@ -69,6 +69,7 @@ from zplan.planner.cost.memory_states import (
     state_bytes_per_param,
 )
 from zplan.schemas.cluster import ClusterSpec
+from zplan.schemas.plan import MEMORY_TERMS as TERMS
 
 __all__ = ["ADAM_BYTES", "DDP_BUCKET_BYTES", "FP8_CAST_TEMPORARY_BYTES_PER_ELEMENT", "GRAD_BYTES",
            "HOST_GRAD_BUFFER_BYTES", "HOST_OPTIMIZER_BYTES", "HOST_USABLE_FRACTION", "LOSS_BYTES_PER_LOGIT",
@@ -102,6 +103,20 @@ class MemoryEstimate:
     peak_stage_params: np.ndarray  # parameters per GPU on the end stage whose memory peaks (`total`'s stage)
     peak_stage_expert_params: np.ndarray  # of peak_stage_params, routed experts' (E / ep of them)
     parameters_offloaded: np.ndarray  # bool: ZeRO 2/3 offload with the weight and gradient shards on the host too
+    terms: dict[str, np.ndarray]  # the peak stage's bytes by name (named_terms): they add up to `total`
+
+
+# the terms (schemas.plan.MEMORY_TERMS) that MemoryEstimate.comm_buffers adds up
+BUFFER_TERMS = ("collective buffers", "compute copies", "pipeline receive buffers", "tied table gradient",
+                "vocabulary table gradient", "root unit reduce", "low-precision cast temporaries")
+
+
+def named_terms(weights, grads, optim, acts, logits, buffers, copies, standing, tied_sum, table_grad, root, casts,
+                reserve, slack) -> dict[str, np.ndarray]:
+    """One end stage's bytes by TERMS' names; `acts` includes `logits`, `slack` is what is not live at the peak."""
+    values = (weights, grads, optim, acts - logits, logits, buffers, copies, standing, tied_sum, table_grad, root,
+              casts, reserve, -slack)
+    return {name: np.asarray(value, dtype=float) + 0.0 * weights for name, value in zip(TERMS, values, strict=True)}
 
 
 def memory_per_gpu(
@@ -129,15 +144,18 @@ def memory_per_gpu(
     # Routed experts are whole on every tp rank and split over ep (ModelNumbers.block_params_per_rank): their states
     # shard over the dp / ep ranks that hold the same experts, so that sharded they take what they take at ep = 1.
     ep = cand.ep.astype(float)
+    # the edges on one rank: whole, their vocabulary tables split over tp where the plan splits the vocabulary
+    # (ParallelConfig.vocab_parallel: ModelNumbers.edge_params), and with them the logits (vocab_t)
+    embed_gpu, head_gpu, shared_gpu = model.edge_params(cand)
+    vocab_t = model.vocab_split(cand)
     edges = model.embed_params + model.head_params  # embedding, final norm, head
     experts = model.num_blocks * model.block_expert_params
-    whole_model = edges + (model.params - edges - experts) / t + experts / ep
+    whole_model = embed_gpu + head_gpu + (model.params - edges - experts) / t + experts / ep
     block_params_gpu = model.block_params_per_rank(t, ep)
     first_experts = np.where(single, experts, first_blocks * model.block_expert_params) / ep
     last_experts = np.where(single, experts, last_blocks * model.block_expert_params) / ep
-    first_params = np.where(single, whole_model, model.embed_params + first_blocks * block_params_gpu)
-    last_params = np.where(single, whole_model,
-                           model.head_params + model.head_shared_params + last_blocks * block_params_gpu)
+    first_params = np.where(single, whole_model, embed_gpu + first_blocks * block_params_gpu)
+    last_params = np.where(single, whole_model, head_gpu + shared_gpu + last_blocks * block_params_gpu)
 
     inflight = inflight_microbatches(cand, num_micro_batches)
     act_block = block_activation_bytes(model, cand, precision)
@@ -146,13 +164,18 @@ def memory_per_gpu(
     # sequence-parallel hidden state is gathered at stage edges) for that micro-batch's backward
     cp_mask = context_parallel_mask_bytes(model, cand, precision)  # one per stage, beside its blocks' activations
     first_act = inflight * (first_blocks * act_block + cand.interleave * b * s * h * elem) + live_block + cp_mask
-    logits = logits_loss_bytes(model, b, precision)  # (b, s, V) on every tp rank, and the loss's fp32 temporaries
+    # (b, s, V / vocab_t) logits on each tp rank and the loss's temporaries (with the in-place loss: the logits alone)
+    logits = logits_loss_bytes(model, cand, precision)
     last_act = (last_blocks * act_block + live_block + cp_mask + logits
-                + b * model.head_act_bytes)  # replicated head: not / tp
-    # a pipeline's last stage: the schedule keeps the stage's output, the logits (b, s, V) in the compute dtype, for
-    # that micro-batch's backward (torch.distributed.pipelining's fwd_cache), beside the loss's temporaries
-    last_act = last_act + np.where(single, 0.0, elem * b * s * model.vocab)
+                + b * model.head_act_bytes)  # the head's input and the final norm's: whole on every tp rank
+    # a pipeline's last stage: the schedule keeps the stage's output, the logits (b, s, V / vocab_t) in the compute
+    # dtype, for that micro-batch's backward (torch.distributed.pipelining's fwd_cache), beside the loss's temporaries
+    # (the in-place loss's logits are that output: counted once, in `logits`)
+    in_place = model.default_loss & (cand.cp == 1) & (vocab_t == 1)
+    kept_logits = np.where(single | in_place, 0.0, elem * b * s * model.vocab / vocab_t)
+    last_act = last_act + kept_logits
     first_act = np.where(single, first_act + logits, first_act)
+    first_logits, last_logits = np.where(single, logits, 0.0), logits + kept_logits  # of first_act, last_act
 
     params_gpu = np.maximum(first_params, last_params)
     sixteen = sixteen_bit_states(z, precision, cand.grad_compress)
@@ -177,14 +200,14 @@ def memory_per_gpu(
     comm = comm + np.where(t > 1, 2.0 * b * s * h * elem, 0.0)  # sequence-parallel gather buffers
     # expert parallel: one MoE block's routed tokens (b s k, h) sent and received by all-to-all
     comm = comm + np.where(ep > 1, 2.0 * b * s * model.top_k * h * elem, 0.0)
-    standing = pipeline_receive_buffer_bytes(model, cand, num_micro_batches, precision)  # live the whole step
+    standing = pipeline_receive_buffer_bytes(model, cand, num_micro_batches, precision)  # one of each kind
     # ZeRO 2/3: the root unit (the embedding, the final norm and head, whole on every tp rank) reduces its gradients
     # once its backward is done, from an fp32 input of its unsharded size into an fp32 output of its shard's, added
     # to the gradient shard after: after the micro-batch's backward on the last stage and in one stage, but on the
     # first stage of a pipeline while the other micro-batches in flight keep their activations (measured by the dry
     # run: 70B at tp 8 x pp 8 x dp 1, two 3.9 GiB buffers)
-    first_root = np.where(single, model.embed_params + model.head_params, model.embed_params)
-    last_root = model.head_params + model.head_shared_params
+    first_root = np.where(single, embed_gpu + head_gpu, embed_gpu)
+    last_root = head_gpu + shared_gpu
     root_reduce = np.where(z >= 2, GRAD_BYTES * (1.0 + 1.0 / dp), 0.0)  # bytes per parameter of the root unit
     root_reduce_first, root_reduce_last = root_reduce * first_root, root_reduce * last_root
     # ...and under ZeRO-3 in one stage, at the end of the blocks' backward, before it reduces: its parameters gathered
@@ -193,7 +216,7 @@ def memory_per_gpu(
     root_at_backward_end = np.where(single & (z == 3), 2.0 * elem * first_root, 0.0)
     # the compute copies of each end stage: under 1-bit Adam (DDP, tp 1) autocast's, which leave the embedding table
     # in fp32
-    uncast = model.embed_params - model.head_shared_params
+    uncast = embed_gpu - shared_gpu
     # autocast's copies are saved tensors: a recomputed block (selective or full) recomputes its casts instead
     recomputed = np.where(cand.recompute > 0, model.block_params, 0.0)
     # each micro-batch's forward under autocast casts afresh and its backward keeps them: a pipeline stage holds the
@@ -213,7 +236,7 @@ def memory_per_gpu(
     persistent_grads = (z <= 1) | (num_micro_batches > 1)
     # ...and where they are bucket views (ZeRO 0/1), autograd makes each parameter's gradient before adding it to its
     # view: the largest, a (V, h) table of the embedding or the head (whole on every tp rank), is live in backward
-    table_grad = np.where(z <= 1, grad_elem * model.vocab * h, 0.0)
+    table_grad = np.where(z <= 1, grad_elem * model.vocab * h / vocab_t, 0.0)
 
     reserve = np.full(len(cand), float(cluster.framework_reserve_bytes))
     # Compression's buffers (module docstring).
@@ -233,9 +256,9 @@ def memory_per_gpu(
         backward its buffers, the block being recomputed (full recompute) and the gradients are, the loss's
         temporaries are gone; after the backward, with the activations gone, a pipeline sums a tied table's
         gradient over the ranks that hold it (`tied_sum`: one received copy, runtime.parallel.pipeline). The pipeline's
-        receive buffers (`standing`) are live throughout; ZeRO 2/3's root unit reduces in the backward or after it
-        (`root_in_backward`, `root_after`), and on a pipeline's last stage its gradients are held unsharded through the
-        micro-batch's backward (`root_grads`). Measured this way by the dry run (zplan dryrun,
+        receive buffers (`standing`: one of each kind) are counted throughout; ZeRO 2/3's root unit reduces in the
+        backward or after it (`root_in_backward`, `root_after`), and on a pipeline's last stage its gradients are held
+        unsharded through the micro-batch's backward (`root_grads`). Measured this way by the dry run (zplan dryrun,
         runtime.dryrun.live_memory)."""
         early = np.where(persistent_grads, grads, 0.0)
         parts = (weights + grads + optim + acts + copies + buffers + standing + tied_sum + table_grad + root_in_backward
@@ -254,13 +277,13 @@ def memory_per_gpu(
         at_peak = standing + np.maximum(np.maximum(during, backward_end), after)
         return at_peak, parts - at_peak
 
-    def on_gpu(params_off: np.ndarray) -> tuple[np.ndarray, ...]:
+    def on_gpu(params_off: np.ndarray) -> tuple:
         """(weights, gradients, optimizer, activations, comm buffers, not at the peak, total, parameters, routed
-        experts' parameters) of the more loaded end stage."""
+        experts' parameters, the named terms) of the more loaded end stage."""
         w1, g1, o1 = state_bytes(z, dp, ep, first_params, first_experts, offloaded, params_off, sixteen)
         w2, g2, o2 = state_bytes(z, dp, ep, last_params, last_experts, offloaded, params_off, sixteen)
         grad_bytes = state_bytes_per_param(z, dp, offloaded, params_off, sixteen)[1]
-        tied_sum = np.where(single, 0.0, grad_bytes * model.head_shared_params)  # both end stages hold the table
+        tied_sum = np.where(single, 0.0, grad_bytes * shared_gpu)  # both end stages hold the table
 
         def buffers_beside(acts):  # 1-bit Adam's step outlives the activations it is larger than
             one_bit_step = np.maximum(0.0, ONE_BIT_STEP_BYTES_PER_PARAM * params_gpu - acts)
@@ -281,20 +304,25 @@ def memory_per_gpu(
         peak2, slack2 = peak(w2, g2, o2, last_act, last_copies, buffers2, logits, tied_sum, 0.0, root_reduce_last,
                              root_grads)
         use_first = peak1 >= peak2
-        weights, grads, optim, acts, buffers, slack, total = (
+        first_terms = named_terms(w1, g1, o1, first_act, first_logits, buffers1, first_copies, standing, tied_sum,
+                                  table_grad, root_in_backward + root_after, fp8_casts, reserve, slack1)
+        last_terms = named_terms(w2, g2, o2, last_act, last_logits, buffers2, last_copies, standing, tied_sum,
+                                 table_grad, root_reduce_last + root_grads, fp8_casts, reserve, slack2)
+        terms = {name: np.where(use_first, first_terms[name], last_terms[name]) for name in first_terms}
+        weights, grads, optim, acts, slack, total = (
             np.where(use_first, a, c) for a, c in
-            ((w1, w2), (g1, g2), (o1, o2), (first_act, last_act),
-             (buffers1 + first_copies + standing + tied_sum + table_grad + root_in_backward + root_after + fp8_casts,
-              buffers2 + last_copies + standing + tied_sum + table_grad + root_reduce_last + root_grads + fp8_casts),
-             (slack1, slack2), (peak1, peak2)))
+            ((w1, w2), (g1, g2), (o1, o2), (first_act, last_act), (slack1, slack2), (peak1, peak2)))
+        buffers = sum(terms[name] for name in BUFFER_TERMS)
         return (weights, grads, optim, acts, buffers, slack, total + reserve,
-                np.where(use_first, first_params, last_params), np.where(use_first, first_experts, last_experts))
+                np.where(use_first, first_params, last_params), np.where(use_first, first_experts, last_experts),
+                terms)
 
     # An offloaded ZeRO 2/3 candidate keeps its weight and gradient shards on the GPU when they fit there (the
     # optimizer alone offloaded: no per-micro-batch traffic), else FSDP2's CPUOffloadPolicy takes them to the host.
-    kept_total = on_gpu(np.zeros(len(cand), dtype=bool))[-3]
+    kept_total = on_gpu(np.zeros(len(cand), dtype=bool))[6]
     params_off = offloaded & (z >= 2) & (kept_total > cluster.gpu.hbm_bytes)
-    weights, grads, optim, acts, comm, not_at_peak, total, peak_stage_params, peak_stage_experts = on_gpu(params_off)
+    (weights, grads, optim, acts, comm, not_at_peak, total, peak_stage_params, peak_stage_experts,
+     terms) = on_gpu(params_off)
 
     # Host / NVMe: the offloaded states of every GPU of the node. Parameters on the GPU: the optimizer on the CPU
     # holds HOST_OPTIMIZER_BYTES + HOST_GRAD_BUFFER_BYTES per parameter of the shard on the host; on NVMe, its
@@ -321,5 +349,5 @@ def memory_per_gpu(
         reserve=reserve, not_at_peak=not_at_peak, total=total, cpu_bytes_per_node=cpu, nvme_bytes_per_node=nvme,
         fits=fits,
         stage_params=params_gpu, stage_shard_params=shard, peak_stage_params=peak_stage_params,
-        peak_stage_expert_params=peak_stage_experts, parameters_offloaded=params_off,
+        peak_stage_expert_params=peak_stage_experts, parameters_offloaded=params_off, terms=terms,
     )

@@ -7,19 +7,20 @@ Activations per block (Korthikanti et al., MLSys'23, Table 2): of the block's sa
 unless sequence parallel shards them; the rest is divided by tp. Selective recompute keeps the projections'
 outputs and the block input (the runtime's policy, runtime.training.recompute); full recompute keeps only the block
 input (2*s*b*h, /tp with sequence parallel) plus one block's activations live while it is recomputed.
-Tensor parallel splits the blocks only: the runtime (runtime/parallel/tensor_parallel.py) replicates the embedding,
-the final norm and the output head over the tp ranks, so every tp rank holds their whole parameters, their
-gradients and optimizer states (sharded over dp by ZeRO like every parameter, never divided by tp), and
-computes the whole logits (B, T, V) and the loss on them. The loss's peak (logits_loss_bytes) is
-LOSS_BYTES_PER_LOGIT bytes per logit, measured, not divided by tp.
+Tensor parallel splits the blocks and, where the plan splits the vocabulary (ParallelConfig.vocab_parallel; tp > 1
+and a model whose embedding and head the runtime can split, runtime/parallel/vocab_parallel.py), the embedding and
+head tables by vocabulary rows: each tp rank holds V/tp rows of each, with their gradients and optimizer states, and
+computes (B, T, V/tp) logits and the loss on them with the max and the sum all-reduced (ModelNumbers.edge_params,
+vocab_split). Otherwise, and always for the final norm, they are whole on every tp rank. The loss's peak
+(logits_loss_bytes) is LOSS_BYTES_PER_LOGIT bytes per logit a rank holds, measured.
 Context parallel (runtime/parallel/context_parallel.py): a GPU holds the activations of b/cp sequences' worth of tokens;
 each block's attention keeps the keys and values gathered from the other cp - 1 ranks (gathered_kv_bytes), and one
 (s/cp, s) attention mask serves every block (context_parallel_mask_bytes).
 Pipeline in-flight micro-batches on the first stage: 1F1B min(p, m); interleaved with v chunks
 multiplies by (1 + (p-1)/(p*v)) (Korthikanti et al., Sec. 4.2.3); each in-flight micro-batch keeps each of the rank's
 v chunks' outputs (torch.distributed.pipelining's fwd_cache), and the last stage its logits, for its backward. Beside
-them torch's PipelineStage allocates one receive buffer per micro-batch of the step for every hidden state and
-gradient a stage receives (pipeline_receive_buffer_bytes), live the whole step; a tied embedding and head sum their
+them the runtime's stages hold one receive buffer of each kind a rank receives (pipeline_receive_buffer_bytes: the
+micro-batches in flight only, not torch's one per micro-batch of the step); a tied embedding and head sum their
 table's gradient over their two ranks after the backward (one received copy).
 """
 
@@ -74,11 +75,33 @@ def fp8_cast_bytes(model: ModelNumbers, cand: Candidates, precision: str) -> np.
     return per_element * gpu_sequences(cand) * model.seq_len * widest / cand.tp
 
 
-def logits_loss_bytes(model: ModelNumbers, micro_batch, precision: str):
-    """Peak bytes of the logits (b, s, V) and the loss on them for one micro-batch, on every tp rank alike: the
-    runtime's head is replicated, not vocabulary-parallel, so nothing here is divided by tp."""
-    return (np.asarray(micro_batch, dtype=float) * model.seq_len * model.vocab
-            * LOSS_BYTES_PER_LOGIT[compute_dtype(precision)])
+# The runtime's default loss (model/model_file.py next_token_loss, on the whole logits of a model file without its own
+# loss_fn, outside context parallel and a split vocabulary) is model/cross_entropy.py's in-place cross-entropy: the
+# gradient overwrites the logits, a chunk of IN_PLACE_LOSS_CHUNK_ELEMENTS at a time, so the logits' own storage (the
+# compute dtype's bytes a logit) is all that lives beside one chunk's fp32 upcast (in 16-bit; in fp32 the upcast is
+# the logits themselves). Measured on fake tensors (benchmarks/loss_memory.py, the default loss): 4.03 bytes a logit
+# in fp32 and, in bf16, 2.26 at (2, 1024, 128256) and 3.03 at (1, 2048, 32000), 0.90-0.75 of this budget (the
+# chunk's upcast lives; its log-sum-exp makes no other (r, V) temporary at the dispatcher).
+IN_PLACE_LOSS_CHUNK_ELEMENTS = 2**24  # model/cross_entropy.py CHUNK_ELEMENTS (tests/unit/test_cost_memory.py)
+IN_PLACE_LOSS_CHUNK_TEMPORARIES = 1  # fp32 chunks live at once in 16-bit
+
+
+def logits_loss_bytes(model: ModelNumbers, cand: Candidates, precision: str) -> np.ndarray:
+    """Peak bytes on one rank of the logits and the loss on them for one micro-batch: (b, s, V / split) logits, split
+    where the plan splits the vocabulary (ModelNumbers.vocab_split); with the runtime's default loss (above: no
+    loss_fn of the model file's, cp 1) the logits in the compute dtype (twice under a split: their gradient beside
+    them, model/cross_entropy.py vocab_parallel_cross_entropy) and a chunk's fp32 temporaries, else
+    LOSS_BYTES_PER_LOGIT a logit."""
+    split = model.vocab_split(cand)
+    logits = gpu_sequences(cand) * model.seq_len * model.vocab / split
+    elem = float(element_bytes(precision))
+    chunk = np.where(elem < 4, IN_PLACE_LOSS_CHUNK_TEMPORARIES * 4.0 * np.minimum(logits, IN_PLACE_LOSS_CHUNK_ELEMENTS),
+                     0.0)
+    # the default loss: in place on the whole vocabulary's logits; a split vocabulary's logits (a DTensor's to_local(),
+    # which autograd forbids writing over) get their gradient in a buffer of their size beside them
+    default = model.default_loss & (cand.cp == 1)
+    per_logit = np.where(split > 1, 2.0 * elem, elem)
+    return np.where(default, per_logit * logits + chunk, logits * LOSS_BYTES_PER_LOGIT[compute_dtype(precision)])
 
 
 def blocks_per_stage(model: ModelNumbers, cand: Candidates) -> np.ndarray:
@@ -149,14 +172,19 @@ def block_activation_bytes(model: ModelNumbers, cand: Candidates, precision: str
 
 def pipeline_receive_buffer_bytes(model: ModelNumbers, cand: Candidates, num_micro_batches: np.ndarray,
                                   precision: str) -> np.ndarray:
-    """Bytes an end rank of a pipeline holds for the hidden states and their gradients that cross stages:
-    torch.distributed.pipelining's PipelineStage allocates, when the schedule is built, one receive buffer per
-    micro-batch of the step for each input a stage receives (every stage but the first) and for each gradient it
-    receives back (every stage but the last), (b, s, h) each, whole (the runtime gathers a sequence-parallel hidden
-    state at stage edges), in the compute dtype or as int8 rows (H bytes and a 4-byte scale) under --compress
-    act=int8. Pipeline rank 0 (and the last) hold v chunks: 2v - 1 kinds of buffer, m of each."""
+    """Bytes an end rank of a pipeline holds in receive buffers beyond its in-flight micro-batches' inputs: the
+    runtime's stages (runtime/parallel/pipeline_buffers.py) allocate a micro-batch's buffers when its receive is posted
+    and drop them after its backward, so one buffer of each kind a rank receives is live at the peak beside the
+    inputs of the micro-batches in flight (those are the first block's saved input, counted with the blocks): the
+    gradient of the micro-batch whose backward runs (every stage but the last) and the activation of the one being
+    received (every stage but the first), (b, s, h) each, whole (the runtime gathers a sequence-parallel hidden state
+    at stage edges), in the compute dtype or as int8 rows (h bytes and a 4-byte scale) under --compress act=int8.
+    Pipeline rank 0 (and the last) hold v chunks: 2v - 1 kinds of buffer. Measured by the dry run on Llama-3-8B
+    pipelines of 32 micro-batches (benchmarks/dryrun_memory.py 8b-8-pp4-m32, 8b-8-pp2-v2-m32), where torch's own
+    stages held one buffer of each kind for every micro-batch of the step (32 and 96 here: 1.0 and 3.0 GiB).
+    `num_micro_batches` is kept for the callers: the buffers no longer scale with it."""
     p, v, b = cand.pp, cand.interleave.astype(float), gpu_sequences(cand)
     s, h = model.seq_len, model.hidden
     per_element = np.where(cand.act_compress > 0, 1.0 + 4.0 / h, float(element_bytes(precision)))
-    buffers = (2.0 * v - 1.0) * np.asarray(num_micro_batches, dtype=float)
+    buffers = 2.0 * v - 1.0
     return np.where(p > 1, buffers * b * s * h * per_element, 0.0)

@@ -203,6 +203,25 @@ def expert_parallel_block_s(model: ModelNumbers, cand: Candidates, cluster: Clus
     return share * exchanges * all_to_all_s(routed, cand.ep, cand.tp * cand.cp, cluster)
 
 
+# torch's loss_parallel (torch/distributed/tensor/parallel/loss.py): the log-softmax all-reduces each token's max and
+# its sum of exponentials, the NLL the target's logit from the rank that holds it (a masked partial sum): three
+# all-reduces of one fp32 value a token, forward only
+LOSS_PARALLEL_REDUCES = 3
+
+
+def vocab_parallel_s(model: ModelNumbers, cand: Candidates, cluster: ClusterSpec, elem: int) -> np.ndarray:
+    """Seconds one micro-batch spends on a split vocabulary's collectives (ParallelConfig.vocab_parallel) on the
+    stage that holds the edges: the embedding's (b, s, h) partial lookups all-reduced (forward), the gradient of the
+    head's replicated (b, s, h) input all-reduced (backward; Megatron's f and g operators at the edges), and the
+    loss's LOSS_PARALLEL_REDUCES (b, s) fp32 all-reduces. One stage holds both edges; a pipeline's first stage the
+    embedding, its last the head: the larger, the last, is counted. 0 where the vocabulary is not split."""
+    b, t = gpu_sequences(cand), cand.tp
+    one = np.ones_like(t)
+    hidden = all_reduce_s(b * model.seq_len * model.hidden * elem, t, one, cluster)
+    loss = LOSS_PARALLEL_REDUCES * all_reduce_s(b * model.seq_len * 4.0, t, one, cluster)
+    return np.where(model.vocab_split(cand) > 1, np.where(cand.pp > 1, 1.0, 2.0) * hidden + loss, 0.0)
+
+
 def model_flops_per_sample(model: ModelNumbers) -> float:
     """Forward + backward FLOPs of one sample, recompute excluded (the MFU numerator)."""
     forward = model.num_blocks * model.block_fwd_flops + model.embed_fwd_flops + model.head_fwd_flops
@@ -238,7 +257,7 @@ def estimate_step(
         block_tp_s = block_tp_s + fp8_amax_reduces(model, cand.recompute) * all_reduce_s(
             AMAX_BYTES * one, t, one, cluster)
     compute_mb = load * block_s
-    tp_mb = np.floor(load) * block_tp_s
+    tp_mb = np.floor(load) * block_tp_s + vocab_parallel_s(model, cand, cluster, elem)
     cp_mb = np.floor(load) * context_parallel_block_s(model, cand, cluster, elem)
     ep_mb = blocks_per_stage(model, cand) * expert_parallel_block_s(model, cand, cluster, elem)  # blocks, not edges
     stage_s = compute_mb + tp_mb + cp_mb + ep_mb

@@ -1,9 +1,9 @@
 """Per-pipeline-unit time and bytes for ONE candidate: the numbers planner.partition balances.
 
-Tensor parallel divides the blocks' parameters, compute and most activations by tp; the embedding, final norm
-and head are replicated over the tp ranks by the runtime (runtime/parallel/tensor_parallel.py), so their parameters
-(and gradients, optimizer states), their compute time and the logits with the loss's peak
-(planner.cost.memory.logits_loss_bytes) are counted whole on every tp rank.
+Tensor parallel divides the blocks' parameters, compute and most activations by tp; the embedding and head's
+vocabulary tables, the logits GEMM and the logits with the loss's peak (planner.cost.memory.logits_loss_bytes) by tp
+where the plan splits the vocabulary (ModelNumbers.vocab_split), else they are whole on every tp rank, as the final
+norm and a position table always are (runtime/parallel/tensor_parallel.py, runtime/parallel/vocab_parallel.py).
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ class UnitCosts:
     """Arrays over ModelSummary.layers for one candidate (per GPU, one micro-batch)."""
 
     time_s: np.ndarray  # forward + backward (+ recompute) + tensor-parallel collectives
-    static_bytes: np.ndarray  # model states held on the GPU, bytes (blocks / tp; embedding and head whole)
+    static_bytes: np.ndarray  # model states held on the GPU, bytes (blocks / tp; embedding and head whole but for
+    # their vocabulary tables where the plan splits them, ModelNumbers.vocab_split)
     act_bytes: np.ndarray  # activations saved per in-flight micro-batch, bytes (the head's: + logits and loss peak)
     block_time_s: float  # one average block, for converting a stage's time to block-times
 
@@ -53,10 +54,17 @@ def unit_costs(summary: ModelSummary, cand: Candidates, cluster: ClusterSpec, pr
     sixteen_bit = sixteen_bit_states(z, precision, cand.grad_compress[0])
     per_param = float(sum(state_bytes_per_param(z, dp, off > 0, None, sixteen_bit)))
 
+    vocab_t = float(model.vocab_split(cand)[0])  # the vocabulary tables and logits split over tp, or 1 (whole)
+    table = model.vocab * model.hidden  # a (V, h) table in the embedding's or the head's parameters
     times, static, acts = [], [], []
     for unit in summary.layers:
-        split = t if unit.kind == "block" else 1  # tensor parallel splits the blocks; the rest is replicated
-        static.append(unit.params / split * per_param)
+        if unit.kind == "block":  # tensor parallel splits the blocks
+            params = unit.params / t
+        elif unit.kind in ("embedding", "head") and unit.params >= table > 0:  # a vocabulary table, split or whole
+            params = unit.params - table * (1.0 - 1.0 / vocab_t)
+        else:  # replicated
+            params = unit.params
+        static.append(params * per_param)
         if unit.kind == "block":
             scale = unit.fwd_flops / model.block_fwd_flops if model.block_fwd_flops else 1.0
             times.append(block_s * scale)
@@ -65,8 +73,8 @@ def unit_costs(summary: ModelSummary, cand: Candidates, cluster: ClusterSpec, pr
             ops = {"embedding": EMBEDDING_OPS, "head": HEAD_OPS}.get(unit.kind, 0)
             times.append(float(edge_time_s(unit.fwd_flops, model, cand, cluster, precision, ops,
                                            loss=unit.kind == "head")[0]))
-            # the head's whole (b, s, V) logits and the loss's peak on every tp rank (replicated head: not / tp)
-            logits = float(logits_loss_bytes(model, b, precision)) if unit.kind == "head" else 0.0
+            # the head's (b, s, V / vocab_t) logits and the loss's peak on each tp rank
+            logits = float(logits_loss_bytes(model, cand, precision)[0]) if unit.kind == "head" else 0.0
             acts.append(b * model.seq_len * model.hidden * elem + logits)
     return UnitCosts(time_s=np.array(times), static_bytes=np.array(static), act_bytes=np.array(acts),
                      block_time_s=block_s)

@@ -212,12 +212,15 @@ class PipelineRun(nn.Module):
     def _build_schedule(self, first_micro_batch: Any):
         from torch.distributed import pipelining
 
+        from zplan.runtime.parallel.pipeline_buffers import InFlightStage  # imports pipelining too
+
         examples = self._activation_examples(first_micro_batch)
         stages = []
         for chunk, index in zip(self._chunks, self._stage_indices, strict=True):
             inputs, outputs = examples[index] if examples else (None, None)
-            stages.append(pipelining.PipelineStage(_as_stage_module(chunk), index, self._num_stages, self._device,
-                                                   input_args=inputs, output_args=outputs, group=self._group))
+            # receive buffers for the micro-batches in flight only (runtime/parallel/pipeline_buffers.py)
+            stages.append(InFlightStage(_as_stage_module(chunk), index, self._num_stages, self._device,
+                                        input_args=inputs, output_args=outputs, group=self._group))
         schedule_class = getattr(pipelining, SCHEDULES[self._schedule_name])
         # scale_grads=False: step() divides the gradients by num_micro_batches itself, once per parameter
         # (torch scales per stage, twice for a parameter shared by two chunks of one rank).

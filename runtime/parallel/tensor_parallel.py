@@ -14,7 +14,9 @@ reshapes with view(B, T, -1, head_dim) (DESIGN.md facts): a/tp query heads and, 
 attention, kv_heads/tp key/value heads per rank, which pair up as in one process when tp divides
 kv_heads. The split is checked before anything is sharded (see check_block_split).
 
-Everything outside the plan (embeddings, norms, the output head) stays replicated: every tp rank holds
+The token embedding and the output head are split by vocabulary rows where the plan says so
+(runtime/parallel/vocab_parallel.py). Everything else outside the plan (norms, a position table; the embedding and
+head of a plan that does not split them) stays replicated: every tp rank holds
 and updates the same full tensors. Its parameters become Replicate DTensors on the tp mesh as well, so
 that every parameter of the model is a DTensor on one mesh: clip_grad_norm_ and the fused AdamW step
 refuse a mix of plain tensors and DTensors, and FSDP2 then shards all of them alike over dp. The module
@@ -48,8 +50,8 @@ fp8 (plan.train.precision 'fp8'): the blocks' Linears are torchao Float8Linears 
 each gets torchao's Float8ColwiseParallel / Float8RowwiseParallel instead of the plain style (same sharding, the
 casts to fp8 on whole DTensors, so with the one-process scales), the collectives above unchanged and in bf16.
 
-Not done yet: vocabulary-parallel embedding and head (with loss_parallel); parameterised modules inside
-a module that holds split Linears other than those Linears (e.g. a per-head q/k norm) are refused.
+Not done yet: parameterised modules inside a module that holds split Linears, other than those Linears and per-head
+norms, are refused.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ from torch.distributed.tensor.parallel import (
 from zplan.errors import PlanMismatchError
 from zplan.model.fused_layout import FusedLayout, check_layout, give_output_in_file_order, mark_fused
 from zplan.model.modules import is_conv1d, parent_path, transformer_blocks, unsplit_parameter_owners
+from zplan.runtime.parallel.vocab_parallel import split_vocabulary
 from zplan.runtime.precision.float8 import float8_parallel_styles
 
 STYLES = ("colwise", "rowwise")
@@ -386,7 +389,7 @@ def replicate_remaining_parameters(model: nn.Module, tp_mesh: DeviceMesh) -> int
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[str, str], block_prefix: str,
                           sequence_parallel: bool, fused: dict[str, FusedLayout] | None = None,
-                          stage_starts: tuple[int, ...] = ()) -> nn.Module:
+                          stage_starts: tuple[int, ...] = (), vocab: int = 0) -> nn.Module:
     """Split each block's planned Linears over `tp_mesh` (tp_plan: path inside the block -> 'colwise' or
     'rowwise'), with sequence parallel when planned; replicate every other parameter over `tp_mesh`. `fused`
     (path inside the block -> layout): the fused projections, stored grouped at every tp (model/fused_layout.py)
@@ -394,6 +397,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[s
     after the first; under sequence parallel the hidden state crosses each stage boundary whole, as it enters the
     first block and leaves the last (the model's forward around the blocks, rotary positions from the hidden
     state's length for one, runs on every stage), so the block before each gathers and the block itself scatters.
+    `vocab` > 0: the plan splits the vocabulary of the embedding and the head (runtime/parallel/vocab_parallel.py);
+    0 leaves them replicated.
 
     Returns `model`, changed in place. tp = 1 only stores the fused projections grouped.
     """
@@ -435,6 +440,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[s
             blocks[start].register_forward_pre_hook(_first_arg_hook(_scatter_sequence(tp_mesh)))
         for end in sorted({start - 1 for start in starts if start > 0} | {len(blocks) - 1}):
             blocks[end].register_forward_hook(_first_output_hook(_gather_sequence(tp_mesh)))
+    if vocab:
+        split_vocabulary(model, tp_mesh, block_prefix, vocab)
     replicate_remaining_parameters(model, tp_mesh)
     return model
 

@@ -228,7 +228,10 @@ def check_plan(plan: Plan, model_path: str | Path | None, world_size: int) -> No
     problems += context_parallel_problems(plan, model_path)
     problems += capability_problems(plan.model.traits, p.tp, p.pp, p.sequence_parallel,
                                     block_tokens=plan.model.block_tokens, fp8=plan.train.precision == "fp8",
-                                    nvfp4=plan.train.precision == "nvfp4", cp=p.cp, ep=p.ep)
+                                    nvfp4=plan.train.precision == "nvfp4", cp=p.cp, ep=p.ep,
+                                    vocab_split=p.vocab_parallel)
+    if p.vocab_parallel and (p.tp == 1 or p.cp > 1):
+        problems.append("the plan is inconsistent: parallel.vocab_parallel needs tp > 1 and cp = 1")
     missing = missing_torch_features(plan)
     if missing:
         import torch

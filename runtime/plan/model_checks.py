@@ -13,7 +13,9 @@ runtime; the runtime's code stays the one judge of what it runs.
                    F.scaled_dot_product_attention (context_parallel_traits);
   inference        the serving engine recognises the model (runtime/inference/decoder_spec.py recognise, the very
                    function the engine runs when it starts; asked by `zplan compile --mode inference` only):
-                   inference_traits.
+                   inference_traits;
+  vocabulary       an nn.Embedding and an nn.Linear head of the vocabulary outside the blocks, which tensor parallel
+                   splits by rows (vocabulary_traits).
 Each function is torch only: no process group, and torchao is imported by the conversions alone.
 """
 
@@ -33,6 +35,7 @@ from zplan.runtime.parallel.context_parallel import accepts_position_ids
 from zplan.runtime.parallel.experts import apply_experts, experts_problem
 from zplan.runtime.parallel.pipeline import PipelineSplitError, check_split, split_model
 from zplan.runtime.parallel.tensor_parallel import localize_head_counts, projection_features
+from zplan.runtime.parallel.vocab_parallel import vocabulary_problem
 from zplan.runtime.precision.float8 import fp8_convertible
 from zplan.runtime.precision.nvfp4 import nvfp4_convertible
 from zplan.schemas.capability import FP8_DIM_MULTIPLE, NVFP4_DIM_MULTIPLE, ModelTrait
@@ -109,6 +112,13 @@ def expert_traits(model: nn.Module) -> list[ModelTrait]:
             traits.append(ModelTrait(kind="experts_not_dispatchable", module=layer.path,
                                      detail=f"{type(module).__name__}: {problem}"))
     return traits
+
+
+def vocabulary_traits(model: nn.Module, block_prefix: str, vocab: int) -> list[ModelTrait]:
+    """vocab_not_split where runtime/parallel/vocab_parallel.py cannot split this model's vocabulary over tp (the very
+    check split_vocabulary makes when it runs)."""
+    problem = vocabulary_problem(model, block_prefix, vocab)
+    return [ModelTrait(kind="vocab_not_split", module="", detail=problem)] if problem else []
 
 
 def inference_traits(model: nn.Module, summary: ModelSummary) -> list[ModelTrait]:

@@ -39,11 +39,13 @@ SEED = 11
 LR = 3e-3
 
 
-def pipelined_plan(model_path: Path, *, tp: int, pp: int, dp: int, zero_stage: int) -> Plan:
+def pipelined_plan(model_path: Path, *, tp: int, pp: int, dp: int, zero_stage: int,
+                   vocab_parallel: bool = False) -> Plan:
     """make_plan's tp x dp plan cut into `pp` 1F1B stages at block boundaries (wte, wpe, blocks.0 | blocks.1,
     ln_f, head for pp=2), 2 micro-batches per step."""
     assert pp == 2, "the tiny GPT has 2 blocks: one cut"
-    base = make_plan(model_path, tp=tp, dp=dp, zero_stage=zero_stage, sequence_parallel=False)
+    base = make_plan(model_path, tp=tp, dp=dp, zero_stage=zero_stage, sequence_parallel=False,
+                     vocab_parallel=vocab_parallel)
     units = gpt_unit_names(LAYERS)  # wte, wpe, blocks.0, blocks.1, ln_f, head
     groups = [units[:3], units[3:]]
     stages = [Stage(index=0, first_layer=0, last_layer=2, layer_names=groups[0], fwd_flops_per_sample=0.0, params=0),
@@ -68,9 +70,14 @@ def reference(model_path):
                                 seq_len=SEQ_LEN)
 
 
-@pytest.mark.parametrize("tp, pp, dp, zero_stage", [(2, 2, 1, 0), (2, 2, 2, 3)], ids=["tp2xpp2", "dp2xtp2xpp2-zero3"])
-def test_tensor_and_pipeline_parallel_match_single_process(tp, pp, dp, zero_stage, model_path, reference, tmp_path):
-    plan = pipelined_plan(model_path, tp=tp, pp=pp, dp=dp, zero_stage=zero_stage)
+@pytest.mark.parametrize("tp, pp, dp, zero_stage, vocab_parallel",
+                         [(2, 2, 1, 0, False), (2, 2, 2, 3, False), (2, 2, 1, 0, True), (2, 2, 2, 3, True)],
+                         ids=["tp2xpp2", "dp2xtp2xpp2-zero3", "tp2xpp2-vocab", "dp2xtp2xpp2-zero3-vocab"])
+def test_tensor_and_pipeline_parallel_match_single_process(tp, pp, dp, zero_stage, vocab_parallel, model_path,
+                                                           reference, tmp_path):
+    """vocab_parallel: the tied table split by vocabulary rows over tp on the first stage and its copy on the last,
+    whose gradients the pipeline sums over the two ranks (runtime/parallel/pipeline.py)."""
+    plan = pipelined_plan(model_path, tp=tp, pp=pp, dp=dp, zero_stage=zero_stage, vocab_parallel=vocab_parallel)
     records, weights = run_emitted_script(plan, model_path, tmp_path / "out", steps=STEPS, seed=SEED, lr=LR)
     ref_losses, ref_weights = reference
     loss_diff = max_loss_diff([r["loss"] for r in records], ref_losses)
@@ -105,9 +112,10 @@ def _resume_from_step_2(saved: Plan, resumed: Plan, model_path: Path, tmp_path: 
 
 
 def test_zero3_checkpoint_resumes_under_tensor_and_pipeline_parallel(model_path, tmp_path):
+    """...and with the vocabulary split over tp: a checkpoint means the same tables whatever the layout."""
     loss_diff, weight_diff = _resume_from_step_2(
         make_plan(model_path, tp=1, dp=2, zero_stage=3, sequence_parallel=False),
-        pipelined_plan(model_path, tp=2, pp=2, dp=1, zero_stage=0), model_path, tmp_path)
+        pipelined_plan(model_path, tp=2, pp=2, dp=1, zero_stage=0, vocab_parallel=True), model_path, tmp_path)
     print(f"ZeRO-3 dp=2 step 2 -> tp=2 x pp=2: max loss diff over steps 3-4 {loss_diff:.2e}, "
           f"final max |weight diff| {weight_diff:.2e}")
     assert loss_diff <= 1e-5 and weight_diff <= 1e-5
@@ -115,9 +123,10 @@ def test_zero3_checkpoint_resumes_under_tensor_and_pipeline_parallel(model_path,
 
 def test_zero1_tensor_parallel_checkpoint_resumes_under_zero3(model_path, tmp_path):
     """ZeRO-1 over dp=2 x tp=2 keeps Adam moments as (dp, tp) DTensors, _StridedShard over dp for the
-    colwise (dim-0 split) parameters (runtime.optim.layouts): DCP must reassemble them into ZeRO-3's dp=2 shards."""
+    colwise (dim-0 split) parameters (runtime.optim.layouts): DCP must reassemble them into ZeRO-3's dp=2 shards;
+    the token table split by vocabulary rows is read back whole."""
     loss_diff, weight_diff = _resume_from_step_2(
-        make_plan(model_path, tp=2, dp=2, zero_stage=1, sequence_parallel=False),
+        make_plan(model_path, tp=2, dp=2, zero_stage=1, sequence_parallel=False, vocab_parallel=True),
         make_plan(model_path, tp=1, dp=2, zero_stage=3, sequence_parallel=False), model_path, tmp_path)
     print(f"ZeRO-1 dp=2 x tp=2 step 2 -> ZeRO-3 dp=2: max loss diff over steps 3-4 {loss_diff:.2e}, "
           f"final max |weight diff| {weight_diff:.2e}")

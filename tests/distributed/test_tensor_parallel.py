@@ -125,12 +125,15 @@ TP_RULES = {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn
 
 
 def make_plan(model_path: Path, *, tp: int, dp: int, zero_stage: int, sequence_parallel: bool,
-              recompute: str = "none") -> Plan:
-    """A hand-made tp x dp plan for the tiny GPT, 2 micro-batches per step."""
-    return runnable_plan(model_path, units=gpt_unit_names(LAYERS), hidden=HIDDEN, heads=HEADS, vocab=VOCAB,
+              recompute: str = "none", vocab_parallel: bool = False) -> Plan:
+    """A hand-made tp x dp plan for the tiny GPT, 2 micro-batches per step; `vocab_parallel`: its tied embedding and
+    head split by vocabulary rows over tp (runtime/parallel/vocab_parallel.py), the default loss on each rank's
+    logits."""
+    plan = runnable_plan(model_path, units=gpt_unit_names(LAYERS), hidden=HIDDEN, heads=HEADS, vocab=VOCAB,
                          seq_len=SEQ_LEN, micro_batch=GLOBAL_BATCH // dp // 2, num_micro_batches=2, tp=tp, dp=dp,
                          zero_stage=zero_stage, recompute=recompute, sequence_parallel=sequence_parallel,
                          kv_heads=KV_HEADS, ffn_hidden=3 * HIDDEN, tp_rules=TP_RULES, name="tiny-tp-gpt")
+    return plan.model_copy(update={"parallel": plan.parallel.model_copy(update={"vocab_parallel": vocab_parallel})})
 
 
 @pytest.fixture(scope="module")
@@ -149,20 +152,24 @@ def reference(model_path) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "tp, dp, zero_stage, sequence_parallel, recompute",
+    "tp, dp, zero_stage, sequence_parallel, recompute, vocab_parallel",
     [
-        (2, 1, 0, False, "none"),
-        (2, 1, 0, True, "full"),
-        (2, 2, 0, False, "none"),
-        (2, 2, 1, True, "none"),
-        (2, 2, 3, True, "none"),
+        (2, 1, 0, False, "none", False),
+        (2, 1, 0, True, "full", False),
+        (2, 2, 0, False, "none", False),
+        (2, 2, 1, True, "none", False),
+        (2, 2, 3, True, "none", False),
+        (2, 1, 0, False, "none", True),
+        (2, 2, 1, True, "full", True),
+        (2, 2, 3, True, "none", True),
     ],
-    ids=["tp2", "tp2-sp-recompute", "dp2xtp2-zero0", "dp2xtp2-zero1-sp", "dp2xtp2-zero3-sp"],
+    ids=["tp2", "tp2-sp-recompute", "dp2xtp2-zero0", "dp2xtp2-zero1-sp", "dp2xtp2-zero3-sp", "tp2-vocab",
+         "dp2xtp2-zero1-sp-recompute-vocab", "dp2xtp2-zero3-sp-vocab"],
 )
-def test_emitted_script_matches_single_process(tp, dp, zero_stage, sequence_parallel, recompute, model_path,
-                                                reference, tmp_path):
+def test_emitted_script_matches_single_process(tp, dp, zero_stage, sequence_parallel, recompute, vocab_parallel,
+                                                model_path, reference, tmp_path):
     plan = make_plan(model_path, tp=tp, dp=dp, zero_stage=zero_stage, sequence_parallel=sequence_parallel,
-                     recompute=recompute)
+                     recompute=recompute, vocab_parallel=vocab_parallel)
     records, weights = run_emitted_script(plan, model_path, tmp_path / "out", steps=STEPS, seed=SEED, lr=LR)
     ref_losses, ref_weights = reference
 
@@ -182,18 +189,22 @@ def test_emitted_script_matches_single_process(tp, dp, zero_stage, sequence_para
     initial = import_file(model_path, "tiny_tp_gpt_initial").build_model().state_dict()
     assert max((weights[k] - initial[k]).abs().max().item() for k in initial) > 1e-4
     if zero_stage == 1:
-        _check_zero1_state_bytes(records[0], initial, tp=tp, dp=dp)
+        _check_zero1_state_bytes(records[0], initial, tp=tp, dp=dp, vocab_parallel=vocab_parallel)
 
 
-def _check_zero1_state_bytes(record: dict, initial: dict[str, torch.Tensor], *, tp: int, dp: int) -> None:
+def _check_zero1_state_bytes(record: dict, initial: dict[str, torch.Tensor], *, tp: int, dp: int,
+                             vocab_parallel: bool = False) -> None:
     """ZeRO-1 over tp: rank 0 holds fp32 parameters and gradients of its tp-local tensors (a 1/tp slice of
     each split Linear, the rest whole) and Adam moments (2 x fp32) of its dp chunk of those tensors' rows
     (ceil(rows/dp), dp rank 0's chunk) plus a float32 step per parameter. The hand-made plan carries no
     memory prediction (0), so the logged bytes are compared with this count, made here from the shapes
-    and TP_RULES alone, and the moments with the planner's ZeRO-1 term 8 * (tp-local parameters) / dp."""
+    and TP_RULES alone (with a split vocabulary, the token table's rows too), and the moments with the planner's ZeRO-1
+    term 8 * (tp-local parameters) / dp."""
     split_dims = {f"blocks.{i}.{path}.{kind}": (0 if style == "colwise" else 1)
                   for i in range(LAYERS) for path, style in TP_RULES.items() for kind in ("weight", "bias")
                   if style == "colwise" or kind == "weight"}
+    if vocab_parallel:  # the tied token table split by its vocabulary rows
+        split_dims["wte.weight"] = 0
     params = {k: v for k, v in initial.items() if k != "head.weight"}  # tied to wte.weight: one parameter
     local_numel = moment_numel = 0
     for name, tensor in params.items():

@@ -157,24 +157,26 @@ def test_first_stage_of_1f1b_holds_p_microbatches_and_interleaving_more():
     assert got.tolist() == pytest.approx([4.0, 4.0 * (1 + 3 / 8), 2.0])
 
 
-# ---- embedding, head, logits and loss: replicated over tp, as runtime/parallel/tensor_parallel.py runs them
+# ---- embedding, head, logits and loss: replicated over tp where the model's vocabulary cannot be split, split by
+# vocabulary rows where it can (runtime/parallel/vocab_parallel.py; ParallelConfig.vocab_parallel)
 # ----------------
 
 E, HD = V * H + S * H, 2 * H + V * H  # a token + position table; a final norm and an untied head
 
 
-def edged_numbers() -> ModelNumbers:
+def edged_numbers(vocab_splittable: bool = False) -> ModelNumbers:
     block = 12 * H * H
     return ModelNumbers(num_blocks=L, hidden=H, heads=A, ffn_hidden=4 * H, vocab=V, seq_len=S,
                         params=E + L * block + HD, embed_params=E, embed_fwd_flops=0.0, head_params=HD,
                         head_fwd_flops=2.0 * S * H * V, block_params=block, block_fwd_flops=24 * S * H * H,
-                        block_act_bytes=34 * S * H, embed_act_bytes=0.0, head_act_bytes=4.0 * S * H)
+                        block_act_bytes=34 * S * H, embed_act_bytes=0.0, head_act_bytes=4.0 * S * H,
+                        embed_vocab_params=V * H, head_vocab_params=V * H, vocab_splittable=vocab_splittable)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_tp_halves_the_blocks_but_not_the_embedding_or_head(precision):
-    """tp=2, ZeRO 0 (16 bytes per parameter on every GPU): the runtime replicates the embedding, the final norm
-    and the head over the tp ranks, so each rank holds them whole; only the blocks' parameters are halved."""
+def test_tp_halves_the_blocks_but_not_an_unsplittable_embedding_or_head(precision):
+    """tp=2, ZeRO 0 (16 bytes per parameter on every GPU), a model whose vocabulary the runtime cannot split: the
+    embedding, the final norm and the head are whole on each rank; only the blocks' parameters are halved."""
     model, block = edged_numbers(), 12 * H * H
     single = memory_per_gpu(model, one(tp=2), A100, precision, np.array([1.0]))
     assert single.stage_params[0] == pytest.approx(E + HD + L * block / 2)  # not (E + HD + L * block) / 2
@@ -184,22 +186,36 @@ def test_tp_halves_the_blocks_but_not_the_embedding_or_head(precision):
     assert staged.stage_params[0] == pytest.approx(max(E, HD) + (L / 2) * block / 2)
 
 
-def test_logits_and_the_loss_peak_are_not_divided_by_tp():
+def test_a_split_vocabulary_divides_the_tables_not_the_rest_of_the_edges():
+    """tp=4, a splittable vocabulary: each rank holds V/4 rows of the token table and of the head, and the position
+    table and final norm whole; at tp=1 nothing is split."""
+    model, block = edged_numbers(vocab_splittable=True), 12 * H * H
+    mem = memory_per_gpu(model, one(tp=4), A100, "bf16", np.array([1.0]))
+    edges = (V * H / 4 + S * H) + (2 * H + V * H / 4)
+    assert mem.stage_params[0] == pytest.approx(edges + L * block / 4)
+    assert memory_per_gpu(model, one(tp=1), A100, "bf16", np.array([1.0])).stage_params[0] == pytest.approx(
+        E + HD + L * block)
+
+
+@pytest.mark.parametrize("vocab_splittable, share", [(False, 1.0), (True, 1 / 2)])
+def test_logits_and_the_loss_peak_on_a_rank(vocab_splittable, share):
     """One stage, tp=2 with sequence parallel and full recompute, b=1, fp32, by hand: the blocks keep their inputs
     (s*h*4 / 2 each) plus one recomputed block (34 s h / 2); the larger of the embedding's output (s*h*elem) and
-    the head's saved inputs (head_act_bytes, 4 s h here, whole: the final norm and head are replicated); the
-    loss's fp32 temporaries, 3 * 4 bytes per logit (benchmarks/loss_memory.py: the logits themselves are gone)."""
-    model = edged_numbers()
+    the head's saved inputs (head_act_bytes, 4 s h here, whole: the final norm and the head's input are replicated);
+    the loss's fp32 temporaries, 3 * 4 bytes per logit a rank holds (benchmarks/loss_memory.py: the logits
+    themselves are gone): all V of them on every rank when the vocabulary is replicated, V/tp when it is split."""
+    model = edged_numbers(vocab_splittable)
     mem = memory_per_gpu(model, one(tp=2, sp=1, recompute=2), A100, "fp32", np.array([1.0]))
     blocks = L * S * H * 4 / 2 + 34 * S * H / 2
-    assert mem.activations[0] == pytest.approx(blocks + S * H * 4 + S * V * 12.0)
-    bf16 = memory_per_gpu(model, one(tp=4, sp=1, recompute=2), A100, "bf16", np.array([1.0]))
-    assert bf16.activations[0] == pytest.approx(L * S * H * 2 / 4 + 34 * S * H / 4 + 4 * S * H + S * V * 12.0)
+    assert mem.activations[0] == pytest.approx(blocks + S * H * 4 + S * V * 12.0 * share)
+    assert mem.terms["logits and loss"][0] == pytest.approx(S * V * 12.0 * share)
+    assert sum(mem.terms.values())[0] == pytest.approx(mem.total[0])  # the named terms add up to the peak
 
 
-def test_unit_costs_keep_the_embedding_and_head_whole_under_tp():
-    """planner.partition's per-unit bytes: a block's states are halved at tp=2, the embedding's and head's are not,
-    and the head's unit carries the whole loss peak (12 bytes per logit)."""
+def test_unit_costs_split_the_vocabulary_as_the_memory_model_does():
+    """planner.partition's per-unit bytes at tp=2: a block's states are halved, the embedding's and head's (V, h)
+    tables halved too (a family spec's are plain nn.Embedding / nn.Linear tables), their other parameters (the
+    position table, the final norm) whole, and the head's unit carries its half of the logits and the loss."""
     from zplan.planner.cost.units import unit_costs
     from zplan.planner.family import family_summary
 
@@ -207,22 +223,42 @@ def test_unit_costs_keep_the_embedding_and_head_whole_under_tp():
     cand = one(tp=2, dp=1, micro_batch=2)
     units = unit_costs(summary, cand, A100, "bf16")
     kinds = [u.kind for u in summary.layers]
+    table = 1000 * 256
     for unit, static in zip(summary.layers, units.static_bytes, strict=True):
-        assert static == pytest.approx(16.0 * unit.params / (2 if unit.kind == "block" else 1))
+        split = unit.params / 2 if unit.kind == "block" else unit.params - (table / 2 if unit.params >= table else 0)
+        assert static == pytest.approx(16.0 * split)
     head = kinds.index("head")
-    assert units.act_bytes[head] == pytest.approx(2 * 128 * 256 * 2 + 2 * 128 * 1000 * 12.0)
+    # the runtime's default loss on this rank's 2 x 128 x 500 logits: them and their gradient beside them (bf16), and
+    # one chunk's fp32 upcast (the whole of them: fewer than a chunk)
+    local_logits = 2 * 128 * 1000 / 2
+    assert units.act_bytes[head] == pytest.approx(2 * 128 * 256 * 2 + local_logits * (2 * 2 + 4))
 
 
-def test_edge_compute_is_not_divided_by_tp():
-    """The head's forward + backward on one GPU: 3 * b * 2 s h V FLOPs whatever tp, at the efficiency of the whole
-    logits GEMM (A100 has no host overhead per op)."""
+@pytest.mark.parametrize("vocab_splittable", [False, True])
+def test_the_logits_gemm_is_divided_by_tp_only_when_the_vocabulary_is(vocab_splittable):
+    """The head's forward + backward on one GPU: 3 * b * 2 s h V / split FLOPs, at the efficiency of that GEMM (A100
+    has no host overhead per op)."""
     from zplan.planner.cost.compute import edge_time_s, gemm_efficiency
 
-    model = edged_numbers()
+    model = edged_numbers(vocab_splittable)
     flops = 2.0 * S * H * V
-    times = [edge_time_s(model.head_fwd_flops, model, one(tp=t), A100, "bf16")[0] for t in (1, 2, 8)]
-    expected = 3 * flops / (A100.peak_flops("bf16") * gemm_efficiency(np.array([flops]), A100)[0])
-    assert times == pytest.approx([expected] * 3)
+    for t in (1, 2, 8):
+        split = t if vocab_splittable else 1
+        expected = 3 * flops / split / (A100.peak_flops("bf16") * gemm_efficiency(np.array([flops / split]), A100)[0])
+        assert edge_time_s(model.head_fwd_flops, model, one(tp=t), A100, "bf16", loss=True)[0] == pytest.approx(
+            expected + S * V / split * _streamed_per_logit() / _activation_Bps())
+
+
+def _streamed_per_logit() -> float:
+    from zplan.planner.cost.compute import LOSS_STREAMED_BYTES_PER_LOGIT
+
+    return LOSS_STREAMED_BYTES_PER_LOGIT["bf16"]
+
+
+def _activation_Bps() -> float:
+    from zplan.planner.cost.compute import activation_ops_Bps
+
+    return activation_ops_Bps(A100)
 
 
 def _loss_memory_benchmark():
@@ -237,12 +273,20 @@ def _loss_memory_benchmark():
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-def test_loss_budget_is_what_the_runtimes_loss_holds(precision):
-    """A small run of benchmarks/loss_memory.py on real CPU tensors (B=2, T=64, V=512: the (B, T-1, V) copy of
-    flatten happens) and on fake ones: the planner's bytes per logit are within 5 % of the measured peak."""
-    from zplan.planner.cost.memory import LOSS_BYTES_PER_LOGIT
-
+@pytest.mark.parametrize("loss", ["default", "upcast"])
+def test_loss_budget_is_what_the_runtimes_loss_holds(precision, loss):
+    """A small run of benchmarks/loss_memory.py on real CPU tensors (B=2, T=256, V=4096: the (B, T-1, V) copy of
+    flatten happens for the upcast loss; one chunk of the in-place default loss) and on fake ones: the planner's
+    bytes per logit are within 5 % of the measured peak, for the runtime's in-place default loss and the usual
+    fp32-upcast one."""
     bench = _loss_memory_benchmark()
-    real = bench.bytes_per_logit(2, 64, 512, precision, fake=False)
-    assert bench.bytes_per_logit(2, 64, 512, precision, fake=True) == pytest.approx(real)
-    assert LOSS_BYTES_PER_LOGIT[precision] == pytest.approx(real, rel=0.05)
+    real = bench.bytes_per_logit(2, 256, 4096, precision, fake=False, loss=loss)
+    assert bench.bytes_per_logit(2, 256, 4096, precision, fake=True, loss=loss) == pytest.approx(real)
+    assert bench.planner_bytes_per_logit(2, 256, 4096, precision, loss) == pytest.approx(real, rel=0.05)
+
+
+def test_the_planner_prices_the_in_place_losss_chunk_as_the_runtime_cuts_it():
+    from zplan.model.cross_entropy import CHUNK_ELEMENTS
+    from zplan.planner.cost.memory_activations import IN_PLACE_LOSS_CHUNK_ELEMENTS
+
+    assert IN_PLACE_LOSS_CHUNK_ELEMENTS == CHUNK_ELEMENTS

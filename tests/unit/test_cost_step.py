@@ -112,3 +112,25 @@ def test_zero3_hides_each_phases_collectives_behind_that_phase_only():
     got = data_parallel_s(model, cand, A100, np.array([5e8]), 2, np.array([6 * g]), np.array([m]))[0]
     scalars = 2 * (2 * 7 / 8 * 4.0 / NV + 2 * 7 * A100.intra_node_latency_s)
     assert got == pytest.approx(m * (2 * g - 1.5 * g + g / m) + scalars)
+
+
+def test_a_split_vocabulary_costs_two_hidden_all_reduces_and_the_losss_three_small_ones():
+    """ParallelConfig.vocab_parallel at tp 8, by hand: one stage all-reduces the embedding's partial lookups and the
+    head input's gradient, (b, s, h) bf16 each, and the loss's max, sum and target logit, (b, s) fp32 each; a
+    pipeline's last stage only the head's; nothing where the vocabulary is not split."""
+    from dataclasses import replace
+
+    from zplan.planner.cost.step import vocab_parallel_s
+
+    s, h, b = 2048, 4096, 2
+    model = ModelNumbers(num_blocks=4, hidden=h, heads=32, ffn_hidden=4 * h, vocab=32000, seq_len=s, params=1.0,
+                         embed_params=0.0, embed_fwd_flops=0.0, head_params=0.0, head_fwd_flops=0.0, block_params=1.0,
+                         block_fwd_flops=1.0, block_act_bytes=1.0, embed_act_bytes=0.0, head_act_bytes=0.0,
+                         vocab_splittable=True)
+    cand = Candidates.single(tp=8, pp=1, dp=1, micro_batch=b, zero=0, recompute=0, sp=0, interleave=1, offload=0)
+    hidden = 2 * 7 / 8 * b * s * h * 2 / NV + 2 * 7 * A100.intra_node_latency_s
+    loss = 2 * 7 / 8 * b * s * 4 / NV + 2 * 7 * A100.intra_node_latency_s
+    assert vocab_parallel_s(model, cand, A100, 2)[0] == pytest.approx(2 * hidden + 3 * loss)
+    staged = Candidates.single(tp=8, pp=2, dp=1, micro_batch=b, zero=0, recompute=0, sp=0, interleave=1, offload=0)
+    assert vocab_parallel_s(model, staged, A100, 2)[0] == pytest.approx(hidden + 3 * loss)
+    assert vocab_parallel_s(replace(model, vocab_splittable=False), cand, A100, 2)[0] == 0.0

@@ -85,7 +85,15 @@ def test_time_from_tflops_uses_the_formula_the_source_names():
 @pytest.mark.parametrize("text, stage", [("FSDP1 FULL_SHARD", (3, "none")), ("FSDP1 SHARD_GRAD_OP", (2, "none")),
                                          ("Megatron DDP", (0, "none")), ("ZeRO-3 Offload", (3, "cpu"))])
 def test_data_parallel_column_to_zero_stage(text, stage):
-    assert zero_stage(text) == stage
+    assert zero_stage(text) == (*stage, "")
+
+
+@pytest.mark.parametrize("text", ["Megatron DDP", "Megatron DDP (distributed optimizer not stated)", ""])
+def test_megatron_core_rows_that_do_not_state_the_optimizer_sharding_are_priced_with_its_default(text):
+    stage, offload, assumed = zero_stage(text, "megatron-core")
+    assert (stage, offload) == (1, "none") and "distributed optimizer" in assumed
+    assert zero_stage("Megatron-FSDP", "megatron-core") == (3, "none", "")  # stated: nothing assumed
+    assert zero_stage(text, "megatron-2021")[::2] == (0, "")  # a stack without the default keeps ZeRO 0
 
 
 def test_stack_efficiency_is_the_geometric_mean_and_applies_per_stack():

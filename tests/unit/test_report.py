@@ -70,11 +70,30 @@ def test_display_parts_cover_the_schema():
     """A field added to the breakdowns must show up in the reports."""
     assert {key for key, _ in TIME_PARTS} == set(TimeBreakdown.model_fields)
     memory_fields = set(MemoryBreakdown.model_fields) - {"total", "capacity", "cpu_bytes_per_node",
-                                                          "nvme_bytes_per_node", "not_at_peak"}
+                                                          "nvme_bytes_per_node", "not_at_peak", "terms"}
     assert {key for key, _ in MEMORY_PARTS} == memory_fields
     templates = Path(__file__).resolve().parents[2] / "codegen" / "templates"
     for name in ("report.md.j2", "report.html.j2"):  # subtracted from the parts, so its own row, not a segment
         assert "memory_not_at_peak" in (templates / name).read_text(), name
+        assert "memory_terms" in (templates / name).read_text(), name  # the named terms: a table of their own
+
+
+def test_the_report_names_every_memory_term_of_the_plan():
+    """A compiled plan's report lists each nonzero term of its memory peak (schemas.plan.MEMORY_TERMS) with its
+    bytes; the terms add up to the peak."""
+    from zplan.api import compile_plan, prepare
+    from zplan.schemas.plan import MEMORY_TERMS
+    from zplan.schemas.spec import Pins
+
+    plan = compile_plan(prepare("llama:layers=4,hidden=512,heads=8,seq=256,vocab=32000", 8, "dgx-a100-80g", 16,
+                                None, "bf16", Pins(tp=2, pp=2)))
+    terms = plan.prediction.memory.terms
+    assert set(terms) <= set(MEMORY_TERMS) and "weights" in terms and plan.parallel.vocab_parallel
+    assert sum(terms.values()) == pytest.approx(plan.prediction.memory.total)
+    report = render_reports(plan, None)["report.md"]
+    for name, value in terms.items():
+        if value:
+            assert f"| {name} | {format_bytes(value) if value > 0 else '-' + format_bytes(-value)} |" in report
 
 
 def test_formatting_by_hand():

@@ -79,3 +79,30 @@ def test_stage_partition_covers_every_unit_once_in_order():
     copies = sum(u.shared_params for u in plan.model.layers[plan.stages[0].last_layer + 1:])  # the tied head's table
     assert copies == plan.model.vocab * plan.model.hidden  # the GPT family's head is tied
     assert sum(s.params for s in plan.stages) == sum(u.params for u in plan.model.layers) + copies
+
+
+def test_a_pinned_layout_over_memory_names_its_largest_term_and_the_fastest_change_that_fits():
+    """GPT 13B on 8 A100s pinned to ZeRO 0 without recompute: over memory, the optimizer states (12 bytes a parameter
+    on every rank) its largest term; the single changes that fit come with their step times, fastest first, and
+    the first one applied fits."""
+    import re
+
+    spec = "gpt:layers=40,hidden=5120,heads=40,seq=2048,vocab=51200"
+    pins = Pins(tp=1, pp=1, dp=8, zero=0, recompute="none", micro_batch=1, offload="none")
+    estimate = estimate_config(prepare(spec, 8, "dgx-a100-80g", 8, None, "bf16", pins))
+    over = estimate["over_memory"]
+    assert not estimate["feasible"] and over["over_bytes"] == pytest.approx(
+        estimate["memory_per_gpu_bytes"] - 80e9)
+    largest = next(iter(over["terms"]))
+    assert largest == "optimizer states" and over["summary"].split("terms: ")[1].startswith(largest)
+    assert over["terms"][largest] == pytest.approx(12 * estimate["config"]["dp"] / 8 * 13e9, rel=0.05)
+    timed = [re.fullmatch(r"((?:--[a-z-]+ \w+ ?)+) \(([\d.e+-]+) s a step, [+-][\d.e+-]+ s\)", fix)
+             for fix in over["fixes"]]
+    timed = [(m.group(1).split(), float(m.group(2))) for m in timed if m]
+    assert len(timed) >= 2 and [s for _, s in timed] == sorted(s for _, s in timed)
+    names = {"--zero": ("zero", int), "--recompute": ("recompute", str), "--offload": ("offload", str),
+             "--tp": ("tp", int), "--micro-batch": ("micro_batch", int)}
+    words = timed[0][0]
+    change = {names[flag][0]: names[flag][1](value) for flag, value in zip(words[::2], words[1::2], strict=True)}
+    fixed = pins.model_copy(update={**change, **({"dp": 8 // change["tp"]} if "tp" in change else {})})
+    assert estimate_config(prepare(spec, 8, "dgx-a100-80g", 8, None, "bf16", fixed))["feasible"]

@@ -151,8 +151,10 @@ def test_each_trait_is_found_where_it_is(options, expected):
 
 
 def test_a_second_stack_of_blocks():
+    """Also: the encoder's Linears of V outputs outside the decoder's blocks leave more than one candidate head, so
+    the vocabulary is not split."""
     found = traits_of(second_stack=True)
-    assert found and {kind for kind, _ in found} == {"several_block_stacks"}
+    assert found and {kind for kind, _ in found} == {"several_block_stacks", "vocab_not_split"}
 
 
 @pytest.mark.parametrize("example", ["tiny.py", "gpt.py", "llama.py"])
@@ -177,8 +179,9 @@ def test_hugging_face_models():
         styles[name] = {rule.module: rule.style for rule in summary.tp_rules}
     # GPT-2's Conv1D projections are not nn.Linear: nothing for fp8 or nvfp4 training to convert (it splits like
     # Linears)
-    assert found == {"llama": set(), "phi3": set(), "gpt2": {("no_fp8_linears", "transformer.h.0"),
-                                                             ("no_nvfp4_linears", "transformer.h.0")}}
+    # Phi-3's embedding has a padding_idx (pad_token_id 0), whose zeroed gradient row a vocabulary split would misplace
+    assert found == {"llama": set(), "phi3": {("vocab_not_split", "")},
+                     "gpt2": {("no_fp8_linears", "transformer.h.0"), ("no_nvfp4_linears", "transformer.h.0")}}
     # fused projections: q (4 heads of 8), k and v (2 kv heads each) in 2 kv-head groups; gate and up; GPT-2's Conv1D
     assert parts["phi3"] == {"self_attn.qkv_proj": ([H, 16, 16], 2), "mlp.gate_up_proj": ([2 * H, 2 * H], 2 * H)}
     assert parts["gpt2"] == {"attn.c_attn": ([H, H, H], HEADS)}
