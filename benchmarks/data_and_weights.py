@@ -154,7 +154,7 @@ def loader_worker(result: str, out: str, tokens: str) -> None:
                                   micro_batch=p.micro_batch, num_micro_batches=p.num_micro_batches,
                                   dp_rank=mesh["dp"].get_local_rank(), dp_size=p.dp, seed=0, data=run_data.train)
 
-        data, loss_fn = plan_data_iter(plan, mesh, loader(), model), plan_loss_fn(plan, model_file, mesh)
+        data, loss_fn = plan_data_iter(plan, mesh, loader(), model), plan_loss_fn(plan, model_file)
 
         def train_steps(count: int) -> float:
             start = time.perf_counter()

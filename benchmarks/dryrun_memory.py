@@ -83,8 +83,14 @@ PLANS = [
     # pipelines of 32+ micro-batches: receive buffers for the micro-batches in flight only
     ("8b-8-pp4-m32", "llama3-8b", 8, "dgx-h100", dict(pp=4, tp=1, dp=2, zero=1, micro_batch=1, recompute="full",
                                                       batch=64, seq=4096)),
+    ("8b-64-tp8-pp2-m32", "llama3-8b", 64, "dgx-h100", dict(tp=8, pp=2, dp=4, zero=1, micro_batch=1,
+                                                            recompute="selective", batch=128, seq=8192)),
     ("8b-8-pp2-v2-m32", "llama3-8b", 8, "dgx-h100", dict(pp=2, tp=1, dp=4, zero=1, micro_batch=1, interleave=2,
                                                          recompute="full", batch=128, seq=4096)),
+    ("175b-256-tp8-pp8-m64", "gpt3-175b", 256, "dgx-a100-80g", dict(tp=8, pp=8, zero=1, micro_batch=1,
+                                                                     recompute="full", batch=256)),
+    ("70b-64-tp4-pp4-m32", "llama3-70b", 64, "dgx-h100", dict(tp=4, pp=4, zero=1, micro_batch=1, recompute="full",
+                                                              batch=128, seq=4096)),
     ("8b-8-cp2-z3", "llama3-8b", 8, "dgx-h100", dict(dp=4, cp=2, zero=3, micro_batch=1, recompute="none",
                                                      seq=8192)),
     # mixtures of experts: 8 experts over 64 ranks (ZeRO-3 shards them on another dim), and expert parallel

@@ -19,6 +19,7 @@ from zplan.planner.cost.memory import (
     NVFP4_CAST_TEMPORARY_BYTES_PER_ELEMENT,
     PARAM_BYTES,
 )
+from zplan.planner.cost.memory_activations import LOSS_PARALLEL_BYTES_PER_LOGIT
 from zplan.planner.cost.step import ADAM_BYTES_PER_PARAM
 from zplan.schemas.cluster import ClusterSpec
 from zplan.schemas.model import ModelSummary
@@ -99,9 +100,11 @@ def assumptions(cluster: ClusterSpec, summary: ModelSummary, train: TrainSpec) -
          "count of a Megatron GPT block's elementwise traffic (planner/cost/compute.py)"),
         ("activation memory", "per-block saved bytes split replicated (10sbh) / tp-sharded",
          "Korthikanti et al. MLSys'23 Table 2"),
-        ("logits and loss", f"{LOSS_BYTES_PER_LOGIT[dtype]:.0f} B per logit (b, s, V) on the last stage, "
-                            "whole on every tp rank: embedding and head are replicated over tp, not vocab-parallel",
-         "measured: benchmarks/loss_memory.py; runtime/parallel/tensor_parallel.py"),
+        ("logits and loss", "the runtime's default loss: the logits' own bytes (twice on a vocabulary split over tp) "
+                            "and a 64 MiB fp32 chunk or two; a model file's own loss "
+                            f"{LOSS_BYTES_PER_LOGIT[dtype]:.0f} B per logit, {LOSS_PARALLEL_BYTES_PER_LOGIT:.0f} B per "
+                            "local logit under a split vocabulary (b, s, V / tp)",
+         "measured: benchmarks/loss_memory.py; model/cross_entropy.py, runtime/parallel/vocab_parallel.py"),
         ("model states", (f"ZeRO 0/1: 2 B {dtype} weight + 2 B {dtype} gradient + "
                           f"{MASTER_BYTES + ADAM_BYTES:.0f} B fp32 master and Adam moments per parameter; ZeRO 2/3: "
                           if train.precision != "fp32" else "") +

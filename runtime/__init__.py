@@ -10,7 +10,7 @@ decision 5).
         # before data parallelism (ZeRO 0/1) or after it (ZeRO 2/3)
     optimizer = plan_optimizer(model, mesh, plan, ...)
     train(model, optimizer, plan_data_iter(plan, mesh, make_data_iter(...), model),
-          plan_loss_fn(plan, model_file, mesh), train_config(plan, ...), ctx)
+          plan_loss_fn(plan, model_file), train_config(plan, ...), ctx)
 """
 
 from __future__ import annotations

@@ -117,9 +117,9 @@ RULES: dict[str, Rule] = {
         why="context parallel masks the gathered keys causally by global position, and this attention is not plain "
             "causal self-attention (a sliding window, bidirectional or cross-attention)"),
     "own_loss": Rule(
-        blocks=("context_parallel", "vocab_parallel"),
-        why="context parallel and a vocabulary split over tp compute the default next-token loss on the ranks' "
-            "tokens or vocabulary rows, and the model file defines its own loss_fn, which sees whole logits"),
+        blocks=("context_parallel",),
+        why="context parallel splits the default next-token loss over the ranks' tokens, and the model file defines "
+            "its own loss_fn"),
     "experts_not_dispatchable": Rule(
         blocks=("expert_parallel",),
         why="expert parallel runs each rank's experts with zplan's own executor (runtime/parallel/experts.py), which "
@@ -184,8 +184,8 @@ def inference_problems(traits: list[ModelTrait], names: dict[str, str] = PIN_OF)
 
 def vocab_parallel(traits: list[ModelTrait], tp, vocab: int, cp=1):
     """Whether a plan splits the vocabulary over tp (ParallelConfig.vocab_parallel): wherever tp > 1, cp = 1 (context
-    parallel's loss sees whole logits) and the model has a vocabulary whose embedding and head the runtime can split,
-    with the runtime's own loss (tp and cp ints or integer arrays)."""
+    parallel's loss sees whole logits) and the model has a vocabulary whose embedding and head the runtime can split
+    (any loss: the runtime's, or the model file's under torch's loss_parallel; tp and cp ints or integer arrays)."""
     return (tp > 1) & (cp == 1) & (vocab > 0) & allows(traits, "vocab_parallel")
 
 

@@ -18,10 +18,11 @@ each block's attention keeps the keys and values gathered from the other cp - 1 
 (s/cp, s) attention mask serves every block (context_parallel_mask_bytes).
 Pipeline in-flight micro-batches on the first stage: 1F1B min(p, m); interleaved with v chunks
 multiplies by (1 + (p-1)/(p*v)) (Korthikanti et al., Sec. 4.2.3); each in-flight micro-batch keeps each of the rank's
-v chunks' outputs (torch.distributed.pipelining's fwd_cache), and the last stage its logits, for its backward. Beside
-them the runtime's stages hold one receive buffer of each kind a rank receives (pipeline_receive_buffer_bytes: the
-micro-batches in flight only, not torch's one per micro-batch of the step); a tied embedding and head sum their
-table's gradient over their two ranks after the backward (one received copy).
+v chunks' outputs (torch.distributed.pipelining's fwd_cache), and the last stage its logits, for its backward. The
+runtime's stages hold receive buffers for the micro-batches in flight only, not torch's one per micro-batch of the
+step: a received hidden state is the first block's saved input, counted with the blocks, and beside them stay a
+gradient a chunk and what of a received state that input does not cover (pipeline_receive_buffer_bytes); a tied
+embedding and head sum their table's gradient over their two ranks after the backward (one received copy).
 """
 
 from __future__ import annotations
@@ -75,33 +76,35 @@ def fp8_cast_bytes(model: ModelNumbers, cand: Candidates, precision: str) -> np.
     return per_element * gpu_sequences(cand) * model.seq_len * widest / cand.tp
 
 
-# The runtime's default loss (model/model_file.py next_token_loss, on the whole logits of a model file without its own
-# loss_fn, outside context parallel and a split vocabulary) is model/cross_entropy.py's in-place cross-entropy: the
-# gradient overwrites the logits, a chunk of IN_PLACE_LOSS_CHUNK_ELEMENTS at a time, so the logits' own storage (the
-# compute dtype's bytes a logit) is all that lives beside one chunk's fp32 upcast (in 16-bit; in fp32 the upcast is
-# the logits themselves). Measured on fake tensors (benchmarks/loss_memory.py, the default loss): 4.03 bytes a logit
-# in fp32 and, in bf16, 2.26 at (2, 1024, 128256) and 3.03 at (1, 2048, 32000), 0.90-0.75 of this budget (the
-# chunk's upcast lives; its log-sum-exp makes no other (r, V) temporary at the dispatcher).
+# The runtime's default loss (model/model_file.py next_token_loss, a model file without its own loss_fn, outside context
+# parallel) writes the gradient with the loss (model/cross_entropy.py), a chunk of IN_PLACE_LOSS_CHUNK_ELEMENTS at a
+# time: on the whole vocabulary over the logits themselves, so their storage (the compute dtype's bytes a logit) is all
+# that lives beside one chunk's fp32 upcast (in 16-bit; in fp32 the upcast is the logits themselves); on a split
+# vocabulary into a buffer of the local logits' size beside them (a DTensor's to_local() view, which autograd forbids
+# writing over), its passes over the chunks making two fp32 chunk temporaries in 16-bit and one in fp32. Measured on
+# fake tensors (benchmarks/loss_memory.py, the default loss): whole, 4.03 bytes a logit in fp32 and in bf16 2.26 at
+# (2, 1024, 128256) and 3.03 at (1, 2048, 32000); split over tp 2 and 4, 8.5 / 5.0 bytes a local logit (fp32 / bf16)
+# at (2, 1024, 128256) tp 2 and 12.0 at (1, 2048, 32000) tp 4, where one chunk is all the local logits.
 IN_PLACE_LOSS_CHUNK_ELEMENTS = 2**24  # model/cross_entropy.py CHUNK_ELEMENTS (tests/unit/test_cost_memory.py)
-IN_PLACE_LOSS_CHUNK_TEMPORARIES = 1  # fp32 chunks live at once in 16-bit
+# A model file's own loss on a split vocabulary runs under torch's loss_parallel (runtime/parallel/vocab_parallel.py):
+# 16 bytes a local logit at its peak in every precision (benchmarks/loss_memory.py --tp 2 4, flat over the shapes)
+LOSS_PARALLEL_BYTES_PER_LOGIT = 16.0
 
 
 def logits_loss_bytes(model: ModelNumbers, cand: Candidates, precision: str) -> np.ndarray:
     """Peak bytes on one rank of the logits and the loss on them for one micro-batch: (b, s, V / split) logits, split
-    where the plan splits the vocabulary (ModelNumbers.vocab_split); with the runtime's default loss (above: no
-    loss_fn of the model file's, cp 1) the logits in the compute dtype (twice under a split: their gradient beside
-    them, model/cross_entropy.py vocab_parallel_cross_entropy) and a chunk's fp32 temporaries, else
-    LOSS_BYTES_PER_LOGIT a logit."""
+    where the plan splits the vocabulary (ModelNumbers.vocab_split). The runtime's default loss (above: no loss_fn of
+    the model file's, cp 1): the logits in the compute dtype (twice under a split: their gradient beside them) and its
+    chunks' fp32 temporaries; a model file's own loss LOSS_BYTES_PER_LOGIT a logit on the whole vocabulary,
+    LOSS_PARALLEL_BYTES_PER_LOGIT on a split one."""
     split = model.vocab_split(cand)
     logits = gpu_sequences(cand) * model.seq_len * model.vocab / split
     elem = float(element_bytes(precision))
-    chunk = np.where(elem < 4, IN_PLACE_LOSS_CHUNK_TEMPORARIES * 4.0 * np.minimum(logits, IN_PLACE_LOSS_CHUNK_ELEMENTS),
-                     0.0)
-    # the default loss: in place on the whole vocabulary's logits; a split vocabulary's logits (a DTensor's to_local(),
-    # which autograd forbids writing over) get their gradient in a buffer of their size beside them
-    default = model.default_loss & (cand.cp == 1)
-    per_logit = np.where(split > 1, 2.0 * elem, elem)
-    return np.where(default, per_logit * logits + chunk, logits * LOSS_BYTES_PER_LOGIT[compute_dtype(precision)])
+    chunks = np.where(split > 1, 2.0 if elem < 4 else 1.0, 1.0 if elem < 4 else 0.0)  # fp32 chunk temporaries
+    default = np.where(split > 1, 2.0 * elem, elem) * logits + chunks * 4.0 * np.minimum(
+        logits, IN_PLACE_LOSS_CHUNK_ELEMENTS)
+    own = logits * np.where(split > 1, LOSS_PARALLEL_BYTES_PER_LOGIT, LOSS_BYTES_PER_LOGIT[compute_dtype(precision)])
+    return np.where(model.default_loss & (cand.cp == 1), default, own)
 
 
 def blocks_per_stage(model: ModelNumbers, cand: Candidates) -> np.ndarray:
@@ -172,19 +175,31 @@ def block_activation_bytes(model: ModelNumbers, cand: Candidates, precision: str
 
 def pipeline_receive_buffer_bytes(model: ModelNumbers, cand: Candidates, num_micro_batches: np.ndarray,
                                   precision: str) -> np.ndarray:
-    """Bytes an end rank of a pipeline holds in receive buffers beyond its in-flight micro-batches' inputs: the
-    runtime's stages (runtime/parallel/pipeline_buffers.py) allocate a micro-batch's buffers when its receive is posted
-    and drop them after its backward, so one buffer of each kind a rank receives is live at the peak beside the
-    inputs of the micro-batches in flight (those are the first block's saved input, counted with the blocks): the
-    gradient of the micro-batch whose backward runs (every stage but the last) and the activation of the one being
-    received (every stage but the first), (b, s, h) each, whole (the runtime gathers a sequence-parallel hidden state
-    at stage edges), in the compute dtype or as int8 rows (h bytes and a 4-byte scale) under --compress act=int8.
-    Pipeline rank 0 (and the last) hold v chunks: 2v - 1 kinds of buffer. Measured by the dry run on Llama-3-8B
-    pipelines of 32 micro-batches (benchmarks/dryrun_memory.py 8b-8-pp4-m32, 8b-8-pp2-v2-m32), where torch's own
-    stages held one buffer of each kind for every micro-batch of the step (32 and 96 here: 1.0 and 3.0 GiB).
-    `num_micro_batches` is kept for the callers: the buffers no longer scale with it."""
-    p, v, b = cand.pp, cand.interleave.astype(float), gpu_sequences(cand)
-    s, h = model.seq_len, model.hidden
-    per_element = np.where(cand.act_compress > 0, 1.0 + 4.0 / h, float(element_bytes(precision)))
-    buffers = 2.0 * v - 1.0
-    return np.where(p > 1, buffers * b * s * h * per_element, 0.0)
+    """Bytes an end rank of a pipeline holds for the hidden states and gradients that cross stages, beyond what the
+    activations count (a received hidden state is the first block's saved input, each chunk's output its saved
+    output: memory_per_gpu's first_act and last_act, per micro-batch in flight), at the rank's peak; the larger of the
+    two end ranks', as memory_per_gpu adds it to both.
+
+    What crosses is (b, s, h) whole (the runtime gathers a sequence-parallel hidden state at stage edges:
+    runtime/parallel/tensor_parallel.py) in the compute dtype, or under --compress act=int8 int8 rows, h bytes and a
+    4-byte scale a row (runtime/compression/activations.py): `crossing`. The runtime's stages
+    (runtime/parallel/pipeline_buffers.py) allocate a micro-batch's receive buffers when its receive is posted and
+    drop them after its backward, so what stays is
+    - gradients, v of them (one a chunk): on the first rank the one received for the backward under way; on the last
+      under 1F1B the gradient it sent back for the micro-batch before (the schedule's P2P op holds it until the next
+      one), under interleaved 1F1B those received ahead of their backward (2 at pp 4, 3 at pp 8 at the peak: torch's
+      schedule posts a receive when the sender's step is scheduled);
+    - of each received hidden state in flight, what the first block's saved input does not cover (torch's fwd_cache
+      keeps the stage's inputs to its backward): the int8 rows beside their decoded copy, and under sequence parallel
+      the (1 - 1/tp) of the whole state beyond the block's own slice. In flight: the last stage's one (v = 1), or
+      inflight_microbatches on each of the first rank's v - 1 chunks that receive (interleaved).
+    Measured by the dry run (benchmarks/dryrun_memory.py, pipelines of 32 and 64 micro-batches among its plans), where
+    torch's own stages held a buffer for every micro-batch of the step (num_micro_batches) of every kind a rank
+    receives, (2v - 1) of them: 9 GiB a GPU for GPT-3 175B at tp 8 x pp 8 with 64 micro-batches."""
+    p, v, b, t = cand.pp, cand.interleave.astype(float), gpu_sequences(cand), cand.tp.astype(float)
+    s, h, elem = model.seq_len, model.hidden, float(element_bytes(precision))
+    int8 = cand.act_compress > 0
+    crossing = b * s * np.where(int8, h + 4.0, h * elem)
+    beyond_saved_input = np.where(int8, crossing, 0.0) + np.where(cand.sp > 0, b * s * h * elem * (1.0 - 1.0 / t), 0.0)
+    received_in_flight = np.where(v > 1, inflight_microbatches(cand, num_micro_batches) * (v - 1.0), 1.0)
+    return np.where(p > 1, v * crossing + received_in_flight * beyond_saved_input, 0.0)

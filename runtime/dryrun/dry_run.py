@@ -128,7 +128,7 @@ def measure_steps(plan, model_path: Path, settings: TrainSettings, steps: int, c
         data = make_data_iter(model_file, vocab=plan.model.vocab, seq_len=plan.train.seq_len,
                               micro_batch=p.micro_batch, num_micro_batches=p.num_micro_batches,
                               dp_rank=mesh["dp"].get_local_rank(), dp_size=p.dp, seed=0)
-        data, loss_fn = plan_data_iter(plan, mesh, data, model), plan_loss_fn(plan, model_file, mesh)  # cp: a part
+        data, loss_fn = plan_data_iter(plan, mesh, data, model), plan_loss_fn(plan, model_file)  # cp: a part
         scaler = loss_scaler(model, optimizer, plan.train.precision, ctx.device)
         del weights
         if fake:

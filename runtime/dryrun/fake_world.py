@@ -81,12 +81,12 @@ def _objects_through_mailbox() -> Iterator[None]:
     to the first) takes the last objects sent by any rank: every boundary between blocks carries the same shapes."""
     original_send, original_recv = dist.send_object_list, dist.recv_object_list
 
-    def send(objects, dst=None, group=None, device=None, group_dst=None):
+    def send(objects, dst=None, group=None, device=None, group_dst=None, **_):  # torch's use_batch, ...
         target = dst if group_dst is None else dist.get_global_rank(group, group_dst)
         MAILBOX.queues[(dist.get_rank(), target)].append(list(objects))
         MAILBOX.last = list(objects)
 
-    def recv(objects, src=None, group=None, device=None, group_src=None):
+    def recv(objects, src=None, group=None, device=None, group_src=None, **_):
         source = src if group_src is None else dist.get_global_rank(group, group_src)
         queue = MAILBOX.queues.get((source, dist.get_rank()))
         received = queue.pop(0) if queue else MAILBOX.last

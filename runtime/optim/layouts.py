@@ -44,8 +44,9 @@ are described exactly):
   - plain parameter: Shard(0) on the dp mesh;
   - tensor-parallel parameter: on the (dp, tp) mesh (the tp mesh's parent sliced), the tp placement the
     parameter's, and on dp Shard(0) when that is not Shard(0); when it is (tp splits dim 0 into tp blocks, then
-    dp splits each block by rows), _StridedShard(0, split_factor=tp) on dp: the layout FSDP2 gives a Shard(0)
-    tensor-parallel parameter (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, _init_sharding_spec_tp).
+    dp splits each block by rows, torch.chunk's split at both, uneven blocks too), _StridedShard(0, split_factor=tp)
+    on dp: the layout FSDP2 gives a Shard(0) tensor-parallel parameter (torch/distributed/fsdp/_fully_shard/
+    _fsdp_param.py, _init_sharding_spec_tp).
 torch.distributed.checkpoint therefore saves each rank's rows once and reshards them into any other
 layout: plain tensors (ZeRO 0, another dp size), FSDP2's Shard(0) DTensors (ZeRO 2/3), tensor-parallel
 shards, and back. get_state_dict / set_state_dict work on it as on torch.optim.AdamW, since ShardedAdamW is a
@@ -126,10 +127,11 @@ def state_layout(p: torch.Tensor, dp_mesh: DeviceMesh, sharded: bool = True
         return mesh, [Replicate(), tp_placement]
     if isinstance(tp_placement, Replicate) or (isinstance(tp_placement, Shard) and tp_placement.dim != 0):
         return mesh, [Shard(0), tp_placement]
-    if type(tp_placement) is Shard and p.shape[0] % mesh.size(1) == 0:  # tp blocks first, then dp rows of each
+    if type(tp_placement) is Shard:  # tp blocks first, then dp rows of each; torch.chunk's sizes at both, uneven
+        # ones included (a vocabulary tp does not divide: torch 2.13's _StridedShard places them so)
         return mesh, [_StridedShard(0, split_factor=mesh.size(1)), tp_placement]
     raise ValueError(f"RowShards cannot describe the states of a parameter of shape {tuple(p.shape)} placed "
-                     f"{tp_placement} over tp={mesh.size(1)}: dim 0 must split evenly into tensor-parallel blocks")
+                     f"{tp_placement} over tp={mesh.size(1)}")
 
 
 def dp_and_tp_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:

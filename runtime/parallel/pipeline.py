@@ -49,6 +49,7 @@ from zplan.runtime.parallel.pipeline_split import (
 )
 from zplan.runtime.parallel.pipeline_split import run_stages as run_stages
 from zplan.runtime.parallel.pipeline_units import PipelineSplitError, UnitRoles, _local, unit_roles
+from zplan.runtime.parallel.vocab_parallel import loss_parallel_scope
 from zplan.schemas.plan import Schedule
 from zplan.schemas.spec import ActivationCompression
 
@@ -255,14 +256,15 @@ class PipelineRun(nn.Module):
             self._first_chunk[0]._batch_spec = per_micro[0][1]  # stage 0 rebuilds a micro-batch from its tensors
             # the schedule splits each tensor along dim 0 into num_micro_batches equal parts: these ones
             args = tuple(torch.cat(parts) for parts in zip(*(leaves for leaves, _ in per_micro), strict=True))
-        if self._schedule is None:
-            self._schedule = self._build_schedule(micro_batches[0])
-        self._micro_batches.batches = list(micro_batches)
-        self._loss_scale = loss_scale
-        target = torch.arange(self._num_micro_batches) if holds_last else None
-        losses: list[torch.Tensor] = []
-        self._schedule.step(*args, target=target, losses=losses if holds_last else None, return_outputs=False,
-                            **{MICRO_BATCH_INDEX: torch.arange(self._num_micro_batches)})  # one index per stage call
+        with loss_parallel_scope(self):  # a split vocabulary's loss (and a forward computing it): the stages' passes
+            if self._schedule is None:
+                self._schedule = self._build_schedule(micro_batches[0])
+            self._micro_batches.batches = list(micro_batches)
+            self._loss_scale = loss_scale
+            target = torch.arange(self._num_micro_batches) if holds_last else None
+            losses: list[torch.Tensor] = []
+            self._schedule.step(*args, target=target, losses=losses if holds_last else None, return_outputs=False,
+                                **{MICRO_BATCH_INDEX: torch.arange(self._num_micro_batches)})  # an index a stage call
         self._micro_batches.batches, self._loss_batches.batches = [], []
         for chunk in self.chunks:  # tensor parallel's data-parallel reductions done (DDP waits in its backward)
             reducer = gradient_reducer(chunk)

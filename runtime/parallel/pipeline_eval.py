@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from zplan.runtime.parallel.context_parallel import ContextParallelBatch
 from zplan.runtime.parallel.pipeline_split import MICRO_BATCH_INDEX, batch_leaves
 from zplan.runtime.parallel.pipeline_units import PipelineSplitError
+from zplan.runtime.parallel.vocab_parallel import loss_parallel_scope
 
 _DTENSOR_BETWEEN_STAGES = ("a pipeline stage's output is a DTensor: the validation forward (PipelineRun.evaluate) "
                            "passes plain tensors between stages, as the runtime's tensor and sequence parallel leave "
@@ -38,7 +39,7 @@ def evaluate_pipeline(run, micro_batches: Sequence[Any]) -> torch.Tensor:
     total = torch.zeros((), device=run._device)  # fp32: the sum of the micro-batch losses (last stage's rank)
     run._micro_batches.batches = inputs  # what stages after the first read by index
     try:
-        with torch.no_grad():
+        with torch.no_grad(), loss_parallel_scope(run):  # a split vocabulary's loss
             for index, batch in enumerate(inputs):
                 kwargs = {MICRO_BATCH_INDEX: torch.tensor([index])}  # (1,): as the schedule hands it each stage
                 hidden: tuple = ()

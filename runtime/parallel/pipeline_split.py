@@ -17,7 +17,8 @@ Stage 0 gets the micro-batch from the schedule; the others get it by its index (
 hands every stage) from the micro-batches step() was given, which every pipeline rank holds. The last
 stage sends on the model's output: a tensor, or the logits of an output object (`.logits`, as Hugging
 Face models return); the loss receives that output object itself (with a loss the forward computed from
-the batch's labels).
+the batch's labels). Logits split over the vocabulary (runtime/parallel/vocab_parallel.py) cross the schedule
+as this rank's part, a plain tensor, and reach the loss as their DTensor again.
 
 A model satisfies this contract when:
   1. its forward runs the embedding, then the blocks in order, each called with the hidden state as its
@@ -59,6 +60,7 @@ from zplan.runtime.parallel.pipeline_units import (
     _StageOutput,
     unit_roles,
 )
+from zplan.runtime.parallel.vocab_parallel import loss_parallel_scope
 from zplan.schemas.spec import ActivationCompression
 
 SPLIT_TOLERANCE = 1e-5  # max |stages composed - model(example)|, eval mode, fp32
@@ -160,6 +162,7 @@ class PipelineChunk(nn.Module):
             module for name, module in self._skeleton_of[0].named_modules()
             if not any(name == p or name.startswith(p + ".") for p in roles.all_paths))
         self._output: Any = None  # the last stage: the model's output object of the micro-batch just run
+        self._split_logits: DTensor | None = None  # the last stage: its logits split over the vocabulary, as made
         self._batch_spec: pytree.TreeSpec | None = None  # stage 0: the structure of a batch
 
     @property
@@ -187,6 +190,7 @@ class PipelineChunk(nn.Module):
         else:
             raise PipelineSplitError(f"pipeline stage {self._stage_index} received {len(args)} tensors: the "
                                      "stages must pass one hidden-state tensor (a block returns one tensor)")
+        self._output = self._split_logits = None  # what a forward whose loss was never taken left (the shapes' one)
         try:
             output = _call_with_batch(model_forward, skeleton, batch)
         except _StageOutput as end:
@@ -197,6 +201,8 @@ class PipelineChunk(nn.Module):
                                          f"units of pipeline stage {self._stage_index + 1}")
             x = output if isinstance(output, torch.Tensor) else logits_of(output)
             self._output = None if isinstance(output, torch.Tensor) else output
+            if isinstance(x, DTensor):  # split over the vocabulary (runtime/parallel/vocab_parallel.py): the schedule
+                self._split_logits, x = x, x.to_local()  # gets this rank's, the loss the DTensor (outputs_for_loss)
         finally:
             self._received.tensor = None
         if self._int8_out:
@@ -207,8 +213,13 @@ class PipelineChunk(nn.Module):
         """What the loss receives from the last stage: its tensor, or the model's own output object of the
         micro-batch just run (the schedule computes each micro-batch's loss right after its forward) holding
         `logits`, with what else the forward computed from the batch (a Hugging Face model's .loss from the
-        batch's labels)."""
+        batch's labels). Logits split over the vocabulary come back as their DTensor, made from `logits` (this rank's
+        part, which the schedule handled), so that the loss's backward runs through them."""
         output, self._output = self._output, None
+        split, self._split_logits = self._split_logits, None
+        if split is not None:
+            logits = DTensor.from_local(logits, split.device_mesh, split.placements, run_check=False,
+                                        shape=split.shape, stride=split.stride())
         if output is None:
             return logits
         if isinstance(output, tuple):
@@ -267,8 +278,8 @@ def check_split(model: nn.Module, chunks: Sequence[PipelineChunk], example_batch
     for chunk in chunks:  # the modules outside the units follow the chunk's mode (PipelineChunk.forward)
         chunk.eval()
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]), \
-                CachedMetaOps(MetaOpCache()) if on_meta else contextlib.nullcontext():
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), loss_parallel_scope(model), \
+                CachedMetaOps(MetaOpCache()) if on_meta else contextlib.nullcontext():  # a forward's split-vocab loss
             expected = _call_with_batch(lambda module, *a, **k: module(*a, **k), model, example_batch)
             outputs = run_stages(chunks, example_batch)
     except PipelineSplitError:
@@ -282,7 +293,7 @@ def check_split(model: nn.Module, chunks: Sequence[PipelineChunk], example_batch
         for chunk in chunks:
             chunk.train(was_training)
         model.train(was_training)
-    got = outputs[-1]
+    got = logits_of(chunks[-1].outputs_for_loss(outputs[-1]))  # the logits the loss gets
     if not isinstance(expected, torch.Tensor):
         try:
             expected = logits_of(expected)

@@ -15,9 +15,10 @@ attention, kv_heads/tp key/value heads per rank, which pair up as in one process
 kv_heads. The split is checked before anything is sharded (see check_block_split).
 
 The token embedding and the output head are split by vocabulary rows where the plan says so
-(runtime/parallel/vocab_parallel.py). Everything else outside the plan (norms, a position table; the embedding and
-head of a plan that does not split them) stays replicated: every tp rank holds
-and updates the same full tensors. Its parameters become Replicate DTensors on the tp mesh as well, so
+(plan.parallel.vocab_parallel: runtime/parallel/vocab_parallel.py; the logits then a DTensor sharded on the
+vocabulary, never gathered, the loss computed on them). Everything else outside the plan (norms, a position table; the
+embedding and head of a plan that does not split them) stays replicated: every tp rank holds and updates the same full
+tensors. Its parameters become Replicate DTensors on the tp mesh as well, so
 that every parameter of the model is a DTensor on one mesh: clip_grad_norm_ and the fused AdamW step
 refuse a mix of plain tensors and DTensors, and FSDP2 then shards all of them alike over dp. The module
 that owns such a parameter still computes on plain tensors: a forward pre-hook puts the parameter's

@@ -6,7 +6,7 @@
     model, materialized = parallelize(model, weights, mesh, plan, model_file, ctx.device)
     optimizer = plan_optimizer(model, mesh, plan, lr=lr, weight_decay=weight_decay, steps=steps)
     data = plan_data_iter(plan, mesh, make_data_iter(...), model)   # context parallel: this rank's part of each
-    train(model, optimizer, data, plan_loss_fn(plan, model_file, mesh), train_config(plan, steps=steps, ...), ctx)
+    train(model, optimizer, data, plan_loss_fn(plan, model_file), train_config(plan, steps=steps, ...), ctx)
 
 parallelize is the fixed order (torchtitan's parallelize_llama is the model: a short ordered function, the sharding
 plans as data): zplan's executor of routed experts (runtime.parallel.experts) -> fp8 or NVFP4 GEMMs in the blocks'
@@ -106,7 +106,7 @@ def parallelize(model: nn.Module, weights, mesh: DeviceMesh, plan: Plan, model_f
         model = apply_recompute(model, p.recompute, prefix)
         model = apply_pipeline(model, mesh["pp"], [stage.layer_names for stage in plan.stages], p.schedule,
                                units=plan.model.layers, num_micro_batches=p.num_micro_batches,
-                               loss_fn=plan_loss_fn(plan, model_file, mesh),
+                               loss_fn=plan_loss_fn(plan, model_file),
                                example_micro_batch=model_file.example_inputs(p.micro_batch, plan.train.seq_len),
                                activation_compression=p.compression.activations)
         # after the pipeline split, whose check on the meta device runs the forward as the model file builds it:
@@ -158,15 +158,12 @@ def plan_data_iter(plan: Plan, mesh: DeviceMesh, batches, model: nn.Module):
                          attention_mask=takes_attention_mask(forward), ids_name=token_ids_name(forward))
 
 
-def plan_loss_fn(plan: Plan, model_file, mesh: DeviceMesh | None = None):
-    """The model file's loss_fn; under context parallel each rank's share of the next-token loss; where the plan
-    splits the vocabulary over tp the next-token loss on this rank's logits (runtime/parallel/vocab_parallel.py;
-    `mesh`: the plan's). A model file with its own loss_fn gets neither (check_plan refuses it)."""
-    if plan.parallel.vocab_parallel:
-        return vocab_parallel_loss(mesh["tp"], plan.model.vocab)
-    if plan.parallel.cp == 1:
-        return model_file.loss_fn
-    return context_parallel_loss
+def plan_loss_fn(plan: Plan, model_file):
+    """The model file's loss_fn, or under context parallel each rank's share of the next-token loss (check_plan
+    refused a model file with its own loss_fn); where the plan splits the vocabulary over tp, that loss on the split
+    logits (runtime/parallel/vocab_parallel.py vocab_parallel_loss)."""
+    loss_fn = model_file.loss_fn if plan.parallel.cp == 1 else context_parallel_loss
+    return vocab_parallel_loss(loss_fn) if plan.parallel.vocab_parallel else loss_fn
 
 
 def _say_once(message: str) -> None:

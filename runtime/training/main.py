@@ -161,7 +161,7 @@ def run_training(args: argparse.Namespace, ctx: RunContext, script: TrainScript)
         wrap=lambda batches: plan_data_iter(plan, mesh, batches, model))
     # whole sequences per data-parallel rank; with context parallel (cp > 1) each cp rank's part of them, and the
     # next-token loss of that part (runtime/parallel/context_parallel.py)
-    data, loss_fn = plan_data_iter(plan, mesh, data, model), plan_loss_fn(plan, model_file, mesh)
+    data, loss_fn = plan_data_iter(plan, mesh, data, model), plan_loss_fn(plan, model_file)
     warmup_steps = args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 10)
     checkpoint = CheckpointConfig(
         directory=Path(args.checkpoint_dir) if args.checkpoint_dir else None,

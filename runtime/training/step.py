@@ -20,6 +20,7 @@ from zplan.runtime.parallel.context_parallel import ContextParallelBatch
 from zplan.runtime.parallel.data_parallel import keeps_parameters_gathered
 from zplan.runtime.parallel.grad_reduce import gradient_reducer
 from zplan.runtime.parallel.pipeline import PipelineRun
+from zplan.runtime.parallel.vocab_parallel import loss_parallel_scope
 from zplan.runtime.precision.loss_scale import LossScaler
 from zplan.runtime.training.memory_tiers import resident_bytes
 from zplan.schemas.spec import Precision
@@ -170,7 +171,8 @@ def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, data_iter
             loss_sum += model.step(micro_batches, loss_scale=scaler.factor if scaler else 1.0)
     for micro in range(0 if pipelined else num_micro_batches):
         batch = to_device(next(data_iter), device)
-        with grad_sync(model, last_micro_batch=micro == num_micro_batches - 1), attention_scope(batch):
+        with grad_sync(model, last_micro_batch=micro == num_micro_batches - 1), attention_scope(batch), \
+                loss_parallel_scope(model):  # a split vocabulary's loss: forward and backward
             loss = loss_fn(forward_batch(model, batch), batch) / num_micro_batches
             (scaler.scale(loss) if scaler else loss).backward()
         loss_sum += loss.detach().float()

@@ -22,6 +22,7 @@ from torch import nn
 from zplan.runtime.data.source import TokenData, token_batches
 from zplan.runtime.launch.distributed import RunContext
 from zplan.runtime.parallel.pipeline import PipelineRun
+from zplan.runtime.parallel.vocab_parallel import loss_parallel_scope
 from zplan.runtime.training.step import attention_scope, forward_batch, to_device
 
 
@@ -59,7 +60,7 @@ def evaluate(model: nn.Module, loss_fn: Callable, validation: Validation, ctx: R
             else:
                 for _ in range(validation.micro_batches):
                     batch = to_device(next(batches), ctx.device)
-                    with attention_scope(batch):
+                    with attention_scope(batch), loss_parallel_scope(model):  # a split vocabulary's loss
                         total += loss_fn(forward_batch(model, batch), batch).detach().float()
     finally:
         model.train(was_training)
