@@ -8,10 +8,10 @@ The usual loss, F.cross_entropy(logits.float(), targets), keeps an fp32 copy of 
 the backward, two more fp32 (N, V) tensors: 12 bytes a logit at its peak (planner/cost/memory_activations.py). Here the
 forward runs each chunk of CHUNK_ELEMENTS logits in fp32 (log-sum-exp, the target's logit, softmax - one-hot) and
 copies the gradient of the mean loss into that chunk of the logits, in their own dtype; the backward scales it by the
-loss's incoming gradient. So the logits' own storage is all that lives from the loss to the head's backward (2 bytes a
-logit in bf16, 4 in fp32) plus one chunk's fp32 temporaries. The logits must not be needed by anything else's backward:
-the head's matmul keeps its input, not its output; an op that saved them would fail loudly at its backward (the in-place
-copy bumps their version counter).
+loss's incoming gradient (in fp16 a loss scale), a chunk at a time in fp32. So the logits' own storage is all that
+lives from the loss to the head's backward (2 bytes a logit in bf16, 4 in fp32) plus one chunk's fp32 temporaries. The
+logits must not be needed by anything else's backward: the head's matmul keeps its input, not its output; an op that
+saved them would fail loudly at its backward (the in-place copy bumps their version counter).
 """
 
 from __future__ import annotations
@@ -50,7 +50,20 @@ class _InPlaceCrossEntropy(torch.autograd.Function):
         # the logits' storage, holding d(loss) / d(logits) since the forward, scaled in place (one backward: the
         # graph is not retained)
         (grad,) = ctx.saved_tensors
-        return grad.mul_(grad_loss.to(grad.dtype)), None
+        return scale_in_place(grad, grad_loss), None
+
+
+def scale_in_place(grad: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """grad (N, V) *= factor (a 0-dim tensor: the loss's incoming gradient), each chunk of CHUNK_ELEMENTS multiplied in
+    fp32 and rounded once into grad's dtype: fp16 cannot hold the factor itself (a loss scale starts at 2**16, over
+    fp16's largest 65504, where grad * scale / tokens fits)."""
+    if grad.dtype == torch.float32:
+        return grad.mul_(factor)
+    step = max(1, CHUNK_ELEMENTS // max(grad.shape[-1], 1))
+    for start in range(0, grad.shape[0], step):
+        chunk = grad[start:start + step]
+        chunk.copy_(chunk.float().mul_(factor.float()))
+    return grad
 
 
 # The autograd nodes that may make the logits without keeping them for their own backward (the head's matmul and its
@@ -129,7 +142,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         (grad,) = ctx.saved_tensors  # the logits' storage, holding d(loss) / d(logits), scaled in place
-        return grad.mul_(grad_loss.to(grad.dtype)), None, None, None, None
+        return scale_in_place(grad, grad_loss), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group, vocab_start: int) -> torch.Tensor:

@@ -291,3 +291,29 @@ def test_the_planner_prices_the_in_place_losss_chunk_as_the_runtime_cuts_it():
     from zplan.planner.cost.memory_activations import IN_PLACE_LOSS_CHUNK_ELEMENTS
 
     assert IN_PLACE_LOSS_CHUNK_ELEMENTS == CHUNK_ELEMENTS
+
+
+@pytest.mark.parametrize("pins, hidden_states", [
+    (dict(pp=1), 0.0),  # no pipeline
+    (dict(pp=8), 1.0),  # 1F1B: the gradient received (first stage) or sent back (last)
+    (dict(pp=8, tp=8, sp=1), 1.0 + 7 / 8),  # ... and the 7/8 of the received state beyond its block's slice
+    (dict(pp=4, tp=2, sp=1, interleave=2), 2.0 + 4 * (1 + 3 / 8) * 1 / 2),  # a gradient a chunk; 5.5 states in flight
+])
+def test_pipeline_buffers_are_the_micro_batches_in_flight_not_the_step(pins, hidden_states):
+    """What crosses stages beyond the activations, in (1, s, h) bf16 hidden states (2 * S * H bytes): the runtime's
+    stages hold receive buffers for the micro-batches in flight only (runtime/parallel/pipeline_buffers.py), the same at
+    8 and 64 micro-batches a step (torch's PipelineStage held (2v - 1) of them for each micro-batch of the step)."""
+    from zplan.planner.cost.memory_activations import pipeline_receive_buffer_bytes
+
+    for num_micro_batches in (8, 64):
+        got = pipeline_receive_buffer_bytes(gpt_numbers(), one(**pins), np.array([num_micro_batches]), "bf16")
+        assert got[0] == pytest.approx(hidden_states * 2 * S * H)
+
+
+def test_int8_activations_cross_as_rows_of_h_bytes_and_a_scale():
+    """--compress act=int8 (runtime/compression/activations.py): the gradient and, beside its decoded copy, the
+    received int8 rows, each h + 4 bytes a token."""
+    from zplan.planner.cost.memory_activations import pipeline_receive_buffer_bytes
+
+    got = pipeline_receive_buffer_bytes(gpt_numbers(), one(pp=8, act_compress=1), np.array([64]), "bf16")
+    assert got[0] == pytest.approx(2 * S * (H + 4))

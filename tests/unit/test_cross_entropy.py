@@ -79,3 +79,30 @@ def test_the_default_loss_overwrites_only_logits_nothing_keeps():
         if loss.requires_grad:
             loss.backward()  # no "modified by an inplace operation"
     assert want.item() == pytest.approx(next_token_loss(hidden @ weight.t(), tokens).item(), rel=1e-6)
+
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_an_fp16_loss_scale_over_fp16s_range_scales_the_gradient_in_fp32(split):
+    """A loss scaler's fp16 backward: (loss * 2**16).backward(), a factor fp16 cannot hold (its largest is 65504),
+    though the scaled gradient, 2**16 * (softmax - one-hot) / tokens, fits. The in-place gradient is scaled in fp32 and
+    rounded once, as F.cross_entropy on the fp32 upcast rounds it: finite, and equal to the reference's within fp16's
+    rounding. The split loss on a tp group of one rank too."""
+    import torch.distributed as dist
+
+    scale = 2.0**16
+    generator = torch.Generator().manual_seed(3)
+    logits = (torch.randn(64, 512, generator=generator) * 2).half()
+    targets = torch.randint(0, 512, (64,), generator=generator)
+    _, want = reference(logits, targets)
+    head_output = logits.clone().requires_grad_(True)
+    if split:
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        loss = cross_entropy.vocab_parallel_cross_entropy(head_output * 1, targets, dist.group.WORLD, 0)
+    else:
+        loss = in_place_cross_entropy(head_output * 1, targets)
+    (loss * scale).backward()
+    got = head_output.grad.float() / scale
+    assert torch.isfinite(head_output.grad).all()
+    torch.testing.assert_close(got, want.float(), rtol=2e-3, atol=1e-7)
