@@ -5,9 +5,9 @@
 Every row zplan can express (benchmarks/reference_runs.py: the others are listed with the reason) is predicted by
 `zplan estimate` of its published configuration (model, GPUs, tp, pp, cp, dp, global batch, micro-batch, recompute,
 ZeRO stage) on the built-in profile of its GPU. The built-in profiles describe zplan's own runtime; a run of another
-software stack (Megatron 2021, Megatron-Core, DeepSpeed, FSDP1, FSDP2) is matched through one efficiency per stack,
-the geometric mean of measured / predicted over the rows it is fitted on (no per-row correction), after what the stack
-is known to overlap (STACK_HIDES, not fitted):
+software stack (Megatron 2021, Megatron-Core, DeepSpeed, PyTorch FSDP1 and FSDP2 together: STACK_GROUPS) is matched
+through one efficiency per stack, the geometric mean of measured / predicted over the rows it is fitted on (no per-row
+correction), after what the stack is known to overlap (STACK_HIDES, not fitted):
 - in sample (key mean_abs_error): the stack efficiencies fitted on every row;
 - leave one source out (key loso_mean_abs_error, the headline): each source predicted with the efficiencies fitted
   on the other sources only (a stack seen in no other source keeps efficiency 1);
@@ -40,6 +40,7 @@ import argparse
 import json
 import math
 import sys
+import textwrap
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
@@ -52,9 +53,11 @@ from reference_runs import ReferenceRun, load_moe_runs, load_reference_runs  # n
 from zplan.api import compile_plan, estimate_config, prepare  # noqa: E402
 from zplan.errors import ZplanError  # noqa: E402
 from zplan.planner.cost.compute import BACKWARD_OVER_FORWARD  # noqa: E402
+from zplan.planner.uncertainty import LEVEL, log_bounds, regime_of  # noqa: E402
 from zplan.schemas.spec import Pins  # noqa: E402
 
 DEFAULT_REFERENCE = REPO.parent / "shared" / "reference"
+INTERVALS_FILE = REPO / "planner" / "prediction_error.py"
 
 
 # Communication a stack hides behind compute where zplan's runtime does not: Megatron-Core overlaps the tensor-parallel
@@ -83,8 +86,11 @@ def predict(run: ReferenceRun) -> dict:
     hidden = sum(estimate["time_breakdown"][part] for part in STACK_HIDES.get(run.stack, ()))
     flash = request.cluster.efficiency.attention
     step = estimate["step_time_s"]
+    config = estimate["config"]
+    regime = regime_of(config["tp"], config["pp"], config["cp"], config["num_micro_batches"], config["offload"],
+                       run.precision, request.summary.seq_len, request.summary.experts is not None)
     result = {"step_s": step, "predicted_s": step - hidden, "attention_s": 0.0, "estimate": estimate,
-              "summary": request.summary, **memory_fit(run, request, estimate)}
+              "summary": request.summary, "regime": regime, **memory_fit(run, request, estimate)}
     if flash is None:
         return result
     chosen = estimate["config"]
@@ -114,6 +120,17 @@ def stack_seconds(row: dict, factor: float) -> float:
     return row["predicted_s"] - row["attention_s"] + row["attention_s"] / factor
 
 
+# Stacks that share one efficiency: PyTorch FSDP1 and FSDP2 both run the model's own eager PyTorch code with the same
+# kernels (attention, norms, activations); they differ in how the parameters are sharded and gathered, which the cost
+# model prices itself. A source of one is predicted with the other's rows where its own stack is in no other source.
+STACK_GROUPS = {"fsdp1": "pytorch-fsdp", "fsdp2": "pytorch-fsdp"}
+
+
+def fit_group(stack: str) -> str:
+    """The name a stack's efficiency is fitted under (STACK_GROUPS; else its own)."""
+    return STACK_GROUPS.get(stack, stack)
+
+
 MIN_ATTENTION_ROWS = 10  # rows with a flash attention core a stack needs before its attention factor is fitted
 
 
@@ -123,7 +140,7 @@ def stack_efficiencies(rows: list[dict]) -> dict[str, tuple[float, float]]:
     measured / predicted; the pair with the least mean |log error| is kept (the factor nearest 1 on ties)."""
     by_stack = defaultdict(list)
     for row in rows:
-        by_stack[row["stack"]].append(row)
+        by_stack[fit_group(row["stack"])].append(row)
     fitted = {}
     for stack, members in by_stack.items():
         with_flash = sum(r["attention_s"] > 0 for r in members)
@@ -138,7 +155,7 @@ def stack_efficiencies(rows: list[dict]) -> dict[str, tuple[float, float]]:
 
 
 def relative_error(row: dict, fitted: dict[str, tuple[float, float]]) -> float:
-    efficiency, factor = fitted.get(row["stack"], (1.0, 1.0))
+    efficiency, factor = fitted.get(fit_group(row["stack"]), (1.0, 1.0))
     return stack_seconds(row, factor) * efficiency / row["measured_s"] - 1.0
 
 
@@ -159,7 +176,7 @@ def validate(reference: Path, picks: bool = False, moe: bool = True) -> dict:
                "predicted_s": predicted["predicted_s"], "attention_s": predicted["attention_s"],
                "fits_in_zplans_memory_model": predicted["fits"], "fit_recompute": predicted["fit_recompute"],
                "over_memory": predicted["over_memory"], "assumed": run.assumed,
-               "recompute_printed": run.recompute_printed}
+               "recompute_printed": run.recompute_printed, "regime": predicted["regime"]}
         if picks:
             chosen = compile_plan(prepare(run.spec, run.gpus, run.cluster, run.global_batch, None, run.precision,
                                           Pins()))
@@ -198,6 +215,9 @@ def validate(reference: Path, picks: bool = False, moe: bool = True) -> dict:
                                "mean_abs_error": mean(abs(r["error"]) for r in by_source[source]),
                                "raw_mean_abs_error": mean(abs(r["raw_error"]) for r in by_source[source])}
                       for source in by_source},
+        # the mean signed error left out: + the model predicts slower than measured, - faster (optimistic)
+        "max_abs_source_bias": max(abs(figures["loso_mean_error"]) for figures in loso.values()),
+        **interval_figures(rows),
         **moe_figures,
     }
 
@@ -215,7 +235,8 @@ def moe_row(run: ReferenceRun, predicted: dict) -> dict:
     return {"label": run.label, "source": run.source, "stack": run.stack, "cluster": run.cluster,
             "precision": run.precision, "gpus": run.gpus, "measured_s": run.measured_s,
             "predicted_s": predicted["predicted_s"], "attention_s": predicted["attention_s"],
-            "step_s": predicted["step_s"], "expert_parallel_s": estimate["time_breakdown"]["expert_parallel"],
+            "step_s": predicted["step_s"], "regime": predicted["regime"],
+            "expert_parallel_s": estimate["time_breakdown"]["expert_parallel"],
             "time_breakdown": estimate["time_breakdown"],
             "layout": {key: config.get(key) for key in ("tp", "pp", "dp", "cp", "ep", "interleave", "zero_stage",
                                                         "micro_batch", "recompute")},
@@ -262,8 +283,59 @@ def leave_one_source_out(rows: list[dict], fit_on: list[dict]) -> tuple[dict, di
         for row in held_out:
             row["loso_error"] = relative_error(row, fitted)
         loso[source] = {"rows": len(held_out), "loso_mean_abs_error": mean(abs(r["loso_error"]) for r in held_out),
-                        "efficiencies_used": {s: fitted.get(s, (1.0, 1.0)) for s in {r["stack"] for r in held_out}}}
+                        "loso_mean_error": mean(r["loso_error"] for r in held_out),
+                        "efficiencies_used": {s: fitted.get(s, (1.0, 1.0))
+                                              for s in {fit_group(r["stack"]) for r in held_out}}}
     return loso, by_source
+
+
+def residual(row: dict) -> float:
+    """log(measured / predicted) seconds of a row predicted left one source out (its loso_error)."""
+    return -math.log1p(row["loso_error"])
+
+
+def residuals_by_regime(rows: list[dict]) -> dict[str, tuple[float, ...]]:
+    by_regime = defaultdict(list)
+    for row in rows:
+        by_regime[row["regime"]].append(residual(row))
+    return {regime: tuple(sorted(values)) for regime, values in sorted(by_regime.items())}
+
+
+def interval_figures(rows: list[dict], prefix: str = "", fit_on: list[dict] | None = None) -> dict:
+    """The prediction intervals checked left one source out (planner/uncertainty.py): each row's 80 % interval is built
+    from the residuals of the rows of `fit_on` (default `rows`) from other sources only, and the row is covered when
+    its own residual lies in it. interval_coverage: the share covered; interval_half_width: the median of half the
+    interval's width over the central prediction; interval_coverage_by_regime: (rows, covered share) per regime."""
+    fit_on = rows if fit_on is None else fit_on
+    covered, widths, by_regime = [], [], defaultdict(list)
+    for source in sorted({r["source"] for r in rows}):
+        table = residuals_by_regime([r for r in fit_on if r["source"] != source])
+        for row in (r for r in rows if r["source"] == source):
+            (low, high), *_ = log_bounds(row["regime"], table)
+            inside = low <= residual(row) <= high
+            covered.append(inside)
+            widths.append((math.exp(high) - math.exp(low)) / 2.0)
+            by_regime[row["regime"]].append(inside)
+    widths.sort()
+    return {f"{prefix}interval_level": LEVEL, f"{prefix}interval_coverage": mean(covered),
+            f"{prefix}interval_half_width": widths[len(widths) // 2] if widths else float("nan"),
+            f"{prefix}interval_coverage_by_regime": {regime: (len(inside), mean(inside))
+                                                     for regime, inside in sorted(by_regime.items())}}
+
+
+def write_intervals(rows: list[dict], path: Path = INTERVALS_FILE) -> None:
+    """planner/prediction_error.py: every row's residual left one source out, by regime (the table the plans'
+    intervals are built from)."""
+    table = residuals_by_regime(rows)
+    lines = [f'    "{regime}": ({", ".join(f"{value:.4f}" for value in values)},),' for regime, values in table.items()]
+    wrapped = "\n".join(textwrap.fill(line, 120, subsequent_indent=" " * 8, break_long_words=False)
+                         for line in lines)
+    path.write_text(
+        '"""The cost model\'s errors on published runs it was not fitted on, by regime (planner/uncertainty.py): each '
+        "run's\nlog(measured / predicted) step seconds, its source left out of the stack efficiencies' fit. "
+        "Written by\n"
+        '`.venv/bin/python benchmarks/validate_cost_model.py --write-intervals`; do not edit.\n"""\n\n'
+        f"LOG_RESIDUALS: dict[str, tuple[float, ...]] = {{\n{wrapped}\n}}\n")
 
 
 def validate_moe(reference: Path, dense_rows: list[dict]) -> dict:
@@ -294,6 +366,7 @@ def validate_moe(reference: Path, dense_rows: list[dict]) -> dict:
         "moe_raw_mean_abs_error": mean(abs(r["raw_error"]) for r in rows),
         "moe_by_source": {source: {**loso[source], "mean_abs_error": mean(abs(r["error"]) for r in by_source[source])}
                           for source in by_source},
+        **interval_figures(rows, "moe_", dense_rows + rows),
     }
 
 
@@ -302,8 +375,12 @@ def main() -> None:
     parser.add_argument("--reference", type=Path, default=DEFAULT_REFERENCE)
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.add_argument("--picks", action="store_true", help="also compile zplan's own plan for each row (slow)")
+    parser.add_argument("--write-intervals", action="store_true",
+                        help="write the residuals by regime to planner/prediction_error.py")
     args = parser.parse_args()
     result = validate(args.reference, args.picks)
+    if args.write_intervals:
+        write_intervals(result["rows"] + result.get("moe_rows", []))
     if args.json:
         print(json.dumps(result, indent=2))
         return
@@ -317,10 +394,16 @@ def main() -> None:
         reasons[reason.split(":")[0]] += 1
     for reason, count in sorted(reasons.items(), key=lambda item: -item[1]):
         print(f"  {count:4d}  {reason}")
-    print("\nby source (leave-one-source-out | in sample | raw):")
+    print("\nby source (leave-one-source-out |error| and signed mean, + slower than measured | in sample | raw):")
     for source, figures in result["by_source"].items():
-        print(f"  {source[:50]:50s} {figures['rows']:4d} rows  {figures['loso_mean_abs_error']:6.1%} | "
-              f"{figures['mean_abs_error']:6.1%} | {figures['raw_mean_abs_error']:6.1%}")
+        print(f"  {source[:50]:50s} {figures['rows']:4d} rows  {figures['loso_mean_abs_error']:6.1%} "
+              f"({figures['loso_mean_error']:+6.1%}) | {figures['mean_abs_error']:6.1%} | "
+              f"{figures['raw_mean_abs_error']:6.1%}")
+    print(f"  largest |signed mean| of a source: {result['max_abs_source_bias']:.1%}")
+    print(f"\n{result['interval_level']:.0%} intervals, left one source out: the measured step inside on "
+          f"{result['interval_coverage']:.1%} of the rows, median half-width {result['interval_half_width']:.1%}; "
+          "by regime (rows, inside): " + ", ".join(f"{regime} {n} {share:.0%}" for regime, (n, share)
+                                                     in result["interval_coverage_by_regime"].items()))
     print("\nstack efficiencies (all rows): "
           + ", ".join(f"{stack} {e:.2f} (attention x{f:.1f})"
                       for stack, (e, f) in sorted(result["stack_efficiencies"].items())))

@@ -168,6 +168,7 @@ def plan_context(plan: Plan) -> dict[str, Any]:
         "pins_display": ", ".join(f"{name}={value}" for name, value in pinned) or "none",
         "step_time": format_seconds(prediction.step_time_s),
         "tokens_per_s": f"{prediction.tokens_per_s:,.0f}",
+        **interval_context(prediction),
         "mfu": format_percent(prediction.mfu),
         "achieved_tflops_per_gpu": format_rate(achieved_flops_per_gpu, "FLOP"),
         "peak_flops": format_rate(peak_flops, "FLOP"),
@@ -204,6 +205,19 @@ def plan_context(plan: Plan) -> dict[str, Any]:
             for stage in plan.stages
         ],
     }
+
+
+def interval_context(prediction) -> dict[str, str]:
+    """The prediction's 80 % interval in words (planner/uncertainty.py); '' for plans without one."""
+    interval = prediction.interval
+    if interval is None:
+        return {"step_time_interval": "", "tokens_per_s_interval": "", "mfu_interval": "", "interval_note": ""}
+    (t0, t1), (r0, r1), (m0, m1) = interval.step_time_s, interval.tokens_per_s, interval.mfu
+    return {"step_time_interval": f"{format_seconds(t0)} - {format_seconds(t1)}",
+            "tokens_per_s_interval": f"{r0:,.0f} - {r1:,.0f}",
+            "mfu_interval": f"{format_percent(m0)} - {format_percent(m1)}",
+            "interval_note": (f"{interval.level:.0%} intervals, regime '{interval.regime}' ({interval.basis}): "
+                              f"{interval.note}.")}
 
 
 def delayed_update_display(plan: Plan) -> str:

@@ -9,8 +9,10 @@ gpus; cp > 1 where 2 cp divides the sequence, and unpinned only where a GPU keep
 sequence; heads and kv_heads divisible by tp (a pinned tp too); at least one block per pipeline stage (pp <= blocks)
 and, when interleaved, one block, the embedding or the head per chunk (pp * v <= blocks + 2; Megatron-Core's split
 that counts the embedding and the head as a block each where the blocks do not divide) and micro-batches divisible
-by pp; a pipeline runs at least pp micro-batches (1F1B's warm-up fills every stage); the global batch divisible by
-dp * micro_batch; sequence parallel where tp divides the tokens a block sees; NVMe only where the cluster has it.
+by pp; a pipeline runs at least pp micro-batches (zplan's runtime runs torch's Schedule1F1B, which refuses fewer:
+``fills_pipeline``; `zplan estimate` lifts this rule alone, ``fill_pipeline=False``, to price a layout Megatron runs
+with a larger bubble); the global batch divisible by dp * micro_batch; sequence parallel where tp divides the tokens
+a block sees; NVMe only where the cluster has it.
 User pins fix a value; a --compress pin sets every candidate's compression. Every tier the runtime runs is searched
 unpinned too: the cost model prices an NVMe candidate (planner.cost.offload), so it is chosen only when it is the
 best plan. Where the model states live (parameters on NVMe with ZeRO 3 only...) is the placement's choice, not the
@@ -53,6 +55,13 @@ def _pinned(values: list[int], pin: int | None) -> list[int]:
     return values if pin is None else [pin]
 
 
+def fills_pipeline(pp, micro_batches):
+    """Whether a step's micro-batches fill every pipeline stage (pp == 1 or micro_batches >= pp): what zplan's runtime
+    runs (torch.distributed.pipelining's Schedule1F1B raises ValueError below it, and runtime.parallel.pipeline's
+    build_pipeline refuses it first). On numbers and numpy arrays alike."""
+    return (pp == 1) | (micro_batches >= pp)
+
+
 @dataclass(frozen=True)
 class Rule:
     """One legality rule over the candidate grid: what it says, the Pins fields it constrains, where it holds."""
@@ -79,8 +88,10 @@ class _Grid:
     rules: list[Rule]
 
 
-def _grid(model: ModelSummary, cluster: ClusterSpec, gpus: int, global_batch: int, pins: Pins) -> _Grid | None:
+def _grid(model: ModelSummary, cluster: ClusterSpec, gpus: int, global_batch: int, pins: Pins,
+          fill_pipeline: bool = True) -> _Grid | None:
     """Every combination of the axes' values and the rules over it; None when an axis has no value.
+    `fill_pipeline` False drops the rule that a pipeline gets at least pp micro-batches (`zplan estimate`).
 
     Unpinned axes hold only the values their own rules allow (fewer combinations); a pinned value is kept
     as given, and the rules over the grid say whether it is legal (so that a conflict can be explained)."""
@@ -143,9 +154,9 @@ def _grid(model: ModelSummary, cluster: ClusterSpec, gpus: int, global_batch: in
              "and the head count as a block each where the blocks do not divide: planner.search."
              "interleaved_partition)", ("pp", "interleave"),
              (p <= blocks) & ((v == 1) | (p * v <= blocks + 2))),
-        Rule(f"a pipeline gets at least pp micro-batches: the global batch {global_batch} >= dp * micro-batch * "
-             "pp (1F1B fills every stage)", ("pp", "micro_batch", "dp", "tp"),
-             (p == 1) | (micro_batches >= p)),
+        *([Rule(f"a pipeline gets at least pp micro-batches: the global batch {global_batch} >= dp * micro-batch * "
+                "pp (zplan's runtime runs torch's 1F1B, which needs every stage filled)",
+                ("pp", "micro_batch", "dp", "tp"), fills_pipeline(p, micro_batches))] if fill_pipeline else []),
         Rule("an interleaved schedule needs the micro-batches per step to divide by pp",
              ("interleave", "pp", "micro_batch", "dp", "tp"), (v == 1) | (micro_batches % p == 0)),
         Rule(f"ep divides the {num_experts} routed experts of each MoE block and dp (expert parallel is carved out of "
@@ -165,11 +176,13 @@ def _grid(model: ModelSummary, cluster: ClusterSpec, gpus: int, global_batch: in
 
 
 def enumerate_candidates(
-    model: ModelSummary, cluster: ClusterSpec, gpus: int, global_batch: int, pins: Pins
+    model: ModelSummary, cluster: ClusterSpec, gpus: int, global_batch: int, pins: Pins, fill_pipeline: bool = True
 ) -> Candidates:
-    """Every legal configuration that respects the pins (may be empty: explain_no_candidates says why)."""
+    """Every legal configuration that respects the pins (may be empty: explain_no_candidates says why).
+    `fill_pipeline` False keeps pipelines with fewer micro-batches than stages too (`zplan estimate` prices them;
+    the runtime does not run them, so the search never does)."""
     compression = pins.compress or CompressionConfig()
-    g = _grid(model, cluster, gpus, global_batch, pins)
+    g = _grid(model, cluster, gpus, global_batch, pins, fill_pipeline)
     if g is None:
         return Candidates.single(tp=1, pp=1, dp=1, micro_batch=1, zero=0, recompute=0, sp=0,
                                  interleave=1, offload=0).take(np.array([], dtype=np.int64))
@@ -192,13 +205,13 @@ def pin_words(pins: Pins, field: str) -> str:
 
 
 def explain_no_candidates(model: ModelSummary, cluster: ClusterSpec, gpus: int, global_batch: int,
-                          pins: Pins) -> str:
+                          pins: Pins, fill_pipeline: bool = True) -> str:
     """Why no configuration is legal, for an error message: the rules that each alone rule out every
     configuration the others leave, naming the pins each constrains; else the single pins whose removal leaves
-    some; else every rule."""
+    some; else every rule. `fill_pipeline` as enumerate_candidates'."""
     pinned = pins.model_dump(exclude_none=True)
     head = f"no legal configuration for {gpus} GPUs with pins {pinned}"
-    g = _grid(model, cluster, gpus, global_batch, pins)
+    g = _grid(model, cluster, gpus, global_batch, pins, fill_pipeline)
     if g is not None:
         masks = [rule.mask for rule in g.rules]
         alone = [rule for i, rule in enumerate(g.rules)
@@ -215,10 +228,12 @@ def explain_no_candidates(model: ModelSummary, cluster: ClusterSpec, gpus: int, 
         if reasons:
             return f"{head}: {'; or '.join(reasons)}."
     drop = [pin_words(pins, f) for f in pinned
-            if len(enumerate_candidates(model, cluster, gpus, global_batch, pins.model_copy(update={f: None})))]
+            if len(enumerate_candidates(model, cluster, gpus, global_batch, pins.model_copy(update={f: None}),
+                                        fill_pipeline))]
     if drop:
         return f"{head}: the pins conflict with each other; dropping any one of {', '.join(drop)} leaves legal ones."
+    filled = (", and a pipeline gets at least pp micro-batches (global batch >= dp * micro_batch * pp)"
+              if fill_pipeline else "")
     return (f"{head}: check that tp divides the {model.heads} heads, "
             f"pp * interleave <= {model.num_blocks + 2} (the blocks, the embedding and the head), "
-            f"dp*tp*pp = {gpus}, the global batch {global_batch} divides by dp*micro_batch, and a pipeline gets at "
-            "least pp micro-batches (global batch >= dp * micro_batch * pp).")
+            f"dp*tp*pp = {gpus}, the global batch {global_batch} divides by dp*micro_batch{filled}.")

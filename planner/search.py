@@ -45,9 +45,11 @@ class Choice:
 
 
 def score(
-    summary: ModelSummary, cluster: ClusterSpec, gpus: int, train: TrainSpec, pins: Pins
+    summary: ModelSummary, cluster: ClusterSpec, gpus: int, train: TrainSpec, pins: Pins, fill_pipeline: bool = True
 ) -> Scored:
-    cand = enumerate_candidates(summary, cluster, gpus, train.global_batch, pins)
+    """Every legal candidate (planner.enumerate; `fill_pipeline` as enumerate_candidates'), estimated, and the
+    feasible ones ranked."""
+    cand = enumerate_candidates(summary, cluster, gpus, train.global_batch, pins, fill_pipeline)
     est = estimate_step(ModelNumbers.from_summary(summary), cand, cluster, train.precision, train.global_batch)
     feasible = np.nonzero(est.memory.fits)[0]
     keys = (cand.offload[feasible], cand.recompute[feasible], cand.zero[feasible], cand.pp[feasible],

@@ -8,7 +8,7 @@ by the plan's fingerprint: both are written by one compile (zplan.out_dir swaps 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Optional
 
 from pydantic import Field
 
@@ -28,6 +28,8 @@ class Candidate(Frozen):
     step_time_s: float = Field(description="Predicted seconds per step.")
     memory_per_gpu_bytes: float = Field(description="Predicted bytes per GPU.")
     feasible: bool = Field(description="Fits memory.")
+    step_time_s_interval: Optional[tuple[float, float]] = Field(
+        default=None, description="[low, high] seconds per step, 80 % (planner/uncertainty.py).")
 
 
 class RejectedFamily(Frozen):

@@ -181,6 +181,13 @@ class ClusterSpec(_Frozen):
                                   "intra_node_bandwidth_Bps, efficiency.intra_node_link and intra_node_latency_s.")
     host_overheads: HostOverheads = Field(
         default_factory=HostOverheads, description="Fixed host time per op and per sharded unit (0 on GPUs).")
+    calibration_errors: list[float] | None = Field(
+        default=None, description="log(measured / predicted) step seconds of measured runs under this profile, written "
+                                  "by zplan calibrate: its --check runs' (left out of the fit) where it had any, else "
+                                  "the fitted runs'. From 9 of them on, the plans' 80 % intervals on this profile are "
+                                  "theirs (planner/uncertainty.py); None: the published runs' by regime.")
+    calibration_errors_held_out: bool = Field(
+        default=False, description="Whether calibration_errors are of runs left out of the fit.")
 
     def link_domain(self) -> int:
         """GPUs a collective reaches over the intra-node link before it needs the network."""

@@ -69,6 +69,13 @@ class ParallelConfig(Frozen):
     compression: CompressionConfig = Field(default_factory=CompressionConfig, description="Compressed "
                                            "communication (--compress); default: nothing compressed.")
 
+    def pin_flags(self) -> str:
+        """The command-line pins that compile exactly this layout, e.g. '--tp 8 --pp 2 --dp 4 --zero 1 ...'."""
+        cp = f" --cp {self.cp}" if self.cp > 1 else ""
+        return (f"--tp {self.tp} --pp {self.pp} --dp {self.dp}{cp} --zero {self.zero_stage} --offload {self.offload} "
+                f"--micro-batch {self.micro_batch} --recompute {self.recompute} "
+                f"--{'' if self.sequence_parallel else 'no-'}sequence-parallel --interleave {self.interleave}")
+
 
 class Stage(Frozen):
     index: int = Field(ge=0, description="Pipeline stage (with interleave: model chunk) index.")
@@ -202,6 +209,24 @@ class TimeBreakdown(Frozen):
     optimizer: float = Field(description="Optimizer step on the GPU.")
 
 
+class PredictionInterval(Frozen):
+    """How sure a prediction is (planner/uncertainty.py): an 80 % interval from the cost model's errors on published
+    runs of the plan's regime that it was not fitted on (benchmarks/validate_cost_model.py, left one source out)."""
+
+    level: float = Field(description="The share of runs the interval is meant to hold, e.g. 0.8.")
+    regime: str = Field(description="The kind of layout whose errors it is built from, e.g. 'dense FSDP'.")
+    basis: Literal["validation", "thin", "unseen", "calibration"] = Field(
+        description="validation: the regime's own errors; thin: too few runs, the pooled errors' wider range; "
+                    "unseen: no run of the regime, wider still; calibration: the user's own runs (zplan calibrate).")
+    runs: int = Field(ge=0, description="Runs the interval is built from.")
+    step_time_s: tuple[float, float] = Field(description="[low, high] seconds per optimizer step.")
+    tokens_per_s: tuple[float, float] = Field(description="[low, high] global tokens per second.")
+    mfu: tuple[float, float] = Field(description="[low, high] model FLOPs utilisation.")
+    memory_bytes: tuple[float, float] = Field(description="[low, high] peak bytes per GPU, from the dry run's "
+                                                          "agreement with the memory model.")
+    note: str = Field(description="One line on what the interval rests on.")
+
+
 class Prediction(Frozen):
     step_time_s: float = Field(description="Predicted seconds per optimizer step.")
     tokens_per_s: float = Field(description="Global tokens per second.")
@@ -210,6 +235,7 @@ class Prediction(Frozen):
     memory: MemoryBreakdown = Field(description="Per-GPU memory on the most loaded stage.")
     time: TimeBreakdown = Field(description="Where the step time goes.")
     feasible: bool = Field(description="Fits device, host and NVMe capacity.")
+    interval: Optional[PredictionInterval] = Field(default=None, description="How sure the figures above are.")
 
 
 class Assumption(Frozen):

@@ -10,6 +10,7 @@ message and exit with status 2.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -95,7 +96,11 @@ def calibrate_command(
             fit = calibrate(measured, progress=lambda message: status.update(f"fitting the profile: {message}"))
         checked = [RunFigures(run.name, run.measured_s, predict_step_s(run.plan, base),
                               predict_step_s(run.plan, fit.cluster)) for run in held_out]
-        write_text_atomically(output, yaml.safe_dump(fit.cluster.model_dump(), sort_keys=False))
+        errors = checked or fit.runs  # the runs left out of the fit are the honest ones
+        profile = fit.cluster.model_copy(update={
+            "calibration_errors": [math.log(f.measured_s / f.after_s) for f in errors],
+            "calibration_errors_held_out": bool(checked)})
+        write_text_atomically(output, yaml.safe_dump(profile.model_dump(), sort_keys=False))
     except ZplanError as exc:
         err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True, markup=True)
         raise typer.Exit(code=2) from None

@@ -1,4 +1,4 @@
-"""The `zplan` command line: compile | estimate | explain | export | clusters | probe | reduce | dryrun | data.
+"""The `zplan` command line: compile | plan | estimate | explain | export | clusters | probe | reduce | dryrun | data.
 
 User errors (ZplanError) print one message on stderr, no traceback, and exit with status 2.
 """
@@ -30,6 +30,7 @@ from zplan.data_cli import data_app
 from zplan.dryrun_cli import dryrun_command
 from zplan.errors import ClusterError, SpecError, ZplanError, validation_message
 from zplan.out_dir import check_out_dir, check_out_file, write_text_atomically
+from zplan.plan_cli import plan_command
 from zplan.planner.clusters import BUILTIN_CLUSTERS
 from zplan.reduce_cli import reduce_command
 from zplan.runtime.plan.check import runtime_gaps
@@ -438,4 +439,5 @@ app.command("reduce")(reduce_command)  # zplan reduce: zplan/reduce_cli.py
 app.command("dryrun")(dryrun_command)  # zplan dryrun: zplan/dryrun_cli.py
 app.command("calibrate")(calibrate_command)  # zplan calibrate: zplan/calibrate_cli.py
 app.command("serve")(serve_command)  # zplan serve: zplan/serve_cli.py
+app.command("plan")(plan_command)  # zplan plan: zplan/plan_cli.py
 app.add_typer(data_app, name="data")  # zplan data prepare: zplan/data_cli.py

@@ -11,11 +11,12 @@ from rich.console import Console
 from rich.table import Table
 
 from zplan.errors import ZplanError, validation_message
+from zplan.planner.uncertainty import overlaps
 from zplan.safe_files import UnsafeFileError, read_capped
 from zplan.schemas.alternatives import ALTERNATIVES_FILE, Alternatives, InferenceAlternatives
 from zplan.schemas.cluster import ClusterSpec
 from zplan.schemas.inference import InferencePlan
-from zplan.schemas.plan import MAX_PLAN_FILE_BYTES, Plan
+from zplan.schemas.plan import MAX_PLAN_FILE_BYTES, Plan, PredictionInterval
 
 GiB = 1024**3
 
@@ -118,7 +119,8 @@ def print_plan_summary(console: Console, plan: Plan, alternatives: Alternatives,
     table.add_row("model", _model_line(plan.model))
     table.add_row("batch", f"{plan.train.global_batch} x {plan.train.seq_len} tokens, {plan.train.precision}")
     table.add_row("plan", _config_line(plan.parallel))
-    table.add_row("step time", f"{pred.step_time_s:.3f} s  ({pred.tokens_per_s:,.0f} tokens/s, MFU {pred.mfu:.1%})")
+    table.add_row("step time", f"{pred.step_time_s:.3f} s  ({pred.tokens_per_s:,.0f} tokens/s, MFU {pred.mfu:.1%})"
+                               + interval_words(pred.interval))
     ep = f"EP {t.expert_parallel:.3f}, " if plan.parallel.ep > 1 else ""
     table.add_row("time parts", f"compute {t.compute:.3f} s, TP {t.tensor_parallel:.3f}, {ep}bubble "
                                 f"{t.pipeline_bubble:.3f}, p2p {t.pipeline_p2p:.3f}, DP {t.data_parallel:.3f}, "
@@ -139,30 +141,38 @@ def print_estimate(console: Console, result: dict) -> None:
     cp = f" cp={c['cp']}" if c.get("cp", 1) > 1 else ""
     cp += f" ep={c['ep']}" if c.get("ep", 1) > 1 else ""
     table.add_row("config", f"tp={c['tp']} pp={c['pp']} dp={c['dp']}{cp} micro-batch={c['micro_batch']} "
-                            f"ZeRO-{c['zero_stage']} recompute={c['recompute']}")
+                            f"x{c['num_micro_batches']:g} ZeRO-{c['zero_stage']} recompute={c['recompute']} "
+                            f"offload={c['offload']}")
     table.add_row("feasible", "yes" if result["feasible"] else "NO (does not fit memory)")
     if not result.get("runtime_runs_it", True):
-        table.add_row("runs on zplan", "NO: a prediction only (nvfp4 runs with tp 1 in zplan's runtime)")
-    table.add_row("step time", f"{result['step_time_s']:.3f} s, MFU {result['mfu']:.1%}")
+        table.add_row("runs on zplan", "NO: a prediction only (the warnings say why)")
+    table.add_row("step time", f"{result['step_time_s']:.3f} s, MFU {result['mfu']:.1%}"
+                  + interval_words(PredictionInterval(**result["interval"])))
     table.add_row("memory/GPU", f"{result['memory_per_gpu_bytes'] / GiB:.1f} GiB")
     over = result.get("over_memory")
     if over:
         table.add_row("over memory", over["summary"])
-        table.add_row("would fit", ", ".join(over["fixes"]) or "nothing tried: use a larger GPU")
+        table.add_row("would fit", ", ".join(over["fixes"]) or "nothing tried would fit: use a larger GPU")
+    for warning in result.get("warnings", []):
+        table.add_row("warning", warning)
     console.print(table)
 
 
 def print_explanation(console: Console, plan: Plan, alternatives: Alternatives) -> None:
     console.print(f"[bold]chosen:[/] {_config_line(plan.parallel)}: {plan.prediction.step_time_s:.3f} s/step, "
-                  f"{plan.prediction.memory.total / GiB:.1f} GiB/GPU")
-    table = Table(title="best alternatives")
-    for col in ("#", "configuration", "step s", "vs chosen", "GiB/GPU"):
+                  f"{plan.prediction.memory.total / GiB:.1f} GiB/GPU" + interval_words(plan.prediction.interval))
+    table = Table(title="best alternatives (near-tie: its 80 % interval overlaps the chosen plan's)")
+    for col in ("#", "configuration", "step s", "80 % interval", "vs chosen", "GiB/GPU", "near-tie"):
         table.add_column(col)
     ranked = sorted((c for c in alternatives.alternatives if c.feasible), key=lambda c: c.step_time_s)[:10]
+    mine = plan.prediction.interval
     for i, c in enumerate(ranked, 1):
         ratio = c.step_time_s / plan.prediction.step_time_s - 1
-        table.add_row(str(i), _config_line(c.parallel), f"{c.step_time_s:.3f}", f"{ratio:+.1%}",
-                      f"{c.memory_per_gpu_bytes / GiB:.1f}")
+        low_high = c.step_time_s_interval
+        tied = mine is not None and low_high is not None and overlaps(low_high, mine.step_time_s)
+        table.add_row(str(i), _config_line(c.parallel), f"{c.step_time_s:.3f}",
+                      f"{low_high[0]:.3f} - {low_high[1]:.3f}" if low_high else "-", f"{ratio:+.1%}",
+                      f"{c.memory_per_gpu_bytes / GiB:.1f}", "yes" if tied else "")
     console.print(table)
     rej = Table(title="why other families lost")
     for col in ("family", "reason", "detail"):
@@ -170,6 +180,16 @@ def print_explanation(console: Console, plan: Plan, alternatives: Alternatives) 
     for r in alternatives.rejected:
         rej.add_row(r.family, r.reason, r.detail)
     console.print(rej)
+
+
+def interval_words(interval: PredictionInterval | None) -> str:
+    """'; 80 %: 1.20 - 1.60 s (3D, 13 published runs)' for a prediction's interval, '' without one."""
+    if interval is None:
+        return ""
+    low, high = interval.step_time_s
+    runs = {"validation": f"{interval.runs} published runs", "thin": f"only {interval.runs} published runs",
+            "unseen": "no published run: calibrate", "calibration": f"{interval.runs} of your runs"}[interval.basis]
+    return f"; {interval.level:.0%}: {low:.3f} - {high:.3f} s ({interval.regime}, {runs})"
 
 
 def _ms(seconds: float) -> str:

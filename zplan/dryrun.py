@@ -243,11 +243,7 @@ def pins_of(parallel):
     p = parallel
     pins = Pins(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, zero=p.zero_stage, offload=p.offload, micro_batch=p.micro_batch,
                 recompute=p.recompute, sequence_parallel=p.sequence_parallel, interleave=p.interleave)
-    cp = f" --cp {p.cp}" if p.cp > 1 else ""
-    flags = (f"--tp {p.tp} --pp {p.pp} --dp {p.dp}{cp} --zero {p.zero_stage} --offload {p.offload} --micro-batch "
-             f"{p.micro_batch} --recompute {p.recompute} --{'' if p.sequence_parallel else 'no-'}sequence-parallel "
-             f"--interleave {p.interleave}")
-    return pins, flags
+    return pins, p.pin_flags()
 
 
 def verify(plan, request, model_ref: str, say: Callable[[str], None], *, alternatives, tries: int = 3):

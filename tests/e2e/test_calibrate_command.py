@@ -4,8 +4,10 @@ profile is a cluster file that --cluster loads. (The fit itself against a known 
 tests/unit/test_calibrate.py; 4 + 4 runs: benchmarks/calibrate_cpu.py.)"""
 
 import json
+import math
 import subprocess
 
+import pytest
 import yaml
 
 from tests.e2e.test_compile_and_run import BIN, compile_tiny, run_script
@@ -32,6 +34,10 @@ def test_calibrate_fits_on_measured_runs_and_the_profile_compiles(tmp_path):
     cluster = load_cluster(str(profile))
     assert cluster.name == "cpu-local-calibrated" and cluster == load_cluster(str(profile))
     assert yaml.safe_load(profile.read_text())["efficiency"]["gemm_max"] <= 1.0  # load_cluster: what --cluster reads
+    # the run left out of the fit, its error under the fitted profile, for the plans' intervals (planner/uncertainty)
+    checked = result["checked_runs"][0]
+    assert cluster.calibration_errors_held_out
+    assert cluster.calibration_errors == [pytest.approx(math.log(checked["measured_s"] / checked["after_s"]))]
 
 
 def test_calibrate_refuses_folders_without_a_plan_or_a_log(tmp_path):

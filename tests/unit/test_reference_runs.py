@@ -98,11 +98,13 @@ def test_megatron_core_rows_that_do_not_state_the_optimizer_sharding_are_priced_
 
 def test_stack_efficiency_is_the_geometric_mean_and_applies_per_stack():
     rows = [dict(stack="fsdp1", measured_s=2.0, predicted_s=1.0, attention_s=0.5),
-            dict(stack="fsdp1", measured_s=8.0, predicted_s=1.0, attention_s=0.5),
+            dict(stack="fsdp2", measured_s=8.0, predicted_s=1.0, attention_s=0.5),
             dict(stack="megatron-core", measured_s=1.0, predicted_s=1.0, attention_s=0.0)]
     efficiencies = stack_efficiencies(rows)  # too few rows to fit an attention factor: 1
-    assert efficiencies == {"fsdp1": (pytest.approx(math.sqrt(2.0 * 8.0)), 1.0), "megatron-core": (1.0, 1.0)}
+    # FSDP1 and FSDP2 share one efficiency (STACK_GROUPS: the same eager kernels)
+    assert efficiencies == {"pytorch-fsdp": (pytest.approx(math.sqrt(2.0 * 8.0)), 1.0), "megatron-core": (1.0, 1.0)}
     assert relative_error(rows[0], efficiencies) == pytest.approx(4.0 / 2.0 - 1.0)
+    assert relative_error(rows[1], efficiencies) == pytest.approx(4.0 / 8.0 - 1.0)
     assert relative_error(rows[0], {}) == pytest.approx(-0.5)  # a stack fitted nowhere keeps efficiency 1
 
 
