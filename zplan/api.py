@@ -344,8 +344,10 @@ def estimate_config(req: Request) -> dict:
     if not filled:
         warnings.append(unfilled_pipeline_warning(cfg, pred))
     if over is not None:
-        warnings.append(f"does not fit in GPU memory: {over['summary']}; estimated as pinned (over_memory lists the "
-                        "single changes that fit)")
+        why = (over["summary"] if over["over_bytes"] > 0 else
+               "no split of the blocks over the pipeline stages keeps every stage within memory")
+        warnings.append(f"does not fit in GPU memory: {why}; estimated as pinned (over_memory lists the single "
+                        "changes that fit)")
     return {
         "model": req.summary.name, "cluster": req.cluster.name, "gpus": req.gpus,
         "global_batch": req.train.global_batch, "seq_len": req.train.seq_len, "precision": req.train.precision,
@@ -418,16 +420,25 @@ def over_memory(req: Request, memory, step_s: float) -> dict:
 
 
 def write_outputs(plan: Plan | InferencePlan, out_dir: Path, model_ref: str, force: bool = False,
-                  alternatives: Alternatives | InferenceAlternatives | None = None) -> list[Path]:
-    """Render everything (a training Plan or an InferencePlan, and alternatives.json when `alternatives` is given)
-    beside `out_dir` and swap it in all or nothing (zplan.out_dir: a new folder is renamed into place; in an existing
-    one, files zplan did not write are kept, and a path in the way or a file changed since zplan wrote it is refused
-    unless `force`)."""
+                  alternatives: Alternatives | InferenceAlternatives | None = None,
+                  extra_files: dict[str, str] | None = None) -> list[Path]:
+    """Render everything (a training Plan or an InferencePlan, alternatives.json when `alternatives` is given, and
+    `extra_files`: name -> text, e.g. `zplan plan`'s curve) beside `out_dir` and swap it in all or nothing
+    (zplan.out_dir: a new folder is renamed into place; in an existing one, files zplan did not write are kept, and a
+    path in the way or a file changed since zplan wrote it is refused unless `force`)."""
     render = render_inference_outputs if isinstance(plan, InferencePlan) else render_outputs
     model_path = Path(model_ref)
     script_model = (os.path.relpath(model_path.resolve(), Path(out_dir).resolve()) if model_path.is_file()
                     or is_hf_folder(model_path) else None)
-    return write_out_dir(out_dir, lambda folder: render(plan, folder, script_model, alternatives), force=force)
+
+    def write(folder: Path) -> list[Path]:
+        written = render(plan, folder, script_model, alternatives)
+        for name, text in (extra_files or {}).items():
+            (folder / name).write_text(text, encoding="utf-8", newline="\n")
+            written.append(folder / name)
+        return written
+
+    return write_out_dir(out_dir, write, force=force)
 
 
 __all__ = ["Request", "compile_plan", "compile_with_alternatives", "estimate_config", "prepare", "write_outputs"]

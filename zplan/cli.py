@@ -311,9 +311,11 @@ def estimate(
     recompute: Optional[Recompute] = RECOMPUTE, sequence_parallel: Optional[bool] = SP,
     interleave: Optional[int] = INTERLEAVE, compress: Optional[str] = COMPRESS, as_json: bool = JSON,
 ) -> None:
-    """Predict the step time and memory of one configuration.
+    """Predict the step time (with its 80 % interval) and memory of one configuration, as pinned.
 
-    Choices not pinned (micro-batch, recompute, ...) take their best value."""
+    Choices not pinned (micro-batch, recompute, ...) take the fastest value that fits; where nothing fits, the
+    least-memory one without offload, with how far over and what would fit. A pipeline with fewer micro-batches
+    than stages is priced too, with a warning (zplan's runtime does not run it)."""
     from zplan.api import estimate_config, prepare  # start-up time: torch and the planner load on first use
 
     cluster = _cluster_or_default(cluster)

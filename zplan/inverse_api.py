@@ -3,17 +3,13 @@ prepare and compile), and write the chosen count's outputs with the cost-time cu
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from zplan.api import MAX_GPUS, compile_with_alternatives, prepare
+from zplan.api import MAX_GPUS, compile_with_alternatives, prepare, write_outputs
 from zplan.codegen.curve_report import curve_files, table_rows, verdict
-from zplan.codegen.render import render_outputs
 from zplan.errors import SpecError, ZplanError
-from zplan.model.hf_folder import is_hf_folder
-from zplan.out_dir import write_out_dir
 from zplan.planner import inverse
 from zplan.schemas.alternatives import Alternatives
 from zplan.schemas.plan import Plan
@@ -32,12 +28,9 @@ def layout(plan: Plan) -> str:
 
 
 def rate_interval(prediction) -> tuple[float, float] | None:
-    """[low, high] global tokens/s of the prediction's 80 % interval (schemas.plan: Prediction.interval, or a
-    tokens_per_s_interval field), None where the plan has none."""
-    interval = getattr(prediction, "interval", None)
-    if interval is not None:
-        return tuple(interval.tokens_per_s)
-    return getattr(prediction, "tokens_per_s_interval", None)
+    """[low, high] global tokens/s of the prediction's 80 % interval (schemas.plan.PredictionInterval), None where
+    the plan has none (an older plan.json)."""
+    return None if prediction.interval is None else tuple(prediction.interval.tokens_per_s)
 
 
 def check_budget(tokens: float, days: float, max_gpus: int | None, price: float | None) -> None:
@@ -124,21 +117,9 @@ def first_sentence(text: str) -> str:
 
 def write_deadline_outputs(folder: Path, model: str, plan: Plan, alternatives: Alternatives, curve: dict,
                            force: bool = False) -> list[Path]:
-    """The chosen count's compile outputs (what zplan.api.write_outputs writes) and curve.json, curve.md and
-    curve.svg, swapped into `folder` all or nothing (zplan.out_dir)."""
-    model_path = Path(model)
-    # train.py's path to the model file, as zplan.api.write_outputs computes it
-    script_model = (os.path.relpath(model_path.resolve(), Path(folder).resolve()) if model_path.is_file()
-                    or is_hf_folder(model_path) else None)
-
-    def render(tmp: Path) -> list[Path]:
-        written = render_outputs(plan, tmp, script_model, alternatives)
-        for name, text in curve_files(curve).items():
-            (tmp / name).write_text(text, encoding="utf-8", newline="\n")
-            written.append(tmp / name)
-        return written
-
-    return write_out_dir(folder, render, force=force)
+    """The chosen count's compile outputs and curve.json, curve.md and curve.svg, swapped into `folder` all or
+    nothing (zplan.api.write_outputs)."""
+    return write_outputs(plan, folder, model, force, alternatives, extra_files=curve_files(curve))
 
 
 # what `zplan plan` needs (zplan/plan_cli.py imports it in one place, on first use): the search and the curve's text
