@@ -82,14 +82,26 @@ def test_the_default_loss_overwrites_only_logits_nothing_keeps():
 
 
 
+@pytest.fixture
+def world_of_one():
+    """A gloo group of this process alone, destroyed after the test (a later test, a dry run's fake world, needs a
+    process without one)."""
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    if created:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("split", [False, True])
-def test_an_fp16_loss_scale_over_fp16s_range_scales_the_gradient_in_fp32(split):
+def test_an_fp16_loss_scale_over_fp16s_range_scales_the_gradient_in_fp32(split, request):
     """A loss scaler's fp16 backward: (loss * 2**16).backward(), a factor fp16 cannot hold (its largest is 65504),
     though the scaled gradient, 2**16 * (softmax - one-hot) / tokens, fits. The in-place gradient is scaled in fp32 and
     rounded once, as F.cross_entropy on the fp32 upcast rounds it: finite, and equal to the reference's within fp16's
     rounding. The split loss on a tp group of one rank too."""
-    import torch.distributed as dist
-
     scale = 2.0**16
     generator = torch.Generator().manual_seed(3)
     logits = (torch.randn(64, 512, generator=generator) * 2).half()
@@ -97,9 +109,8 @@ def test_an_fp16_loss_scale_over_fp16s_range_scales_the_gradient_in_fp32(split):
     _, want = reference(logits, targets)
     head_output = logits.clone().requires_grad_(True)
     if split:
-        if not dist.is_initialized():
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        loss = cross_entropy.vocab_parallel_cross_entropy(head_output * 1, targets, dist.group.WORLD, 0)
+        group = request.getfixturevalue("world_of_one")
+        loss = cross_entropy.vocab_parallel_cross_entropy(head_output * 1, targets, group, 0)
     else:
         loss = in_place_cross_entropy(head_output * 1, targets)
     (loss * scale).backward()

@@ -11,9 +11,12 @@ from zplan.runtime.precision.loss_scale import LossScaler
 
 @pytest.fixture(scope="module", autouse=True)
 def world_of_one():
-    if not dist.is_initialized():
+    created = not dist.is_initialized()
+    if created:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
+    if created:  # a later test in this process (a dry run's fake world) needs it gone
+        dist.destroy_process_group()
 
 
 def _optimizer(grad: torch.Tensor) -> tuple[torch.nn.Parameter, torch.optim.Optimizer]:
