@@ -4,6 +4,7 @@ on the cluster, then `zplan calibrate` on them (docs/commands.md)."""
 
 from __future__ import annotations
 
+from zplan.codegen.context import format_seconds
 from zplan.codegen.report import describe_config
 from zplan.schemas.alternatives import Alternatives
 from zplan.schemas.plan import Plan
@@ -13,7 +14,8 @@ CALIBRATION_STEPS = 10
 
 
 def near_ties(plan: Plan, alternatives: Alternatives | None) -> list:
-    """The feasible alternatives (schemas.alternatives.Candidate) whose interval overlaps the plan's, fastest first."""
+    """The feasible alternatives (schemas.alternatives.Candidate) whose interval overlaps the plan's, fastest first
+    (all of them: the report names the first NEAR_TIES_SHOWN)."""
     mine = plan.prediction.interval
     if mine is None or alternatives is None:
         return []
@@ -22,20 +24,20 @@ def near_ties(plan: Plan, alternatives: Alternatives | None) -> list:
     tied = [alt for alt in alternatives.alternatives
             if alt.feasible and alt.step_time_s_interval is not None and alt.parallel not in (plan.parallel, undelayed)
             and alt.step_time_s_interval[0] <= high and low <= alt.step_time_s_interval[1]]
-    return sorted(tied, key=lambda alt: alt.step_time_s)[:NEAR_TIES_SHOWN]
+    return sorted(tied, key=lambda alt: alt.step_time_s)
 
 
 def near_tie_rows(plan: Plan, alternatives: Alternatives | None) -> list[dict[str, str]]:
     """One row a near-tie: its layout, step time and interval, and the commands of its calibration run."""
     model, world, cluster = plan.fingerprint.model_ref, plan.fingerprint.world_size, plan.cluster.name
     rows = []
-    for k, alt in enumerate(near_ties(plan, alternatives), start=1):
+    for k, alt in enumerate(near_ties(plan, alternatives)[:NEAR_TIES_SHOWN], start=1):
         low, high = alt.step_time_s_interval
         folder = f"near-tie-{k}"
         rows.append({
-            "config": describe_config(alt.parallel), "step_time": f"{alt.step_time_s:.3g} s",
-            "interval": f"{low:.3g} - {high:.3g} s",
-            "vs_chosen": f"{alt.step_time_s / plan.prediction.step_time_s - 1:+.1%}",
+            "config": describe_config(alt.parallel), "step_time": format_seconds(alt.step_time_s),
+            "interval": f"{format_seconds(low)} - {format_seconds(high)}",
+            "vs_chosen": f"{(alt.step_time_s / plan.prediction.step_time_s - 1) * 100:+.1f} %",
             "commands": (f"zplan compile {model} --gpus {world} --cluster {cluster} {alt.parallel.pin_flags()} "
                          f"-o {folder} && bash {folder}/launch/torchrun.sh --steps {CALIBRATION_STEPS} "
                          f"--log-json {folder}/log.jsonl")})

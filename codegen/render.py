@@ -21,7 +21,7 @@ from zplan.codegen import svg_charts
 from zplan.codegen.ds_config import deepspeed_config, deepspeed_config_notes
 from zplan.codegen.inference_report import inference_report_context
 from zplan.codegen.inference_script import render_inference_scripts
-from zplan.codegen.near_ties import near_tie_rows
+from zplan.codegen.near_ties import near_tie_rows, near_ties
 from zplan.codegen.report import report_context
 from zplan.schemas.alternatives import ALTERNATIVES_FILE, Alternatives, InferenceAlternatives
 from zplan.schemas.inference import InferencePlan
@@ -73,7 +73,8 @@ def _write_plan(out_dir: Path, plan: Plan | InferencePlan,
 def render_reports(plan: Plan, alternatives: Alternatives | None = None) -> dict[str, str]:
     """File name -> text of report.md and report.html (without `alternatives`: the chosen plan alone)."""
     context: dict[str, Any] = {**report_context(plan, alternatives), "ds_notes": deepspeed_config_notes(plan),
-                               "near_tie_rows": near_tie_rows(plan, alternatives)}
+                               "near_tie_rows": near_tie_rows(plan, alternatives),
+                               "near_tie_count": len(near_ties(plan, alternatives))}
     charts = {
         "memory": svg_charts.memory_svg(context["memory_chart"]),
         "time": svg_charts.time_svg(context["time_chart"]),

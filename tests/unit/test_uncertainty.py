@@ -105,6 +105,7 @@ def test_the_report_names_the_alternatives_whose_intervals_overlap_and_how_to_te
     assert near.parallel.pin_flags() in rows[0]["commands"] and "--steps 10 --log-json" in rows[0]["commands"]
     reports = render_reports(plan, search)
     assert "Near-ties" in reports["report.md"] and near.parallel.pin_flags() in reports["report.md"]
+    assert "overlaps the chosen plan's (" in reports["report.md"] and "1, the fastest 1 below" in reports["report.md"]
     assert "Near-ties" in reports["report.html"]
     assert not near_tie_rows(_with_interval(plan, step * 0.9, step), search)  # no overlap, no near-tie
 
