@@ -191,6 +191,11 @@ def test_explain_and_clusters(tmp_path):
     assert run("compile", GPT_SMALL, "--gpus", 8, "--global-batch", 16, "-o", out).exit_code == 0
     result = run("explain", out / "plan.json")
     assert result.exit_code == 0 and "best alternatives" in result.output and "why other families lost" in result.output
+    # how sure: the chosen plan's 80 % interval (planner/uncertainty.py), each alternative's, and which overlap it
+    plan = json.loads((out / "plan.json").read_text())
+    low, high = plan["prediction"]["interval"]["step_time_s"]
+    assert f"80%: {low:.3f} - {high:.3f} s" in " ".join(result.output.split())
+    assert "80 % interval" in result.output and "near-tie" in result.output
     result = run("clusters")
     for name in ("dgx-a100-80g", "dgx-h100", "dgx-h200", "dgx2-v100", "cpu-local"):
         assert name in result.output
