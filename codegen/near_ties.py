@@ -20,10 +20,9 @@ def near_ties(plan: Plan, alternatives: Alternatives | None) -> list:
     if mine is None or alternatives is None:
         return []
     undelayed = plan.parallel.model_copy(update={"delayed_update": False})
-    low, high = mine.step_time_s
     tied = [alt for alt in alternatives.alternatives
             if alt.feasible and alt.step_time_s_interval is not None and alt.parallel not in (plan.parallel, undelayed)
-            and alt.step_time_s_interval[0] <= high and low <= alt.step_time_s_interval[1]]
+            and mine.overlaps(alt.step_time_s_interval)]
     return sorted(tied, key=lambda alt: alt.step_time_s)
 
 

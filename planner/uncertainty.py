@@ -131,8 +131,3 @@ def step_interval(step_time_s: float, parallel: ParallelConfig, precision: str, 
     (low, high), *_ = calibrated_bounds(cluster) or log_bounds(layout_regime(parallel, precision, model),
                                                                LOG_RESIDUALS)
     return step_time_s * math.exp(low), step_time_s * math.exp(high)
-
-
-def overlaps(a: tuple[float, float], b: tuple[float, float]) -> bool:
-    """Whether two [low, high] intervals share a point: the cost model cannot tell their plans apart."""
-    return a[0] <= b[1] and b[0] <= a[1]

@@ -226,6 +226,11 @@ class PredictionInterval(Frozen):
                                                           "agreement with the memory model.")
     note: str = Field(description="One line on what the interval rests on.")
 
+    def overlaps(self, step_time_s: tuple[float, float]) -> bool:
+        """Whether another prediction's [low, high] step seconds share a point with this one's: the cost model cannot
+        tell their plans apart (a near-tie)."""
+        return step_time_s[0] <= self.step_time_s[1] and self.step_time_s[0] <= step_time_s[1]
+
 
 class Prediction(Frozen):
     step_time_s: float = Field(description="Predicted seconds per optimizer step.")

@@ -11,7 +11,6 @@ from rich.console import Console
 from rich.table import Table
 
 from zplan.errors import ZplanError, validation_message
-from zplan.planner.uncertainty import overlaps
 from zplan.safe_files import UnsafeFileError, read_capped
 from zplan.schemas.alternatives import ALTERNATIVES_FILE, Alternatives, InferenceAlternatives
 from zplan.schemas.cluster import ClusterSpec
@@ -169,7 +168,7 @@ def print_explanation(console: Console, plan: Plan, alternatives: Alternatives) 
     for i, c in enumerate(ranked, 1):
         ratio = c.step_time_s / plan.prediction.step_time_s - 1
         low_high = c.step_time_s_interval
-        tied = mine is not None and low_high is not None and overlaps(low_high, mine.step_time_s)
+        tied = mine is not None and low_high is not None and mine.overlaps(low_high)
         table.add_row(str(i), _config_line(c.parallel), f"{c.step_time_s:.3f}",
                       f"{low_high[0]:.3f} - {low_high[1]:.3f}" if low_high else "-", f"{ratio:+.1%}",
                       f"{c.memory_per_gpu_bytes / GiB:.1f}", "yes" if tied else "")
