@@ -23,6 +23,7 @@ from torch import nn
 from zplan.model.model_file import load_model_file
 from zplan.runtime.dryrun.fake_world import drop_cached_tensors, fake_tensors, fake_world
 from zplan.runtime.dryrun.live_memory import LiveMemory, local_tensor
+from zplan.runtime.parallel.data_parallel import fsdp_param_groups
 from zplan.runtime.plan.apply import parallelize, plan_data_iter, plan_loss_fn, plan_mesh, plan_optimizer
 from zplan.runtime.training.data import make_data_iter
 from zplan.runtime.training.materialize import _cpu_offloaded, build_meta_model, weight_roots
@@ -59,7 +60,7 @@ def _fsdp_params(roots: list[nn.Module]) -> list:
     for root in roots:
         for module in root.modules():
             if isinstance(module, FSDPModule):
-                for group in getattr(module._get_fsdp_state(), "_fsdp_param_groups", ()):
+                for group in fsdp_param_groups(module):
                     found.extend(group.fsdp_params)
     return found
 

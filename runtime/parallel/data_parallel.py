@@ -21,10 +21,22 @@ from zplan.schemas.model_states import parameters_in_compute_dtype
 from zplan.schemas.spec import GradCompression, Precision, Tier, WeightCompression
 
 
+def fsdp_param_groups(module: nn.Module) -> list:
+    """FSDP2's FSDPParamGroups of a fully_shard module: FSDPState._fsdp_param_groups (a list, torch >= 2.12), else
+    its one _fsdp_param_group (torch 2.6-2.11); [] when the module holds no parameters of its own."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    return list(groups)
+
+
 def apply_data_parallel(
     model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, precision: Precision, offload: Tier, block_prefix: str,
     grad_compression: GradCompression = "none", weight_compression: WeightCompression = "none",
     parameters_on_host: bool | None = None, num_micro_batches: int = 1, expert_dp_mesh: DeviceMesh | None = None,
+    parameters_in_files: bool = False,
 ) -> nn.Module:
     """Replicate or shard the model over `dp_mesh` by ZeRO stage.
 
@@ -49,8 +61,10 @@ def apply_data_parallel(
     offload='cpu' or 'nvme' (ZeRO 2/3), as the plan's placement puts the parameters (`parameters_on_host`; None:
     on the host whenever offload is not 'none'): parameters on the host (and so their gradients: placement cpu or
     nvme), FSDP2's CPUOffloadPolicy keeps the sharded parameters, gradients and the optimizer step there
-    (pin_memory only when there is a GPU: pinning needs one); parameters on the device, FSDP2 shards them there
-    as without offload, and build_optimizer's optimizer alone is offloaded (ZeRO-Offload's optimizer offload,
+    (pin_memory only when there is a GPU: pinning needs one, and not when `parameters_in_files`: ZeRO-Infinity's
+    parameter swap, runtime.offload.param_swap, frees and re-reads the shards' host storage, and pinned storage cannot
+    be resized; their host-to-GPU copies are then from pageable memory); parameters on the device, FSDP2 shards them
+    there as without offload, and build_optimizer's optimizer alone is offloaded (ZeRO-Offload's optimizer offload,
     runtime.optim.host_states; with 'nvme' the moments in files). ZeRO 1: the model is replicated as
     without offload; build_optimizer steps the owned rows on the host.
     """
@@ -58,7 +72,7 @@ def apply_data_parallel(
         for index, chunk in enumerate(model.chunks):
             model.chunks[index] = apply_data_parallel(chunk, dp_mesh, zero_stage, precision, offload, block_prefix,
                                                       grad_compression, weight_compression, parameters_on_host,
-                                                      num_micro_batches, expert_dp_mesh)
+                                                      num_micro_batches, expert_dp_mesh, parameters_in_files)
         return model
     if grad_compression not in ("none", "int8", "1bit"):
         raise ValueError(f"gradient compression must be none, int8 or 1bit, got {grad_compression!r}")
@@ -117,7 +131,8 @@ def apply_data_parallel(
     )
     if parameters_on_host is None:
         parameters_on_host = offload != "none"
-    offload_policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if parameters_on_host else OffloadPolicy()
+    pin = torch.cuda.is_available() and not parameters_in_files
+    offload_policy = CPUOffloadPolicy(pin_memory=pin) if parameters_on_host else OffloadPolicy()
     options = dict(mesh=dp_mesh, reshard_after_forward=zero_stage == 3, mp_policy=mp_policy,
                    offload_policy=offload_policy, shard_placement_fn=_evenly_sharded_dim(dp_mesh.size()))
     if expert_dp_mesh is not None:  # each experts module its own unit over edp, before its block takes the rest

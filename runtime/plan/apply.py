@@ -121,6 +121,7 @@ def parallelize(model: nn.Module, weights, mesh: DeviceMesh, plan: Plan, model_f
     model = apply_data_parallel(model, data_parallel_mesh(mesh, p.cp), p.zero_stage, precision, p.offload, prefix,
                                 grad_compression=p.compression.grad, weight_compression=p.compression.weights,
                                 parameters_on_host=plan.placement.parameters != "gpu",
+                                parameters_in_files=plan.placement.parameters == "nvme",
                                 num_micro_batches=p.num_micro_batches,
                                 expert_dp_mesh=mesh["edp"] if p.ep > 1 else None)
     if not replicated:

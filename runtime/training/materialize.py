@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from zplan.errors import ModelLoadError
 from zplan.model.fused_layout import stored_layouts, to_stored
+from zplan.runtime.parallel.data_parallel import fsdp_param_groups
 from zplan.runtime.parallel.pipeline import PipelineRun
 from zplan.runtime.training.init_replay import InitProgram, UnsupportedInit, named_tensors, record_init, replay_init
 
@@ -131,7 +132,7 @@ def _cpu_offloaded(roots: list[nn.Module]) -> set[int]:
         for module in root.modules():
             if not isinstance(module, FSDPModule):
                 continue
-            for group in getattr(module._get_fsdp_state(), "_fsdp_param_groups", ()):
+            for group in fsdp_param_groups(module):
                 if isinstance(group.offload_policy, CPUOffloadPolicy):
                     ids.update(id(fsdp_param.sharded_param) for fsdp_param in group.fsdp_params)
     return ids
