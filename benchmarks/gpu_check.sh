@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU test and benchmark of the project, on a machine with CUDA; about 7 minutes on one H200.
+# Every GPU test and benchmark of the project, on a machine with CUDA (290 s on one H200, 2026-12-04).
 #
 #     bash benchmarks/gpu_check.sh            # PYTHON=python3 by default: a Python that has torch with CUDA
 #     LOG_DIR=DIR bash benchmarks/gpu_check.sh   # each step's output also in DIR/<step>.log (default out/gpu-logs)
@@ -36,8 +36,8 @@ fi
 "$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$SITE" . || exit 1
 export PYTHONPATH="$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 cd "$WORK"
-# the tests' files imported by package name from REPO, after the installed zplan (pyproject's pythonpath, emptied, would put
-# REPO first)
+# the tests' files imported by package name from REPO, after the installed zplan (pyproject's pythonpath, emptied
+# here, would put REPO first)
 PYTEST=("$PYTHON" -m pytest -q -m gpu -p no:cacheprovider -o pythonpath= --import-mode=append --rootdir "$REPO"
         -c "$REPO/pyproject.toml" -rs)
 
