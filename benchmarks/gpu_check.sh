@@ -9,7 +9,7 @@
 #    skipped and say so).
 # 2. The kernels against their pure-torch references (the other tests marked gpu).
 # 3. benchmarks/gpu_kernels.py: each kernel against what it replaces (cuBLAS bf16 for the weight-only GEMV).
-# 4. benchmarks/gpu_measured_vs_predicted.py: a 1.2B Hugging Face Llama's measured step time against the plan's
+# 4. benchmarks/gpu_measured_vs_predicted.py: a 0.95B Hugging Face Llama's measured step time against the plan's
 #    prediction at 4k and 16k tokens, and the attention kernel's achieved rate against the profile's.
 # 5. examples/tiny.py compiled for one GPU of dgx-h200 and trained 30 steps from its emitted script.
 # A failed step is reported and the next one runs; the exit status is 1 when any failed.

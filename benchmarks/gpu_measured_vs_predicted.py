@@ -3,7 +3,7 @@ the attention kernel's achieved rate against the profile's, by sequence length.
 
     python3 benchmarks/gpu_measured_vs_predicted.py [--json] [--cluster dgx-h200] [--seqs 4096 16384] [--steps 8]
 
-1. A Llama of about 1.2B parameters (hidden 2048, 16 layers, 16 heads, SwiGLU 5632, vocabulary 32000), made from its
+1. A Llama of 0.95B parameters (hidden 2048, 16 layers, 16 heads, SwiGLU 5632, vocabulary 32000), made from its
    LlamaConfig (use_cache=False, attn_implementation="sdpa") and saved with save_pretrained, is compiled for one GPU
    of `--cluster` in bf16 at each of `--seqs` (`zplan compile FOLDER --gpus 1 --cluster C --precision bf16 --seq S
    --global-batch 4`), and its emitted train.py runs `--steps` steps on synthetic tokens. measured is the median of
@@ -118,7 +118,7 @@ def main() -> None:
               f"{row['priced_tflops']:.1f} (achieved / priced {row['tflops'] / row['priced_tflops']:.2f})")
     for run in runs:
         low, high = run["interval_s"]
-        print(f"llama 1.2B seq {run['seq']:>6} (micro-batch {run['micro_batch']}, recompute {run['recompute']}, "
+        print(f"llama 0.95B seq {run['seq']:>6} (micro-batch {run['micro_batch']}, recompute {run['recompute']}, "
               f"ZeRO {run['zero_stage']}): measured {run['measured_s']:.3f} s, predicted {run['predicted_s']:.3f} s "
               f"(80 %: {low:.3f} - {high:.3f}), measured / predicted {run['ratio']:.2f}, inside: {run['inside']}; "
               f"measured phases {run['measured_phases_s']}, predicted parts {run['predicted_parts_s']}")
