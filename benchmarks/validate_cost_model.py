@@ -50,8 +50,9 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from reference_runs import ReferenceRun, load_moe_runs, load_reference_runs  # noqa: E402
 
-from zplan.api import compile_plan, estimate_config, prepare  # noqa: E402
+from zplan.api import compile_plan, prepare  # noqa: E402
 from zplan.errors import ZplanError  # noqa: E402
+from zplan.estimate_api import estimate_config  # noqa: E402
 from zplan.planner.cost.compute import BACKWARD_OVER_FORWARD  # noqa: E402
 from zplan.planner.uncertainty import LEVEL, log_bounds, regime_of  # noqa: E402
 from zplan.schemas.spec import Pins  # noqa: E402

@@ -6,8 +6,8 @@
 
 A run is a compiled plan and the step times its train.py logged; its measured step time is the median of the
 logged step_time_s after the warm-up steps (WARMUP_STEPS: compilation, allocator growth, the first all-gathers).
-Each run is re-predicted by the cost model under a candidate profile (zplan.api.estimate_config with every choice
-of the plan pinned), and the profile's parameters that the runs can inform are fitted by minimising
+Each run is re-predicted by the cost model under a candidate profile (zplan.estimate_api.estimate_config with every
+choice of the plan pinned), and the profile's parameters that the runs can inform are fitted by minimising
 
     sum over runs of log(predicted / measured)^2  +  PRIOR * sum over parameters of log(value / base)^2
 
@@ -27,8 +27,9 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from zplan.api import Request, estimate_config
+from zplan.api import Request
 from zplan.errors import ZplanError
+from zplan.estimate_api import estimate_config
 from zplan.schemas.cluster import ClusterSpec
 from zplan.schemas.plan import Plan
 from zplan.schemas.spec import Pins

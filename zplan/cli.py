@@ -316,7 +316,8 @@ def estimate(
     Choices not pinned (micro-batch, recompute, ...) take the fastest value that fits; where nothing fits, the
     least-memory one without offload, with how far over and what would fit. A pipeline with fewer micro-batches
     than stages is priced too, with a warning (zplan's runtime does not run it)."""
-    from zplan.api import estimate_config, prepare  # start-up time: torch and the planner load on first use
+    from zplan.api import prepare  # start-up time: torch and the planner load on first use
+    from zplan.estimate_api import estimate_config
 
     cluster = _cluster_or_default(cluster)
     try:

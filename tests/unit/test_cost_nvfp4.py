@@ -4,8 +4,9 @@ compile and train.py refuse."""
 import numpy as np
 import pytest
 
-from zplan.api import compile_plan, compile_with_alternatives, estimate_config, prepare
+from zplan.api import compile_plan, compile_with_alternatives, prepare
 from zplan.errors import SpecError
+from zplan.estimate_api import estimate_config
 from zplan.planner.clusters import BUILTIN_CLUSTERS
 from zplan.planner.cost.compute import activation_ops_Bps, block_time_s, edge_time_s, gemm_efficiency
 from zplan.planner.cost.inputs import Candidates, ModelNumbers

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from zplan.api import compile_plan, estimate_config, prepare
+from zplan.api import compile_plan, prepare
 from zplan.cli import app
 from zplan.errors import ZplanError
+from zplan.estimate_api import estimate_config
 from zplan.planner.clusters import BUILTIN_CLUSTERS
 from zplan.planner.cost.inputs import Candidates, ModelNumbers
 from zplan.planner.cost.step import estimate_step

@@ -6,8 +6,9 @@ import re
 import numpy as np
 import pytest
 
-from zplan.api import compile_plan, estimate_config, prepare
+from zplan.api import compile_plan, prepare
 from zplan.errors import InfeasibleError
+from zplan.estimate_api import estimate_config
 from zplan.planner.search import refine, score
 from zplan.schemas.spec import Pins
 
