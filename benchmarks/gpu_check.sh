@@ -11,7 +11,8 @@
 # 3. benchmarks/gpu_kernels.py: each kernel against what it replaces (cuBLAS bf16 for the weight-only GEMV).
 # 4. benchmarks/gpu_measured_vs_predicted.py: a 0.95B Hugging Face Llama's measured step time against the plan's
 #    prediction at 4k and 16k tokens, and the attention kernel's achieved rate against the profile's.
-# 5. examples/tiny.py compiled for one GPU of dgx-h200 and trained 30 steps from its emitted script.
+# 5. benchmarks/gpu_step_breakdown.py: one decoder block's GEMMs, attention and the rest against their prices.
+# 6. examples/tiny.py compiled for one GPU of dgx-h200 and trained 30 steps from its emitted script.
 # A failed step is reported and the next one runs; the exit status is 1 when any failed.
 # zplan's own dependencies must be importable: where they are missing and pip cannot reach an index,
 # put their wheels in .whl/ (pydantic, pydantic-core, annotated-types, ortools, ...): they are installed
@@ -68,6 +69,8 @@ cat "$LOG_DIR"/build-*.log
 step kernel-tests 180 "${PYTEST[@]}" "$REPO/tests/gpu" --ignore "$REPO/tests/gpu/test_nccl_runs.py"
 step kernel-benchmarks 90 "$PYTHON" "$REPO/benchmarks/gpu_kernels.py" --json
 step measured-vs-predicted 240 "$PYTHON" "$REPO/benchmarks/gpu_measured_vs_predicted.py" --json
+step step-breakdown 120 bash -c "'$PYTHON' '$REPO/benchmarks/gpu_step_breakdown.py' --seq 4096 \
+    && '$PYTHON' '$REPO/benchmarks/gpu_step_breakdown.py' --seq 16384"
 step tiny 90 bash -c "'$PYTHON' -m zplan compile '$REPO/examples/tiny.py' --gpus 1 --cluster dgx-h200 -o tiny \
     && '$PYTHON' tiny/train.py --steps 30 --log-json tiny/log.jsonl && tail -n 1 tiny/log.jsonl"
 echo "gpu_check: done in $(( $(date +%s) - start )) s; failed: ${failed[*]:-none}"
