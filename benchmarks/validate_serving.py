@@ -1,6 +1,6 @@
 """Serving throughput and first-token latency against published TensorRT-LLM runs (serving_runs.csv).
 
-    .venv/bin/python benchmarks/validate_serving.py [--json] [--reference DIR]
+    .venv/bin/python benchmarks/validate_serving.py [--json] [--reference DIR] [--write-intervals]
 
 Every row zplan can express (benchmarks/serving_runs.py: the others are listed with the reason) is predicted by
 planner/inference/throughput.py on the built-in profile of its GPU: static batching (v0.9.0 "Peak Throughput":
@@ -21,13 +21,24 @@ rows they are fitted on; nothing per row:
 - raw (key serving_raw_mean_abs_error): the profiles as they are, efficiencies (1, 1), no overhead.
 The error of a row is predicted / measured - 1 of its metric (tokens/s, or seconds to the first token).
 coverage: expressible rows over all rows.
+
+How sure (planner/serving_uncertainty.py): each row's residual is the log of measured over predicted seconds, left
+one source out: log(measured / predicted_loso) of a time to first token, log(predicted_loso / measured) of a tokens/s
+(kinds: "throughput", the static and max-load tokens/s rows; "first token", the TTFT rows). Each source's rows are
+checked against 80 % intervals built from the other source's residuals only (uncertainty.log_bounds by kind: a kind
+the other source lacks takes its pooled residuals' 95 % range, "unseen"): serving_interval_coverage (the share whose
+measured value lies inside), serving_interval_half_width (the median half-width of the time's interval over the
+central prediction), and both by kind (serving_interval_by_kind). --write-intervals writes every row's residual by kind
+to planner/serving_prediction_error.py, the table the inference plans' intervals are built from.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+import textwrap
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,8 +59,11 @@ from zplan.planner.inference.throughput import (  # noqa: E402
     static_batch_steps,
     ttft_steps,
 )
+from zplan.planner.serving_uncertainty import FIRST_TOKEN, THROUGHPUT  # noqa: E402
+from zplan.planner.uncertainty import LEVEL, log_bounds  # noqa: E402
 
 DEFAULT_REFERENCE = REPO.parent / "shared" / "reference"
+INTERVALS_FILE = REPO / "planner" / "serving_prediction_error.py"
 RATIOS = np.geomspace(0.05, 20.0, 241)  # memory / compute efficiency
 MEMORY = np.geomspace(0.1, 2.0, 241)  # memory efficiency
 PASS_OVERHEAD_S = np.array([0.0, 0.25e-3, 0.5e-3, 1e-3, 2e-3, 3e-3, 5e-3, 8e-3, 12e-3, 20e-3])  # per forward pass
@@ -147,6 +161,8 @@ def validate(reference: Path) -> dict:
     for row in rows:
         for key, suffix in (("raw_error", "_raw"), ("error", ""), ("loso_error", "_loso")):
             row[key] = row["predicted" + suffix] / row["measured"] - 1.0
+        row["kind"] = FIRST_TOKEN if row["metric"] == "ttft_s" else THROUGHPUT
+        row["residual"] = residual(row)
 
     def summary(selected: list[dict]) -> dict:
         return {"rows": len(selected), "mean_abs_error": mean(abs(r["error"]) for r in selected),
@@ -170,15 +186,71 @@ def validate(reference: Path) -> dict:
                                "efficiencies_used": named(loso[source])}
                       for source in by_source},
         "by_condition": {name: summary(selected) for name, selected in conditions.items()},
+        **interval_figures(rows),
     }
+
+
+def residual(row: dict) -> float:
+    """log(measured / predicted) seconds of a row predicted left one source out: of its time to first token, or of
+    the time its tokens take (log(predicted / measured) tokens/s)."""
+    ratio = math.log(row["measured"] / row["predicted_loso"])
+    return ratio if row["metric"] == "ttft_s" else -ratio
+
+
+def residuals_by_kind(rows: list[dict]) -> dict[str, tuple[float, ...]]:
+    by_kind = defaultdict(list)
+    for row in rows:
+        by_kind[row["kind"]].append(row["residual"])
+    return {kind: tuple(sorted(values)) for kind, values in sorted(by_kind.items())}
+
+
+def interval_figures(rows: list[dict]) -> dict:
+    """The serving intervals checked left one source out (module docstring): each row against the 80 % interval of
+    its kind built from the other source's residuals only."""
+    covered, widths, bases = defaultdict(list), defaultdict(list), defaultdict(lambda: defaultdict(int))
+    for source in sorted({r["source"] for r in rows}):
+        table = residuals_by_kind([r for r in rows if r["source"] != source])
+        for row in (r for r in rows if r["source"] == source):
+            (low, high), basis, *_ = log_bounds(row["kind"], table)
+            covered[row["kind"]].append(low <= row["residual"] <= high)
+            widths[row["kind"]].append((math.exp(high) - math.exp(low)) / 2.0)
+            bases[row["kind"]][basis] += 1
+    every = [inside for values in covered.values() for inside in values]
+    return {
+        "serving_interval_level": LEVEL,
+        "serving_interval_coverage": mean(every),
+        "serving_interval_half_width": float(np.median([w for values in widths.values() for w in values])),
+        "serving_interval_by_kind": {kind: {"rows": len(covered[kind]), "coverage": mean(covered[kind]),
+                                            "half_width": float(np.median(widths[kind])), "bases": dict(bases[kind])}
+                                     for kind in sorted(covered)},
+    }
+
+
+def write_intervals(rows: list[dict], path: Path = INTERVALS_FILE) -> None:
+    """planner/serving_prediction_error.py: every row's residual left one source out, by kind (the table the
+    inference plans' intervals are built from)."""
+    lines = [f'    "{kind}": ({", ".join(f"{value:.4f}" for value in values)},),'
+             for kind, values in residuals_by_kind(rows).items()]
+    wrapped = "\n".join(textwrap.fill(line, 120, subsequent_indent=" " * 8, break_long_words=False)
+                         for line in lines)
+    path.write_text(
+        '"""TensorRT-LLM\'s published serving runs predicted by the inference cost model, by kind\n'
+        "(planner/serving_uncertainty.py): each run's log(measured / predicted) seconds, its source left out of the "
+        "engine\nconstants' fit. Written by "
+        '`.venv/bin/python benchmarks/validate_serving.py --write-intervals`; do not edit.\n"""\n\n'
+        f"SERVING_LOG_RESIDUALS: dict[str, tuple[float, ...]] = {{\n{wrapped}\n}}\n")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reference", type=Path, default=DEFAULT_REFERENCE)
     parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument("--write-intervals", action="store_true",
+                        help="write the residuals by kind to planner/serving_prediction_error.py")
     args = parser.parse_args()
     result = validate(args.reference)
+    if args.write_intervals:
+        write_intervals(result["rows"])
     if args.json:
         print(json.dumps(result, indent=2))
         return
@@ -212,6 +284,12 @@ def main() -> None:
     print(f"coverage {result['coverage']:.0%} ({result['expressible_rows']} of {result['all_rows']} rows); "
           f"mean |error| leave-one-source-out {result['serving_loso_mean_abs_error']:.1%}, "
           f"in sample {result['serving_mean_abs_error']:.1%}, raw {result['serving_raw_mean_abs_error']:.1%}")
+    print(f"{result['serving_interval_level']:.0%} intervals, left one source out: the measured value inside on "
+          f"{result['serving_interval_coverage']:.1%} of the rows, median half-width "
+          f"{result['serving_interval_half_width']:.1%}; by kind (rows, inside, half-width, bases): "
+          + ", ".join(f"{kind} {f['rows']} {f['coverage']:.0%} {f['half_width']:.1%} "
+                      f"({', '.join(f'{basis} {n}' for basis, n in f['bases'].items())})"
+                      for kind, f in result["serving_interval_by_kind"].items()))
 
 
 if __name__ == "__main__":

@@ -102,6 +102,19 @@ def serving_context(plan: InferencePlan) -> dict[str, Any]:
     }
 
 
+def interval_context(plan: InferencePlan) -> dict[str, str]:
+    """The prediction's 80 % interval (planner/serving_uncertainty.py) as 'low - high'; '' for plans without one."""
+    interval = plan.prediction.interval
+    if interval is None:
+        return {"ttft_interval": "", "tpot_interval": "", "request_latency_interval": "", "tokens_per_s_interval": "",
+                "interval_note": ""}
+    return {**{f"{name}_interval": f"{format_seconds(low)} - {format_seconds(high)}"
+               for name, (low, high) in (("ttft", interval.ttft_s), ("tpot", interval.tpot_s),
+                                         ("request_latency", interval.request_latency_s))},
+            "tokens_per_s_interval": f"{interval.tokens_per_s[0]:,.1f} - {interval.tokens_per_s[1]:,.1f}",
+            "interval_note": f"{interval.level:.0%} intervals ({interval.basis}): {interval.note}."}
+
+
 def run_commands(plan: InferencePlan) -> list[dict[str, str]]:
     """How to run the emitted programs (codegen.inference_script writes them)."""
     return [
@@ -189,4 +202,5 @@ def inference_report_context(plan: InferencePlan, alternatives: InferenceAlterna
         "peak_flops": format_rate(cluster.peak_flops(par.compute_dtype), "FLOP"),
         "run_commands": run_commands(plan),
         **serving_context(plan),
+        **interval_context(plan),
     }

@@ -142,6 +142,23 @@ class ContinuousBatchingPrediction(Frozen):
     points: list[ServingPoint] = Field(default_factory=list, description="The curve, by concurrency.")
 
 
+class ServingInterval(Frozen):
+    """How sure a serving prediction is (planner/serving_uncertainty.py): an 80 % interval from the errors of another
+    engine, TensorRT-LLM, priced by the same cost model with fitted engine constants, on published runs of a source
+    the constants were not fitted on (benchmarks/validate_serving.py, left one source out)."""
+
+    level: float = Field(description="The share of runs the interval is meant to hold, e.g. 0.8.")
+    basis: Literal["validation", "thin", "unseen"] = Field(
+        description="validation: each metric's own errors; thin: too few runs of a metric, the pooled errors' wider "
+                    "range; unseen: no run of a metric, wider still (the weaker of the two metrics' bases).")
+    runs: int = Field(ge=0, description="Published runs the interval is built from (throughput and first token).")
+    tokens_per_s: tuple[float, float] = Field(description="[low, high] generated tokens per second, all replicas.")
+    ttft_s: tuple[float, float] = Field(description="[low, high] seconds to the first token.")
+    tpot_s: tuple[float, float] = Field(description="[low, high] seconds per output token.")
+    request_latency_s: tuple[float, float] = Field(description="[low, high] seconds per request.")
+    note: str = Field(description="One line on what the interval rests on.")
+
+
 class InferencePrediction(Frozen):
     ttft_s: float = Field(ge=0, description="Time to first token: prefill of the batch, s.")
     tpot_s: float = Field(ge=0, description="Time per output token: one decode step, s.")
@@ -154,6 +171,8 @@ class InferencePrediction(Frozen):
     continuous_batching: Optional[ContinuousBatchingPrediction] = Field(
         default=None, description="Throughput against latency under the serving runtime's continuous batching (None "
         "in plans written before it).")
+    interval: Optional[ServingInterval] = Field(default=None, description="How sure the figures above are (None in "
+                                                "plans written before it).")
 
 
 class InferenceCandidate(Frozen):

@@ -14,7 +14,7 @@ from zplan.errors import ZplanError, validation_message
 from zplan.safe_files import UnsafeFileError, read_capped
 from zplan.schemas.alternatives import ALTERNATIVES_FILE, Alternatives, InferenceAlternatives
 from zplan.schemas.cluster import ClusterSpec
-from zplan.schemas.inference import InferencePlan
+from zplan.schemas.inference import InferencePlan, ServingInterval
 from zplan.schemas.plan import MAX_PLAN_FILE_BYTES, Plan, PredictionInterval
 
 GiB = 1024**3
@@ -196,6 +196,16 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:,.2f} s"
 
 
+def serving_interval_words(interval: ServingInterval) -> str:
+    """'TTFT 70.1 - 90.2 ms, TPOT ..., request ...; 1,100.0 - 1,500.0 tokens/s (87 published TensorRT-LLM runs)'."""
+    parts = ", ".join(f"{name} {_ms(low)} - {_ms(high)}" for name, (low, high) in (
+        ("TTFT", interval.ttft_s), ("TPOT", interval.tpot_s), ("request", interval.request_latency_s)))
+    low, high = interval.tokens_per_s
+    runs = f"{interval.runs} published TensorRT-LLM runs" + ("" if interval.basis == "validation"
+                                                             else f", {interval.basis}")
+    return f"{parts}; {low:,.1f} - {high:,.1f} tokens/s ({runs})"
+
+
 def print_inference_summary(console: Console, plan: InferencePlan, alternatives: InferenceAlternatives, out_dir: Path,
                             files: list[Path]) -> None:
     pred, mem, par, t = plan.prediction, plan.prediction.memory, plan.parallel, plan.prediction.time
@@ -210,6 +220,8 @@ def print_inference_summary(console: Console, plan: InferencePlan, alternatives:
                           f"{par.weight_tier}, {par.compute_dtype} compute")
     table.add_row("latency", f"TTFT {_ms(pred.ttft_s)}, TPOT {_ms(pred.tpot_s)}, request {_ms(pred.request_latency_s)}")
     table.add_row("throughput", f"{pred.tokens_per_s:,.1f} tokens/s")
+    if pred.interval is not None:
+        table.add_row(f"{pred.interval.level:.0%} interval", serving_interval_words(pred.interval))
     table.add_row("decode step", f"weights {_ms(t.decode_weights_s)}, KV {_ms(t.decode_kv_s)}, compute "
                                  f"{_ms(t.decode_compute_s)}, TP {_ms(t.decode_tp_s)}, stream {_ms(t.decode_stream_s)}")
     table.add_row("memory/GPU", f"{mem.total / GiB:.1f} of {mem.capacity / GiB:.1f} GiB (weights "

@@ -45,6 +45,7 @@ from zplan.planner.inference.throughput import (
     ContinuousBatching,
     plan_continuous_batching,
 )
+from zplan.planner.serving_uncertainty import serving_interval
 from zplan.schemas.alternatives import InferenceAlternatives
 from zplan.schemas.capability import inference_problems
 from zplan.schemas.cluster import ClusterSpec
@@ -240,12 +241,13 @@ def continuous_batching(serving: ContinuousBatching, replicas: int) -> Continuou
 
 def prediction(est: InferenceEstimate, i: int, capacity: float,
                serving: ContinuousBatchingPrediction | None = None) -> InferencePrediction:
-    """The chosen candidate i's numbers as the plan's prediction (`serving`: its continuous-batching curve)."""
+    """The chosen candidate i's numbers as the plan's prediction (`serving`: its continuous-batching curve), with
+    their 80 % interval (planner/serving_uncertainty.py)."""
 
     def f(name: str) -> float:
         return float(getattr(est, name)[i])
 
-    return InferencePrediction(
+    pred = InferencePrediction(
         ttft_s=f("ttft_s"), tpot_s=f("tpot_s"), request_latency_s=f("request_latency_s"),
         tokens_per_s=f("tokens_per_s"), feasible=bool(est.fits[i]),
         memory=InferenceMemory(weights=f("weights"), kv_cache=f("kv_cache"), activations=f("activations"),
@@ -255,6 +257,7 @@ def prediction(est: InferenceEstimate, i: int, capacity: float,
         time=InferenceTime(**{name: f(name) for name in InferenceTime.model_fields}),
         continuous_batching=serving,
     )
+    return pred.model_copy(update={"interval": serving_interval(pred)})
 
 
 __all__ = ["InferenceRequest", "compile_inference_plan", "compile_inference_with_alternatives", "prepare"]
