@@ -40,7 +40,6 @@ import argparse
 import json
 import math
 import sys
-import textwrap
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
@@ -48,6 +47,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from _residual_table import write_residual_table  # noqa: E402
 from reference_runs import ReferenceRun, load_moe_runs, load_reference_runs  # noqa: E402
 
 from zplan.api import compile_plan, prepare  # noqa: E402
@@ -327,16 +327,11 @@ def interval_figures(rows: list[dict], prefix: str = "", fit_on: list[dict] | No
 def write_intervals(rows: list[dict], path: Path = INTERVALS_FILE) -> None:
     """planner/prediction_error.py: every row's residual left one source out, by regime (the table the plans'
     intervals are built from)."""
-    table = residuals_by_regime(rows)
-    lines = [f'    "{regime}": ({", ".join(f"{value:.4f}" for value in values)},),' for regime, values in table.items()]
-    wrapped = "\n".join(textwrap.fill(line, 120, subsequent_indent=" " * 8, break_long_words=False)
-                         for line in lines)
-    path.write_text(
-        '"""The cost model\'s errors on published runs it was not fitted on, by regime (planner/uncertainty.py): each '
-        "run's\nlog(measured / predicted) step seconds, its source left out of the stack efficiencies' fit. "
-        "Written by\n"
-        '`.venv/bin/python benchmarks/validate_cost_model.py --write-intervals`; do not edit.\n"""\n\n'
-        f"LOG_RESIDUALS: dict[str, tuple[float, ...]] = {{\n{wrapped}\n}}\n")
+    write_residual_table(
+        path, "The cost model's errors on published runs it was not fitted on, by regime (planner/uncertainty.py): "
+        "each run's\nlog(measured / predicted) step seconds, its source left out of the stack efficiencies' fit. "
+        "Written by\n`.venv/bin/python benchmarks/validate_cost_model.py --write-intervals`; do not edit.\n",
+        "LOG_RESIDUALS", residuals_by_regime(rows))
 
 
 def validate_moe(reference: Path, dense_rows: list[dict]) -> dict:

@@ -38,7 +38,6 @@ import argparse
 import json
 import math
 import sys
-import textwrap
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +47,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from _residual_table import write_residual_table  # noqa: E402
 from serving_runs import ServingRun, load_serving_runs  # noqa: E402
 
 from zplan.planner.clusters import load_cluster  # noqa: E402
@@ -229,16 +229,12 @@ def interval_figures(rows: list[dict]) -> dict:
 def write_intervals(rows: list[dict], path: Path = INTERVALS_FILE) -> None:
     """planner/serving_prediction_error.py: every row's residual left one source out, by kind (the table the
     inference plans' intervals are built from)."""
-    lines = [f'    "{kind}": ({", ".join(f"{value:.4f}" for value in values)},),'
-             for kind, values in residuals_by_kind(rows).items()]
-    wrapped = "\n".join(textwrap.fill(line, 120, subsequent_indent=" " * 8, break_long_words=False)
-                         for line in lines)
-    path.write_text(
-        '"""TensorRT-LLM\'s published serving runs predicted by the inference cost model, by kind\n'
+    write_residual_table(
+        path, "TensorRT-LLM's published serving runs predicted by the inference cost model, by kind\n"
         "(planner/serving_uncertainty.py): each run's log(measured / predicted) seconds, its source left out of the "
         "engine\nconstants' fit. Written by "
-        '`.venv/bin/python benchmarks/validate_serving.py --write-intervals`; do not edit.\n"""\n\n'
-        f"SERVING_LOG_RESIDUALS: dict[str, tuple[float, ...]] = {{\n{wrapped}\n}}\n")
+        "`.venv/bin/python benchmarks/validate_serving.py --write-intervals`; do not edit.\n",
+        "SERVING_LOG_RESIDUALS", residuals_by_kind(rows))
 
 
 def main() -> None:
