@@ -5,7 +5,8 @@
 A row is expressible when zplan can state its configuration: a built-in profile for its GPU, a precision the cost
 model prices (bf16 / fp16 mixed, fp8 in any of its scalings, NVFP4), the parallel layout and global batch printed
 (dp = gpus / (tp * pp * cp)), and a measured time: the iteration time, else tokens/s per GPU, else TFLOP/s per GPU
-with the FLOPs formula the source names
+with the FLOPs formula the source names; a row that prints no precision is mixed 16-bit unless its table's footnote
+names the format (printed_precision)
 (Narayanan et al. SC'21 Eq. 3 for Megatron 2021 and DeepSpeed: counts the recomputed forward; Megatron-LM's README
 counts model FLOPs, 72 B s l h^2 (1 + s/(6h) + V/(12 h l)), Korthikanti et al. 2023; NeMo's Llama rows count
 B s L h^2 (12 + 12 G/A + 18 F/h + 12 s/h + 6 V/(L h)), its nemo/utils/flops_formulas.py). Each row's software stack (the
@@ -72,7 +73,7 @@ class ReferenceRun:
     published_params_b: tuple[float, float] | None = None  # moe: (total, active) billions as the row prints them
     caveat: str = ""  # what zplan prices differently from the run (moe: Kimi K2's Muon optimizer)
     published_flops_per_token: float | None = None  # moe: tflops_per_gpu / tokens_per_s_per_gpu, as the row counts
-    assumed: str = ""  # what the row does not print that it is priced with (its stack's default optimizer sharding)
+    assumed: str = ""  # what the row does not print that it is priced with (optimizer sharding, precision)
     recompute_printed: bool = True  # False: the row prints no recompute (pinned none for its time)
 
 
@@ -153,10 +154,25 @@ def cluster_of(gpu_type: str) -> str | None:
     return next((name for pattern, name in GPU_CLUSTERS if re.search(pattern, gpu_type)), None)
 
 
+# What a row whose table prints no precision column is priced with, where its footnote names the format:
+# Megatron-Bridge's 25.09 summary has no precision column and says its parenthesised variants differ only in FP8
+# quantization granularity (its TFLOP/s per GPU equal the next release's FP8 rows of the same layouts: Llama 3 8B
+# on H100 725 vs 744, on B200 1544 vs 1519).
+FOOTNOTE_FP8 = "different fp8 quantization granularity"
+
+
+def printed_precision(row: dict) -> tuple[str, str]:
+    """(precision, what was assumed): the row's precision column, else fp8 where its notes carry FOOTNOTE_FP8."""
+    precision = row["precision"].strip().lower()
+    if not precision and FOOTNOTE_FP8 in row["notes"].lower():
+        return "fp8", "precision not printed: priced as fp8 (the table's footnote: its variants are FP8 granularities)"
+    return precision, ""
+
+
 def training_run(row: dict, label: str) -> ReferenceRun | str:
     """The row as a ReferenceRun, or the reason zplan cannot express it."""
     cluster = cluster_of(row["gpu_type"])
-    precision = row["precision"].lower()
+    precision, precision_assumed = printed_precision(row)
     if cluster is None:
         return f"no built-in profile for {row['gpu_type']}"
     nvfp4 = precision == "nvfp4"  # NVIDIA's NVFP4 recipe (Transformer Engine): the block GEMMs in NVFP4
@@ -192,7 +208,8 @@ def training_run(row: dict, label: str) -> ReferenceRun | str:
                 interleave=int(virtual.group(1)) if virtual and pp > 1 else None)
     dtype = "fp16" if cluster == "dgx2-v100" else "fp8" if fp8 else "nvfp4" if nvfp4 else "bf16"
     return ReferenceRun(label, row["source"], stack, family_spec(row), cluster, gpus, batch, dtype, pins, measured,
-                        assumed=assumed if dp > 1 else "", recompute_printed=bool(recompute.strip()))
+                        assumed="; ".join(filter(None, (assumed if dp > 1 else "", precision_assumed))),
+                        recompute_printed=bool(recompute.strip()))
 
 
 def published_run(row: dict, label: str) -> ReferenceRun:

@@ -138,19 +138,25 @@ MIN_ATTENTION_ROWS = 10  # rows with a flash attention core a stack needs before
 def stack_efficiencies(rows: list[dict]) -> dict[str, tuple[float, float]]:
     """{stack: (efficiency, attention factor)} over `rows`. Per stack, for each attention factor of ATTENTION_FACTORS
     (only 1 where fewer than MIN_ATTENTION_ROWS of its rows have a flash core) the efficiency is the geometric mean of
-    measured / predicted; the pair with the least mean |log error| is kept (the factor nearest 1 on ties)."""
+    measured / predicted. The factor kept is the one nearest 1 whose mean |log error| is within one standard error of
+    the least (the one-standard-error rule, Breiman et al. 1984, section 3.4.3): where the rows hardly tell factors
+    apart, the fit makes no attention correction it cannot support."""
     by_stack = defaultdict(list)
     for row in rows:
         by_stack[fit_group(row["stack"])].append(row)
     fitted = {}
     for stack, members in by_stack.items():
         with_flash = sum(r["attention_s"] > 0 for r in members)
-        candidates = []
+        candidates = []  # (mean |log error|, its standard error, efficiency, factor)
         for factor in ATTENTION_FACTORS if with_flash >= MIN_ATTENTION_ROWS else [1.0]:
             logs = [math.log(r["measured_s"] / stack_seconds(r, factor)) for r in members]
             centre = sum(logs) / len(logs)
-            candidates.append((mean(abs(v - centre) for v in logs), abs(factor - 1.0), math.exp(centre), factor))
-        _, _, efficiency, factor = min(candidates)
+            deviations = [abs(v - centre) for v in logs]
+            spread = math.sqrt(mean((d - mean(deviations)) ** 2 for d in deviations) / len(deviations))
+            candidates.append((mean(deviations), spread, math.exp(centre), factor))
+        best, standard_error, _, _ = min(candidates)
+        _, _, efficiency, factor = min((c for c in candidates if c[0] <= best + standard_error),
+                                       key=lambda c: abs(c[3] - 1.0))
         fitted[stack] = (efficiency, factor)
     return fitted
 
@@ -204,7 +210,8 @@ def validate(reference: Path, picks: bool = False, moe: bool = True) -> dict:
         "published_over_memory": sum(not r["fits_in_zplans_memory_model"] for r in rows),
         "published_over_memory_rows": {r["label"]: r["over_memory"] for r in rows
                                        if not r["fits_in_zplans_memory_model"]},
-        "priced_with_stack_default_optimizer": sum(bool(r["assumed"]) for r in rows),
+        "priced_with_stack_default_optimizer": sum("optimizer sharding" in r["assumed"] for r in rows),
+        "priced_with_footnoted_precision": sum("precision not printed" in r["assumed"] for r in rows),
         "coverage": len(rows) / total,
         "expressible_rows": len(rows),
         "all_rows": total,
@@ -415,6 +422,8 @@ def main() -> None:
           "some recompute mode fits):")
     for label, over in result["published_over_memory_rows"].items():
         print(f"  {label[:70]}: {over}")
+    print(f"{result['priced_with_footnoted_precision']} rows print no precision and are priced with the one their "
+          "table's footnote names (reference_runs.printed_precision)")
     print(f"coverage {result['coverage']:.0%} ({result['expressible_rows']} of {result['all_rows']} rows); "
           f"mean |error| leave-one-source-out {result['loso_mean_abs_error']:.1%}, "
           f"in sample {result['mean_abs_error']:.1%}, raw {result['raw_mean_abs_error']:.1%}")
