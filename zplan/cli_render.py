@@ -192,7 +192,9 @@ def interval_words(interval: PredictionInterval | None) -> str:
 
 
 def _ms(seconds: float) -> str:
-    """Milliseconds below a second, else seconds."""
+    """Microseconds below a millisecond, milliseconds below a second, else seconds ('45.7 us', '12.0 ms')."""
+    if 0 < seconds < 1e-3:
+        return f"{seconds * 1e6:.1f} us"
     return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:,.2f} s"
 
 

@@ -94,6 +94,7 @@ def test_the_report_and_the_terminal_table_show_the_interval(compiled):
     print_inference_summary(console, plan, alternatives, Path("out"), [])
     table = console.export_text()
     assert "80% interval" in table and f"{interval.tokens_per_s[0]:,.1f} - {interval.tokens_per_s[1]:,.1f}" in table
+    assert f"TTFT {format_seconds(plan.prediction.ttft_s)}, TPOT {format_seconds(plan.prediction.tpot_s)}" in table
     console = Console(record=True, width=400)
     print_inference_summary(console, bare, alternatives, Path("out"), [])
     assert "interval" not in console.export_text()
