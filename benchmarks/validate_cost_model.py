@@ -369,6 +369,7 @@ def validate_moe(reference: Path, dense_rows: list[dict]) -> dict:
         "moe_raw_mean_abs_error": mean(abs(r["raw_error"]) for r in rows),
         "moe_by_source": {source: {**loso[source], "mean_abs_error": mean(abs(r["error"]) for r in by_source[source])}
                           for source in by_source},
+        "moe_max_abs_source_bias": max((abs(figures["loso_mean_error"]) for figures in loso.values()), default=0.0),
         **interval_figures(rows, "moe_", dense_rows + rows),
     }
 
@@ -449,10 +450,11 @@ def print_moe(result: dict) -> None:
               + "".join(f"; MISMATCH {m}" for m in r["params_mismatch"]) + (f"; {r['caveat']}" if r["caveat"] else ""))
     for label, reason in result["moe_refused"].items():
         print(f"  not expressible: {label}: {reason}")
-    print("  by source (leave-one-source-out | in sample):")
+    print("  by source (leave-one-source-out |error| and signed mean, + slower than measured | in sample):")
     for source, figures in result["moe_by_source"].items():
-        print(f"    {source[:50]:50s} {figures['rows']:4d} rows  {figures['loso_mean_abs_error']:6.1%} | "
-              f"{figures['mean_abs_error']:6.1%}")
+        print(f"    {source[:50]:50s} {figures['rows']:4d} rows  {figures['loso_mean_abs_error']:6.1%} "
+              f"({figures['loso_mean_error']:+6.1%}) | {figures['mean_abs_error']:6.1%}")
+    print(f"    largest |signed mean| of a source: {result['moe_max_abs_source_bias']:.1%}")
     print("  stack efficiencies (dense and MoE rows): "
           + ", ".join(f"{stack} {e:.2f} (attention x{f:.1f})"
                       for stack, (e, f) in sorted(result["moe_stack_efficiencies"].items())))
