@@ -54,20 +54,28 @@ def describe_candidate(c: InferenceCandidate) -> str:
 
 
 def alternative_rows(plan: InferencePlan, alternatives: InferenceAlternatives | None) -> list[dict[str, str]]:
-    """Every scored configuration, best first, against the chosen one on the plan's target ([] without them)."""
+    """Every scored configuration, best first, against the chosen one on the plan's target ([] without them), with
+    the 80 % interval of the compared figure; a feasible alternative whose interval overlaps the chosen one's is a
+    near-tie (the cost model cannot tell the two apart)."""
     pred = plan.prediction
+    figure = "tpot_s" if plan.spec.target == "latency" else "tokens_per_s"  # what "vs chosen" compares
+    chosen_bounds = getattr(pred.interval, figure) if pred.interval is not None else None
     rows = []
     for c in alternatives.alternatives if alternatives is not None else []:
         # one alternative per (tp, precision, tier): the chosen one matches the plan on all three
         chosen = (c.tp, c.weight_precision, c.weight_tier) == (
             plan.parallel.tp, plan.parallel.weight_precision, plan.parallel.weight_tier)
-        if plan.spec.target == "latency":
-            vs = share(c.tpot_s, pred.tpot_s) - 1
-        else:
-            vs = share(c.tokens_per_s, pred.tokens_per_s) - 1
+        vs = share(getattr(c, figure), getattr(pred, figure)) - 1
+        bounds = getattr(c.interval, figure) if c.interval is not None else None
+        near_tie = (not chosen and c.feasible and bounds is not None and chosen_bounds is not None
+                    and bounds[0] <= chosen_bounds[1] and chosen_bounds[0] <= bounds[1])
         rows.append({"config": describe_candidate(c), "ttft": format_seconds(c.ttft_s),
                      "tpot": format_seconds(c.tpot_s), "tokens_per_s": f"{c.tokens_per_s:,.1f}",
-                     "vs_chosen": "" if chosen or not c.feasible else f"{vs * 100:+.1f} %",
+                     "interval": "" if bounds is None else (
+                         f"{format_seconds(bounds[0])} - {format_seconds(bounds[1])}" if figure == "tpot_s"
+                         else f"{bounds[0]:,.1f} - {bounds[1]:,.1f}"),
+                     "vs_chosen": "" if chosen or not c.feasible else f"{vs * 100:+.1f} %"
+                                                                       + (" (near-tie)" if near_tie else ""),
                      "memory": format_bytes(c.memory_per_gpu_bytes), "feasible": yes_no(c.feasible),
                      "chosen": yes_no(chosen), "note": c.note})
     return rows
@@ -197,6 +205,7 @@ def inference_report_context(plan: InferencePlan, alternatives: InferenceAlterna
         "prefill_rows": share_rows(time, PREFILL_PARTS, pred.ttft_s, format_seconds),
         "decode_rows": share_rows(time, DECODE_PARTS, pred.tpot_s, format_seconds),
         "alternative_rows": alternative_rows(plan, alternatives),
+        "alternative_intervals": alternatives is not None and any(c.interval for c in alternatives.alternatives),
         "assumption_rows": [a.model_dump() for a in alternatives.assumptions] if alternatives is not None else [],
         "cluster_rows": cluster_rows(plan),
         "peak_flops": format_rate(cluster.peak_flops(par.compute_dtype), "FLOP"),

@@ -187,6 +187,8 @@ class InferenceCandidate(Frozen):
     memory_per_gpu_bytes: float = Field(ge=0, description="Predicted bytes per GPU.")
     feasible: bool = Field(description="Fits memory.")
     note: str = Field(default="", description="Why it lost or was refused, one sentence ('' for the chosen one).")
+    interval: Optional[ServingInterval] = Field(default=None, description="How sure the figures above are, as the "
+                                                "plan's prediction (None in files written before it).")
 
 
 class InferencePlan(Frozen):

@@ -207,6 +207,8 @@ def compile_inference_with_alternatives(req: InferenceRequest) -> tuple[Inferenc
             weight_tier=WEIGHT_TIERS[cand.tier[i]], ttft_s=float(est.ttft_s[i]), tpot_s=float(est.tpot_s[i]),
             tokens_per_s=float(est.tokens_per_s[i]), memory_per_gpu_bytes=float(est.total[i]),
             feasible=bool(est.fits[i]),
+            interval=serving_interval(float(est.ttft_s[i]), float(est.tpot_s[i]), float(est.request_latency_s[i]),
+                                      float(est.tokens_per_s[i])),
             note=(note(scored, int(i), chosen, req.target, capacity)
                   + (f" At batch {cand.batch[i]}." if req.batch is None and i != chosen else "")).strip())
         for i in order
@@ -257,7 +259,8 @@ def prediction(est: InferenceEstimate, i: int, capacity: float,
         time=InferenceTime(**{name: f(name) for name in InferenceTime.model_fields}),
         continuous_batching=serving,
     )
-    return pred.model_copy(update={"interval": serving_interval(pred)})
+    return pred.model_copy(update={"interval": serving_interval(pred.ttft_s, pred.tpot_s, pred.request_latency_s,
+                                                                 pred.tokens_per_s)})
 
 
 __all__ = ["InferenceRequest", "compile_inference_plan", "compile_inference_with_alternatives", "prepare"]

@@ -14,6 +14,7 @@ from rich.console import Console
 
 from zplan.cli_render import print_inference_summary
 from zplan.codegen.context import format_seconds
+from zplan.codegen.inference_report import alternative_rows
 from zplan.codegen.render import render_inference_reports
 from zplan.inference_api import compile_inference_with_alternatives, prepare
 from zplan.planner.serving_uncertainty import FIRST_TOKEN, THROUGHPUT, serving_interval
@@ -29,6 +30,10 @@ LLAMA_SMALL = "llama:layers=4,hidden=512,heads=8,kv_heads=2,ffn=1024,seq=256,voc
 TABLE = {THROUGHPUT: tuple(i / 100 for i in range(-10, 11)), FIRST_TOKEN: tuple(i / 10 for i in range(-5, 6))}
 
 
+def figures(pred) -> tuple[float, float, float, float]:
+    return pred.ttft_s, pred.tpot_s, pred.request_latency_s, pred.tokens_per_s
+
+
 @pytest.fixture(scope="module")
 def compiled():
     return compile_inference_with_alternatives(prepare(LLAMA_SMALL, 2, "dgx-h100", target="throughput",
@@ -37,7 +42,7 @@ def compiled():
 
 def test_the_interval_by_hand(compiled):
     pred = compiled[0].prediction
-    got = serving_interval(pred, TABLE)
+    got = serving_interval(*figures(pred), TABLE)
     assert (got.level, got.basis, got.runs) == (0.8, "validation", 32)
     assert got.ttft_s == pytest.approx((pred.ttft_s * math.exp(-0.4), pred.ttft_s * math.exp(0.4)))
     assert got.tpot_s == pytest.approx((pred.tpot_s * math.exp(-0.08), pred.tpot_s * math.exp(0.08)))
@@ -50,21 +55,50 @@ def test_the_interval_by_hand(compiled):
 def test_too_few_first_token_runs_make_the_interval_thin_and_say_so(compiled):
     pred = compiled[0].prediction
     few = {**TABLE, FIRST_TOKEN: (-0.3, 0.0, 0.6)}
-    got = serving_interval(pred, few)
+    got = serving_interval(*figures(pred), few)
     assert (got.basis, got.runs) == ("thin", 24) and f"fewer than {MIN_RUNS}" in got.note
     assert got.ttft_s[1] == pytest.approx(pred.ttft_s * math.exp(0.6))  # widened to its own largest
-    assert got.tpot_s == serving_interval(pred, TABLE).tpot_s  # the throughput bounds stay
-    assert serving_interval(pred, {THROUGHPUT: TABLE[THROUGHPUT]}).basis == "unseen"
+    assert got.tpot_s == serving_interval(*figures(pred), TABLE).tpot_s  # the throughput bounds stay
+    assert serving_interval(*figures(pred), {THROUGHPUT: TABLE[THROUGHPUT]}).basis == "unseen"
 
 
 def test_a_compiled_plan_carries_an_interval_around_its_prediction(compiled):
     pred = compiled[0].prediction
     interval = pred.interval
-    assert interval is not None and interval == serving_interval(pred)  # the published table's
+    assert interval is not None and interval == serving_interval(*figures(pred))  # the published table's
     for name in ("ttft_s", "tpot_s", "request_latency_s", "tokens_per_s"):
         low, high = getattr(interval, name)
         assert low < getattr(pred, name) < high, name
     assert "TensorRT-LLM" in interval.note
+
+
+def test_every_alternative_carries_the_interval_of_its_own_figures(compiled):
+    plan, alternatives = compiled
+    interval = plan.prediction.interval
+    chosen = [c for c in alternatives.alternatives if (c.tp, c.weight_precision, c.weight_tier) == (
+        plan.parallel.tp, plan.parallel.weight_precision, plan.parallel.weight_tier)]
+    assert len(chosen) == 1 and chosen[0].interval == interval
+    for c in alternatives.alternatives:  # the same relative bounds around each configuration's own prediction
+        assert c.interval is not None and c.interval.basis == interval.basis
+        for name in ("ttft_s", "tpot_s", "tokens_per_s"):
+            assert [bound / getattr(c, name) for bound in getattr(c.interval, name)] == pytest.approx(
+                [bound / getattr(plan.prediction, name) for bound in getattr(interval, name)]), name
+
+
+def test_an_alternative_whose_interval_overlaps_the_chosen_ones_is_a_near_tie(compiled):
+    """The plan targets throughput: an alternative is a near-tie where its tokens/s interval overlaps the plan's."""
+    plan, alternatives = compiled
+    low, high = plan.prediction.interval.tokens_per_s
+    others = [c for c in alternatives.alternatives if c.feasible and c.note]  # the chosen one has no note
+    assert others, "the small model has feasible alternatives"
+
+    def at(c, bounds):  # c with its tokens/s interval moved to `bounds`
+        return c.model_copy(update={"interval": c.interval.model_copy(update={"tokens_per_s": bounds})})
+
+    overlapping, apart = at(others[0], (high * 0.99, high * 1.5)), at(others[0], (high * 1.01, high * 1.5))
+    rows = alternative_rows(plan, alternatives.model_copy(update={"alternatives": [overlapping, apart]}))
+    assert [row["vs_chosen"].endswith("(near-tie)") for row in rows] == [True, False]
+    assert rows[0]["interval"] == f"{high * 0.99:,.1f} - {high * 1.5:,.1f}" and low < high
 
 
 def test_plan_json_round_trips_with_and_without_the_interval(compiled):
@@ -89,7 +123,10 @@ def test_the_report_and_the_terminal_table_show_the_interval(compiled):
         assert f"(80 %: {interval.tokens_per_s[0]:,.1f} - {interval.tokens_per_s[1]:,.1f})" in text
         assert "zplan's own engine is not among them" in text.replace("&#39;", "'")
     bare = plan.model_copy(update={"prediction": plan.prediction.model_copy(update={"interval": None})})
-    assert all("80 %" not in text for text in render_inference_reports(bare, alternatives).values())
+    bare_alternatives = alternatives.model_copy(update={"alternatives": [
+        c.model_copy(update={"interval": None}) for c in alternatives.alternatives]})  # files from before intervals
+    assert all("80 %" not in text for text in render_inference_reports(bare, bare_alternatives).values())
+    assert all("80 % interval" in text for text in reports.values())  # the alternatives' column
     console = Console(record=True, width=400)
     print_inference_summary(console, plan, alternatives, Path("out"), [])
     table = console.export_text()
