@@ -13,7 +13,7 @@ from typing import Any
 from zplan.codegen.context import format_bytes, format_count, format_percent, format_rate, format_seconds, share, yes_no
 from zplan.codegen.report import cluster_rows
 from zplan.schemas.alternatives import ALTERNATIVES_FILE, InferenceAlternatives
-from zplan.schemas.inference import InferenceCandidate, InferencePlan
+from zplan.schemas.inference import InferenceCandidate, InferencePlan, InferencePrediction
 
 # (field of InferenceMemory, label): the parts of the per-GPU memory.
 MEMORY_PARTS = (
@@ -91,6 +91,16 @@ def serving_rows(plan: InferencePlan) -> list[dict[str, str]]:
             for p in (curve.points if curve is not None else [])]
 
 
+def serving_band(pred: InferencePrediction) -> str:
+    """The prediction's 80 % interval as factors on its figures ('tokens/s x0.79-x1.10, ...'), which hold for every
+    point of the curve as well (the bounds are relative); '' without an interval."""
+    if pred.interval is None:
+        return ""
+    return ", ".join(f"{name} x{low / value:.2f}-x{high / value:.2f}" for name, (low, high), value in (
+        ("tokens/s", pred.interval.tokens_per_s, pred.tokens_per_s), ("TPOT", pred.interval.tpot_s, pred.tpot_s),
+        ("TTFT", pred.interval.ttft_s, pred.ttft_s)) if value > 0)
+
+
 def serving_context(plan: InferencePlan) -> dict[str, Any]:
     """The paged KV cache and the continuous-batching curve, formatted; has_serving False in a plan without them."""
     curve, par = plan.prediction.continuous_batching, plan.parallel
@@ -98,6 +108,7 @@ def serving_context(plan: InferencePlan) -> dict[str, Any]:
         return {"has_serving": False, "serving_rows": [], "serving_curve": None}
     return {
         "has_serving": True,
+        "serving_band": serving_band(plan.prediction),
         "serving_curve": curve,
         "serving_rows": serving_rows(plan),
         "kv_blocks": f"{par.kv_blocks:,}",

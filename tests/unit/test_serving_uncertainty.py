@@ -127,6 +127,11 @@ def test_the_report_and_the_terminal_table_show_the_interval(compiled):
         c.model_copy(update={"interval": None}) for c in alternatives.alternatives]})  # files from before intervals
     assert all("80 %" not in text for text in render_inference_reports(bare, bare_alternatives).values())
     assert all("80 % interval" in text for text in reports.values())  # the alternatives' column
+    pred = plan.prediction
+    assert pred.continuous_batching is not None and pred.continuous_batching.points
+    band = (f"tokens/s x{interval.tokens_per_s[0] / pred.tokens_per_s:.2f}-"
+            f"x{interval.tokens_per_s[1] / pred.tokens_per_s:.2f}")  # the curve's points: the same factors
+    assert all(f"as factors on its own figures: {band}, TPOT x" in " ".join(text.split()) for text in reports.values())
     console = Console(record=True, width=400)
     print_inference_summary(console, plan, alternatives, Path("out"), [])
     table = console.export_text()
