@@ -14,6 +14,7 @@ from zplan.codegen.context import format_bytes, format_count, format_percent, fo
 from zplan.codegen.report import cluster_rows
 from zplan.schemas.alternatives import ALTERNATIVES_FILE, InferenceAlternatives
 from zplan.schemas.inference import InferenceCandidate, InferencePlan, InferencePrediction
+from zplan.schemas.plan import intervals_overlap
 
 # (field of InferenceMemory, label): the parts of the per-GPU memory.
 MEMORY_PARTS = (
@@ -68,7 +69,7 @@ def alternative_rows(plan: InferencePlan, alternatives: InferenceAlternatives | 
         vs = share(getattr(c, figure), getattr(pred, figure)) - 1
         bounds = getattr(c.interval, figure) if c.interval is not None else None
         near_tie = (not chosen and c.feasible and bounds is not None and chosen_bounds is not None
-                    and bounds[0] <= chosen_bounds[1] and chosen_bounds[0] <= bounds[1])
+                    and intervals_overlap(bounds, chosen_bounds))
         rows.append({"config": describe_candidate(c), "ttft": format_seconds(c.ttft_s),
                      "tpot": format_seconds(c.tpot_s), "tokens_per_s": f"{c.tokens_per_s:,.1f}",
                      "interval": "" if bounds is None else (

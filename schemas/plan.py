@@ -209,6 +209,12 @@ class TimeBreakdown(Frozen):
     optimizer: float = Field(description="Optimizer step on the GPU.")
 
 
+def intervals_overlap(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    """Whether two predictions' [low, high] intervals share a point: the cost model cannot tell them apart (a
+    near-tie)."""
+    return a[0] <= b[1] and b[0] <= a[1]
+
+
 class PredictionInterval(Frozen):
     """How sure a prediction is (planner/uncertainty.py): an 80 % interval from the cost model's errors on published
     runs of the plan's regime that it was not fitted on (benchmarks/validate_cost_model.py, left one source out)."""
@@ -229,7 +235,7 @@ class PredictionInterval(Frozen):
     def overlaps(self, step_time_s: tuple[float, float]) -> bool:
         """Whether another prediction's [low, high] step seconds share a point with this one's: the cost model cannot
         tell their plans apart (a near-tie)."""
-        return step_time_s[0] <= self.step_time_s[1] and self.step_time_s[0] <= step_time_s[1]
+        return intervals_overlap(self.step_time_s, step_time_s)
 
 
 class Prediction(Frozen):
