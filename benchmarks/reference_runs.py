@@ -75,6 +75,7 @@ class ReferenceRun:
     published_flops_per_token: float | None = None  # moe: tflops_per_gpu / tokens_per_s_per_gpu, as the row counts
     assumed: str = ""  # what the row does not print that it is priced with (optimizer sharding, precision)
     recompute_printed: bool = True  # False: the row prints no recompute (pinned none for its time)
+    recipe_hides: tuple[str, ...] = ()  # time_breakdown parts its recipe hides beyond its stack (EP_OVERLAP_RECIPES)
 
 
 def stack_of(source: str, data_parallel: str) -> str:
@@ -308,6 +309,24 @@ def moe_precision(precision: str) -> str | None:
     return "fp8" if "fp8" in text else "bf16" if text.strip() == "bf16" else None
 
 
+# The MoE rows whose performance recipe overlaps the expert-parallel all-to-all with compute (Megatron-Core's
+# overlap_moe_expert_parallel_comm with delay_wgrad_compute: one micro-batch's dispatch and combine run behind
+# another's forward or backward); the tables do not print it. Read from NVIDIA-NeMo/Megatron-Bridge at the tag of each
+# container (25.11: v0.2.1, 26.04.01: v0.4.2, 26.06: v0.5.0, 26.08: v0.6.0): the 26.08 MXFP8 recipes below turn it on
+# (src/megatron/bridge/perf_recipes/deepseek/common.py, _enable_deepseek_full_iteration_mxfp8; perf_recipes/qwen/
+# common.py); the recipes of every other row leave it off, or (Qwen3-30B-A3B on H100 at 25.11, pp 2, vp 24, micro-batch
+# 2) its printed layout is the 25.09 configuration's, which ran without it. Keys: (source, model, gpu_type, precision)
+# as the row prints them; values: the recipe.
+EP_OVERLAP_RECIPES = {
+    ("NVIDIA Megatron-Bridge 26.08", "DeepSeek-V3", "GB200", "mxfp8"):
+        "perf_recipes/deepseek/gb200/deepseek_v3.py deepseek_v3_pretrain_256gpu_gb200_fp8mx_config",
+    ("NVIDIA Megatron-Bridge 26.08", "DeepSeek-V3", "GB300", "mxfp8"):
+        "perf_recipes/deepseek/gb300/deepseek_v3.py deepseek_v3_pretrain_256gpu_gb300_fp8mx_config",
+    ("NVIDIA Megatron-Bridge 26.08", "Qwen3-235B-A22B", "GB200", "mxfp8"):
+        "perf_recipes/qwen/gb200/qwen3_moe.py qwen3_235b_a22b_pretrain_256gpu_gb200_fp8mx_config",
+}
+
+
 def moe_run(row: dict, label: str, model_dir: Path, index: int) -> ReferenceRun | str:
     """A moe_runs.csv row as a ReferenceRun (its model file written into model_dir), or the reason zplan cannot
     express it (module docstring)."""
@@ -350,7 +369,17 @@ def moe_run(row: dict, label: str, model_dir: Path, index: int) -> ReferenceRun 
                         published_params_b=(float(row["total_params_b"]), float(row["active_params_b"])),
                         caveat=caveat, published_flops_per_token=float(row["tflops_per_gpu"]) * 1e12 / float(
                             row["tokens_per_s_per_gpu"]) if row.get("tflops_per_gpu", "").strip() else None,
-                        recompute_printed=False)
+                        recompute_printed=False, **recipe_overlap(row))
+
+
+def recipe_overlap(row: dict) -> dict:
+    """ReferenceRun fields for a row whose recipe overlaps the expert-parallel all-to-all (EP_OVERLAP_RECIPES): the part
+    hidden and what the row is priced with; {} for the others."""
+    recipe = EP_OVERLAP_RECIPES.get((row["source"], row["model"], row["gpu_type"], row["precision"]))
+    if recipe is None:
+        return {}
+    return {"recipe_hides": ("expert_parallel",),
+            "assumed": f"expert-parallel all-to-all overlapped with compute, as its recipe runs it ({recipe})"}
 
 
 _MODEL_DIR: Path | None = None

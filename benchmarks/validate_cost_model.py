@@ -23,8 +23,10 @@ measurement; slow: a search per row).
 Mixture of experts (../shared/reference/moe_runs.csv, Megatron-Bridge; reference_runs.load_moe_runs): every
 expressible row is predicted the same way, its model traced from its architecture's model file at the row's sizes
 (benchmarks/moe_models/) with its ep pinned. The MoE rows are the megatron-core stack: they share its efficiency and
-attention factor with the dense megatron-core rows. The dense figures above are those of the dense rows alone, fitted
-on them alone, as before; the MoE figures (keys moe_*) are:
+attention factor with the dense megatron-core rows; under fp8 its routed experts run at the GEMM peak
+(STACK_LOW_PRECISION_EXPERTS), and a row whose recipe overlaps the expert-parallel all-to-all has it taken off as the
+stack's other overlaps are (reference_runs.EP_OVERLAP_RECIPES; not fitted). The dense figures above are those of the
+dense rows alone, fitted on them alone, as before; the MoE figures (keys moe_*) are:
 - in sample (moe_mean_abs_error): the efficiencies fitted on every row, dense and MoE;
 - leave one source out (moe_loso_mean_abs_error): each MoE source (its `source` column: one container release) with
   the efficiencies fitted on every other source, dense and MoE;
@@ -69,6 +71,11 @@ INTERVALS_FILE = REPO / "planner" / "prediction_error.py"
 # predicted seconds (time_breakdown) are taken off the step; nothing is fitted.
 STACK_HIDES = {"megatron-core": ("tensor_parallel", "context_parallel", "data_parallel")}
 
+# Stacks whose grouped GEMM runs the routed experts in the training precision (fp8, nvfp4), where zplan's runtime runs
+# them in the compute dtype: Megatron-Core's grouped expert MLP is Transformer Engine's GroupedLinear, inside the fp8 /
+# fp4 autocast of its recipes. Such a row's experts are priced at the GEMM peak (ExpertsSummary.gemm_peak); not fitted.
+STACK_LOW_PRECISION_EXPERTS = {"megatron-core"}
+
 
 # A stack's attention kernel against the profile's flash figure (cuDNN / Transformer Engine's fused attention in
 # Megatron-Core, FlashAttention versions, Triton kernels): its speed relative to efficiency.attention, fitted per stack
@@ -78,13 +85,15 @@ ATTENTION_FACTORS = [round(0.5 + 0.1 * i, 1) for i in range(16)]  # 0.5 .. 2.0
 
 def predict(run: ReferenceRun) -> dict:
     """step_s: iteration seconds of the run's configuration on zplan's profile; predicted_s: those seconds less what
-    its stack hides; attention_s: the attention core's seconds in them; fits: whether zplan's memory model fits the
-    configuration in the GPU's memory. The attention seconds are what the step gains when the profile's flash
-    efficiency is halved, the configuration held (micro-batch and recompute pinned to the first estimate's): the step
-    is linear in 1 / efficiency.attention. Profiles with no flash figure (the GEMM curve) give 0."""
-    request = prepare(run.spec, run.gpus, run.cluster, run.global_batch, None, run.precision, run.pins)
+    its stack and its recipe (run.recipe_hides) hide; attention_s: the attention core's seconds in them; fits: whether
+    zplan's memory model fits the configuration in the GPU's memory. The attention seconds are what the step gains
+    when the profile's flash efficiency is halved, the configuration held (micro-batch and recompute pinned to the first
+    estimate's): the step is linear in 1 / efficiency.attention. Profiles with no flash figure (the GEMM curve) give
+    0."""
+    request = with_stack_experts(
+        run, prepare(run.spec, run.gpus, run.cluster, run.global_batch, None, run.precision, run.pins))
     estimate = estimate_config(request)
-    hidden = sum(estimate["time_breakdown"][part] for part in STACK_HIDES.get(run.stack, ()))
+    hidden = sum(estimate["time_breakdown"][part] for part in (*STACK_HIDES.get(run.stack, ()), *run.recipe_hides))
     flash = request.cluster.efficiency.attention
     step = estimate["step_time_s"]
     config = estimate["config"]
@@ -101,6 +110,16 @@ def predict(run: ReferenceRun) -> dict:
         cluster=request.cluster.model_copy(
             update={"efficiency": request.cluster.efficiency.model_copy(update={"attention": flash / 2})}))
     return {**result, "attention_s": estimate_config(slower)["step_time_s"] - step}
+
+
+def with_stack_experts(run: ReferenceRun, request):
+    """`request` with its routed experts at the GEMM peak where the run's stack runs them in its fp8 / fp4
+    (STACK_LOW_PRECISION_EXPERTS); as is for a dense model, another stack or a 16-bit run."""
+    experts = request.summary.experts
+    if experts is None or run.stack not in STACK_LOW_PRECISION_EXPERTS or run.precision not in ("fp8", "nvfp4"):
+        return request
+    return replace(request, summary=request.summary.model_copy(
+        update={"experts": experts.model_copy(update={"gemm_peak": True})}))
 
 
 def memory_fit(run: ReferenceRun, request, estimate: dict) -> dict:
@@ -261,7 +280,8 @@ def moe_row(run: ReferenceRun, predicted: dict) -> dict:
             "printed_over_traced_flops_per_token": (run.published_flops_per_token / (
                 summary.fwd_flops_per_sample * (1.0 + BACKWARD_OVER_FORWARD) / summary.seq_len)
                 if run.published_flops_per_token else None),
-            "caveat": run.caveat}
+            "caveat": run.caveat, "assumed": run.assumed,
+            "experts_at_gemm_peak": bool(summary.experts is not None and summary.experts.gemm_peak)}
 
 
 def predicted_rows(runs: list[ReferenceRun], refused: dict[str, str], make_row) -> list[dict]:
@@ -448,6 +468,10 @@ def print_moe(result: dict) -> None:
               + (f"; printed/traced FLOPs a token {r['printed_over_traced_flops_per_token']:.2f}"
                  if r["printed_over_traced_flops_per_token"] else "")
               + "".join(f"; MISMATCH {m}" for m in r["params_mismatch"]) + (f"; {r['caveat']}" if r["caveat"] else ""))
+        if r["assumed"] or r["experts_at_gemm_peak"]:
+            print("    priced with: " + "; ".join(
+                [*(["routed experts at the fp8 / fp4 GEMM peak (STACK_LOW_PRECISION_EXPERTS)"]
+                   if r["experts_at_gemm_peak"] else []), *([r["assumed"]] if r["assumed"] else [])]))
     for label, reason in result["moe_refused"].items():
         print(f"  not expressible: {label}: {reason}")
     print("  by source (leave-one-source-out |error| and signed mean, + slower than measured | in sample):")

@@ -1,13 +1,28 @@
 """GPT-OSS's architecture from transformers' GptOssConfig, for zplan to trace on the meta device: attention with
-sinks (eager: transformers gives it no sdpa path) alternating a 128-token sliding window with full attention, head_dim
+sinks (fused, as Megatron-Core runs it: fused_attention_with_sinks) alternating a 128-token sliding window with full
+attention, head_dim
 64, every layer a MoE layer of clamped-SwiGLU experts with biases. The defaults are GPT-OSS-120B's public config.json
 (36 layers, hidden 2880, 64 heads, 8 KV heads, 128 experts, top-4, expert FFN 2880, vocabulary 201088);
 benchmarks/reference_runs.py passes each MoE row's sizes."""
 
+import torch
 import transformers
 
 SEQ_LEN = 4096
-ATTENTION = "eager"  # transformers gives GPT-OSS no sdpa path (attention sinks)
+ATTENTION = "fused_with_sinks"
+
+
+def fused_attention_with_sinks(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The attention core as Megatron-Core runs GPT-OSS, one fused kernel (Transformer Engine's cuDNN attention, which
+    takes the sinks): traced as torch's SDPA, causal, its K/V heads grouped. transformers' own path for GPT-OSS is eager
+    (no sdpa path: the sinks), which would price the (s, s) scores through HBM. Not priced: each head's sink (one more
+    logit in every softmax denominator) and the sliding layers' shorter window (priced as full causal layers)."""
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+                                                           enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+transformers.AttentionInterface.register(ATTENTION, fused_attention_with_sinks)
 
 
 def build_model(layers=36, dense_layers=0, hidden=2880, heads=64, kv_heads=8, dense_ffn=None, routed_experts=128,

@@ -105,13 +105,16 @@ def block_time_s(
     core = b * attention_core_fwd_flops(model) * ((1.0 + BACKWARD_OVER_FORWARD) + (cand.recompute > 0))
     flops = b * ((1.0 + BACKWARD_OVER_FORWARD) * model.block_fwd_flops + recompute_fwd_flops(model, cand.recompute))
     # Routed experts: every tp rank runs them whole on all its tokens (tp splits only the Linears), at the compute
-    # dtype's peak (fp8 training converts Linears only), their GEMMs as large as one expert's share of the tokens of
+    # dtype's peak (zplan's fp8 and nvfp4 convert Linears only; a stack whose grouped GEMM runs them in fp8, as
+    # Transformer Engine's does, at the GEMM peak: ExpertsSummary.gemm_peak, their casts fused into the token
+    # permutation and the activation, so no cast bytes), their GEMMs as large as one expert's share of the tokens of
     # the ep ranks that send it theirs (balanced routing)
     experts = b * model.block_expert_fwd_flops * ((1.0 + BACKWARD_OVER_FORWARD) + (cand.recompute == 2))
     expert_tokens = b * model.seq_len * model.top_k * cand.ep / max(model.num_experts, 1)
     expert_eff = gemm_efficiency(2.0 * expert_tokens * model.hidden * model.expert_ffn_hidden, cluster)
     busiest = model.busiest_rank(cand.ep)  # the step waits for the rank with the most routed tokens
-    experts_s = busiest * experts / (peak * expert_eff) if model.block_expert_fwd_flops > 0 else 0.0
+    expert_peak = gemm_peak if model.experts_at_gemm_peak else peak
+    experts_s = busiest * experts / (expert_peak * expert_eff) if model.block_expert_fwd_flops > 0 else 0.0
     attention = cluster.efficiency.attention
     unfused = model.block_attention_core_bytes > 0  # batched GEMMs and a softmax streamed through HBM
     attention_eff = eff if attention is None or unfused else attention

@@ -138,6 +138,26 @@ def test_routing_imbalance_slows_the_busiest_expert_parallel_rank_only():
         assert (slower > 0) == (ep > 1)
 
 
+def test_experts_at_the_gemm_peak_save_their_flops_at_the_bf16_peak_less_those_at_the_fp8_peak():
+    """ExpertsSummary.gemm_peak (a stack whose grouped GEMM runs the experts in fp8): the experts' forward + backward
+    FLOPs move from the bf16 peak to the fp8 peak at the same efficiency, and nothing else in the block changes;
+    under bf16 the flag changes nothing (both peaks are bf16's)."""
+    from dataclasses import replace
+
+    from zplan.planner.cost.compute import block_time_s, gemm_efficiency
+
+    cand = one(ep=8)
+    as_linears, at_peak = moe_numbers(), replace(moe_numbers(), experts_at_gemm_peak=True)
+    expert_tokens = S * K * 8 / E  # one expert's share of the tokens of the 8 ep ranks
+    eff = gemm_efficiency(np.array([2.0 * expert_tokens * H * F]), H100)[0]
+    flops = 3.0 * 2.0 * S * K * 3 * H * F  # forward + backward of the routed experts, one sample
+    saved = flops / eff * (1.0 / H100.gpu.peak_bf16_flops - 1.0 / H100.gpu.peak_fp8_flops)
+    fp8_gain = block_time_s(as_linears, cand, H100, "fp8")[0] - block_time_s(at_peak, cand, H100, "fp8")[0]
+    assert fp8_gain == pytest.approx(saved)
+    bf16 = block_time_s(as_linears, cand, H100, "bf16")[0]
+    assert block_time_s(at_peak, cand, H100, "bf16")[0] == pytest.approx(bf16)
+
+
 @pytest.mark.parametrize("value, words", [(0.5, "outside 1 \\(balanced\\) .. 2"), (3.0, "outside 1")])
 def test_an_imbalance_out_of_range_is_refused(tiny_moe, value, words):
     from zplan.api import with_routing_imbalance
