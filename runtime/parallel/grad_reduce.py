@@ -22,6 +22,7 @@ without find_unused_parameters, it expects every parameter to get a gradient in 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -62,7 +63,7 @@ class GradientReducer:
                         *_buckets(routed, bucket_bytes, expert_group, world)]
         for bucket in self.buckets:
             for p in bucket.params:
-                p.register_post_accumulate_grad_hook(lambda p, bucket=bucket: self._gradient_in(bucket))
+                p.register_post_accumulate_grad_hook(_counting_hook(self, bucket))
         setattr(module, _ATTRIBUTE, self)
 
     def _gradient_in(self, bucket: _Bucket) -> None:
@@ -88,6 +89,20 @@ class GradientReducer:
             if bucket.work is not None:
                 bucket.work.wait()
             bucket.ready, bucket.work = 0, None
+
+
+def _counting_hook(reducer: GradientReducer, bucket: _Bucket):
+    """A parameter's post-accumulate-grad hook: reducer._gradient_in(bucket), holding both weakly. The hook lives in
+    the parameter's C++ autograd state, where the garbage collector cannot see it: a strong reference to the bucket
+    (which lists the parameter) would keep the parameters, their meshes and so their process groups alive for good once
+    the model is dropped (runtime.launch.distributed.close_distributed counts them). The module holds the reducer."""
+    reducer_ref, bucket_ref = weakref.ref(reducer), weakref.ref(bucket)
+
+    def hook(_param: nn.Parameter) -> None:
+        reducer_now, bucket_now = reducer_ref(), bucket_ref()
+        if reducer_now is not None and bucket_now is not None:
+            reducer_now._gradient_in(bucket_now)
+    return hook
 
 
 def _buckets(params: list[nn.Parameter], bucket_bytes: int, group: dist.ProcessGroup, divisor: int) -> list[_Bucket]:

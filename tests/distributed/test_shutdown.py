@@ -3,9 +3,10 @@
 A gloo worker that frees a finished collective's tensor after the interpreter began to exit aborts the process
 ("terminate called without an active exception"; runtime/launch/distributed.py explains the path). close_distributed
 prevents it by destroying each process group, and so joining its workers, on the main thread before the exit.
-torch's DTensor caches keep device meshes, and through them the groups, alive: this test runs real plans
-(ZeRO-3 through FSDP2, tensor parallel through DTensor, a pipeline, ZeRO-1, the tensor-parallel inference
-engine) on 2 ranks each, and after the close checks that no process group is alive and that the process has no
+torch's DTensor caches keep device meshes, and through them the groups, alive, and so would a parameter hook that
+held its parameter (the garbage collector cannot see hooks): this test runs real plans (ZeRO-3 through FSDP2, tensor
+parallel through DTensor with ZeRO-1's gradient reducer and with FSDP2, a pipeline, ZeRO-1, the tensor-parallel
+inference engine) on 2 ranks each, and after the close checks that no process group is alive and that the process has no
 more native threads than before it joined one. (That the abort is gone is
 measured by benchmarks/shutdown_stress.py: 50 runs of each emitted program; the stress is too slow for here.)
 """
@@ -25,7 +26,8 @@ BIN = Path(sys.executable).parent
 
 TRAINING_PINS = {
     "zero3": ["--zero", "3", "--dp", "2"],
-    "tp2": ["--tp", "2", "--dp", "1"],
+    "tp2": ["--tp", "2", "--dp", "1", "--zero", "1"],  # the gradient reducer's hooks (runtime.parallel.grad_reduce)
+    "tp2-zero3": ["--tp", "2", "--dp", "1", "--zero", "3"],  # FSDP2 over DTensor
     "pp2": ["--pp", "2", "--tp", "1", "--dp", "1"],
     "zero1": ["--zero", "1", "--dp", "2"],
 }
