@@ -73,7 +73,8 @@ STACK_HIDES = {"megatron-core": ("tensor_parallel", "context_parallel", "data_pa
 
 # Stacks whose grouped GEMM runs the routed experts in the training precision (fp8, nvfp4), where zplan's runtime runs
 # them in the compute dtype: Megatron-Core's grouped expert MLP is Transformer Engine's GroupedLinear, inside the fp8 /
-# fp4 autocast of its recipes. Such a row's experts are priced at the GEMM peak (ExpertsSummary.gemm_peak); not fitted.
+# fp4 autocast of its recipes. Such a row's experts are priced at the GEMM peak (ExpertsSummary.at_gemm_peak); not
+# fitted.
 STACK_LOW_PRECISION_EXPERTS = {"megatron-core"}
 
 
@@ -119,7 +120,7 @@ def with_stack_experts(run: ReferenceRun, request):
     if experts is None or run.stack not in STACK_LOW_PRECISION_EXPERTS or run.precision not in ("fp8", "nvfp4"):
         return request
     return replace(request, summary=request.summary.model_copy(
-        update={"experts": experts.model_copy(update={"gemm_peak": True})}))
+        update={"experts": experts.model_copy(update={"at_gemm_peak": True})}))
 
 
 def memory_fit(run: ReferenceRun, request, estimate: dict) -> dict:
@@ -281,7 +282,7 @@ def moe_row(run: ReferenceRun, predicted: dict) -> dict:
                 summary.fwd_flops_per_sample * (1.0 + BACKWARD_OVER_FORWARD) / summary.seq_len)
                 if run.published_flops_per_token else None),
             "caveat": run.caveat, "assumed": run.assumed,
-            "experts_at_gemm_peak": bool(summary.experts is not None and summary.experts.gemm_peak)}
+            "experts_at_gemm_peak": bool(summary.experts is not None and summary.experts.at_gemm_peak)}
 
 
 def predicted_rows(runs: list[ReferenceRun], refused: dict[str, str], make_row) -> list[dict]:

@@ -78,10 +78,10 @@ class ExpertsSummary(BaseModel):
     imbalance: float = Field(default=1.0, ge=1.0, description="Routing assumed: the tokens of the busiest expert-"
                              "parallel rank over the mean (1: balanced, as the published benchmarks force it; "
                              "--moe-imbalance).")
-    gemm_peak: bool = Field(default=False, description="Whether the experts' GEMMs run at the training precision's "
-                            "GEMM peak (fp8, nvfp4), as Transformer Engine's grouped GEMM runs them under "
-                            "Megatron-Core's fp8 and fp4 recipes; False: at the compute dtype's, as zplan's runtime "
-                            "runs them (its fp8 and nvfp4 convert nn.Linear only).")
+    at_gemm_peak: bool = Field(default=False, description="Whether the experts' GEMMs run at the training "
+                               "precision's GEMM peak (fp8, nvfp4), as Transformer Engine's grouped GEMM runs them "
+                               "under Megatron-Core's fp8 and fp4 recipes; False: at the compute dtype's, as zplan's "
+                               "runtime runs them (its fp8 and nvfp4 convert nn.Linear only).")
 
     def describe(self) -> str:
         """'8 routed experts of FFN 14336, top-2, in 32 blocks', for the reports."""

@@ -106,7 +106,7 @@ def block_time_s(
     flops = b * ((1.0 + BACKWARD_OVER_FORWARD) * model.block_fwd_flops + recompute_fwd_flops(model, cand.recompute))
     # Routed experts: every tp rank runs them whole on all its tokens (tp splits only the Linears), at the compute
     # dtype's peak (zplan's fp8 and nvfp4 convert Linears only; a stack whose grouped GEMM runs them in fp8, as
-    # Transformer Engine's does, at the GEMM peak: ExpertsSummary.gemm_peak, their casts fused into the token
+    # Transformer Engine's does, at the GEMM peak: ExpertsSummary.at_gemm_peak, their casts fused into the token
     # permutation and the activation, so no cast bytes), their GEMMs as large as one expert's share of the tokens of
     # the ep ranks that send it theirs (balanced routing)
     experts = b * model.block_expert_fwd_flops * ((1.0 + BACKWARD_OVER_FORWARD) + (cand.recompute == 2))

@@ -139,7 +139,7 @@ def test_routing_imbalance_slows_the_busiest_expert_parallel_rank_only():
 
 
 def test_experts_at_the_gemm_peak_save_their_flops_at_the_bf16_peak_less_those_at_the_fp8_peak():
-    """ExpertsSummary.gemm_peak (a stack whose grouped GEMM runs the experts in fp8): the experts' forward + backward
+    """ExpertsSummary.at_gemm_peak (a stack whose grouped GEMM runs the experts in fp8): the experts' forward + backward
     FLOPs move from the bf16 peak to the fp8 peak at the same efficiency, and nothing else in the block changes;
     under bf16 the flag changes nothing (both peaks are bf16's)."""
     from dataclasses import replace

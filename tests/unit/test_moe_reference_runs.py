@@ -91,7 +91,7 @@ def test_the_deepseek_row_traces_to_its_printed_parameters(tmp_path):
 
 def test_megatron_core_fp8_rows_price_their_experts_at_the_gemm_peak_and_no_other_row_does(tmp_path):
     """validate_cost_model.with_stack_experts: Transformer Engine's grouped GEMM runs Megatron-Core's experts inside
-    its fp8 autocast, so such a row's ExpertsSummary.gemm_peak is set; a bf16 row, another stack or a dense model
+    its fp8 autocast, so such a row's ExpertsSummary.at_gemm_peak is set; a bf16 row, another stack or a dense model
     keeps the summary as traced (zplan's runtime converts nn.Linear only)."""
     from dataclasses import replace
 
@@ -104,8 +104,8 @@ def test_megatron_core_fp8_rows_price_their_experts_at_the_gemm_peak_and_no_othe
     moe_file = str(Path(examples_init).parent / "moe.py")
     request = prepare(moe_file, 8, "dgx-h100", 8, 64, "fp8", Pins())
     fp8_run = moe_run(ROW, "row", tmp_path, 0)
-    assert request.summary.experts.gemm_peak is False
-    assert with_stack_experts(fp8_run, request).summary.experts.gemm_peak is True
+    assert request.summary.experts.at_gemm_peak is False
+    assert with_stack_experts(fp8_run, request).summary.experts.at_gemm_peak is True
     assert with_stack_experts(replace(fp8_run, precision="bf16"), request) is request
     assert with_stack_experts(replace(fp8_run, stack="fsdp2"), request) is request
     dense = prepare(str(Path(examples_init).parent / "gpt.py"), 8, "dgx-h100", 8, 64, "fp8", Pins())
