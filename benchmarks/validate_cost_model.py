@@ -469,10 +469,10 @@ def print_moe(result: dict) -> None:
               + (f"; printed/traced FLOPs a token {r['printed_over_traced_flops_per_token']:.2f}"
                  if r["printed_over_traced_flops_per_token"] else "")
               + "".join(f"; MISMATCH {m}" for m in r["params_mismatch"]) + (f"; {r['caveat']}" if r["caveat"] else ""))
-        if r["assumed"] or r["experts_at_gemm_peak"]:
-            print("    priced with: " + "; ".join(
-                [*(["routed experts at the fp8 / fp4 GEMM peak (STACK_LOW_PRECISION_EXPERTS)"]
-                   if r["experts_at_gemm_peak"] else []), *([r["assumed"]] if r["assumed"] else [])]))
+        notes = (["routed experts at the fp8 / fp4 GEMM peak (STACK_LOW_PRECISION_EXPERTS)"]
+                 if r["experts_at_gemm_peak"] else []) + ([r["assumed"]] if r["assumed"] else [])
+        if notes:
+            print("    priced with: " + "; ".join(notes))
     for label, reason in result["moe_refused"].items():
         print(f"  not expressible: {label}: {reason}")
     print("  by source (leave-one-source-out |error| and signed mean, + slower than measured | in sample):")

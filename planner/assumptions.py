@@ -20,7 +20,7 @@ from zplan.planner.cost.memory import (
     PARAM_BYTES,
 )
 from zplan.planner.cost.memory_activations import LOSS_PARALLEL_BYTES_PER_LOGIT
-from zplan.planner.cost.step import ADAM_BYTES_PER_PARAM, CLIP_PASSES
+from zplan.planner.cost.step import ADAM_BYTES_PER_PARAM, CLIP_NORM_PASSES, CLIP_PASSES
 from zplan.schemas.cluster import ClusterSpec
 from zplan.schemas.model import ModelSummary
 from zplan.schemas.plan import Assumption
@@ -126,7 +126,8 @@ def assumptions(cluster: ClusterSpec, summary: ModelSummary, train: TrainSpec) -
             f"in fp32, DDP buckets of {DDP_BUCKET_BYTES // 2**20} MiB") + (
             ", overlapped with the backward" if cluster.overlaps_comm_with_compute
             else ", after the backward (no overlap)"), "torch DDP / FSDP2 defaults"),
-        ("GPU optimizer phase", f"gradient clipping streams {CLIP_PASSES:.0f}x the gradients' bytes on the GPU, AdamW "
+        ("GPU optimizer phase", f"gradient clipping streams {CLIP_PASSES:.0f}x the gradients' bytes on the GPU "
+                                f"({CLIP_NORM_PASSES:.0f}x with 16-bit parameters, whose step unscales), AdamW "
                                 f"{ADAM_BYTES_PER_PARAM:.0f} bytes per parameter of its shard; the runtime's optimizer "
                                 "phase took 2.4x the AdamW bytes alone for 0.95B parameters under FSDP2 on one H200 "
                                 "(measured before the clipping was priced: it adds up to 12 bytes a parameter, 1.4x)",

@@ -122,7 +122,7 @@ def place(cand: Candidates, est: StepEstimate, cluster: ClusterSpec, train: Trai
         nvme_bytes_per_node=result.nvme_bytes * cluster.gpus_per_node,
         offload_s=result.total_transfer_s,
         optimizer_s=(float(gpu_adam_step_s(optim_params, cluster)) if on_gpu["optimizer"] else 0.0)
-        + (float(gradient_clip_s(grads, cluster)) if on_gpu["grads"] else 0.0),
+        + (float(gradient_clip_s(grads, sixteen_bit, cluster)) if on_gpu["grads"] else 0.0),
         feasible=result.feasible,
     )
 

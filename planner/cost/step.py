@@ -31,9 +31,9 @@ Compression (--compress; planner/cost/compression.py): int8 or 1-bit gradients r
 the runtime's compressed all-to-all + all-gather, not overlapped, plus its quantizing passes; int8 weights shrink
 ZeRO-3's all-gathers and add their dequantizing, exposed; int8 activations shrink the stage-to-stage sends and add
 their encoding and decoding.
-Optimizer: gradient clipping streams CLIP_PASSES x the gradients' bytes on the GPU and AdamW ADAM_BYTES_PER_PARAM per
-parameter of the shard it steps, at memory bandwidth, plus the host cost of OPTIMIZER_STEP_OPS aten ops (clipping,
-the fused step, zero_grad).
+Optimizer: gradient clipping streams CLIP_PASSES (16-bit parameters: CLIP_NORM_PASSES) x the gradients' bytes on the
+GPU and AdamW ADAM_BYTES_PER_PARAM per parameter of the shard it steps, at memory bandwidth, plus the host cost of
+OPTIMIZER_STEP_OPS aten ops (clipping, the fused step, zero_grad).
 Offload: planner/cost/offload.py (ZeRO-Offload / ZeRO-Infinity traffic, not overlapped).
 """
 
@@ -66,15 +66,19 @@ from zplan.planner.cost.memory import (
     blocks_per_stage,
     element_bytes,
     memory_per_gpu,
+    sixteen_bit_states,
 )
 from zplan.planner.cost.offload import offload_time_s
 from zplan.schemas.cluster import ClusterSpec
 from zplan.schemas.pipeline_schedule import bubble_stage_times
 
 ADAM_BYTES_PER_PARAM = 30.0  # reads fp32 w, g, m, v (16) + writes w, m, v (12) + 16-bit copy (2)
-# clip_grad_norm_ (runtime/optim/grad_norm.py, at the default GRAD_CLIP): the norm reads every gradient the GPU holds
-# (the whole gradient under ZeRO 0/1, the shard under 2/3: memory.gradients) once, the scaling reads and writes it
+# Clipping at the default GRAD_CLIP (runtime.training.step.optimizer_step) passes over every gradient the GPU holds (the
+# whole gradient under ZeRO 0/1, the shard under 2/3: memory.gradients): clip_grad_norm_ reads it for the norm and
+# reads and writes it to scale it; with 16-bit parameters (sixteen_bit_states) only the norm reads it, the step divides
+# by the clipping factor as it reads the gradient (ShardedAdamW.grad_divisor)
 CLIP_PASSES = 3.0
+CLIP_NORM_PASSES = 1.0
 # clip_grad_norm_ (8: _foreach_norm, stack, norm, add, reciprocal, mul, clamp, _foreach_mul_), fused AdamW (4),
 # zero_grad (2); counted with a TorchDispatchMode on torch 2.13, independent of the parameter count.
 OPTIMIZER_STEP_OPS = 14
@@ -139,9 +143,11 @@ def gpu_adam_step_s(params: np.ndarray | float, cluster: ClusterSpec) -> np.ndar
     return params * ADAM_BYTES_PER_PARAM / (cluster.gpu.hbm_bandwidth_Bps * cluster.efficiency.memory_bound)
 
 
-def gradient_clip_s(gradient_bytes: np.ndarray, cluster: ClusterSpec) -> np.ndarray:
-    """Clipping the gradients on the GPU is memory-bound: CLIP_PASSES over their bytes."""
-    return CLIP_PASSES * gradient_bytes / (cluster.gpu.hbm_bandwidth_Bps * cluster.efficiency.memory_bound)
+def gradient_clip_s(gradient_bytes: np.ndarray, sixteen_bit: np.ndarray | bool, cluster: ClusterSpec) -> np.ndarray:
+    """Clipping the gradients on the GPU is memory-bound: CLIP_PASSES over their bytes, CLIP_NORM_PASSES where the
+    parameters are 16-bit."""
+    passes = np.where(sixteen_bit, CLIP_NORM_PASSES, CLIP_PASSES)
+    return passes * gradient_bytes / (cluster.gpu.hbm_bandwidth_Bps * cluster.efficiency.memory_bound)
 
 
 def fsdp_units(model: ModelNumbers, cand: Candidates) -> np.ndarray:
@@ -287,8 +293,8 @@ def estimate_step(
 
     shard = memory.stage_shard_params  # the parameters this rank's optimizer steps
     offload_s = offload_time_s(cand, params_gpu, m, cluster, precision, memory.parameters_offloaded)
-    optimizer_s = np.where(cand.offload == 0, gpu_adam_step_s(shard, cluster) + gradient_clip_s(memory.gradients,
-                                                                                               cluster), 0.0)
+    clip_s = gradient_clip_s(memory.gradients, sixteen_bit_states(cand.zero, precision, cand.grad_compress), cluster)
+    optimizer_s = np.where(cand.offload == 0, gpu_adam_step_s(shard, cluster) + clip_s, 0.0)
     optimizer_s = optimizer_s + OPTIMIZER_STEP_OPS * cluster.host_overheads.op_s
 
     compute_s = m * compute_mb

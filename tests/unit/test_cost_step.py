@@ -74,17 +74,19 @@ def test_step_time_is_the_sum_of_its_parts_and_mfu_is_model_flops_over_peak():
     assert est.num_micro_batches[0] == 32 / (2 * 2)
 
 
-@pytest.mark.parametrize("zero, grad_bytes", [(1, 2.0), (3, 4.0 / 4)])  # bf16 ZeRO 1: 16-bit, whole; ZeRO 3: fp32 / dp
-def test_the_optimizer_phase_clips_the_gradients_the_gpu_holds_and_steps_its_shard(zero, grad_bytes):
-    """Clipping reads every gradient on the GPU for the norm and reads and writes it to scale it (3 passes over the
-    gradients' bytes: the whole gradient under ZeRO 1, the fp32 shard under ZeRO 3); AdamW streams 30 bytes per
-    parameter of the shard it steps (ZeRO 1 and 3 alike: 1 / dp); on A100 host ops cost nothing."""
+# bf16 ZeRO 1: 16-bit gradients, whole, read once for the norm (the step unscales them); ZeRO 3: the fp32 shard
+# (1 / dp), read for the norm, then read and written to scale it
+@pytest.mark.parametrize("zero, clip_bytes", [(1, 1 * 2.0), (3, 3 * 4.0 / 4)])
+def test_the_optimizer_phase_clips_the_gradients_the_gpu_holds_and_steps_its_shard(zero, clip_bytes):
+    """Clipping streams the gradients the GPU holds as runtime.training.step.optimizer_step clips them (bytes per
+    parameter: clip_bytes); AdamW streams 30 bytes per parameter of the shard it steps (ZeRO 1 and 3 alike: 1 / dp); on
+    A100 host ops cost nothing."""
     model = _uniform_model()
     cand = Candidates.single(tp=1, pp=1, dp=4, micro_batch=1, zero=zero, recompute=0, sp=0, interleave=1, offload=0)
     est = estimate_step(model, cand, A100, "bf16", global_batch=8)
     params = 16 * 12.0 * 2048 * 2048  # the blocks' (no embedding or head)
     bandwidth = A100.gpu.hbm_bandwidth_Bps * A100.efficiency.memory_bound
-    assert est.optimizer_s[0] == pytest.approx((3 * grad_bytes * params + 30 * params / 4) / bandwidth)
+    assert est.optimizer_s[0] == pytest.approx((clip_bytes * params + 30 * params / 4) / bandwidth)
 
 
 def test_full_recompute_costs_one_more_forward():
