@@ -10,6 +10,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from zplan.codegen.context import format_seconds
 from zplan.errors import ZplanError, validation_message
 from zplan.safe_files import UnsafeFileError, read_capped
 from zplan.schemas.alternatives import ALTERNATIVES_FILE, Alternatives, InferenceAlternatives
@@ -191,16 +192,9 @@ def interval_words(interval: PredictionInterval | None) -> str:
     return f"; {interval.level:.0%}: {low:.3f} - {high:.3f} s ({interval.regime}, {runs})"
 
 
-def _ms(seconds: float) -> str:
-    """Microseconds below a millisecond, milliseconds below a second, else seconds ('45.7 us', '12.0 ms')."""
-    if 0 < seconds < 1e-3:
-        return f"{seconds * 1e6:.1f} us"
-    return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:,.2f} s"
-
-
 def serving_interval_words(interval: ServingInterval) -> str:
     """'TTFT 70.1 - 90.2 ms, TPOT ..., request ...; 1,100.0 - 1,500.0 tokens/s (87 published TensorRT-LLM runs)'."""
-    parts = ", ".join(f"{name} {_ms(low)} - {_ms(high)}" for name, (low, high) in (
+    parts = ", ".join(f"{name} {format_seconds(low)} - {format_seconds(high)}" for name, (low, high) in (
         ("TTFT", interval.ttft_s), ("TPOT", interval.tpot_s), ("request", interval.request_latency_s)))
     low, high = interval.tokens_per_s
     runs = f"{interval.runs} published TensorRT-LLM runs" + ("" if interval.basis == "validation"
@@ -220,12 +214,14 @@ def print_inference_summary(console: Console, plan: InferencePlan, alternatives:
                              f"{plan.spec.prompt_len} + {plan.spec.gen_len} generated tokens")
     table.add_row("plan", f"{par.replicas} replica(s) x tp={par.tp}, {par.weight_precision} weights on "
                           f"{par.weight_tier}, {par.compute_dtype} compute")
-    table.add_row("latency", f"TTFT {_ms(pred.ttft_s)}, TPOT {_ms(pred.tpot_s)}, request {_ms(pred.request_latency_s)}")
+    table.add_row("latency", f"TTFT {format_seconds(pred.ttft_s)}, TPOT {format_seconds(pred.tpot_s)}, request "
+                             f"{format_seconds(pred.request_latency_s)}")
     table.add_row("throughput", f"{pred.tokens_per_s:,.1f} tokens/s")
     if pred.interval is not None:
         table.add_row(f"{pred.interval.level:.0%} interval", serving_interval_words(pred.interval))
-    table.add_row("decode step", f"weights {_ms(t.decode_weights_s)}, KV {_ms(t.decode_kv_s)}, compute "
-                                 f"{_ms(t.decode_compute_s)}, TP {_ms(t.decode_tp_s)}, stream {_ms(t.decode_stream_s)}")
+    table.add_row("decode step", f"weights {format_seconds(t.decode_weights_s)}, KV {format_seconds(t.decode_kv_s)}, "
+                                 f"compute {format_seconds(t.decode_compute_s)}, TP {format_seconds(t.decode_tp_s)}, "
+                                 f"stream {format_seconds(t.decode_stream_s)}")
     table.add_row("memory/GPU", f"{mem.total / GiB:.1f} of {mem.capacity / GiB:.1f} GiB (weights "
                                 f"{mem.weights / GiB:.1f}, KV cache {mem.kv_cache / GiB:.1f}, activations "
                                 f"{mem.activations / GiB:.2f})")
@@ -238,16 +234,17 @@ def print_inference_summary(console: Console, plan: InferencePlan, alternatives:
 def print_inference_explanation(console: Console, plan: InferencePlan, alternatives: InferenceAlternatives) -> None:
     par, pred = plan.parallel, plan.prediction
     console.print(f"[bold]chosen:[/] {par.replicas} x tp={par.tp} {par.weight_precision} weights on "
-                  f"{par.weight_tier}, batch {plan.spec.batch}: TTFT {_ms(pred.ttft_s)}, TPOT {_ms(pred.tpot_s)}, "
+                  f"{par.weight_tier}, batch {plan.spec.batch}: TTFT {format_seconds(pred.ttft_s)}, TPOT "
+                  f"{format_seconds(pred.tpot_s)}, "
                   f"{pred.tokens_per_s:,.1f} tokens/s, {pred.memory.total / GiB:.1f} GiB/GPU")
     console.print(f"[bold]why:[/] {plan.reason}", highlight=False)
     table = Table(title=f"alternatives (target {plan.spec.target}, best first)")
     for col in ("#", "configuration", "TTFT", "TPOT", "tokens/s", "GiB/GPU", "fits", "note"):
         table.add_column(col)
     for i, c in enumerate(alternatives.alternatives, 1):
-        table.add_row(str(i), f"tp={c.tp} {c.weight_precision} {c.weight_tier}", _ms(c.ttft_s), _ms(c.tpot_s),
-                      f"{c.tokens_per_s:,.1f}", f"{c.memory_per_gpu_bytes / GiB:.1f}", "yes" if c.feasible else "no",
-                      c.note)
+        table.add_row(str(i), f"tp={c.tp} {c.weight_precision} {c.weight_tier}", format_seconds(c.ttft_s),
+                      format_seconds(c.tpot_s), f"{c.tokens_per_s:,.1f}", f"{c.memory_per_gpu_bytes / GiB:.1f}",
+                      "yes" if c.feasible else "no", c.note)
     console.print(table)
 
 
