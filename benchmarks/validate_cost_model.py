@@ -77,6 +77,13 @@ STACK_HIDES = {"megatron-core": ("tensor_parallel", "context_parallel", "data_pa
 # fitted.
 STACK_LOW_PRECISION_EXPERTS = {"megatron-core"}
 
+# Stacks that split a pipeline's blocks evenly over its stages, the embedding on the first and the head on the last,
+# where zplan's runtime balances the stages (planner.partition): Megatron-LM requires num_layers to divide by pp
+# (Narayanan et al. SC'21), and Megatron-Core does the same unless a recipe sets pipeline_model_parallel_layout or
+# account_for_embedding/loss_in_pipeline_split (then interleaved_partition's other case). Priced with that split
+# (estimate_config's uniform_stages); not fitted.
+STACK_UNIFORM_STAGES = {"megatron-2021", "megatron-core"}
+
 
 # A stack's attention kernel against the profile's flash figure (cuDNN / Transformer Engine's fused attention in
 # Megatron-Core, FlashAttention versions, Triton kernels): its speed relative to efficiency.attention, fitted per stack
@@ -93,7 +100,8 @@ def predict(run: ReferenceRun) -> dict:
     0."""
     request = with_stack_experts(
         run, prepare(run.spec, run.gpus, run.cluster, run.global_batch, None, run.precision, run.pins))
-    estimate = estimate_config(request)
+    uniform = run.stack in STACK_UNIFORM_STAGES
+    estimate = estimate_config(request, uniform)
     hidden = sum(estimate["time_breakdown"][part] for part in (*STACK_HIDES.get(run.stack, ()), *run.recipe_hides))
     flash = request.cluster.efficiency.attention
     step = estimate["step_time_s"]
@@ -110,7 +118,7 @@ def predict(run: ReferenceRun) -> dict:
                                                       "recompute": chosen["recompute"]}),
         cluster=request.cluster.model_copy(
             update={"efficiency": request.cluster.efficiency.model_copy(update={"attention": flash / 2})}))
-    return {**result, "attention_s": estimate_config(slower)["step_time_s"] - step}
+    return {**result, "attention_s": estimate_config(slower, uniform)["step_time_s"] - step}
 
 
 def with_stack_experts(run: ReferenceRun, request):
@@ -282,7 +290,8 @@ def moe_row(run: ReferenceRun, predicted: dict) -> dict:
                 summary.fwd_flops_per_sample * (1.0 + BACKWARD_OVER_FORWARD) / summary.seq_len)
                 if run.published_flops_per_token else None),
             "caveat": run.caveat, "assumed": run.assumed,
-            "experts_at_gemm_peak": bool(summary.experts is not None and summary.experts.at_gemm_peak)}
+            "experts_at_gemm_peak": bool(summary.experts is not None and summary.experts.at_gemm_peak),
+            "uniform_stages": run.stack in STACK_UNIFORM_STAGES and config["pp"] > 1 and config["interleave"] == 1}
 
 
 def predicted_rows(runs: list[ReferenceRun], refused: dict[str, str], make_row) -> list[dict]:
@@ -470,7 +479,9 @@ def print_moe(result: dict) -> None:
                  if r["printed_over_traced_flops_per_token"] else "")
               + "".join(f"; MISMATCH {m}" for m in r["params_mismatch"]) + (f"; {r['caveat']}" if r["caveat"] else ""))
         notes = (["routed experts at the fp8 / fp4 GEMM peak (STACK_LOW_PRECISION_EXPERTS)"]
-                 if r["experts_at_gemm_peak"] else []) + ([r["assumed"]] if r["assumed"] else [])
+                 if r["experts_at_gemm_peak"] else []) + (
+            ["the blocks split evenly over the stages, the head on the last (STACK_UNIFORM_STAGES)"]
+            if r["uniform_stages"] else []) + ([r["assumed"]] if r["assumed"] else [])
         if notes:
             print("    priced with: " + "; ".join(notes))
     for label, reason in result["moe_refused"].items():

@@ -58,12 +58,14 @@ def score(
 
 
 def partition_for(summary: ModelSummary, cand: Candidates, cluster: ClusterSpec, units: UnitCosts,
-                  est: StepEstimate) -> PartitionResult:
+                  est: StepEstimate, uniform: bool = False) -> PartitionResult:
     """Exact stage boundaries for one candidate; interleaved schedules keep Megatron's uniform chunks
-    (their memory was checked by the estimate, which counts the interleaved in-flight factor)."""
+    (their memory was checked by the estimate, which counts the interleaved in-flight factor), and so does every
+    pipeline where `uniform` (Megatron-Core's split without a layout: the blocks shared evenly, the embedding on the
+    first stage, the head on the last; the validation prices published Megatron runs so)."""
     pp, v = int(cand.pp[0]), int(cand.interleave[0])
     capacity = cluster.gpu.hbm_bytes - float(est.memory.reserve[0]) - float(est.memory.comm_buffers[0])
-    if v > 1:
+    if v > 1 or (uniform and pp > 1):
         return interleaved_partition(summary, units.time_s, pp * v)
     inflight = np.minimum(np.arange(pp, 0, -1), est.num_micro_batches[0]).astype(float)
     part = partition_layers(units.time_s, units.static_bytes, units.act_bytes, pp, capacity, inflight)
@@ -74,7 +76,8 @@ def partition_for(summary: ModelSummary, cand: Candidates, cluster: ClusterSpec,
 
 
 def interleaved_partition(summary: ModelSummary, unit_time_s: np.ndarray, chunks: int) -> PartitionResult:
-    """Megatron's interleaved layout. When the blocks divide by the chunks: an equal share each, the units before
+    """Megatron-Core's layout of `chunks` = pp x interleave pieces (no pipeline_model_parallel_layout). When the
+    blocks divide by the chunks: an equal share each, the units before
     the blocks joining the first chunk and those after them the last. Otherwise the embedding and the head count
     as one block each (Megatron-Core's account_for_embedding_in_pipeline_split and
     account_for_loss_in_pipeline_split): the L + 2 positions are split as evenly as they go, so the first chunk
@@ -95,12 +98,14 @@ def interleaved_partition(summary: ModelSummary, unit_time_s: np.ndarray, chunks
                            optimal=False, feasible=True, solver="uniform-interleaved")
 
 
-def refine(summary: ModelSummary, cand: Candidates, cluster: ClusterSpec, train: TrainSpec) -> Choice | None:
-    """Re-estimate one candidate with its exact partition; None when no partition fits memory."""
+def refine(summary: ModelSummary, cand: Candidates, cluster: ClusterSpec, train: TrainSpec,
+           uniform_stages: bool = False) -> Choice | None:
+    """Re-estimate one candidate with its exact partition (Megatron's uniform one where `uniform_stages`:
+    partition_for); None when no partition fits memory."""
     model = ModelNumbers.from_summary(summary)
     est = estimate_step(model, cand, cluster, train.precision, train.global_batch)
     units = unit_costs(summary, cand, cluster, train.precision)
-    part = partition_for(summary, cand, cluster, units, est)
+    part = partition_for(summary, cand, cluster, units, est, uniform_stages)
     if not part.feasible:
         return None
     v = int(cand.interleave[0])

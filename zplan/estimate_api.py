@@ -21,7 +21,7 @@ from zplan.schemas.plan import ParallelConfig, Prediction
 from zplan.schemas.spec import CompressionConfig, Pins
 
 
-def estimate_config(req: Request) -> dict:
+def estimate_config(req: Request, uniform_stages: bool = False) -> dict:
     """One fixed layout (tp, pp, [dp]), estimated as pinned: every pin is kept, and what is not pinned (micro-batch,
     recompute, ZeRO stage, ...) takes the fastest value that fits memory.
 
@@ -32,7 +32,9 @@ def estimate_config(req: Request) -> dict:
     pinned (where a layout without offload exists), and among what remains the least memory, so that an unpinned
     recompute, micro-batch, ZeRO stage, sequence parallel or interleave takes its least-memory value; it is marked
     infeasible, with `over_memory` (how far over, and the single changes that fit) and a warning.
-    `warnings`: strings, empty when none."""
+    `warnings`: strings, empty when none. `uniform_stages`: the pipeline split Megatron-Core makes without a layout
+    (planner.search.partition_for), where zplan's runtime balances the stages; the validation prices Megatron's
+    published runs so."""
     scored = _score_as_pinned(req)
     cand, est = scored.candidates, scored.estimate
     if len(scored.order):
@@ -40,7 +42,7 @@ def estimate_config(req: Request) -> dict:
     else:  # the closest configuration to the pins, marked infeasible
         best = _closest_as_pinned(cand, est, req.pins)
     one = cand.take(np.array([best]))
-    refined = refine(req.summary, one, req.cluster, req.train) if len(scored.order) else None
+    refined = refine(req.summary, one, req.cluster, req.train, uniform_stages) if len(scored.order) else None
     final = refined.estimate if refined is not None else estimate_step(
         ModelNumbers.from_summary(req.summary), one, req.cluster, req.train.precision, req.train.global_batch)
     pred = prediction(final, req.cluster)

@@ -105,3 +105,29 @@ def test_a_pinned_layout_over_memory_names_its_largest_term_and_the_fastest_chan
     change = {names[flag][0]: names[flag][1](value) for flag, value in zip(words[::2], words[1::2], strict=True)}
     fixed = pins.model_copy(update={**change, **({"dp": 8 // change["tp"]} if "tp" in change else {})})
     assert estimate_config(prepare(spec, 8, "dgx-a100-80g", 8, None, "bf16", fixed))["feasible"]
+
+
+def test_uniform_stages_price_megatrons_split_with_the_head_on_the_last_stage():
+    """estimate_config(uniform_stages=True) prices Megatron-Core's split without a layout: 8 blocks over pp 4 are 2
+    a stage, the embedding with the first and the head (a 64k vocabulary: several blocks' work) with the last,
+    whose cost is its 2 blocks plus the head, unit by unit; zplan's balanced split gives the head's stage fewer
+    blocks, so its step is shorter."""
+    from zplan.planner.cost.units import unit_costs
+
+    spec = "gpt:layers=8,hidden=1024,heads=16,seq=512,vocab=64000"
+    pins = Pins(tp=1, pp=4, dp=1, micro_batch=1, zero=0, interleave=1)
+    req = prepare(spec, 4, "dgx-a100-80g", 16, None, "bf16", pins)
+    scored = score(req.summary, req.cluster, req.gpus, req.train, req.pins)
+    one = scored.candidates.take(np.array([int(scored.order[0])]))
+    uniform = refine(req.summary, one, req.cluster, req.train, uniform_stages=True)
+    balanced = refine(req.summary, one, req.cluster, req.train)
+    kinds = [unit.kind for unit in req.summary.layers]
+    assert [kinds[a:b + 1].count("block") for a, b in uniform.partition.boundaries] == [2, 2, 2, 2]
+    assert uniform.partition.boundaries[-1][1] == len(kinds) - 1
+    time_s = unit_costs(req.summary, one, req.cluster, req.train.precision).time_s
+    first, last = uniform.partition.boundaries[-1]
+    assert uniform.partition.stage_cost_s[-1] == pytest.approx(float(time_s[first:last + 1].sum()))
+    assert [kinds[a:b + 1].count("block") for a, b in balanced.partition.boundaries][-1] < 2
+    assert uniform.estimate.step_time_s[0] > balanced.estimate.step_time_s[0]
+    as_pinned = estimate_config(req, uniform_stages=True)
+    assert as_pinned["step_time_s"] == pytest.approx(float(uniform.estimate.step_time_s[0]))
