@@ -76,6 +76,7 @@ class ReferenceRun:
     assumed: str = ""  # what the row does not print that it is priced with (optimizer sharding, precision)
     recompute_printed: bool = True  # False: the row prints no recompute (pinned none for its time)
     recipe_hides: tuple[str, ...] = ()  # time_breakdown parts its recipe hides beyond its stack (EP_OVERLAP_RECIPES)
+    dispatch: str = "all_to_all"  # ExpertsSummary.dispatch as its recipe runs it (PER_NODE_DISPATCH_RECIPES)
 
 
 def stack_of(source: str, data_parallel: str) -> str:
@@ -369,17 +370,37 @@ def moe_run(row: dict, label: str, model_dir: Path, index: int) -> ReferenceRun 
                         published_params_b=(float(row["total_params_b"]), float(row["active_params_b"])),
                         caveat=caveat, published_flops_per_token=float(row["tflops_per_gpu"]) * 1e12 / float(
                             row["tokens_per_s_per_gpu"]) if row.get("tflops_per_gpu", "").strip() else None,
-                        recompute_printed=False, **recipe_overlap(row))
+                        recompute_printed=False, **recipe_fields(row))
 
 
-def recipe_overlap(row: dict) -> dict:
-    """ReferenceRun fields for a row whose recipe overlaps the expert-parallel all-to-all (EP_OVERLAP_RECIPES): the part
-    hidden and what the row is priced with; {} for the others."""
-    recipe = EP_OVERLAP_RECIPES.get((row["source"], row["model"], row["gpu_type"], row["precision"]))
-    if recipe is None:
-        return {}
-    return {"recipe_hides": ("expert_parallel",),
-            "assumed": f"expert-parallel all-to-all overlapped with compute, as its recipe runs it ({recipe})"}
+# The MoE rows whose performance recipe dispatches the tokens per node where the ep group spans nodes: Megatron-Core's
+# flex token dispatcher with the HybridEP backend sends a token once to each other node that hosts any of its experts
+# and forwards it there over NVLink (HybridEP's own benchmark counts its RDMA bytes so: deepseek-ai/DeepEP, branch
+# hybrid-ep, tests/utils.py count_rdma_send_from_routing_map). Read at the same tags: Qwen3-30B-A3B on 16 H100 at 26.06
+# (v0.5.0 scripts/performance/configs/qwen/qwen3_workload_base_configs.py, moe_flex_dispatcher_backend "hybridep",
+# ep 16 over two nodes). Every other row's ep group stays inside one NVLink domain (H100 at ep 8, GB200 / GB300 NVL72),
+# where both dispatches are priced alike. Keys as EP_OVERLAP_RECIPES'.
+PER_NODE_DISPATCH_RECIPES = {
+    ("NVIDIA Megatron-Bridge 26.06", "Qwen3-30B-A3B", "H100-SXM-80GB", "fp8"):
+        "scripts/performance/configs/qwen/qwen3_workload_base_configs.py QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1",
+}
+
+
+def recipe_fields(row: dict) -> dict:
+    """ReferenceRun fields for what a row's recipe runs beyond its stack: the expert-parallel all-to-all overlapped
+    with compute (EP_OVERLAP_RECIPES: the part hidden) and the tokens dispatched per node (PER_NODE_DISPATCH_RECIPES),
+    with what the row is priced with; {} for the others."""
+    key = (row["source"], row["model"], row["gpu_type"], row["precision"])
+    fields, assumed = {}, []
+    if key in EP_OVERLAP_RECIPES:
+        fields["recipe_hides"] = ("expert_parallel",)
+        assumed.append(f"expert-parallel all-to-all overlapped with compute, as its recipe runs it "
+                       f"({EP_OVERLAP_RECIPES[key]})")
+    if key in PER_NODE_DISPATCH_RECIPES:
+        fields["dispatch"] = "per_node"
+        assumed.append(f"tokens dispatched per node (HybridEP), as its recipe runs them "
+                       f"({PER_NODE_DISPATCH_RECIPES[key]})")
+    return {**fields, "assumed": "; ".join(assumed)} if assumed else {}
 
 
 _MODEL_DIR: Path | None = None

@@ -98,7 +98,7 @@ def predict(run: ReferenceRun) -> dict:
     when the profile's flash efficiency is halved, the configuration held (micro-batch and recompute pinned to the first
     estimate's): the step is linear in 1 / efficiency.attention. Profiles with no flash figure (the GEMM curve) give
     0."""
-    request = with_stack_experts(
+    request = experts_as_run(
         run, prepare(run.spec, run.gpus, run.cluster, run.global_batch, None, run.precision, run.pins))
     uniform = run.stack in STACK_UNIFORM_STAGES
     estimate = estimate_config(request, uniform)
@@ -121,14 +121,19 @@ def predict(run: ReferenceRun) -> dict:
     return {**result, "attention_s": estimate_config(slower, uniform)["step_time_s"] - step}
 
 
-def with_stack_experts(run: ReferenceRun, request):
-    """`request` with its routed experts at the GEMM peak where the run's stack runs them in its fp8 / fp4
-    (STACK_LOW_PRECISION_EXPERTS); as is for a dense model, another stack or a 16-bit run."""
+def experts_as_run(run: ReferenceRun, request):
+    """`request` with its routed experts as the run's stack and recipe run them: at the GEMM peak where the stack runs
+    them in its fp8 / fp4 (STACK_LOW_PRECISION_EXPERTS), dispatched as its recipe dispatches them (run.dispatch); as is
+    for a dense model and where nothing differs."""
     experts = request.summary.experts
-    if experts is None or run.stack not in STACK_LOW_PRECISION_EXPERTS or run.precision not in ("fp8", "nvfp4"):
+    if experts is None:
         return request
-    return replace(request, summary=request.summary.model_copy(
-        update={"experts": experts.model_copy(update={"at_gemm_peak": True})}))
+    update = {"dispatch": run.dispatch} if run.dispatch != experts.dispatch else {}
+    if run.stack in STACK_LOW_PRECISION_EXPERTS and run.precision in ("fp8", "nvfp4"):
+        update["at_gemm_peak"] = True
+    if not update:
+        return request
+    return replace(request, summary=request.summary.model_copy(update={"experts": experts.model_copy(update=update)}))
 
 
 def memory_fit(run: ReferenceRun, request, estimate: dict) -> dict:
@@ -139,7 +144,7 @@ def memory_fit(run: ReferenceRun, request, estimate: dict) -> dict:
         return {"fits": True, "fit_recompute": estimate["config"]["recompute"], "over_memory": ""}
     for mode in ("selective", "full") if not run.recompute_printed else ():
         deeper = replace(request, pins=request.pins.model_copy(update={"recompute": mode}))
-        if estimate_config(deeper)["feasible"]:
+        if estimate_config(deeper, run.stack in STACK_UNIFORM_STAGES)["feasible"]:
             return {"fits": True, "fit_recompute": mode, "over_memory": ""}
     return {"fits": False, "fit_recompute": None, "over_memory": estimate["over_memory"]["summary"]}
 

@@ -82,6 +82,11 @@ class ExpertsSummary(BaseModel):
                                "precision's GEMM peak (fp8, nvfp4), as Transformer Engine's grouped GEMM runs them "
                                "under Megatron-Core's fp8 and fp4 recipes; False: at the compute dtype's, as zplan's "
                                "runtime runs them (its fp8 and nvfp4 convert nn.Linear only).")
+    dispatch: Literal["all_to_all", "per_node"] = Field(
+        default="all_to_all", description="How routed tokens cross nodes: all_to_all sends each (token, expert) copy "
+        "straight to its expert's rank, as zplan's runtime does (all_to_all_single); per_node sends a token once to "
+        "each other node that hosts any of its experts, and that node forwards it over NVLink (DeepEP's and "
+        "HybridEP's hierarchical dispatch, Megatron-Core's flex token dispatcher).")
 
     def describe(self) -> str:
         """'8 routed experts of FFN 14336, top-2, in 32 blocks', for the reports."""

@@ -91,6 +91,21 @@ def all_to_all_s(bytes_: np.ndarray, size: np.ndarray, stride: np.ndarray, clust
     return np.where(size > 1, intra + inter, 0.0)
 
 
+def per_node_all_to_all_s(bytes_: np.ndarray, size: np.ndarray, stride: np.ndarray, inter_bytes: np.ndarray,
+                          cluster: ClusterSpec) -> np.ndarray:
+    """An all-to-all dispatched per node (DeepEP's and HybridEP's hierarchical kernels): of the `bytes_` this rank
+    sends in `size` equal parts, each of the (n-1)/n bound elsewhere crosses NVLink once (inside this node, or
+    forwarded inside the node it reaches), and this rank's inter-node link carries `inter_bytes` (one copy of a token
+    per other node it visits: planner.cost.step.remote_nodes_visited); 0 when size == 1."""
+    intra_bw, latency_s = intra_node_link(cluster, "all_gather")
+    inter_bw = _links(cluster)[1]
+    g, k = group_shape(size, stride, cluster.link_domain())
+    n = np.maximum(size, 1)
+    intra = (n - 1) / n * bytes_ / intra_bw + (g - 1) * latency_s
+    inter = inter_bytes / inter_bw + (k - 1) * cluster.inter_node_latency_s
+    return np.where(size > 1, intra + inter, 0.0)
+
+
 def p2p_s(bytes_: np.ndarray, crosses_node: np.ndarray, cluster: ClusterSpec) -> np.ndarray:
     """One point-to-point send of `bytes_` between neighbouring pipeline stages."""
     intra_bw, inter_bw = _links(cluster)

@@ -114,6 +114,7 @@ class ModelNumbers:
     moe_blocks: int = 0  # blocks with routed experts
     routing_imbalance: float = 1.0  # the busiest expert-parallel rank's routed tokens over the mean (ExpertsSummary)
     experts_at_gemm_peak: bool = False  # the experts' GEMMs at the fp8 / fp4 GEMM peak (ExpertsSummary.at_gemm_peak)
+    dispatch_per_node: bool = False  # a token crosses to each other node once (ExpertsSummary.dispatch "per_node")
     block_attention_fwd_flops: float = 0.0  # per sample, the traced attention cores' (0: 2 s^2 h, planner.cost.compute)
     # Routed experts (mean over blocks; 0 for a dense model): whole on every tp rank, which splits only the Linears
     block_expert_params: float = 0.0  # all E experts of a block
@@ -193,6 +194,7 @@ class ModelNumbers:
             moe_blocks=summary.experts.moe_blocks if summary.experts else 0,
             routing_imbalance=summary.experts.imbalance if summary.experts else 1.0,
             experts_at_gemm_peak=bool(summary.experts and summary.experts.at_gemm_peak),
+            dispatch_per_node=bool(summary.experts and summary.experts.dispatch == "per_node"),
             block_attention_fwd_flops=float(np.mean([u.attention_fwd_flops for u in blocks])),
             embed_vocab_params=float(table if sum(u.params for u in pre) >= table else 0),
             head_vocab_params=float(table if sum(u.params for u in post) >= table else 0),  # 0: tied, or no head

@@ -43,7 +43,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from zplan.planner.cost.comm import all_gather_s, all_reduce_s, all_to_all_s, p2p_s, reduce_scatter_s
+from zplan.planner.cost.comm import (
+    all_gather_s,
+    all_reduce_s,
+    all_to_all_s,
+    group_shape,
+    p2p_s,
+    per_node_all_to_all_s,
+    reduce_scatter_s,
+)
 from zplan.planner.cost.compression import (
     activation_bytes_per_element,
     activation_codec_s,
@@ -215,7 +223,22 @@ def expert_parallel_block_s(model: ModelNumbers, cand: Candidates, cluster: Clus
     routed = gpu_sequences(cand) * model.seq_len * model.top_k * model.hidden * elem  # bytes of (b s k, h)
     routed = routed * model.busiest_rank(cand.ep)  # the busiest rank receives the most
     share = model.moe_blocks / max(model.num_blocks, 1)
-    return share * exchanges * all_to_all_s(routed, cand.ep, cand.tp * cand.cp, cluster)
+    stride = cand.tp * cand.cp
+    if not model.dispatch_per_node:
+        return share * exchanges * all_to_all_s(routed, cand.ep, stride, cluster)
+    inter = routed / model.top_k * remote_nodes_visited(model, cand.ep, stride, cluster)
+    return share * exchanges * per_node_all_to_all_s(routed, cand.ep, stride, inter, cluster)
+
+
+def remote_nodes_visited(model: ModelNumbers, ep: np.ndarray, stride: np.ndarray, cluster: ClusterSpec) -> np.ndarray:
+    """Other nodes one token's k experts sit on, expected under balanced routing (k distinct experts of E drawn
+    uniformly): (N - 1) (1 - C(E - m, k) / C(E, k)) for an ep group over N nodes (comm.group_shape) with g of its
+    ranks, m = E g / ep experts, on each; C(E - m, k) / C(E, k) = prod_{i<k} (E - m - i) / (E - i)."""
+    g, nodes = group_shape(ep, stride, cluster.link_domain())
+    experts, k = float(model.num_experts), np.arange(model.top_k)
+    on_node = experts * g / np.maximum(ep, 1)
+    missed = np.prod(np.clip((experts - on_node[..., None] - k) / (experts - k), 0.0, None), axis=-1)
+    return (nodes - 1) * (1.0 - missed)
 
 
 # torch's loss_parallel (torch/distributed/tensor/parallel/loss.py): the log-softmax all-reduces each token's max and

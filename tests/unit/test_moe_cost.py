@@ -75,6 +75,36 @@ def test_all_to_alls_are_four_a_moe_block_and_six_under_full_recompute():
     assert estimate_step(model, one(ep=1), H100, "bf16", global_batch=8).expert_parallel_s[0] == 0.0
 
 
+def test_per_node_dispatch_sends_a_token_once_to_each_other_node_it_visits():
+    """ExpertsSummary.dispatch "per_node" (HybridEP / DeepEP): ep 16 over two 8-GPU nodes, 128 experts, top-8. A
+    token visits the other node unless all 8 experts are among this node's 64: 1 - C(64, 8) / C(128, 8) of a copy
+    crosses the inter-node link where all_to_all sends 8 / 16 of its 8 copies there; every copy bound for another
+    rank crosses NVLink once. By hand against comm's links."""
+    from dataclasses import replace
+    from math import comb
+
+    from zplan.planner.cost.step import remote_nodes_visited
+
+    experts, top_k, ep = 128, 8, 16
+    model = replace(moe_numbers(), num_experts=experts, top_k=top_k)
+    per_node = replace(model, dispatch_per_node=True)
+    visited = 1 - comb(64, 8) / comb(128, 8)
+    assert remote_nodes_visited(model, np.array([ep]), np.array([1]), H100)[0] == pytest.approx(visited)
+    assert remote_nodes_visited(model, np.array([8]), np.array([1]), H100)[0] == 0.0  # one node: none
+    cand = one(ep=ep, dp=16)
+    token = S * H * 2  # one copy of a micro-batch's tokens, bf16 bytes
+    intra = 15 / 16 * top_k * token / (H100.intra_node_bandwidth_Bps * H100.efficiency.intra_node_link) \
+        + 7 * H100.intra_node_latency_s
+    inter_bw = H100.inter_node_bandwidth_Bps * H100.efficiency.inter_node_link
+    inter = visited * token / inter_bw + H100.inter_node_latency_s
+    est = estimate_step(per_node, cand, H100, "bf16", global_batch=16)
+    assert est.expert_parallel_s[0] == pytest.approx(L * 4 * (intra + inter))
+    plain = estimate_step(model, cand, H100, "bf16", global_batch=16).expert_parallel_s[0]
+    assert plain == pytest.approx(L * 4 * all_to_all_s(np.array([top_k * token]), np.array([ep]), np.array([1]),
+                                                       H100)[0])
+    assert est.expert_parallel_s[0] < plain  # about 1 copy a token over the inter-node link, against 4
+
+
 @pytest.fixture(scope="module")
 def tiny_moe():
     return trace_model_file(EXAMPLES / "moe.py", 64, "bf16", build_overrides=dict(

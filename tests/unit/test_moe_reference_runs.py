@@ -90,12 +90,12 @@ def test_the_deepseek_row_traces_to_its_printed_parameters(tmp_path):
 
 
 def test_megatron_core_fp8_rows_price_their_experts_at_the_gemm_peak_and_no_other_row_does(tmp_path):
-    """validate_cost_model.with_stack_experts: Transformer Engine's grouped GEMM runs Megatron-Core's experts inside
+    """validate_cost_model.experts_as_run: Transformer Engine's grouped GEMM runs Megatron-Core's experts inside
     its fp8 autocast, so such a row's ExpertsSummary.at_gemm_peak is set; a bf16 row, another stack or a dense model
     keeps the summary as traced (zplan's runtime converts nn.Linear only)."""
     from dataclasses import replace
 
-    from validate_cost_model import with_stack_experts
+    from validate_cost_model import experts_as_run
 
     from zplan.api import prepare
     from zplan.examples import __file__ as examples_init
@@ -105,8 +105,32 @@ def test_megatron_core_fp8_rows_price_their_experts_at_the_gemm_peak_and_no_othe
     request = prepare(moe_file, 8, "dgx-h100", 8, 64, "fp8", Pins())
     fp8_run = moe_run(ROW, "row", tmp_path, 0)
     assert request.summary.experts.at_gemm_peak is False
-    assert with_stack_experts(fp8_run, request).summary.experts.at_gemm_peak is True
-    assert with_stack_experts(replace(fp8_run, precision="bf16"), request) is request
-    assert with_stack_experts(replace(fp8_run, stack="fsdp2"), request) is request
+    assert experts_as_run(fp8_run, request).summary.experts.at_gemm_peak is True
+    assert experts_as_run(replace(fp8_run, precision="bf16"), request) is request
+    assert experts_as_run(replace(fp8_run, stack="fsdp2"), request) is request
     dense = prepare(str(Path(examples_init).parent / "gpt.py"), 8, "dgx-h100", 8, 64, "fp8", Pins())
-    assert with_stack_experts(fp8_run, dense) is dense
+    assert experts_as_run(fp8_run, dense) is dense
+
+
+def test_rows_are_priced_with_what_their_recipes_run(tmp_path):
+    """reference_runs.recipe_fields: the 26.08 GB200 DeepSeek-V3 recipe overlaps the all-to-all (EP_OVERLAP_RECIPES);
+    the 26.06 H100 Qwen3-30B-A3B recipe dispatches per node with HybridEP (PER_NODE_DISPATCH_RECIPES), which
+    experts_as_run carries into the request's ExpertsSummary; a row of neither keeps both defaults."""
+    from validate_cost_model import experts_as_run
+
+    from zplan.api import prepare
+    from zplan.examples import __file__ as examples_init
+    from zplan.schemas.spec import Pins
+
+    overlapped = moe_run(ROW, "row", tmp_path, 0)
+    assert (overlapped.recipe_hides, overlapped.dispatch) == (("expert_parallel",), "all_to_all")
+    qwen = dict(ROW, source="NVIDIA Megatron-Bridge 26.06", model="Qwen3-30B-A3B", gpu_type="H100-SXM-80GB",
+                precision="fp8", pp="1", vp="", ep="16", gpus="16", global_batch="1024")
+    per_node = moe_run(qwen, "qwen", tmp_path, 1)
+    assert (per_node.recipe_hides, per_node.dispatch) == ((), "per_node")
+    assert "HybridEP" in per_node.assumed
+    plain = moe_run(dict(ROW, source="NVIDIA Megatron-Bridge 25.11", precision="bf16"), "plain", tmp_path, 2)
+    assert (plain.recipe_hides, plain.dispatch, plain.assumed) == ((), "all_to_all", "")
+    request = prepare(str(Path(examples_init).parent / "moe.py"), 8, "dgx-h100", 8, 64, "bf16", Pins())
+    assert experts_as_run(per_node, request).summary.experts.dispatch == "per_node"
+    assert experts_as_run(plain, request) is request  # bf16: the experts as traced too
