@@ -10,19 +10,24 @@
 Sources: a .safetensors file, a Hugging Face folder (model.safetensors.index.json and its shards, or one
 model.safetensors), or a zplan step-N checkpoint (its model states through DCP, as runtime.checkpoint.load reads
 them; the optimizer states and the step are not loaded). Names: the model file builds the Hugging Face model from
-its config, so the file's tensor names are the state-dict names (the base model's prefix, `model.` or GPT-2's
-`transformer.`, added or stripped where that matches more names: a base model's file, as the Hub's gpt2 is); a tied
-parameter (lm_head.weight and the embedding) reads whichever of its names the file has; the file's tensors that
-transformers also leaves unread (the model class's _keys_to_ignore_on_load_unexpected, such as GPT-2's attn.bias
-masks, and old checkpoints' rotary_emb.inv_freq) are named in the load's line and not read.
+its config, so the file's tensor names are the state-dict names, as they are or as transformers loads them (renamed
+by the model's conversion mapping, as Mixtral's block_sparse_moe -> mlp, and a mixture of experts' per-expert
+tensors joined into its stacked parameters: runtime.checkpoint.expert_weights), the base model's prefix, `model.` or
+GPT-2's `transformer.`, added or stripped: whichever matches more names (a base model's file, as the Hub's gpt2 is,
+lacks the prefix; a file zplan exported has the stacked names as they are); a tied parameter (lm_head.weight and the
+embedding) reads whichever of its names the file has; the file's tensors that transformers also leaves unread (the
+model class's _keys_to_ignore_on_load_unexpected, such as GPT-2's attn.bias masks, and old checkpoints'
+rotary_emb.inv_freq) are named in the load's line and not read.
 
 Slices: for every parameter and persistent buffer this rank holds (a plain tensor, or a DTensor under tensor
-parallel / FSDP2, _StridedShard included), the global indices of its local shard in each dimension are the ones
-DTensor's own rule gives (distribute_tensor of an index vector, sliced locally), a fused projection's stored order
-(model.fused_layout) maps them to the file's order, and runtime.checkpoint.safetensors_read reads just those rows
-and columns; they are copied into the existing storage (the same Parameter objects), cast to its dtype. A pipeline
-stage reads its own modules' tensors only. The fp32 masters of 16-bit parameters get the file's values the same
-way once the optimizer exists, and the parameters are rounded from them (ShardedAdamW.parameters_from_masters).
+parallel / FSDP2 / expert parallel, _StridedShard included), the global indices of its local shard in each
+dimension are the ones DTensor's own rule gives (distribute_tensor of an index vector, sliced locally), a fused
+projection's stored order (model.fused_layout) maps them to the file's order, and
+runtime.checkpoint.safetensors_read reads just those rows and columns (of a joined tensor, those of its pieces:
+the experts on dim 0, the gate or up rows on the concatenated dim); they are copied into the existing storage (the
+same Parameter objects), cast to its dtype. A pipeline stage reads its own modules' tensors only. The fp32 masters
+of 16-bit parameters get the file's values the same way once the optimizer exists, and the parameters are rounded
+from them (ShardedAdamW.parameters_from_masters).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from zplan.errors import CheckpointError
 from zplan.model.fused_layout import FusedLayout, stored_layouts
 from zplan.model.model_file import ModelFile
+from zplan.runtime.checkpoint.expert_weights import Joined, loaded_names, read_joined
 from zplan.runtime.checkpoint.folders import _STEP_DIR, _TMP_DIR, complete_checkpoints, resolve_checkpoint
 from zplan.runtime.checkpoint.load import _check_model_keys, verify_checkpoint
 from zplan.runtime.checkpoint.read import SafeFileSystemReader, SafeLoadPlanner, read_train_state
@@ -62,7 +68,7 @@ class Pretrained:
 
     path: Path
     tensors: dict[str, TensorEntry]
-    file_names: dict[str, str]  # model state-dict name -> the file's tensor name
+    file_names: dict[str, str | Joined]  # model state-dict name -> the file's tensor name, or its per-expert ones
     checkpoint: Path | None = None
     ignored: list[str] = field(default_factory=list)  # the file's tensors transformers leaves unread too
 
@@ -121,11 +127,17 @@ def _ignored_on_load(model: nn.Module) -> re.Pattern | None:
     return re.compile("|".join(f"({p})" for p in sorted(patterns))) if patterns else None
 
 
+def _pieces(source: str | Joined, shape: torch.Size) -> list[tuple[str, tuple[int, ...]]]:
+    """(file tensor name, its shape) of every tensor of the file a model tensor of `shape` is read from."""
+    return source.pieces(tuple(shape)) if isinstance(source, Joined) else [(source, tuple(shape))]
+
+
 def _match_names(path: Path, model: nn.Module,
-                 tensors: dict[str, TensorEntry]) -> tuple[dict[str, str], list[str]]:
-    """({model tensor name: file tensor name} for every parameter and persistent buffer the file holds, the file's
-    names left unread as transformers leaves them); every parameter must be there, of its shape and a
-    floating-point dtype, and the file must hold nothing else."""
+                 tensors: dict[str, TensorEntry]) -> tuple[dict[str, str | Joined], list[str]]:
+    """({model tensor name: file tensor name, or the Joined of its per-expert tensors} for every parameter and
+    persistent buffer the file holds, the file's names left unread as transformers leaves them); every parameter
+    must be there (every piece of a joined one), of its shape and a floating-point dtype, and the file must hold
+    nothing else."""
     state = model.state_dict(keep_vars=True)
     groups: dict[int, list[str]] = {}  # tied parameters: every name of one tensor
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -136,23 +148,31 @@ def _match_names(path: Path, model: nn.Module,
         change, prefix = how
         return {"": name, "add": prefix + name, "strip": name.removeprefix(prefix)}[change]
 
+    # the file's names as they are, or as transformers loads them ({name: file tensor name or Joined}), with a
+    # prefix changed or not: whichever matches more of the model's (ties: the names as they are)
+    views = [{name: name for name in tensors}, loaded_names(model, tensors)]
     hows = [("", ""), *((change, p) for p in _prefixes(model) for change in ("add", "strip"))]
-    how = max(hows, key=lambda h: sum(rename(n, h) in tensors for n in state))  # ties: the names as they are
+    view, how = max(((v, h) for v in views for h in hows),
+                    key=lambda pair: sum(rename(n, pair[1]) in pair[0] for n in state))
     matched, used, missing, shapes, types = {}, set(), [], [], []
     for names in [*groups.values(), *([b] for b in buffers)]:
         candidates = [rename(n, how) for n in names]
-        used.update(candidates)
-        found = next((c for c in candidates if c in tensors), None)
-        if found is None:
+        sources = [view[c] for c in candidates if c in view]
+        if not sources:
             if names[0] not in buffers:  # a buffer the file lacks keeps its initialisation
                 missing.append(candidates[0])
             continue
-        entry, tensor = tensors[found], state[names[0]]
-        if entry.shape != tuple(tensor.shape):
-            shapes.append(f"{found} {list(entry.shape)} (the model's {list(tensor.shape)})")
-        elif tensor.is_floating_point() and not entry.dtype.is_floating_point:
-            types.append(f"{found} {entry.dtype} (the model's {tensor.dtype})")
-        matched.update(dict.fromkeys(names, found))
+        tensor = state[names[0]]
+        used.update(name for source in sources for name, _ in _pieces(source, tensor.shape))
+        for name, shape in _pieces(sources[0], tensor.shape):
+            entry = tensors.get(name)
+            if entry is None:
+                missing.append(name)
+            elif entry.shape != shape:
+                shapes.append(f"{name} {list(entry.shape)} (the model's {list(shape)})")
+            elif tensor.is_floating_point() and not entry.dtype.is_floating_point:
+                types.append(f"{name} {entry.dtype} (the model's {tensor.dtype})")
+        matched.update(dict.fromkeys(names, sources[0]))
     ignore = _ignored_on_load(model)
     unused = sorted(set(tensors) - used)
     ignored = [name for name in unused if ignore is not None and ignore.search(name)]
@@ -202,22 +222,26 @@ def _fill(pretrained: Pretrained, name: str, target: torch.Tensor, like: torch.T
     the slice when `target` is a plain tensor of its local shape (a master of a tensor-parallel parameter).
     Returns the bytes read."""
     local = target._local_tensor if isinstance(target, DTensor) else target
-    source = target if isinstance(target, DTensor) or not isinstance(like, DTensor) else like
-    indices = global_indices(source)
+    placed = target if isinstance(target, DTensor) or not isinstance(like, DTensor) else like
+    indices = global_indices(placed)
     if layout is not None:  # stored order -> the file's order (model.fused_layout)
         fused, dim = layout
         indices[dim] = fused.stored_order()[indices[dim]]
-    file_name = pretrained.file_names[name]
-    piece = read_slice(pretrained.tensors[file_name], file_name, indices)
+    source = pretrained.file_names[name]
+    if isinstance(source, Joined):
+        piece = read_joined(source, pretrained.tensors, indices)
+    else:
+        piece = read_slice(pretrained.tensors[source], source, indices)
     if piece.shape != local.shape:
-        raise RuntimeError(f"--init-from: this rank's slice of {file_name} is {tuple(piece.shape)}, its local "
+        label = source.name if isinstance(source, Joined) else source
+        raise RuntimeError(f"--init-from: this rank's slice of {label} is {tuple(piece.shape)}, its local "
                            f"tensor {tuple(local.shape)}")
     with torch.no_grad():
         local.copy_(piece)
     return piece.nbytes
 
 
-def _targets(model: nn.Module, file_names: dict[str, str]):
+def _targets(model: nn.Module, file_names: dict[str, str | Joined]):
     """(name, tensor, fused layout or None) of every parameter and persistent buffer this rank holds that the file
     has, once per tensor (ties, and a pipeline's stage modules and skeletons, share tensors)."""
     seen: set[int] = set()
@@ -236,14 +260,16 @@ def load_pretrained(pretrained: Pretrained | None, model: nn.Module, ctx: RunCon
         return None
     if pretrained.checkpoint is not None:
         return _load_checkpoint_weights(pretrained.checkpoint, model, ctx)
-    read = count = 0
+    read = count = joined = 0
     for name, tensor, layout in _targets(model, pretrained.file_names):
         read += _fill(pretrained, name, tensor, tensor, layout)
         count += 1
+        joined += isinstance(pretrained.file_names[name], Joined)
     total = sum(e.dtype.itemsize * torch.Size(e.shape).numel() for e in pretrained.tensors.values())
     left = (f"; {len(pretrained.ignored)} not this model's, left unread as transformers leaves them "
             f"({_names(pretrained.ignored, 3)})" if pretrained.ignored else "")
-    return (f"weights from {pretrained.path}: {count} tensors, {read / MIB:.1f} MiB read on this rank of "
+    pieces = f" ({joined} of them joined from per-expert tensors)" if joined else ""
+    return (f"weights from {pretrained.path}: {count} tensors{pieces}, {read / MIB:.1f} MiB read on this rank of "
             f"{total / MIB:.1f} MiB{left}")
 
 
