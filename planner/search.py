@@ -77,11 +77,11 @@ def partition_for(summary: ModelSummary, cand: Candidates, cluster: ClusterSpec,
 
 def interleaved_partition(summary: ModelSummary, unit_time_s: np.ndarray, chunks: int) -> PartitionResult:
     """Megatron-Core's layout of `chunks` = pp x interleave pieces (no pipeline_model_parallel_layout). When the
-    blocks divide by the chunks: an equal share each, the units before
-    the blocks joining the first chunk and those after them the last. Otherwise the embedding and the head count
-    as one block each (Megatron-Core's account_for_embedding_in_pipeline_split and
-    account_for_loss_in_pipeline_split): the L + 2 positions are split as evenly as they go, so the first chunk
-    gives up a block for the embedding (or holds only it) and the last one for the head."""
+    blocks divide by the chunks: an equal share each, the units before the blocks joining the first chunk and
+    those after them the last. Otherwise the embedding and the head count as one block each (Megatron-Core's
+    account_for_embedding_in_pipeline_split and account_for_loss_in_pipeline_split): the L + 2 positions are split
+    as evenly as they go, so the first chunk gives up a block for the embedding (or holds only it) and the last one
+    for the head."""
     kinds = [u.kind for u in summary.layers]
     first = kinds.index("block")
     last = len(kinds) - 1 - kinds[::-1].index("block")

@@ -218,7 +218,9 @@ def expert_parallel_block_s(model: ModelNumbers, cand: Candidates, cluster: Clus
     """All-to-all seconds of one block for one micro-batch, averaged over the blocks (moe_blocks of num_blocks
     route): each MoE block sends its (b s k, h) routed tokens to their experts' ranks and back, forward and backward
     (4 all-to-alls), twice more where full recompute re-runs its forward; the ep ranks are consecutive dp ranks, t cp
-    ranks apart (the mesh is pp, dp, cp, tp); balanced routing, so (ep - 1) / ep of the tokens leave the GPU."""
+    ranks apart (the mesh is pp, dp, cp, tp); balanced routing, so (ep - 1) / ep of the tokens leave the GPU, each
+    (token, expert) copy straight to its rank, or where model.dispatch_per_node one copy of a token to each other
+    node it visits (remote_nodes_visited)."""
     exchanges = 4.0 + 2.0 * (cand.recompute == 2)
     routed = gpu_sequences(cand) * model.seq_len * model.top_k * model.hidden * elem  # bytes of (b s k, h)
     routed = routed * model.busiest_rank(cand.ep)  # the busiest rank receives the most
