@@ -212,3 +212,8 @@ def print_summary(losses, step_times_s, state_bytes, figures: PlanFigures, ctx) 
         f"model states {sum(state_bytes.values()) / mib:.1f} MiB per rank{predicted_states}",
         flush=True,
     )
+    if mfu > 1.0:  # more FLOP/s than the profile's peak: the profile is not this machine's
+        print(f"note: the measured MFU is above 100 %: this machine computes faster than the cluster profile's peak "
+              f"({figures.peak_flops / 1e12:.3g} TFLOP/s a device); measure this one with "
+              "`zplan probe -o cluster.yaml` (or fit one to runs with `zplan calibrate`) and compile with "
+              "--cluster cluster.yaml", flush=True)

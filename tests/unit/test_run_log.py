@@ -148,3 +148,17 @@ def test_the_tensorboard_folder_is_checked_with_the_other_outputs(tmp_path):
         check_output_paths(ONE, tensorboard=tmp_path / "a-file")
     check_output_paths(ONE, tensorboard=tmp_path / "board")
     assert (tmp_path / "board").is_dir() and not list((tmp_path / "board").iterdir())
+
+
+def test_the_summary_says_when_the_profile_is_slower_than_this_machine(capsys):
+    """An MFU above 100 % (model FLOPs over the profile's peak) means the profile's peak is not this machine's
+    (cpu-local measured bf16 on a CPU without AMX): the summary says so and how to measure one; at or below 100 % it
+    does not."""
+    from zplan.runtime.training.run_log import PlanFigures, print_summary
+
+    figures = PlanFigures(step_time_s=0.5, mfu=0.5, model_flops_per_step=4e9, peak_flops=1e9)
+    print_summary([2.0, 1.5, 1.0], [1.0, 1.0, 1.0], {"gpu": 2**20}, figures, ONE)  # 4e9 / (1 s x 1e9): 400 %
+    out = capsys.readouterr().out
+    assert "MFU 400.00% vs 50.00%" in out and "zplan probe" in out and "(0.001 TFLOP/s a device)" in out
+    print_summary([2.0], [4.0, 4.0], {"gpu": 2**20}, figures, ONE)  # 100 %
+    assert "zplan probe" not in capsys.readouterr().out
