@@ -27,6 +27,7 @@ import collections
 import contextlib
 import functools
 import gc
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -132,6 +133,20 @@ class _NoReducer:
         pass
 
 
+def _weak_hook(ddp: FakeRankDDP):
+    """ddp._into_bucket as a post-accumulate-grad hook holding `ddp` weakly: a parameter keeps its hooks in C++
+    autograd state the garbage collector cannot see, so a bound method there would keep the wrapper, its module and
+    their parameters alive after the run (runtime.parallel.grad_reduce holds its reducer so too)."""
+    ref = weakref.ref(ddp)
+
+    def hook(p: torch.Tensor) -> None:
+        owner = ref()
+        if owner is not None:
+            owner._into_bucket(p)
+
+    return hook
+
+
 class FakeRankDDP(nn.parallel.DistributedDataParallel):
     """DistributedDataParallel on a fake rank, without its C++ reducer (which reads and writes tensor data: its
     constructor exchanges parameter shapes, its bucket rebuild and all-reduce futures carry values). It holds
@@ -158,7 +173,7 @@ class FakeRankDDP(nn.parallel.DistributedDataParallel):
                 if p.grad is not None:  # as the reducer's bucket views initialisation does
                     self._bucket_views[id(p)].copy_(p.grad)
                     p.grad = self._bucket_views[id(p)]
-                p.register_post_accumulate_grad_hook(self._into_bucket)
+                p.register_post_accumulate_grad_hook(_weak_hook(self))
 
     def _into_bucket(self, p: torch.Tensor) -> None:
         view = self._bucket_views[id(p)]

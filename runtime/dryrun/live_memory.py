@@ -64,6 +64,15 @@ class PeakRecord:
     by_category: dict = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
 
 
+def _free_from(meter: weakref.ref, key: int) -> None:
+    """A storage's finalizer: it is freed from `meter` if the meter still lives. The finalizer registry holds its
+    arguments strongly until the storage dies, so it holds the meter weakly: a meter held there would keep its
+    classify() (the model and optimizer) and so every storage alive after the run."""
+    live = meter()
+    if live is not None:
+        live._free(key)
+
+
 class LiveMemory(TorchDispatchMode):
     """Count live storages (module docstring). `classify()` returns {category: set of storage ids} for the
     parameters, gradients and optimizer states at that moment; it is called only when a breakdown is recorded."""
@@ -93,7 +102,7 @@ class LiveMemory(TorchDispatchMode):
             return
         made_in = "backward" if torch._C._current_graph_task_id() != -1 else self.phase
         self._live[key] = _Storage(storage.nbytes(), made_in)
-        weakref.finalize(storage, self._free, key)
+        weakref.finalize(storage, _free_from, weakref.ref(self), key)
         self._grow(storage.nbytes())
 
     def reset_peak(self) -> None:

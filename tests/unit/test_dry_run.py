@@ -147,3 +147,31 @@ def test_a_cpu_offloaded_optimizer_is_counted_on_the_host(llama, tmp_path, zero)
                     offload="nvme")
     refused = runner.invoke(app, ["dryrun", str(nvme)])
     assert refused.exit_code == 2 and "NVMe" in refused.output and "Traceback" not in refused.output
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_a_dry_run_leaves_nothing_of_its_model_alive(zero):
+    """`zplan compile --verify` dry-runs up to 4 plans in one process: after each, no module, parameter or optimizer
+    of the run may stay alive. Two holders the garbage collector cannot see used to keep them: LiveMemory's storage
+    finalizers (the finalizer registry held the meter, its classify() the model) and FakeRankDDP's gradient hooks
+    (a parameter's hooks held the wrapper). ZeRO 0 runs FakeRankDDP, ZeRO 3 FSDP2 with tensor parallel."""
+    import gc
+
+    import torch
+    from torch import nn
+
+    from zplan.dryrun import dry_run_plan
+
+    tiny = str(ROOT / "examples" / "tiny.py")
+    plan = compile_plan(prepare(tiny, 2, "cpu-local", 8, 32, "fp32", Pins(zero=zero)))
+
+    def alive() -> tuple[int, int]:
+        gc.collect()
+        objects = gc.get_objects()
+        return (sum(isinstance(o, nn.Module) and type(o).__module__.endswith("tiny") for o in objects),
+                sum(isinstance(o, torch.optim.Optimizer) for o in objects))
+
+    before = alive()
+    for _ in range(2):
+        assert dry_run_plan(plan, tiny, say=lambda _: None).fits
+        assert alive() == before
