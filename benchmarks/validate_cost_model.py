@@ -109,7 +109,7 @@ def predict(run: ReferenceRun) -> dict:
     regime = regime_of(config["tp"], config["pp"], config["cp"], config["num_micro_batches"], config["offload"],
                        run.precision, request.summary.seq_len, request.summary.experts is not None)
     result = {"step_s": step, "predicted_s": step - hidden, "attention_s": 0.0, "estimate": estimate,
-              "summary": request.summary, "regime": regime, **memory_fit(run, request, estimate)}
+              "summary": request.summary, "regime": regime, **memory_fit(run, request, estimate, uniform)}
     if flash is None:
         return result
     chosen = estimate["config"]
@@ -136,15 +136,15 @@ def experts_as_run(run: ReferenceRun, request):
     return replace(request, summary=request.summary.model_copy(update={"experts": experts.model_copy(update=update)}))
 
 
-def memory_fit(run: ReferenceRun, request, estimate: dict) -> dict:
+def memory_fit(run: ReferenceRun, request, estimate: dict, uniform_stages: bool) -> dict:
     """fits: whether zplan's memory model fits the run as it ran: its layout as printed, and where it prints no
     recompute (run.recompute_printed), with the least recompute that fits (fit_recompute); over_memory: for a run that
-    does not fit, how far over and the largest terms (zplan.api.over_memory)."""
+    does not fit, how far over and the largest terms (zplan.api.over_memory). `uniform_stages`: as predict's."""
     if estimate["feasible"]:
         return {"fits": True, "fit_recompute": estimate["config"]["recompute"], "over_memory": ""}
     for mode in ("selective", "full") if not run.recompute_printed else ():
         deeper = replace(request, pins=request.pins.model_copy(update={"recompute": mode}))
-        if estimate_config(deeper, run.stack in STACK_UNIFORM_STAGES)["feasible"]:
+        if estimate_config(deeper, uniform_stages)["feasible"]:
             return {"fits": True, "fit_recompute": mode, "over_memory": ""}
     return {"fits": False, "fit_recompute": None, "over_memory": estimate["over_memory"]["summary"]}
 
