@@ -40,7 +40,7 @@ rest, like ZeRO 3, and the gathered parameters (compute dtype) are a transient t
 measured states after the step with the plan's model states; 'in step' adds the parameters gathered
 between forward and backward and is compared with the model states plus that transient term.
 The bf16 table (keys zero1_bytes_per_param, zero2_bytes_per_param) holds ZeRO-1's bytes per parameter
-after the step against the paper's 4 + 12/N, and ZeRO-2's in the step against what the README states, 2 + 16/N
+after the step against the paper's 4 + 12/N, and ZeRO-2's in the step against what docs/precision.md states, 2 + 16/N
 (the paper's 2 + 14/N keeps a 16-bit gradient shard; FSDP2 reduce-scatters into fp32 shards).
 Tensor parallel splits the blocks' parameters over tp and replicates the embedding, the final norm and the
 (tied) head on every tp rank; the pipeline keeps each stage's units on its rank (and a tied weight on every
@@ -302,7 +302,7 @@ def worker(args, ctx) -> None:
 
 
 def stated_bf16_bytes_per_param(zero: int, n: int) -> float:
-    """What the README states the runtime holds with bf16 on n data-parallel ranks, bytes per parameter:
+    """What docs/precision.md states the runtime holds with bf16 on n data-parallel ranks, bytes per parameter:
     ZeRO-1 the paper's 4 + 12/n after the step (bf16 parameters and gradients, fp32 master and moments of its rows:
     runtime.optim.layouts); ZeRO-2 2 + 16/n between forward and backward (FSDP2's gathered bf16 parameters beside its
     fp32 parameter and gradient shards and fp32 moments; the paper's 2 + 14/n has a 16-bit gradient shard)."""

@@ -1,7 +1,7 @@
 """Emit the training script and its launchers: out/train.py, out/launch/torchrun.sh, out/launch/slurm.sbatch.
 
 train.py shows the plan for review as a comment table and runs plan.json, the one source of its settings
-(runtime/plan/apply.py applies it in DESIGN.md decision 5's fixed order), so an edit to the plan is either
+(runtime/plan/apply.py applies it in docs/design.md decision 5's fixed order), so an edit to the plan is either
 checked by check_plan and run, or refused. Output is deterministic: the same plan and model path give the same bytes.
 """
 

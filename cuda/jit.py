@@ -1,4 +1,4 @@
-"""Just-in-time builds of this folder's kernel sources: the one builder every kernel module uses (DESIGN.md
+"""Just-in-time builds of this folder's kernel sources: the one builder every kernel module uses (docs/design.md
 decision 6). Nothing else in zplan.cuda calls torch.utils.cpp_extension.
 
     _CUDA = JitExtension(Path(__file__).with_name("weight_quant.cu"), cuda=True, cuda_cflags=("-O3",))

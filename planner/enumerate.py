@@ -1,4 +1,4 @@
-"""All legal configurations as numpy arrays (DESIGN.md decision 3: enumerate, then prune).
+"""All legal configurations as numpy arrays (docs/design.md decision 3: enumerate, then prune).
 
 Legality (the rules of ``_grid``, each named with the pins it constrains): which combinations of ZeRO stage, offload
 tier, compression, context parallel, pipeline, interleave and sequence parallel run is schemas.legality's table,

@@ -1,6 +1,6 @@
 """Assign pipeline units of unequal cost (embedding, blocks, head) to contiguous pipeline stages.
 
-Problem (DESIGN.md decision 3). Units 0..n-1 in model order have a cost ``c_i`` (seconds of forward
+Problem (docs/design.md decision 3). Units 0..n-1 in model order have a cost ``c_i`` (seconds of forward
 + backward per micro-batch), static bytes ``b_i`` (model states kept on the GPU) and activation bytes
 ``a_i`` (saved for backward, per in-flight micro-batch). Stage ``s`` (0..p-1) holds ``k_s`` micro-batches
 in flight (1F1B: ``k_s = p - s``, Narayanan et al. 2021, "Efficient Large-Scale Language Model Training

@@ -1,5 +1,5 @@
 """Place one GPU's share of model states (16-bit parameters, 16-bit gradients, fp32 optimizer states) on
-GPU memory, CPU memory or NVMe, with OR-Tools CP-SAT (DESIGN.md decision 3).
+GPU memory, CPU memory or NVMe, with OR-Tools CP-SAT (docs/design.md decision 3).
 
 Variables: 9 booleans x[state, tier], state in {params, grads, optimizer}, tier in {gpu, cpu, nvme}.
 

@@ -1,5 +1,5 @@
-"""zplan's runtime: what the emitted train.py calls (train_main, runtime/training/main.py), in this order (DESIGN.md
-decision 5).
+"""zplan's runtime: what the emitted train.py calls (train_main, runtime/training/main.py), in this order
+(docs/design.md decision 5).
 
     run_distributed(run): ctx = init_distributed(); run(ctx); close_distributed(), where run does:
     plan = load_plan(...); check_plan(plan, model_path, ctx.world_size); warn_if_other_devices(plan, ctx)

@@ -1,4 +1,4 @@
-"""What zplan's runtime can execute for a model, as data (DESIGN.md decision 8).
+"""What zplan's runtime can execute for a model, as data (docs/design.md decision 8).
 
 The tracer records what it finds in the model that matters to the runtime as ModelTraits (planner/traits.py:
 a fused projection, a block that takes more than the hidden states, a router, ...). RULES says, for each kind

@@ -1,4 +1,4 @@
-"""The plan: the only contract between compile time and run time (DESIGN.md decision 1).
+"""The plan: the only contract between compile time and run time (docs/design.md decision 1).
 
 plan.json holds what the runtime executes and what it was predicted to do; what the search scored besides it (the
 alternatives and why other families lost) and what the prediction assumed are alternatives.json beside it

@@ -110,7 +110,7 @@ FORCE = typer.Option(False, "--force", help="Overwrite files in the -o folder th
 COMPRESS = typer.Option(
     None, "--compress",
     help="Compressed communication, key=value pairs separated by commas: grad=int8 (ZeRO 0/1, tp 1) or grad=1bit "
-         "(1-bit Adam: ZeRO 0, tp = pp = 1), weights=int8 (ZeRO 3), act=int8 (pp > 1); 'none' allowed. The search "
+         "(1-bit Adam: ZeRO 0/1, tp = pp = 1), weights=int8 (ZeRO 3), act=int8 (pp > 1); 'none' allowed. The search "
          "keeps the configurations that support it.")
 
 

@@ -88,7 +88,7 @@ def dryrun_command(
     """Run a compiled plan on fake tensors and check its memory.
 
     The plan's program runs at its full world size, one rank per pipeline stage, and the memory it allocates is
-    compared with the plan's (what it proves and what it cannot: README, "Dry run")."""
+    compared with the plan's (what it proves and what it cannot: docs/dry-run.md)."""
     from zplan.dryrun import DryRunError, dry_run, load_program  # start-up time, as above
 
     began = time.perf_counter()

@@ -1,6 +1,6 @@
 """The numbers the cost model reads: candidate arrays and a model reduced to a few floats.
 
-Nothing here imports torch; the cost model is numpy over whole candidate arrays (DESIGN.md 2).
+Nothing here imports torch; the cost model is numpy over whole candidate arrays (docs/design.md decision 2).
 """
 
 from __future__ import annotations

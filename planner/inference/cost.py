@@ -1,6 +1,6 @@
 """Serving cost model: memory, time to first token and time per output token of inference candidates.
 
-Pure numpy over whole candidate arrays (DESIGN.md decision 2); every formula names its source. Notation:
+Pure numpy over whole candidate arrays (docs/design.md decision 2); every formula names its source. Notation:
 L blocks, h hidden, a heads, a_kv key/value heads, d = h / a head dim, f MLP width, V vocabulary, W Linear
 weights per block, t tensor-parallel degree, B sequences per replica, P prompt tokens, G generated tokens.
 

@@ -40,7 +40,7 @@ def build_optimizer(
     delayed_update: bool = False, grad_compression: GradCompression = "none", onebit_warmup_steps: int = 100,
     parameters_on_host: bool | None = None, expert_dp_mesh: DeviceMesh | None = None,
 ) -> torch.optim.Optimizer:
-    """AdamW (fused kernel: ~7x foreach on CPU, DESIGN.md facts) as runtime.optim.sharded_adamw.ShardedAdamW, its
+    """AdamW (fused kernel: ~7x foreach on CPU, docs/design.md facts) as runtime.optim.sharded_adamw.ShardedAdamW, its
     parts chosen from the plan:
 
     layout: ZeRO 1 shards the states over dp (RowShards: dim-0 slices of every parameter, of its tp-local tensor

@@ -1,4 +1,4 @@
-"""The one device grid every process group comes from (DESIGN.md decision 4).
+"""The one device grid every process group comes from (docs/design.md decision 4).
 
 Ranks are laid out row-major over (pp, dp, cp, tp): tp is innermost, so a tensor-parallel group is
 consecutive ranks (one node's NVLink domain when tp <= GPUs per node), then context parallel (its ranks

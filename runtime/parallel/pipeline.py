@@ -1,5 +1,5 @@
 """Pipeline parallelism: the model cut into stages at the plan's boundaries, run by a
-torch.distributed.pipelining schedule (GPipe, 1F1B or interleaved 1F1B; DESIGN.md decision 4).
+torch.distributed.pipelining schedule (GPipe, 1F1B or interleaved 1F1B; docs/design.md decision 4).
 
     run = build_pipeline(model, mesh["pp"], stage_modules, "1f1b", num_micro_batches, loss_fn, example)
     loss = run.step(micro_batches)          # forward + backward of one optimizer step, on every pp rank

@@ -1,5 +1,5 @@
 """Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) and sequence parallelism (Korthikanti et al.
-2022, section 4.2.2) with DTensor's `parallelize_module` (DESIGN.md decision 4).
+2022, section 4.2.2) with DTensor's `parallelize_module` (docs/design.md decision 4).
 
 The plan names each Linear of a block by its path inside the block and gives its split:
 
@@ -10,7 +10,7 @@ The plan names each Linear of a block by its path inside the block and gives its
              parallel reduce-scattered to this rank's tokens (B, T/tp, out).
 
 A colwise Linear of q, k or v hands each rank a whole number of heads, and attention keeps them when it
-reshapes with view(B, T, -1, head_dim) (DESIGN.md facts): a/tp query heads and, for grouped-query
+reshapes with view(B, T, -1, head_dim) (docs/design.md facts): a/tp query heads and, for grouped-query
 attention, kv_heads/tp key/value heads per rank, which pair up as in one process when tp divides
 kv_heads. The split is checked before anything is sharded (see check_block_split).
 
@@ -239,7 +239,7 @@ def fused_problems(block: nn.Module, block_name: str, fused: dict[str, FusedLayo
 
 # Attributes a forward reads to slice a fused output or count heads (Phi-3: config.num_attention_heads and
 # num_key_value_heads; GPT-2: split_size). Unfused projections need none: attention reshapes with
-# view(B, T, -1, head_dim) (DESIGN.md facts).
+# view(B, T, -1, head_dim) (docs/design.md facts).
 HEAD_COUNT_NAMES = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_head", "n_heads",
                     "n_kv_heads", "split_size")
 

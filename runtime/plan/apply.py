@@ -1,4 +1,4 @@
-"""plan.json applied to a model: the one place where a run learns what to do from its plan (DESIGN.md decision 5).
+"""plan.json applied to a model: the one place where a run learns what to do from its plan (docs/design.md decision 5).
 
     plan = load_plan(HERE / "plan.json"); check_plan(plan, model_path, ctx.world_size)   # before any collective
     mesh = plan_mesh(plan, ctx.device.type)

@@ -1,4 +1,4 @@
-"""Read plan.json and refuse a run it was not made for, before any collective (DESIGN.md decision 1).
+"""Read plan.json and refuse a run it was not made for, before any collective (docs/design.md decision 1).
 
 Every rank runs the same check on the same inputs, so a mismatch stops all ranks with the same
 message instead of hanging one of them in a collective.
@@ -63,7 +63,7 @@ def _has(module_name: str, attribute: str) -> bool:
 
 
 def missing_torch_features(plan: Plan) -> list[str]:
-    """torch.distributed APIs the plan needs that this torch lacks (DESIGN.md decision 4)."""
+    """torch.distributed APIs the plan needs that this torch lacks (docs/design.md decision 4)."""
     p = plan.parallel
     needed = [("torch.distributed.device_mesh", "init_device_mesh")]
     if p.zero_stage == 1:

@@ -8,7 +8,7 @@
 train_main parses the command line (runtime/launch/arguments.py), then in a process group
 (runtime/launch/distributed.py) run_training does, in this order: plan.json beside train.py loaded and checked against
 train.py's record of it (runtime/plan/origin.py), the model file and the world size (runtime/plan/check.py), every
-output checked writable, the model built on the meta device, the plan applied (runtime/plan/apply.py, DESIGN.md
+output checked writable, the model built on the meta device, the plan applied (runtime/plan/apply.py, docs/design.md
 decision 5), the optimizer, the data and context-parallel wiring, the checkpoint settings and LR schedule, train(),
 the weights saved.
 """

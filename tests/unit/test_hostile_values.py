@@ -1,4 +1,4 @@
-"""Hostile values on every command line zplan reads (README "Reliability"): the emitted train.py's flags, generate.py's
+"""Hostile values on every command line zplan reads (docs/reliability.md): the emitted train.py's flags, generate.py's
 and serve.py's, and the zplan command's. A value out of its range is one message naming the option, the value and
 what it accepts, exit status 2, no traceback, before any work and with nothing written; a value that was taken with
 another meaning than it says (an empty path read as "not given" or as the current folder, a seed that draws another

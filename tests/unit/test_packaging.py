@@ -1,4 +1,4 @@
-"""DESIGN.md 'Layout': the folders install under the zplan.* namespace. Build a wheel, install it into a
+"""docs/design.md 'Packages': the folders install under the zplan.* namespace. Build a wheel, install it into a
 fresh virtual environment, and run the installed `zplan`. The installed versions are the lock's
 (constraints.txt, docs/dependencies.md)."""
 
