@@ -17,7 +17,8 @@ and the head as a block each, as Megatron-Core's recipes do (planner.search.inte
 
     moe_runs, moe_refused = load_moe_runs(reference_dir)   # moe_runs.csv, the same way (kind "moe")
 
-moe_runs.csv (Megatron-Bridge's mixture-of-experts rows, all the megatron-core stack): each row's model is its
+moe_runs.csv (Megatron-Bridge's mixture-of-experts rows, all the megatron-core stack), with the rest of its 25.11
+tables' rows added here (ADDED_MOE_RUNS, benchmarks/moe_runs_added.csv): each row's model is its
 architecture's model file under benchmarks/moe_models/ (DeepSeek-V3 and Kimi K2: DeepseekV3Config; Qwen3 MoE:
 Qwen3MoeConfig; GPT-OSS: GptOssConfig) at the row's sizes (layers, dense_layers, hidden, heads, kv_heads, dense_ffn,
 routed/shared experts, top_k, expert_ffn, vocab, and what the attention column prints: MLA ranks, head_dim, sliding
@@ -355,6 +356,8 @@ def moe_run(row: dict, label: str, model_dir: Path, index: int) -> ReferenceRun 
         return "global batch does not divide by dp"
     if not row.get("tokens_per_s_per_gpu", "").strip():
         return "no measured time basis"
+    if re.search(r"\bwith MTP\b", row["model"]):
+        return "its multi-token prediction layers (MTP), which zplan does not price"
     measured = batch * int(row["seq_len"]) / (float(row["tokens_per_s_per_gpu"]) * gpus)
     fsdp = _int(row.get("fsdp", "")) or 0
     zero, offload, _ = zero_stage("Megatron-FSDP" if fsdp else "Megatron distributed optimizer")
@@ -419,15 +422,33 @@ def moe_label(index: int, row: dict) -> str:
     return f"moe#{index}: {row['source']}: {row['model']}, {row['gpus']} {row['gpu_type']}, {row['precision']}"
 
 
-def load_moe_runs(reference_dir: Path, model_dir: Path | None = None) -> tuple[list[ReferenceRun], dict[str, str]]:
-    """moe_runs.csv as ReferenceRuns (kind "moe"; their model files written into model_dir, default a temporary
-    folder) and {row label: reason} for the rows zplan cannot express."""
+# Rows added from the same tables, as the reference folder's README asks: every other mixture-of-experts row of
+# Megatron-Bridge's 25.11 pre-training tables (docs/performance-summary-archive.md, "25.11 NeMo Container": DGX-GB300,
+# DGX-GB200, DGX-B200, DGX-H100), transcribed with the columns of moe_runs.csv and the model dimensions of its rows of
+# the same models. A row moe_runs.csv itself holds is read from there only.
+ADDED_MOE_RUNS = Path(__file__).resolve().parent / "moe_runs_added.csv"
+
+
+def _row_key(row: dict) -> tuple:
+    return tuple(row.get(key, "").strip() for key in ("source", "model", "gpu_type", "precision", "gpus",
+                                                      "tokens_per_s_per_gpu"))
+
+
+def load_moe_runs(reference_dir: Path, model_dir: Path | None = None,
+                  added: Path | None = ADDED_MOE_RUNS) -> tuple[list[ReferenceRun], dict[str, str]]:
+    """moe_runs.csv, then the rows `added` (default ADDED_MOE_RUNS; None: none), as ReferenceRuns (kind "moe"; their
+    model files written into model_dir, default a temporary folder) and {row label: reason} for the rows zplan cannot
+    express."""
     runs, refused = [], {}
     path = reference_dir / "moe_runs.csv"
     if not path.is_file():
         return runs, refused
     folder = model_dir or _moe_model_dir()
-    for index, row in enumerate(csv.DictReader(path.open())):
+    rows = list(csv.DictReader(path.open()))
+    if added is not None:
+        published = {_row_key(row) for row in rows}
+        rows += [row for row in csv.DictReader(added.open()) if _row_key(row) not in published]
+    for index, row in enumerate(rows):
         label = moe_label(index, row)
         run = moe_run(row, label, folder, index)
         if isinstance(run, str):

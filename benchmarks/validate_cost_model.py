@@ -20,7 +20,8 @@ published_over_memory_rows. --picks also compiles zplan's own plan for each row'
 batch and prints its predicted time over the published layout's, both from the same model (a prediction, not a
 measurement; slow: a search per row).
 
-Mixture of experts (../shared/reference/moe_runs.csv, Megatron-Bridge; reference_runs.load_moe_runs): every
+Mixture of experts (../shared/reference/moe_runs.csv and the 25.11 rows added from the same tables,
+benchmarks/moe_runs_added.csv: Megatron-Bridge; reference_runs.load_moe_runs): every
 expressible row is predicted the same way, its model traced from its architecture's model file at the row's sizes
 (benchmarks/moe_models/) with its ep pinned. The MoE rows are the megatron-core stack: they share its efficiency and
 attention factor with the dense megatron-core rows; under fp8 its routed experts run at the GEMM peak

@@ -61,7 +61,7 @@ def test_muon_is_kept_with_its_caveat(tmp_path):
 @pytest.mark.skipif(not (REFERENCE / "moe_runs.csv").is_file(), reason="../shared/reference is not beside")
 def test_the_published_moe_rows_load_with_their_layouts(tmp_path):
     """Every row but Qwen3-235B on H100 (ep 32 over dp 16) is expressed, with the layout it prints."""
-    runs, refused = load_moe_runs(REFERENCE, tmp_path)
+    runs, refused = load_moe_runs(REFERENCE, tmp_path, added=None)
     assert len(runs) == 9 and list(refused) == [
         "moe#6: NVIDIA Megatron-Bridge 26.04.01: Qwen3-235B-A22B, 256 H100-SXM-80GB, fp8"]
     layouts = {run.label.split(":")[0]: (run.pins.tp, run.pins.pp, run.pins.dp, run.pins.ep, run.pins.interleave,
@@ -134,3 +134,36 @@ def test_rows_are_priced_with_what_their_recipes_run(tmp_path):
     request = prepare(str(Path(examples_init).parent / "moe.py"), 8, "dgx-h100", 8, 64, "bf16", Pins())
     assert experts_as_run(per_node, request).summary.experts.dispatch == "per_node"
     assert experts_as_run(plain, request) is request  # bf16: the experts as traced too
+
+
+@pytest.mark.skipif(not (REFERENCE / "moe_runs.csv").is_file(), reason="../shared/reference is not beside")
+def test_the_added_rows_follow_the_published_ones_with_their_layouts(tmp_path):
+    """The rest of the 25.11 tables: numbered after moe_runs.csv's rows, their layouts as printed, the row with MTP
+    and the one with ep folded over tp refused with their reasons."""
+    shared, _ = load_moe_runs(REFERENCE, tmp_path, added=None)
+    runs, refused = load_moe_runs(REFERENCE, tmp_path)
+    added = [run for run in runs if run not in shared]
+    assert len(added) == 13 and {run.source for run in added} == {"NVIDIA Megatron-Bridge 25.11"}
+    assert [run.label.split(":")[0] for run in runs[:len(shared)]] == [run.label.split(":")[0] for run in shared]
+    by_label = {run.label.split(": ", 1)[1]: run for run in added}
+    gpt_oss = by_label["NVIDIA Megatron-Bridge 25.11: GPT-OSS-120B, 64 GB300, bf16"]
+    assert (gpt_oss.pins.ep, gpt_oss.pins.dp, gpt_oss.pins.micro_batch, gpt_oss.global_batch) == (64, 64, 2, 1280)
+    # 1280 sequences of 8192 tokens at 18347 tokens/s on each of 64 GPUs
+    assert gpt_oss.measured_s == pytest.approx(1280 * 8192 / (18347 * 64))
+    qwen = by_label["NVIDIA Megatron-Bridge 25.11: Qwen3-235B-A22B, 256 GB300, bf16"]
+    assert (qwen.pins.pp, qwen.pins.interleave, qwen.pins.ep, qwen.pins.micro_batch) == (4, 12, 16, 2)
+    reasons = {label.split(": ", 1)[1]: why for label, why in refused.items()}
+    assert "multi-token prediction" in reasons["NVIDIA Megatron-Bridge 25.11: DeepSeek-V3 (with MTP), 256 B200, mxfp8"]
+    assert "ep 32 does not divide dp 16" in reasons[
+        "NVIDIA Megatron-Bridge 25.11: Qwen3-235B-A22B, 256 H100-SXM-80GB, fp8 current scaling"]
+
+
+def test_an_added_row_that_moe_runs_csv_holds_is_read_once(tmp_path):
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    header = ",".join(ROW)
+    line = ",".join(f'"{value}"' for value in ROW.values())
+    (reference / "moe_runs.csv").write_text(f"{header}\n{line}\n")
+    (tmp_path / "added.csv").write_text(f"{header}\n{line}\n")
+    runs, refused = load_moe_runs(reference, tmp_path, added=tmp_path / "added.csv")
+    assert len(runs) + len(refused) == 1
