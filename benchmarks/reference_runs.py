@@ -17,8 +17,8 @@ and the head as a block each, as Megatron-Core's recipes do (planner.search.inte
 
     moe_runs, moe_refused = load_moe_runs(reference_dir)   # moe_runs.csv, the same way (kind "moe")
 
-moe_runs.csv (Megatron-Bridge's mixture-of-experts rows, all the megatron-core stack), with the rest of its 25.11
-tables' rows added here (ADDED_MOE_RUNS, benchmarks/moe_runs_added.csv): each row's model is its
+moe_runs.csv (Megatron-Bridge's mixture-of-experts rows, all the megatron-core stack), with the rest of its tables'
+rows from 25.11 to 26.08 added here (ADDED_MOE_RUNS, benchmarks/moe_runs_added.csv): each row's model is its
 architecture's model file under benchmarks/moe_models/ (DeepSeek-V3 and Kimi K2: DeepseekV3Config; Qwen3 MoE:
 Qwen3MoeConfig; GPT-OSS: GptOssConfig) at the row's sizes (layers, dense_layers, hidden, heads, kv_heads, dense_ffn,
 routed/shared experts, top_k, expert_ffn, vocab, and what the attention column prints: MLA ranks, head_dim, sliding
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import atexit
 import csv
+import functools
 import re
 import shutil
 import tempfile
@@ -76,8 +77,8 @@ class ReferenceRun:
     published_flops_per_token: float | None = None  # moe: tflops_per_gpu / tokens_per_s_per_gpu, as the row counts
     assumed: str = ""  # what the row does not print that it is priced with (optimizer sharding, precision)
     recompute_printed: bool = True  # False: the row prints no recompute (pinned none for its time)
-    recipe_hides: tuple[str, ...] = ()  # time_breakdown parts its recipe hides beyond its stack (EP_OVERLAP_RECIPES)
-    dispatch: str = "all_to_all"  # ExpertsSummary.dispatch as its recipe runs it (PER_NODE_DISPATCH_RECIPES)
+    recipe_hides: tuple[str, ...] = ()  # time_breakdown parts its recipe hides beyond its stack (MOE_RECIPES)
+    dispatch: str = "all_to_all"  # ExpertsSummary.dispatch as its recipe runs it (MOE_RECIPES)
 
 
 def stack_of(source: str, data_parallel: str) -> str:
@@ -311,24 +312,6 @@ def moe_precision(precision: str) -> str | None:
     return "fp8" if "fp8" in text else "bf16" if text.strip() == "bf16" else None
 
 
-# The MoE rows whose performance recipe overlaps the expert-parallel all-to-all with compute (Megatron-Core's
-# overlap_moe_expert_parallel_comm with delay_wgrad_compute: one micro-batch's dispatch and combine run behind
-# another's forward or backward); the tables do not print it. Read from NVIDIA-NeMo/Megatron-Bridge at the tag of each
-# container (25.11: v0.2.1, 26.04.01: v0.4.2, 26.06: v0.5.0, 26.08: v0.6.0): the 26.08 MXFP8 recipes below turn it on
-# (src/megatron/bridge/perf_recipes/deepseek/common.py, _enable_deepseek_full_iteration_mxfp8; perf_recipes/qwen/
-# common.py); the recipes of every other row leave it off, or (Qwen3-30B-A3B on H100 at 25.11, pp 2, vp 24, micro-batch
-# 2) its printed layout is the 25.09 configuration's, which ran without it. Keys: (source, model, gpu_type, precision)
-# as the row prints them; values: the recipe.
-EP_OVERLAP_RECIPES = {
-    ("NVIDIA Megatron-Bridge 26.08", "DeepSeek-V3", "GB200", "mxfp8"):
-        "perf_recipes/deepseek/gb200/deepseek_v3.py deepseek_v3_pretrain_256gpu_gb200_fp8mx_config",
-    ("NVIDIA Megatron-Bridge 26.08", "DeepSeek-V3", "GB300", "mxfp8"):
-        "perf_recipes/deepseek/gb300/deepseek_v3.py deepseek_v3_pretrain_256gpu_gb300_fp8mx_config",
-    ("NVIDIA Megatron-Bridge 26.08", "Qwen3-235B-A22B", "GB200", "mxfp8"):
-        "perf_recipes/qwen/gb200/qwen3_moe.py qwen3_235b_a22b_pretrain_256gpu_gb200_fp8mx_config",
-}
-
-
 def moe_run(row: dict, label: str, model_dir: Path, index: int) -> ReferenceRun | str:
     """A moe_runs.csv row as a ReferenceRun (its model file written into model_dir), or the reason zplan cannot
     express it (module docstring)."""
@@ -376,33 +359,46 @@ def moe_run(row: dict, label: str, model_dir: Path, index: int) -> ReferenceRun 
                         recompute_printed=False, **recipe_fields(row))
 
 
-# The MoE rows whose performance recipe dispatches the tokens per node where the ep group spans nodes: Megatron-Core's
-# flex token dispatcher with the HybridEP backend sends a token once to each other node that hosts any of its experts
-# and forwards it there over NVLink (HybridEP's own benchmark counts its RDMA bytes so: deepseek-ai/DeepEP, branch
-# hybrid-ep, tests/utils.py count_rdma_send_from_routing_map). Read at the same tags: Qwen3-30B-A3B on 16 H100 at 26.06
-# (v0.5.0 scripts/performance/configs/qwen/qwen3_workload_base_configs.py, moe_flex_dispatcher_backend "hybridep",
-# ep 16 over two nodes). Every other row's ep group stays inside one NVLink domain (H100 at ep 8, GB200 / GB300 NVL72),
-# where both dispatches are priced alike. Keys as EP_OVERLAP_RECIPES'.
-PER_NODE_DISPATCH_RECIPES = {
-    ("NVIDIA Megatron-Bridge 26.06", "Qwen3-30B-A3B", "H100-SXM-80GB", "fp8"):
-        "scripts/performance/configs/qwen/qwen3_workload_base_configs.py QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1",
-}
+# What each MoE row's performance recipe runs that its table does not print, read from NVIDIA-NeMo/Megatron-Bridge at
+# the tag of its container (25.11: v0.2.1, 26.02: v0.3.0, 26.02.01: v0.3.1, 26.04: v0.4.0, 26.04.01: v0.4.2, 26.06:
+# v0.5.0, 26.06.01: v0.5.1, 26.08: v0.6.0; docs/releases/software-versions.md, docs/versions1.json), one line a row in
+# benchmarks/moe_recipes.csv: the recipe (file and config), whether its layout is the row's, whether it overlaps the
+# expert-parallel all-to-all with compute (Megatron-Core's overlap_moe_expert_parallel_comm with delay_wgrad_compute,
+# set by moe_a2a_overlap: one micro-batch's dispatch and combine run behind another's forward or backward), and its
+# token dispatcher: Megatron-Core's plain all-to-all, or the flex dispatcher with HybridEP or DeepEP, which sends a
+# token once to each other node that hosts any of its experts and forwards it there over NVLink (HybridEP's own
+# benchmark counts its RDMA bytes so: deepseek-ai/DeepEP, branch hybrid-ep, tests/utils.py
+# count_rdma_send_from_routing_map; inside one NVLink domain both dispatches are priced alike). A row whose recipe at
+# its tag runs another layout (its table printed an older configuration's), or that the file does not list (the 25.11
+# rows: their layouts are not v0.2.1's presets), is priced with neither.
+MOE_RECIPES = Path(__file__).resolve().parent / "moe_recipes.csv"
+PER_NODE_DISPATCHERS = ("hybridep", "deepep")
 
 
-def recipe_fields(row: dict) -> dict:
-    """ReferenceRun fields for what a row's recipe runs beyond its stack: the expert-parallel all-to-all overlapped
-    with compute (EP_OVERLAP_RECIPES: the part hidden) and the tokens dispatched per node (PER_NODE_DISPATCH_RECIPES),
-    with what the row is priced with; {} for the others."""
-    key = (row["source"], row["model"], row["gpu_type"], row["precision"])
-    fields, assumed = {}, []
-    if key in EP_OVERLAP_RECIPES:
+def _recipe_key(row: dict) -> tuple:
+    return tuple(row[key].strip() for key in ("source", "model", "gpu_type", "precision", "gpus"))
+
+
+@functools.cache
+def moe_recipes(path: Path = MOE_RECIPES) -> dict[tuple, dict]:
+    """{(source, model, gpu_type, precision, gpus): the recipe's line} for the lines whose layout is the row's."""
+    return {_recipe_key(line): line for line in csv.DictReader(path.open()) if line["layout_matches"] == "yes"}
+
+
+def recipe_fields(row: dict, recipes: dict[tuple, dict] | None = None) -> dict:
+    """ReferenceRun fields for what a row's recipe runs beyond its stack (`recipes`, default moe_recipes()): the
+    expert-parallel all-to-all overlapped with compute (the part hidden) and the tokens dispatched per node, with what
+    the row is priced with; {} for the others."""
+    recipe = (moe_recipes() if recipes is None else recipes).get(_recipe_key(row))
+    if recipe is None:
+        return {}
+    fields, assumed, source = {}, [], f"{recipe['tag']} {recipe['recipe']}"
+    if recipe["a2a_overlap"] == "yes":
         fields["recipe_hides"] = ("expert_parallel",)
-        assumed.append(f"expert-parallel all-to-all overlapped with compute, as its recipe runs it "
-                       f"({EP_OVERLAP_RECIPES[key]})")
-    if key in PER_NODE_DISPATCH_RECIPES:
+        assumed.append(f"expert-parallel all-to-all overlapped with compute, as its recipe runs it ({source})")
+    if recipe["dispatcher"] in PER_NODE_DISPATCHERS:
         fields["dispatch"] = "per_node"
-        assumed.append(f"tokens dispatched per node (HybridEP), as its recipe runs them "
-                       f"({PER_NODE_DISPATCH_RECIPES[key]})")
+        assumed.append(f"tokens dispatched per node ({recipe['dispatcher']}), as its recipe runs them ({source})")
     return {**fields, "assumed": "; ".join(assumed)} if assumed else {}
 
 
@@ -423,9 +419,10 @@ def moe_label(index: int, row: dict) -> str:
 
 
 # Rows added from the same tables, as the reference folder's README asks: every other mixture-of-experts row of
-# Megatron-Bridge's 25.11 pre-training tables (docs/performance-summary-archive.md, "25.11 NeMo Container": DGX-GB300,
-# DGX-GB200, DGX-B200, DGX-H100), transcribed with the columns of moe_runs.csv and the model dimensions of its rows of
-# the same models. A row moe_runs.csv itself holds is read from there only.
+# Megatron-Bridge's pre-training tables from 25.11 to 26.08 (docs/performance-summary-archive.md and
+# docs/performance-summary.md: DGX-GB300, DGX-GB200, DGX-B300, DGX-B200, DGX-H100), transcribed with the columns of
+# moe_runs.csv and the model dimensions of its rows of the same models. A row moe_runs.csv itself holds is read from
+# there only.
 ADDED_MOE_RUNS = Path(__file__).resolve().parent / "moe_runs_added.csv"
 
 

@@ -20,13 +20,13 @@ published_over_memory_rows. --picks also compiles zplan's own plan for each row'
 batch and prints its predicted time over the published layout's, both from the same model (a prediction, not a
 measurement; slow: a search per row).
 
-Mixture of experts (../shared/reference/moe_runs.csv and the 25.11 rows added from the same tables,
+Mixture of experts (../shared/reference/moe_runs.csv and the rows added from the same tables, 25.11 to 26.08,
 benchmarks/moe_runs_added.csv: Megatron-Bridge; reference_runs.load_moe_runs): every
 expressible row is predicted the same way, its model traced from its architecture's model file at the row's sizes
 (benchmarks/moe_models/) with its ep pinned. The MoE rows are the megatron-core stack: they share its efficiency and
 attention factor with the dense megatron-core rows; under fp8 its routed experts run at the GEMM peak
 (STACK_LOW_PRECISION_EXPERTS), and a row whose recipe overlaps the expert-parallel all-to-all has it taken off as the
-stack's other overlaps are (reference_runs.EP_OVERLAP_RECIPES; not fitted). The dense figures above are those of the
+stack's other overlaps are (reference_runs.MOE_RECIPES; not fitted). The dense figures above are those of the
 dense rows alone, fitted on them alone, as before; the MoE figures (keys moe_*) are:
 - in sample (moe_mean_abs_error): the efficiencies fitted on every row, dense and MoE;
 - leave one source out (moe_loso_mean_abs_error): each MoE source (its `source` column: one container release) with

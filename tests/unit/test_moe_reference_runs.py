@@ -1,7 +1,9 @@
-"""benchmarks/reference_runs.py's MoE rows (../shared/reference/moe_runs.csv): each row as the request it prints
-(layout, ep, batches, precision, measured seconds), the refused ones with their reason, and one row's model file
-traced to its printed parameter counts. Only the DeepSeek-V3 row is traced (about 3-8 s)."""
+"""benchmarks/reference_runs.py's MoE rows (../shared/reference/moe_runs.csv, benchmarks/moe_runs_added.csv): each
+row as the request it prints (layout, ep, batches, precision, measured seconds), the refused ones with their reason,
+what each row's recipe runs (benchmarks/moe_recipes.csv), and one row's model file traced to its printed parameter
+counts. Only the DeepSeek-V3 row is traced (about 3-8 s)."""
 
+import csv
 import sys
 from pathlib import Path
 
@@ -103,7 +105,7 @@ def test_megatron_core_fp8_rows_price_their_experts_at_the_gemm_peak_and_no_othe
 
     moe_file = str(Path(examples_init).parent / "moe.py")
     request = prepare(moe_file, 8, "dgx-h100", 8, 64, "fp8", Pins())
-    fp8_run = moe_run(ROW, "row", tmp_path, 0)
+    fp8_run = replace(moe_run(ROW, "row", tmp_path, 0), dispatch="all_to_all")  # the dispatch alone: the next test
     assert request.summary.experts.at_gemm_peak is False
     assert experts_as_run(fp8_run, request).summary.experts.at_gemm_peak is True
     assert experts_as_run(replace(fp8_run, precision="bf16"), request) is request
@@ -113,8 +115,8 @@ def test_megatron_core_fp8_rows_price_their_experts_at_the_gemm_peak_and_no_othe
 
 
 def test_rows_are_priced_with_what_their_recipes_run(tmp_path):
-    """reference_runs.recipe_fields: the 26.08 GB200 DeepSeek-V3 recipe overlaps the all-to-all (EP_OVERLAP_RECIPES);
-    the 26.06 H100 Qwen3-30B-A3B recipe dispatches per node with HybridEP (PER_NODE_DISPATCH_RECIPES), which
+    """reference_runs.recipe_fields (benchmarks/moe_recipes.csv): the 26.08 GB200 DeepSeek-V3 recipe overlaps the
+    all-to-all; the 26.06 H100 Qwen3-30B-A3B recipe dispatches per node with HybridEP, which
     experts_as_run carries into the request's ExpertsSummary; a row of neither keeps both defaults."""
     from validate_cost_model import experts_as_run
 
@@ -122,13 +124,14 @@ def test_rows_are_priced_with_what_their_recipes_run(tmp_path):
     from zplan.examples import __file__ as examples_init
     from zplan.schemas.spec import Pins
 
-    overlapped = moe_run(ROW, "row", tmp_path, 0)
-    assert (overlapped.recipe_hides, overlapped.dispatch) == (("expert_parallel",), "all_to_all")
+    overlapped = moe_run(ROW, "row", tmp_path, 0)  # its recipe also runs HybridEP: alike inside one NVL72 rack
+    assert (overlapped.recipe_hides, overlapped.dispatch) == (("expert_parallel",), "per_node")
+    assert "overlapped" in overlapped.assumed and "hybridep" in overlapped.assumed
     qwen = dict(ROW, source="NVIDIA Megatron-Bridge 26.06", model="Qwen3-30B-A3B", gpu_type="H100-SXM-80GB",
                 precision="fp8", pp="1", vp="", ep="16", gpus="16", global_batch="1024")
     per_node = moe_run(qwen, "qwen", tmp_path, 1)
     assert (per_node.recipe_hides, per_node.dispatch) == ((), "per_node")
-    assert "HybridEP" in per_node.assumed
+    assert "hybridep" in per_node.assumed
     plain = moe_run(dict(ROW, source="NVIDIA Megatron-Bridge 25.11", precision="bf16"), "plain", tmp_path, 2)
     assert (plain.recipe_hides, plain.dispatch, plain.assumed) == ((), "all_to_all", "")
     request = prepare(str(Path(examples_init).parent / "moe.py"), 8, "dgx-h100", 8, 64, "bf16", Pins())
@@ -143,7 +146,8 @@ def test_the_added_rows_follow_the_published_ones_with_their_layouts(tmp_path):
     shared, _ = load_moe_runs(REFERENCE, tmp_path, added=None)
     runs, refused = load_moe_runs(REFERENCE, tmp_path)
     added = [run for run in runs if run not in shared]
-    assert len(added) == 13 and {run.source for run in added} == {"NVIDIA Megatron-Bridge 25.11"}
+    assert len(added) == 91 and {run.source.split()[-1] for run in added} == {
+        "25.11", "26.02", "26.02.01", "26.04", "26.04.01", "26.06", "26.06.01", "26.08"}
     assert [run.label.split(":")[0] for run in runs[:len(shared)]] == [run.label.split(":")[0] for run in shared]
     by_label = {run.label.split(": ", 1)[1]: run for run in added}
     gpt_oss = by_label["NVIDIA Megatron-Bridge 25.11: GPT-OSS-120B, 64 GB300, bf16"]
@@ -156,6 +160,28 @@ def test_the_added_rows_follow_the_published_ones_with_their_layouts(tmp_path):
     assert "multi-token prediction" in reasons["NVIDIA Megatron-Bridge 25.11: DeepSeek-V3 (with MTP), 256 B200, mxfp8"]
     assert "ep 32 does not divide dp 16" in reasons[
         "NVIDIA Megatron-Bridge 25.11: Qwen3-235B-A22B, 256 H100-SXM-80GB, fp8 current scaling"]
+
+
+def test_each_recipe_line_says_one_thing_and_a_layout_the_recipe_does_not_run_is_priced_without_it():
+    """benchmarks/moe_recipes.csv: values from a closed set, no two lines for one row that disagree; the 26.02.01
+    Qwen3-30B-A3B H100 row prints v0.3.0's layout (pp 2, vp 12, ep 8), not v0.3.1's recipe, so its overlap is not
+    applied."""
+    from reference_runs import MOE_RECIPES, moe_recipes, recipe_fields
+
+    lines = list(csv.DictReader(MOE_RECIPES.open()))
+    assert {line["a2a_overlap"] for line in lines} == {"yes", "no"}
+    assert {line["layout_matches"] for line in lines} == {"yes", "no"}
+    assert {line["dispatcher"] for line in lines} <= {"alltoall", "hybridep", "deepep"}
+    said: dict[tuple, tuple] = {}
+    for line in lines:
+        key = tuple(line[k] for k in ("source", "model", "gpu_type", "precision", "gpus"))
+        assert said.setdefault(key, (line["a2a_overlap"], line["dispatcher"])) == (line["a2a_overlap"],
+                                                                                   line["dispatcher"]), key
+    mismatched = dict(source="NVIDIA Megatron-Bridge 26.02.01", model="Qwen3-30B-A3B", gpu_type="H100-SXM-80GB",
+                      precision="fp8", gpus="16")
+    assert any(all(line[k] == v for k, v in mismatched.items()) and line["layout_matches"] == "no" for line in lines)
+    assert tuple(mismatched.values()) not in moe_recipes()
+    assert recipe_fields(mismatched) == {}
 
 
 def test_an_added_row_that_moe_runs_csv_holds_is_read_once(tmp_path):
