@@ -385,11 +385,11 @@ def moe_recipes(path: Path = MOE_RECIPES) -> dict[tuple, dict]:
     return {_recipe_key(line): line for line in csv.DictReader(path.open()) if line["layout_matches"] == "yes"}
 
 
-def recipe_fields(row: dict, recipes: dict[tuple, dict] | None = None) -> dict:
-    """ReferenceRun fields for what a row's recipe runs beyond its stack (`recipes`, default moe_recipes()): the
-    expert-parallel all-to-all overlapped with compute (the part hidden) and the tokens dispatched per node, with what
-    the row is priced with; {} for the others."""
-    recipe = (moe_recipes() if recipes is None else recipes).get(_recipe_key(row))
+def recipe_fields(row: dict) -> dict:
+    """ReferenceRun fields for what a row's recipe runs beyond its stack (moe_recipes): the expert-parallel all-to-all
+    overlapped with compute (the part hidden) and the tokens dispatched per node, with what the row is priced with; {}
+    for the others."""
+    recipe = moe_recipes().get(_recipe_key(row))
     if recipe is None:
         return {}
     fields, assumed, source = {}, [], f"{recipe['tag']} {recipe['recipe']}"
