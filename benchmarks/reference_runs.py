@@ -375,21 +375,24 @@ MOE_RECIPES = Path(__file__).resolve().parent / "moe_recipes.csv"
 PER_NODE_DISPATCHERS = ("hybridep", "deepep")
 
 
-def _recipe_key(row: dict) -> tuple:
-    return tuple(row[key].strip() for key in ("source", "model", "gpu_type", "precision", "gpus"))
+RECIPE_KEY = ("source", "model", "gpu_type", "precision", "gpus")  # the columns that name a run in moe_recipes.csv
+
+
+def _columns(row: dict, names: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(row.get(name, "").strip() for name in names)
 
 
 @functools.cache
 def moe_recipes(path: Path = MOE_RECIPES) -> dict[tuple, dict]:
     """{(source, model, gpu_type, precision, gpus): the recipe's line} for the lines whose layout is the row's."""
-    return {_recipe_key(line): line for line in csv.DictReader(path.open()) if line["layout_matches"] == "yes"}
+    return {_columns(line, RECIPE_KEY): line for line in csv.DictReader(path.open()) if line["layout_matches"] == "yes"}
 
 
 def recipe_fields(row: dict) -> dict:
     """ReferenceRun fields for what a row's recipe runs beyond its stack (moe_recipes): the expert-parallel all-to-all
     overlapped with compute (the part hidden) and the tokens dispatched per node, with what the row is priced with; {}
     for the others."""
-    recipe = moe_recipes().get(_recipe_key(row))
+    recipe = moe_recipes().get(_columns(row, RECIPE_KEY))
     if recipe is None:
         return {}
     fields, assumed, source = {}, [], f"{recipe['tag']} {recipe['recipe']}"
@@ -426,9 +429,7 @@ def moe_label(index: int, row: dict) -> str:
 ADDED_MOE_RUNS = Path(__file__).resolve().parent / "moe_runs_added.csv"
 
 
-def _row_key(row: dict) -> tuple:
-    return tuple(row.get(key, "").strip() for key in ("source", "model", "gpu_type", "precision", "gpus",
-                                                      "tokens_per_s_per_gpu"))
+ROW_KEY = (*RECIPE_KEY, "tokens_per_s_per_gpu")  # the columns that name a published row
 
 
 def load_moe_runs(reference_dir: Path, model_dir: Path | None = None,
@@ -443,8 +444,8 @@ def load_moe_runs(reference_dir: Path, model_dir: Path | None = None,
     folder = model_dir or _moe_model_dir()
     rows = list(csv.DictReader(path.open()))
     if added is not None:
-        published = {_row_key(row) for row in rows}
-        rows += [row for row in csv.DictReader(added.open()) if _row_key(row) not in published]
+        published = {_columns(row, ROW_KEY) for row in rows}
+        rows += [row for row in csv.DictReader(added.open()) if _columns(row, ROW_KEY) not in published]
     for index, row in enumerate(rows):
         label = moe_label(index, row)
         run = moe_run(row, label, folder, index)
