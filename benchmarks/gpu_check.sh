@@ -13,6 +13,8 @@
 #    prediction at 4k and 16k tokens, and the attention kernel's achieved rate against the profile's.
 # 5. benchmarks/gpu_step_breakdown.py: one decoder block's GEMMs, attention and the rest against their prices.
 # 6. examples/tiny.py compiled for one GPU of dgx-h200 and trained 30 steps from its emitted script.
+# 7. benchmarks/gpu_host_overhead.py: the host's seconds per aten op apart, against the GPU profiles' figure (which
+#    step 6's forward + backward gave, 2026-12-04).
 # A failed step is reported and the next one runs; the exit status is 1 when any failed.
 # zplan's own dependencies must be importable: where they are missing and pip cannot reach an index,
 # put their wheels in .whl/ (pydantic, pydantic-core, annotated-types, ortools, ...): they are installed
@@ -73,5 +75,6 @@ step step-breakdown 120 bash -c "'$PYTHON' '$REPO/benchmarks/gpu_step_breakdown.
     && '$PYTHON' '$REPO/benchmarks/gpu_step_breakdown.py' --seq 16384"
 step tiny 90 bash -c "'$PYTHON' -m zplan compile '$REPO/examples/tiny.py' --gpus 1 --cluster dgx-h200 -o tiny \
     && '$PYTHON' tiny/train.py --steps 30 --log-json tiny/log.jsonl && tail -n 1 tiny/log.jsonl"
+step host-overhead 60 "$PYTHON" "$REPO/benchmarks/gpu_host_overhead.py"
 echo "gpu_check: done in $(( $(date +%s) - start )) s; failed: ${failed[*]:-none}"
 [ ${#failed[@]} -eq 0 ]

@@ -92,6 +92,12 @@ STACK_UNIFORM_STAGES = {"megatron-2021", "megatron-core"}
 ATTENTION_FACTORS = [round(0.5 + 0.1 * i, 1) for i in range(16)]  # 0.5 .. 2.0
 
 
+def published_stack(request):
+    """The request with its profile's host time unpriced: a published run's host dispatches its stack's way (fused
+    kernels, CUDA graphs), not zplan's runtime's, whose measured cost per op the GPU profiles carry."""
+    return replace(request, cluster=request.cluster.without_host())
+
+
 def predict(run: ReferenceRun) -> dict:
     """step_s: iteration seconds of the run's configuration on zplan's profile; predicted_s: those seconds less what
     its stack and its recipe (run.recipe_hides) hide; attention_s: the attention core's seconds in them; fits: whether
@@ -99,8 +105,8 @@ def predict(run: ReferenceRun) -> dict:
     when the profile's flash efficiency is halved, the configuration held (micro-batch and recompute pinned to the first
     estimate's): the step is linear in 1 / efficiency.attention. Profiles with no flash figure (the GEMM curve) give
     0."""
-    request = experts_as_run(
-        run, prepare(run.spec, run.gpus, run.cluster, run.global_batch, None, run.precision, run.pins))
+    request = experts_as_run(run, published_stack(
+        prepare(run.spec, run.gpus, run.cluster, run.global_batch, None, run.precision, run.pins)))
     uniform = run.stack in STACK_UNIFORM_STAGES
     estimate = estimate_config(request, uniform)
     hidden = sum(estimate["time_breakdown"][part] for part in (*STACK_HIDES.get(run.stack, ()), *run.recipe_hides))
@@ -219,8 +225,8 @@ def validate(reference: Path, picks: bool = False, moe: bool = True) -> dict:
                "over_memory": predicted["over_memory"], "assumed": run.assumed,
                "recompute_printed": run.recompute_printed, "regime": predicted["regime"]}
         if picks:
-            chosen = compile_plan(prepare(run.spec, run.gpus, run.cluster, run.global_batch, None, run.precision,
-                                          Pins()))
+            chosen = compile_plan(published_stack(prepare(run.spec, run.gpus, run.cluster, run.global_batch, None,
+                                                          run.precision, Pins())))
             row["zplan_pick_over_published"] = chosen.prediction.step_time_s / predicted["step_s"]  # both zplan's
         return row
 

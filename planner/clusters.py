@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from zplan.errors import ClusterError, validation_message
 from zplan.planner.cpu_local import CPU_LOCAL
 from zplan.safe_files import UnsafeFileError, read_capped
-from zplan.schemas.cluster import ClusterSpec, EfficiencySpec, GpuSpec
+from zplan.schemas.cluster import ClusterSpec, EfficiencySpec, GpuSpec, HostOverheads
 
 GiB = 1024**3
 GB = 1e9
@@ -47,6 +47,15 @@ FLASH_ATTENTION_H100 = 330e12 * 3.0 / 3.5 / 989e12  # 0.29
 # own BF16 peak (FLOP/s, not a fraction: the same chip at 2250 or 2500 TFLOP/s).
 FLASH_ATTENTION_BLACKWELL_FLOPS = 1605e12 / 1.3 * 3.0 / 3.5  # 1.06 PFLOP/s
 
+# Host time of zplan's runtime on a GPU machine, measured once: examples/tiny.py (2 blocks of width 64, 8 x 64 tokens)
+# trained on one H200 (2026-12-04, benchmarks/gpu_check.sh, step tiny; docs/results.md, On a GPU) spent 16 ms in
+# forward + backward, all host time: 2 x BLOCK_OPS + EMBEDDING_OPS + HEAD_OPS = 306 counted aten ops
+# (planner/cost/compute.py), 52 us a counted op, what the bf16 program dispatches beside them included. The host runs
+# ahead of the GPU, so this is a floor under each block's device time, not an addition (HostOverheads.runs_ahead).
+# Not measured apart: other hosts (taken as this one), the optimizer step (5 ms there against 14 ops' 0.7 ms) and
+# FSDP2's per-unit hooks (sharded_unit_s 0).
+GPU_HOST = HostOverheads(op_s=16e-3 / 306, runs_ahead=True)
+
 DGX_A100_80G = ClusterSpec(
     name="dgx-a100-80g",
     description="NVIDIA DGX A100 80GB: 8x A100-SXM4-80GB, NVSwitch, 8x HDR 200 Gb/s InfiniBand",
@@ -70,6 +79,7 @@ DGX_A100_80G = ClusterSpec(
     nvme_bytes=int(30 * TB),  # 8x 3.84 TB U.2 NVMe
     nvme_bandwidth_Bps=25 * GB,  # 8 PCIe Gen4 drives in RAID-0 (assumed, not in the data sheet)
     framework_reserve_bytes=2 * GiB,
+    host_overheads=GPU_HOST,
     efficiency=_NVIDIA_EFFICIENCY.model_copy(update={"attention": FLASH_ATTENTION_A100}),
 )
 
@@ -112,6 +122,7 @@ DGX_H100 = ClusterSpec(
     nvme_bytes=int(30 * TB),
     nvme_bandwidth_Bps=50 * GB,  # 8 PCIe Gen4/5 drives in RAID-0 (assumed)
     framework_reserve_bytes=2 * GiB,
+    host_overheads=GPU_HOST,
     efficiency=_NVIDIA_EFFICIENCY.model_copy(update={"attention": FLASH_ATTENTION_H100}),
 )
 
@@ -152,6 +163,7 @@ DGX_B200 = ClusterSpec(
     nvme_bytes=int(30 * TB),  # 8x 3.84 TB U.2 NVMe
     nvme_bandwidth_Bps=50 * GB,  # 8 PCIe Gen5 drives in RAID-0 (assumed)
     framework_reserve_bytes=2 * GiB,
+    host_overheads=GPU_HOST,
     efficiency=_NVIDIA_EFFICIENCY.model_copy(update={"attention": FLASH_ATTENTION_BLACKWELL_FLOPS / (2250 * TB)}),
 )
 
@@ -187,6 +199,7 @@ GB200_NVL72 = ClusterSpec(
     nvme_bytes=int(4 * 3.84 * TB),  # 4 E1.S 3.84 TB a tray (assumed, not in the data sheet)
     nvme_bandwidth_Bps=4 * 6 * GB,  # PCIe Gen5 E1.S at ~6 GB/s each (assumed)
     framework_reserve_bytes=2 * GiB,
+    host_overheads=GPU_HOST,
     efficiency=_NVIDIA_EFFICIENCY.model_copy(update={"attention": FLASH_ATTENTION_BLACKWELL_FLOPS / (2500 * TB)}),
 )
 
@@ -234,6 +247,7 @@ L40S_SERVER = ClusterSpec(
     nvme_bytes=int(15 * TB),
     nvme_bandwidth_Bps=25 * GB,  # assumed
     framework_reserve_bytes=2 * GiB,
+    host_overheads=GPU_HOST,
     efficiency=_NVIDIA_EFFICIENCY,
 )
 
@@ -260,6 +274,7 @@ DGX2_V100 = ClusterSpec(
     nvme_bytes=int(30 * TB),
     nvme_bandwidth_Bps=12 * GB,  # 8 PCIe Gen3 drives in RAID-0 (assumed)
     framework_reserve_bytes=int(1.5 * GiB),
+    host_overheads=GPU_HOST,
     efficiency=_NVIDIA_EFFICIENCY,
 )
 

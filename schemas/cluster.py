@@ -116,9 +116,9 @@ class CollectiveCosts(_Frozen):
 
 
 class HostOverheads(_Frozen):
-    """Fixed host (CPU) time per operation, paid on top of the FLOPs and bytes. On a GPU these run ahead of
-    the device asynchronously and hide behind its work (all 0, the default); where the host is the device
-    (a CPU profile) they add to the step."""
+    """Fixed host (CPU) time per operation. Where the host is the device (a CPU profile) it adds to the FLOPs and
+    bytes; where the host dispatches ahead of its device (runs_ahead: a GPU) it is a floor under the device's time,
+    which it hides behind while the device's work per op outlasts it (planner.cost.compute.with_host_s)."""
 
     op_s: float = Field(default=0.0, ge=0, description="Host time per dispatched aten op of a training step "
                                                        "(dispatcher, autograd, Python module call), s.")
@@ -133,6 +133,10 @@ class HostOverheads(_Frozen):
         default=None, ge=0, description="Host time full activation recompute adds per block per micro-batch "
                                         "(torch.utils.checkpoint and the re-run forward's ops), s; None: the "
                                         "re-run ops at op_s.")
+    runs_ahead: bool = Field(
+        default=False, description="The host launches work on a separate device and runs ahead of it (a GPU): "
+                                   "a block, the embedding, the head and the optimizer step each take the longer "
+                                   "of their device time and their host time. False: the two add (a CPU).")
 
 
 class ClusterSpec(_Frozen):
@@ -180,7 +184,7 @@ class ClusterSpec(_Frozen):
         default=None, description="Measured per-collective costs inside a node; None: every collective uses "
                                   "intra_node_bandwidth_Bps, efficiency.intra_node_link and intra_node_latency_s.")
     host_overheads: HostOverheads = Field(
-        default_factory=HostOverheads, description="Fixed host time per op and per sharded unit (0 on GPUs).")
+        default_factory=HostOverheads, description="Fixed host time per op and per sharded unit; 0: not priced.")
     calibration_errors: list[float] | None = Field(
         default=None, description="log(measured / predicted) step seconds of measured runs under this profile, written "
                                   "by zplan calibrate: its --check runs' (left out of the fit) where it had any, else "
@@ -188,6 +192,11 @@ class ClusterSpec(_Frozen):
                                   "theirs (planner/uncertainty.py); None: the published runs' by regime.")
     calibration_errors_held_out: bool = Field(
         default=False, description="Whether calibration_errors are of runs left out of the fit.")
+
+    def without_host(self) -> ClusterSpec:
+        """This profile with its host time unpriced: for runs whose host dispatches otherwise than zplan's runtime
+        (a published stack's fused kernels and CUDA graphs), or to check the device's terms alone."""
+        return self.model_copy(update={"host_overheads": HostOverheads()})
 
     def link_domain(self) -> int:
         """GPUs a collective reaches over the intra-node link before it needs the network."""

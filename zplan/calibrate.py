@@ -162,7 +162,7 @@ FITTED: dict[str, Parameter] = {
 
 
 def fitted_parameters(cluster: ClusterSpec) -> list[str]:
-    """The parameters a profile has something to fit in (a GPU profile has no host costs)."""
+    """The parameters a profile has something to fit in (a zero host cost has nothing to scale)."""
     host = cluster.host_overheads
     absent = {"host_op_s"} if host.op_s == 0 else set()
     absent |= {"sharded_unit_s"} if host.sharded_unit_s == 0 else set()

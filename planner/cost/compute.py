@@ -20,8 +20,10 @@ load balancing under the causal mask) gives each GPU the GEMMs, attention, bytes
 Backward costs twice the forward (Narayanan et al. SC'21, Sec. 5.1: 3x forward for fwd+bwd).
 Recompute adds a forward pass (full) or the attention core (selective; Korthikanti et al. 2022,
 Sec. 5: softmax/dropout/QK^T/AV are re-run).
-Host overhead: every aten op a micro-batch dispatches costs the profile's host_overheads.op_s on top of
-its FLOPs and bytes (0 on GPUs, whose launches run ahead of the device). The op counts below were
+Host overhead: every aten op a micro-batch dispatches costs the profile's host_overheads.op_s: on top of its FLOPs
+and bytes on a CPU profile, and as a floor under them where the host runs ahead of its GPU (with_host_s: a block,
+the embedding and the head each take the longer of the two, so the host shows only where a block's device work is
+shorter than its dispatch: small models, small micro-batches). The op counts below were
 counted with a TorchDispatchMode (torch 2.13, CPU) over one forward + backward of examples/gpt.py's
 pre-LayerNorm Block (h=64, 4 heads), with the runtime's apply_recompute for the recompute modes, and of
 its embedding (wte + wpe) and head (ln_f, tied lm_head, next-token cross-entropy); they do not depend on
@@ -125,9 +127,9 @@ def block_time_s(
     streamed = STREAMED_PER_SAVED_BYTE * ((1.0 + BACKWARD_OVER_FORWARD) * saved_fwd + recomputed)
     if precision in ("fp8", "nvfp4"):
         streamed = streamed + fp8_cast_bytes(model, b, t, precision)
-    return ((flops - core - experts) / t / (gemm_peak * eff) + core / t / (peak * attention_eff)
-            + experts_s
-            + streamed / activation_ops_Bps(cluster) + block_host_s(cand.recompute, cluster))
+    device_s = ((flops - core - experts) / t / (gemm_peak * eff) + core / t / (peak * attention_eff) + experts_s
+                + streamed / activation_ops_Bps(cluster))
+    return with_host_s(device_s, block_host_s(cand.recompute, cluster), cluster)
 
 
 def fp8_cast_bytes(model: ModelNumbers, micro_batch: np.ndarray, tp: np.ndarray, precision: str = "fp8"
@@ -147,6 +149,12 @@ def activation_ops_Bps(cluster: ClusterSpec) -> float:
     eff = cluster.efficiency
     fraction = eff.activation_ops if eff.activation_ops is not None else eff.memory_bound
     return cluster.gpu.hbm_bandwidth_Bps * fraction
+
+
+def with_host_s(device_s, host_s, cluster: ClusterSpec):
+    """Seconds of work whose device part takes device_s and whose dispatch takes host_s: the longer of the two where
+    the host runs ahead of its device (a GPU), else their sum (a CPU profile: the host is the device)."""
+    return np.maximum(device_s, host_s) if cluster.host_overheads.runs_ahead else device_s + host_s
 
 
 def block_host_s(recompute: np.ndarray, cluster: ClusterSpec) -> np.ndarray:
@@ -174,5 +182,6 @@ def edge_time_s(
     eff = gemm_efficiency(gemm_flops, cluster)
     per_logit = LOSS_STREAMED_BYTES_PER_LOGIT[compute_dtype(precision)]
     streamed = b * model.seq_len * model.vocab / split * per_logit if loss else 0.0
-    return (b * (1.0 + BACKWARD_OVER_FORWARD) * fwd_flops / split / (peak * eff)
-            + streamed / activation_ops_Bps(cluster) + ops * cluster.host_overheads.op_s)
+    device_s = (b * (1.0 + BACKWARD_OVER_FORWARD) * fwd_flops / split / (peak * eff)
+                + streamed / activation_ops_Bps(cluster))
+    return with_host_s(device_s, ops * cluster.host_overheads.op_s, cluster)

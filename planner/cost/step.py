@@ -32,8 +32,9 @@ the runtime's compressed all-to-all + all-gather, not overlapped, plus its quant
 ZeRO-3's all-gathers and add their dequantizing, exposed; int8 activations shrink the stage-to-stage sends and add
 their encoding and decoding.
 Optimizer: gradient clipping streams CLIP_PASSES (16-bit parameters: CLIP_NORM_PASSES) x the gradients' bytes on the
-GPU and AdamW ADAM_BYTES_PER_PARAM per parameter of the shard it steps, at memory bandwidth, plus the host cost of
-OPTIMIZER_STEP_OPS aten ops (clipping, the fused step, zero_grad).
+GPU and AdamW ADAM_BYTES_PER_PARAM per parameter of the shard it steps, at memory bandwidth, with the host cost of
+OPTIMIZER_STEP_OPS aten ops (clipping, the fused step, zero_grad) added, or under it as a floor where the host runs
+ahead of a GPU (compute.with_host_s).
 Offload: planner/cost/offload.py (ZeRO-Offload / ZeRO-Infinity traffic, not overlapped).
 """
 
@@ -65,6 +66,7 @@ from zplan.planner.cost.compute import (
     HEAD_OPS,
     block_time_s,
     edge_time_s,
+    with_host_s,
 )
 from zplan.planner.cost.inputs import Candidates, ModelNumbers, gpu_sequences, gradient_group
 from zplan.planner.cost.memory import (
@@ -319,8 +321,8 @@ def estimate_step(
     shard = memory.stage_shard_params  # the parameters this rank's optimizer steps
     offload_s = offload_time_s(cand, params_gpu, m, cluster, precision, memory.parameters_offloaded)
     clip_s = gradient_clip_s(memory.gradients, sixteen_bit_states(cand.zero, precision, cand.grad_compress), cluster)
-    optimizer_s = np.where(cand.offload == 0, gpu_adam_step_s(shard, cluster) + clip_s, 0.0)
-    optimizer_s = optimizer_s + OPTIMIZER_STEP_OPS * cluster.host_overheads.op_s
+    optimizer_s = with_host_s(np.where(cand.offload == 0, gpu_adam_step_s(shard, cluster) + clip_s, 0.0),
+                              OPTIMIZER_STEP_OPS * cluster.host_overheads.op_s, cluster)
 
     compute_s = m * compute_mb
     tp_s = m * tp_mb

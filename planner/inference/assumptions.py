@@ -9,6 +9,7 @@ from zplan.planner.inference.cost import (
     QUANT_GROUP_SIZE,
     InferenceModel,
     Workload,
+    pass_host_s,
 )
 from zplan.schemas.cluster import ClusterSpec
 from zplan.schemas.model import ModelSummary
@@ -76,7 +77,10 @@ def inference_assumptions(cluster: ClusterSpec, summary: ModelSummary, model: In
          "Aminabadi et al. 2022 (DeepSpeed-Inference, ZeRO-Inference) Sec. 6"),
         *([("host overhead", f"{cluster.host_overheads.op_s * 1e6:.1f} us per aten op, {BLOCK_FORWARD_OPS} per block "
                              "per forward pass", f"{src}; op counts of planner/cost/compute.py")]
-          if cluster.host_overheads.op_s else []),
+          if pass_host_s(1, cluster) else
+          [("host overhead", "not priced: the engine's dispatch on a GPU is unmeasured (a small model's decode step "
+                             "can take longer than its weights' reads)", "zplan (assumption)")]
+          if cluster.host_overheads.runs_ahead else []),
         ("model numbers", f"{summary.tracer} ({summary.source}); Linear weights per block "
                           f"{model.block_linear_params / 1e6:,.2f} M from the block FLOPs",
          "planner/trace.py or planner/family.py"),

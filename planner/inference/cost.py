@@ -55,9 +55,9 @@ QUANT_GROUP_SIZE = 128  # input features per scale, at most (quant_group_size: s
 SCALE_BYTES = 4.0  # zplan.cuda.weight_quant keeps one fp32 scale per group; fp8 one per output channel
 FP8_BYTES = 1.0  # float8_e4m3fn weights (W8A8: runtime/inference/fp8.py), before the per-channel scales
 PREFETCH_LAYERS = 1  # streamed tiers: layers loaded ahead of the one computing
-# Host dispatch per forward pass (0 s on GPUs, where launches run ahead of the device; a CPU profile's op_s):
-# 39 aten ops per block forward, as counted for planner/cost/compute.py's BLOCK_OPS (39 forward + 93 backward),
-# and the embedding lookups plus the final norm and logits.
+# Host dispatch per forward pass (pass_host_s): 39 aten ops per block forward, as counted for
+# planner/cost/compute.py's BLOCK_OPS (39 forward + 93 backward), and the embedding lookups plus the final norm and
+# logits.
 BLOCK_FORWARD_OPS = 39
 EDGE_FORWARD_OPS = 8
 LOGITS_BYTES = 4.0  # the last position's logits are kept in fp32 for sampling
@@ -163,6 +163,14 @@ class InferenceEstimate:
     tpot_s: np.ndarray
     request_latency_s: np.ndarray
     tokens_per_s: np.ndarray
+
+
+def pass_host_s(layers: int, cluster: ClusterSpec) -> float:
+    """Host seconds the engine dispatches one forward pass in, where they add to its work: a CPU profile's (the host
+    is the device). 0 on a profile whose host runs ahead of its GPU: the engine's dispatch there is unmeasured, and
+    the training figure (host_overheads.op_s, under autograd) would overstate an inference pass's."""
+    host = cluster.host_overheads
+    return 0.0 if host.runs_ahead else (BLOCK_FORWARD_OPS * layers + EDGE_FORWARD_OPS) * host.op_s
 
 
 def quant_group_size(model: InferenceModel, tp: np.ndarray) -> np.ndarray:
@@ -288,7 +296,7 @@ def estimate(model: InferenceModel, cand: InferenceCandidates, cluster: ClusterS
     fp8_peak = cluster.gpu.peak_fp8_flops if cluster.gpu.peak_fp8_flops > 0 else peak  # no fp8: refused upstream
     gemm_peak = np.where(is_fp8(cand.precision), fp8_peak, peak)
     hbm = cluster.gpu.hbm_bandwidth_Bps * cluster.efficiency.memory_bound
-    host_s = (BLOCK_FORWARD_OPS * L + EDGE_FORWARD_OPS) * cluster.host_overheads.op_s
+    host_s = pass_host_s(L, cluster)
     read_b = blocks_b + (model.decode_read_params - V * h) * cbytes + head_b  # weight bytes a pass reads
 
     # Prefill (Pope et al. 2022, Sec. 3): compute bound, and at least one read of the weights.
@@ -312,7 +320,7 @@ def estimate(model: InferenceModel, cand: InferenceCandidates, cluster: ClusterS
     decode_weights = np.where(compute_bound, 0.0, weights_s)
     decode_kv = np.where(compute_bound, 0.0, kv_s)
     # the host dispatches the step's ops one after another, beside neither the reads nor the FLOPs on a CPU
-    # profile (op_s = 0 on GPU profiles, whose launches run ahead of the device)
+    # profile (pass_host_s: 0 on GPU profiles)
     decode_compute = np.where(compute_bound, flops_s, 0.0) + host_s
     decode_tp = 2.0 * L * all_reduce_s(B * h * cbytes, cand.tp, ones, cluster)
 

@@ -81,8 +81,6 @@ import numpy as np
 from zplan.planner.cost.comm import all_reduce_s
 from zplan.planner.cost.compute import gemm_efficiency
 from zplan.planner.inference.cost import (
-    BLOCK_FORWARD_OPS,
-    EDGE_FORWARD_OPS,
     FLOAT_BYTES,
     WEIGHT_PRECISIONS,
     WEIGHT_TIERS,
@@ -94,6 +92,7 @@ from zplan.planner.inference.cost import (
     is_fp8,
     is_quantized,
     not_hidden_stream_s,
+    pass_host_s,
     quant_group_size,
     stream_link_Bps,
     weight_bytes_per_param,
@@ -425,11 +424,11 @@ def continuous_batching(model: InferenceModel, cluster: ClusterSpec, tp: int, nu
 def plan_continuous_batching(model: InferenceModel, cluster: ClusterSpec, work: Workload, tp: int, precision: str,
                              tier: str, weights_bytes: float, max_running: int) -> ContinuousBatching:
     """The curve of one configuration of a plan: zplan's engine numerics (numerics_for), the host's dispatch per
-    pass where the profile has one (cost.py's BLOCK_FORWARD_OPS per block, as cost.py's prefill and decode),
+    pass where the profile prices one (cost.py's pass_host_s, as cost.py's prefill and decode),
     `weights_bytes` the weights the configuration keeps on a GPU (cost.py's estimate: the layers in flight for a
     streamed tier), whose blocks then cross the tier's link every pass."""
     num = numerics_for(precision, work.compute_dtype, model, tp, cluster)
-    host_s = (BLOCK_FORWARD_OPS * model.layers + EDGE_FORWARD_OPS) * cluster.host_overheads.op_s
+    host_s = pass_host_s(model.layers, cluster)
     tier_index = WEIGHT_TIERS.index(tier)
     layer_transfer = 0.0
     if tier != "gpu":

@@ -17,7 +17,7 @@ from zplan.planner.cost.inputs import Candidates, ModelNumbers
 from zplan.planner.cost.memory import FP8_CAST_TEMPORARY_BYTES_PER_ELEMENT, memory_per_gpu
 from zplan.schemas.spec import Pins
 
-H100 = BUILTIN_CLUSTERS["dgx-h100"]
+H100 = BUILTIN_CLUSTERS["dgx-h100"].without_host()  # the device's terms alone
 S, H, V, B, TP = 2048, 1024, 32000, 2, 2
 
 

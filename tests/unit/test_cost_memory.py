@@ -237,8 +237,8 @@ def test_unit_costs_split_the_vocabulary_as_the_memory_model_does():
 
 @pytest.mark.parametrize("vocab_splittable", [False, True])
 def test_the_logits_gemm_is_divided_by_tp_only_when_the_vocabulary_is(vocab_splittable):
-    """The head's forward + backward on one GPU: 3 * b * 2 s h V / split FLOPs, at the efficiency of that GEMM (A100
-    has no host overhead per op)."""
+    """The head's forward + backward on one GPU: 3 * b * 2 s h V / split FLOPs, at the efficiency of that GEMM (no
+    ops passed: no host time)."""
     from zplan.planner.cost.compute import edge_time_s, gemm_efficiency
 
     model = edged_numbers(vocab_splittable)

@@ -14,7 +14,7 @@ from zplan.planner.cost.memory import memory_per_gpu
 from zplan.planner.cost.step import estimate_step
 from zplan.schemas.spec import Pins
 
-B200 = BUILTIN_CLUSTERS["dgx-b200"]
+B200 = BUILTIN_CLUSTERS["dgx-b200"].without_host()  # the device's terms alone
 S, H, V, B = 2048, 1024, 32000, 2
 LLAMA = "llama:layers=8,hidden=2048,heads=16,kv_heads=16,ffn=8192,seq=2048,vocab=32000"
 
@@ -110,8 +110,10 @@ def test_nvfp4_compiles_at_tp_1_refuses_a_tp_pin_and_estimates_any_layout():
 
 
 def test_an_nvfp4_plan_prices_faster_than_fp8_and_bf16_and_says_what_it_assumes():
+    """Blocks large enough that each precision's device time per block outlasts the host's dispatch of it."""
     pins = Pins(tp=1, pp=1, zero=3, micro_batch=4, recompute="none")
-    steps = {precision: compile_with_alternatives(prepare(LLAMA, 8, "dgx-b200", 64, None, precision, pins))
+    large = "llama:layers=8,hidden=4096,heads=32,kv_heads=32,ffn=16384,seq=8192,vocab=32000"
+    steps = {precision: compile_with_alternatives(prepare(large, 8, "dgx-b200", 64, None, precision, pins))
              for precision in ("bf16", "fp8", "nvfp4")}
     times = [steps[p][0].prediction.step_time_s for p in ("nvfp4", "fp8", "bf16")]
     assert times == sorted(times) and times[0] < times[1]

@@ -9,7 +9,7 @@ from zplan.planner.cost.compute import gemm_efficiency
 from zplan.planner.cost.inputs import Candidates, ModelNumbers
 from zplan.planner.cost.step import estimate_step, stage_blocks_equivalent
 
-A100 = BUILTIN_CLUSTERS["dgx-a100-80g"]
+A100 = BUILTIN_CLUSTERS["dgx-a100-80g"].without_host()  # the device's terms alone
 NV = A100.intra_node_bandwidth_Bps * A100.efficiency.intra_node_link
 IB = A100.inter_node_bandwidth_Bps * A100.efficiency.inter_node_link
 

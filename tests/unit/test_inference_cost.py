@@ -143,7 +143,8 @@ def test_streamed_weights_wait_for_the_slower_link(tier, link_Bps):
 def test_a_device_without_overlap_waits_for_every_copy_and_dispatches_ops_in_series():
     # CPU-like profile: copies on the computing core (no overlap), 10 us of host time per dispatched op
     cpu_like = CLUSTER.model_copy(update={"overlaps_comm_with_compute": False, "host_overheads":
-                                          CLUSTER.host_overheads.model_copy(update={"op_s": 1e-5})})
+                                          CLUSTER.host_overheads.model_copy(update={"op_s": 1e-5,
+                                                                                    "runs_ahead": False})})
     work = Workload(prompt_len=100, gen_len=20, compute_dtype="bf16", gpus=1)
     est = estimate(MODEL, one(tier="cpu"), cpu_like, work)
     layer_s = 12e6 * BF16 / (1e10 * 0.5)  # one block's weights over PCIe at half its 10 GB/s

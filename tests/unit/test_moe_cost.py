@@ -16,7 +16,7 @@ from zplan.planner.cost.memory import memory_per_gpu
 from zplan.planner.cost.step import estimate_step
 from zplan.schemas.spec import Pins
 
-H100 = BUILTIN_CLUSTERS["dgx-h100"]
+H100 = BUILTIN_CLUSTERS["dgx-h100"].without_host()  # the device's terms alone
 L, S, H, E, K, F = 8, 1024, 1024, 8, 2, 2048  # blocks, tokens, hidden, experts, top-k, expert width
 EXPERTS = E * 3 * H * F  # one block's routed experts' parameters
 DENSE = 4 * H * H  # one block's attention
