@@ -76,7 +76,9 @@ def assumptions(cluster: ClusterSpec, summary: ModelSummary, train: TrainSpec) -
         ("NVMe", f"{cluster.nvme_bytes / GB:.0f} GB, {cluster.nvme_bandwidth_Bps / GB:.0f} GB/s per node", src),
         ("framework reserve", f"{cluster.framework_reserve_bytes / 2**30:.1f} GiB per GPU", src),
         ("GEMM efficiency curve", f"{eff.gemm_max:.2f} * x / (x + {eff.gemm_half_flops:.2g} FLOPs), "
-                                  "x = per-GPU MLP GEMM", "cluster profile (assumption)"),
+                                  "x = per-GPU MLP GEMM; the half point is a GEMM's fixed time at the 16-bit peak, "
+                                  "so an fp8 or fp4 GEMM's is as much larger as its peak",
+         "cluster profile (assumption; planner/clusters.py GEMM_HALF_TIME_S)"),
         ("attention efficiency", (f"{eff.attention:.2f} of peak on the attention core (QK^T, AV) through the flash "
                                   "kernel; no (s, s) bytes streamed" if eff.attention is not None
                                   else "the GEMM curve on the attention core"), (

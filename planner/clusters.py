@@ -28,12 +28,25 @@ TB = 1e12
 # (efficiency.attention) is set per GPU below.
 _NVIDIA_EFFICIENCY = EfficiencySpec(
     gemm_max=0.80,
-    gemm_half_flops=2.0e9,
+    gemm_half_flops=2.0e9,  # the A100's; each profile's from GEMM_HALF_TIME_S (nvidia_efficiency)
     memory_bound=0.80,
     intra_node_link=0.80,
     inter_node_link=0.90,
     host_link=0.80,
 )
+
+# A GEMM spends a fixed time beyond its FLOPs (launch, prologue and epilogue, the last partial wave): x_half /
+# (gemm_max * peak) in the efficiency curve (planner/cost/compute.py gemm_efficiency), so its half point in FLOPs grows
+# with the peak. The profiles' half point was 2 GFLOP on every GPU, an assumption without a source; it is kept for the
+# A100, the first profile (2 GFLOP at 312 TFLOP/s: 6.4 us of peak work, 8.0 us at gemm_max), and scaled by each GPU's
+# 16-bit peak: an H100 needs 6.3 GFLOP to reach half its efficiency, a B200 14.4 (and its fp8 GEMMs twice that).
+GEMM_HALF_TIME_S = 2.0e9 / (312 * TB)
+
+
+def nvidia_efficiency(peak_16bit_flops: float, **update) -> EfficiencySpec:
+    """_NVIDIA_EFFICIENCY with the GEMM half point of a GPU of this 16-bit peak (GEMM_HALF_TIME_S), and `update`."""
+    return _NVIDIA_EFFICIENCY.model_copy(update={"gemm_half_flops": GEMM_HALF_TIME_S * peak_16bit_flops, **update})
+
 
 # FlashAttention-2 forward + backward, causal, head dim 64-128, sequences 2k-16k (Dao 2023, arXiv:2307.08691,
 # Figs. 4-7): ~175-200 TFLOP/s on an A100 (of 312), ~330 on an H100 SXM5 (of 989; FlashAttention-3, Shah et al. 2024,
@@ -80,7 +93,7 @@ DGX_A100_80G = ClusterSpec(
     nvme_bandwidth_Bps=25 * GB,  # 8 PCIe Gen4 drives in RAID-0 (assumed, not in the data sheet)
     framework_reserve_bytes=2 * GiB,
     host_overheads=GPU_HOST,
-    efficiency=_NVIDIA_EFFICIENCY.model_copy(update={"attention": FLASH_ATTENTION_A100}),
+    efficiency=nvidia_efficiency(312 * TB, attention=FLASH_ATTENTION_A100),
 )
 
 # A100 40GB nodes as MosaicML benchmarked them: 8 GPUs, NVSwitch, 1600 Gb/s RoCE per node (llm-foundry's
@@ -123,7 +136,7 @@ DGX_H100 = ClusterSpec(
     nvme_bandwidth_Bps=50 * GB,  # 8 PCIe Gen4/5 drives in RAID-0 (assumed)
     framework_reserve_bytes=2 * GiB,
     host_overheads=GPU_HOST,
-    efficiency=_NVIDIA_EFFICIENCY.model_copy(update={"attention": FLASH_ATTENTION_H100}),
+    efficiency=nvidia_efficiency(989 * TB, attention=FLASH_ATTENTION_H100),
 )
 
 DGX_H200 = DGX_H100.model_copy(
@@ -164,7 +177,7 @@ DGX_B200 = ClusterSpec(
     nvme_bandwidth_Bps=50 * GB,  # 8 PCIe Gen5 drives in RAID-0 (assumed)
     framework_reserve_bytes=2 * GiB,
     host_overheads=GPU_HOST,
-    efficiency=_NVIDIA_EFFICIENCY.model_copy(update={"attention": FLASH_ATTENTION_BLACKWELL_FLOPS / (2250 * TB)}),
+    efficiency=nvidia_efficiency(2250 * TB, attention=FLASH_ATTENTION_BLACKWELL_FLOPS / (2250 * TB)),
 )
 
 # GB200 NVL72: one NVLink domain of 72 Blackwell GPUs in 18 compute trays (nodes) of 4 GPUs and 2 Grace CPUs; every
@@ -200,7 +213,7 @@ GB200_NVL72 = ClusterSpec(
     nvme_bandwidth_Bps=4 * 6 * GB,  # PCIe Gen5 E1.S at ~6 GB/s each (assumed)
     framework_reserve_bytes=2 * GiB,
     host_overheads=GPU_HOST,
-    efficiency=_NVIDIA_EFFICIENCY.model_copy(update={"attention": FLASH_ATTENTION_BLACKWELL_FLOPS / (2500 * TB)}),
+    efficiency=nvidia_efficiency(2500 * TB, attention=FLASH_ATTENTION_BLACKWELL_FLOPS / (2500 * TB)),
 )
 
 # GB300 NVL72 (Blackwell Ultra): the GB200 rack with 288 GB of HBM3e a GPU and 800 Gb/s ConnectX-8 a GPU. FP8 and
@@ -248,7 +261,7 @@ L40S_SERVER = ClusterSpec(
     nvme_bandwidth_Bps=25 * GB,  # assumed
     framework_reserve_bytes=2 * GiB,
     host_overheads=GPU_HOST,
-    efficiency=_NVIDIA_EFFICIENCY,
+    efficiency=nvidia_efficiency(366 * TB),
 )
 
 DGX2_V100 = ClusterSpec(
@@ -275,7 +288,7 @@ DGX2_V100 = ClusterSpec(
     nvme_bandwidth_Bps=12 * GB,  # 8 PCIe Gen3 drives in RAID-0 (assumed)
     framework_reserve_bytes=int(1.5 * GiB),
     host_overheads=GPU_HOST,
-    efficiency=_NVIDIA_EFFICIENCY,
+    efficiency=nvidia_efficiency(125 * TB),  # fp16
 )
 
 MAX_CLUSTER_FILE_BYTES = 1 << 20  # a profile is a few kB; more is not one

@@ -75,9 +75,13 @@ FP8_CAST_TOKEN_ELEMENTS_PER_PARAM_H = 4.0 / 3.0
 NVFP4_CAST_BYTES_PER_ELEMENT = 2.0 * (2.0 + 2.0 + 0.5 + 1.0 / 16.0)
 
 
-def gemm_efficiency(gemm_flops: np.ndarray, cluster: ClusterSpec) -> np.ndarray:
+def gemm_efficiency(gemm_flops: np.ndarray, cluster: ClusterSpec, speedup=1.0) -> np.ndarray:
+    """The fraction of the peak a GEMM of `gemm_flops` per GPU reaches: gemm_max * x / (x + x_half). Its time is
+    (x + x_half) / (gemm_max * peak): x_half / (gemm_max * peak) is a fixed time each GEMM spends beyond its FLOPs
+    (launch, prologue and epilogue, the last partial wave), so a GEMM at a peak `speedup` times the compute dtype's
+    (fp8, fp4 tensor cores) amortises it over `speedup` times the FLOPs (x_half * speedup)."""
     eff = cluster.efficiency
-    return eff.gemm_max * gemm_flops / (gemm_flops + eff.gemm_half_flops)
+    return eff.gemm_max * gemm_flops / (gemm_flops + eff.gemm_half_flops * speedup)
 
 
 def attention_core_fwd_flops(model: ModelNumbers) -> float:
@@ -102,7 +106,7 @@ def block_time_s(
     gemm_peak = cluster.gemm_peak_flops(precision)  # the Linears' GEMMs: fp8 under fp8 training
     b, t = gpu_sequences(cand), cand.tp  # context parallel: b / cp sequences' worth of tokens and attention
     gemm_flops = 2.0 * b * model.seq_len * model.hidden * model.ffn_hidden / t
-    eff = gemm_efficiency(gemm_flops, cluster)
+    eff = gemm_efficiency(gemm_flops, cluster, gemm_peak / peak)
     # The attention core runs forward and backward, and again in backward under either recompute mode.
     core = b * attention_core_fwd_flops(model) * ((1.0 + BACKWARD_OVER_FORWARD) + (cand.recompute > 0))
     flops = b * ((1.0 + BACKWARD_OVER_FORWARD) * model.block_fwd_flops + recompute_fwd_flops(model, cand.recompute))
@@ -113,9 +117,10 @@ def block_time_s(
     # the ep ranks that send it theirs (balanced routing)
     experts = b * model.block_expert_fwd_flops * ((1.0 + BACKWARD_OVER_FORWARD) + (cand.recompute == 2))
     expert_tokens = b * model.seq_len * model.top_k * cand.ep / max(model.num_experts, 1)
-    expert_eff = gemm_efficiency(2.0 * expert_tokens * model.hidden * model.expert_ffn_hidden, cluster)
-    busiest = model.busiest_rank(cand.ep)  # the step waits for the rank with the most routed tokens
     expert_peak = gemm_peak if model.experts_at_gemm_peak else peak
+    expert_eff = gemm_efficiency(2.0 * expert_tokens * model.hidden * model.expert_ffn_hidden, cluster,
+                                 expert_peak / peak)
+    busiest = model.busiest_rank(cand.ep)  # the step waits for the rank with the most routed tokens
     experts_s = busiest * experts / (expert_peak * expert_eff) if model.block_expert_fwd_flops > 0 else 0.0
     attention = cluster.efficiency.attention
     unfused = model.block_attention_core_bytes > 0  # batched GEMMs and a softmax streamed through HBM

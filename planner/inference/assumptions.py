@@ -30,7 +30,8 @@ def inference_assumptions(cluster: ClusterSpec, summary: ModelSummary, model: In
         ("HBM bandwidth", f"{gpu.hbm_bandwidth_Bps / GB:.0f} GB/s at {eff.memory_bound:.2f} achieved "
                           "(decode reads weights and KV cache at this rate)", f"{src}; cluster profile (assumption)"),
         ("GEMM efficiency curve", f"{eff.gemm_max:.2f} * x / (x + {eff.gemm_half_flops:.2g} FLOPs), x = per-GPU MLP "
-                                  "GEMM of the pass (B*P tokens in prefill, B in decode)",
+                                  "GEMM of the pass (B*P tokens in prefill, B in decode); fp8 weights' GEMMs: the half "
+                                  "point as much larger as the fp8 peak",
          "cluster profile (assumption), as planner/cost/compute.py"),
         ("tensor-parallel all-reduce", f"2 per block per pass, ring over tp GPUs at "
                                        f"{cluster.intra_node_bandwidth_Bps / GB:.0f} GB/s x {eff.intra_node_link:.2f}"

@@ -302,7 +302,7 @@ def estimate(model: InferenceModel, cand: InferenceCandidates, cluster: ClusterS
     # Prefill (Pope et al. 2022, Sec. 3): compute bound, and at least one read of the weights.
     prefill_gemm_flops = 2.0 * model.block_linear_params * L * B * P / t
     prefill_other_flops = 2.0 * L * B * P * P * h / t + 2.0 * h * V * B  # attention, logits: compute dtype
-    prefill_eff = gemm_efficiency(2.0 * B * P * h * f / t, cluster)
+    prefill_eff = gemm_efficiency(2.0 * B * P * h * f / t, cluster, gemm_peak / peak)
     prefill_flops_s = (prefill_gemm_flops / gemm_peak + prefill_other_flops / peak) / prefill_eff
     prefill_compute = np.maximum(prefill_flops_s, read_b / hbm) + host_s
     ones = np.ones(len(cand), dtype=np.int64)
@@ -315,7 +315,7 @@ def estimate(model: InferenceModel, cand: InferenceCandidates, cluster: ClusterS
     decode_gemm_flops = 2.0 * model.block_linear_params * L * B / t
     decode_other_flops = 4.0 * L * B * c * h / t + 2.0 * h * V * B
     flops_s = ((decode_gemm_flops / gemm_peak + decode_other_flops / peak)
-               / gemm_efficiency(2.0 * B * h * f / t, cluster))
+               / gemm_efficiency(2.0 * B * h * f / t, cluster, gemm_peak / peak))
     compute_bound = flops_s > weights_s + kv_s
     decode_weights = np.where(compute_bound, 0.0, weights_s)
     decode_kv = np.where(compute_bound, 0.0, kv_s)

@@ -199,8 +199,8 @@ def steps(model: InferenceModel, cluster: ClusterSpec, tp: int, num: Numerics, d
     gemm_flops = 2.0 * model.block_linear_params * L * tokens / tp
     attention_flops = (2.0 * L * n_p * P * P * h + 4.0 * L * D * c * h) / tp
     logits_flops = 2.0 * h * V * (D + n_p)
-    eff = gemm_efficiency(2.0 * tokens * h * f / tp, cluster)
     other_peak = num.other_peak_flops or num.gemm_peak_flops
+    eff = gemm_efficiency(2.0 * tokens * h * f / tp, cluster, num.gemm_peak_flops / other_peak)
     attention_peak = num.attention_peak_flops or other_peak
     compute = (gemm_flops / num.gemm_peak_flops + attention_flops / attention_peak
                + logits_flops / other_peak) / np.maximum(eff, 1e-12)

@@ -37,16 +37,20 @@ def one(recompute=0):
 @pytest.mark.parametrize("recompute", [0, 2])
 def test_fp8_runs_the_block_gemms_at_the_fp8_peak_and_streams_the_casts(recompute):
     """By hand: the block's non-attention FLOPs (3 passes, 4 with full recompute; 24 s h^2 a sample forward) move from
-    the bf16 to the fp8 peak at the same curve efficiency, and the casts stream 10 B an element of X and G
-    (16 h a token: 4 / (3 h) of the 12 h^2 parameters) and of the weights, all over tp."""
+    the bf16 to the fp8 peak, on the curve with the half point 1979 / 989 as large (the same fixed time a GEMM, at
+    that rate), and the casts stream 10 B an element of X and G (16 h a token: 4 / (3 h) of the 12 h^2 parameters)
+    and of the weights, all over tp."""
     passes = 3 + (recompute == 2)
     gemm = B * passes * 24.0 * S * H * H / TP
-    eff = gemm_efficiency(np.array([2.0 * B * S * H * 4 * H / TP]), H100)[0]
+    x = 2.0 * B * S * H * 4 * H / TP
+    eff = H100.efficiency.gemm_max * x / (x + H100.efficiency.gemm_half_flops)
+    eff_fp8 = H100.efficiency.gemm_max * x / (x + 1979 / 989 * H100.efficiency.gemm_half_flops)
+    assert gemm_efficiency(np.array([x]), H100, 1979 / 989)[0] == pytest.approx(eff_fp8)
     casts = FP8_CAST_BYTES_PER_ELEMENT * (B * S * 16 * H + 12.0 * H * H) / TP
     fp8 = block_time_s(model(), one(recompute), H100, "fp8")[0]
     bf16 = block_time_s(model(), one(recompute), H100, "bf16")[0]
     assert H100.gemm_peak_flops("fp8") == 1979e12 and H100.peak_flops("fp8") == 989e12
-    expected = gemm / (1979e12 * eff) - gemm / (989e12 * eff) + casts / activation_ops_Bps(H100)
+    expected = gemm / (1979e12 * eff_fp8) - gemm / (989e12 * eff) + casts / activation_ops_Bps(H100)
     assert fp8 - bf16 == pytest.approx(expected)
 
 

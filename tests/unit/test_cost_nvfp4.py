@@ -45,16 +45,18 @@ def test_blackwell_profiles_have_the_data_sheets_dense_fp4_peak():
 @pytest.mark.parametrize("recompute", [0, 2])
 def test_nvfp4_runs_the_block_gemms_at_the_fp4_peak_and_streams_the_casts(recompute):
     """By hand: the block's non-attention FLOPs (3 passes, 4 with full recompute; 24 s h^2 a sample forward) move
-    from the bf16 to the fp4 peak at the same curve efficiency; the casts stream, for each of X, W and G quantised
+    from the bf16 to the fp4 peak, on the curve with the half point 4x as large (the same fixed time a GEMM, at 4x the
+    rate); the casts stream, for each of X, W and G quantised
     twice, 2 B (amax read) + 2 B (read) + 0.5 B (e2m1) + 1/16 B (e4m3 scale) = 4.5625 B a cast, 9.125 B an element,
     of X and G (16 h a token: 4 / (3 h) of the 12 h^2 parameters) and of the weights."""
     passes = 3 + (recompute == 2)
     gemm = B * passes * 24.0 * S * H * H
     eff = gemm_efficiency(np.array([2.0 * B * S * H * 4 * H]), B200)[0]
+    eff_fp4 = gemm_efficiency(np.array([2.0 * B * S * H * 4 * H]), B200, 4.0)[0]
     casts = 9.125 * (B * S * 16 * H + 12.0 * H * H)
     nvfp4 = block_time_s(model(), one(recompute), B200, "nvfp4")[0]
     bf16 = block_time_s(model(), one(recompute), B200, "bf16")[0]
-    expected = gemm / (9000e12 * eff) - gemm / (2250e12 * eff) + casts / activation_ops_Bps(B200)
+    expected = gemm / (9000e12 * eff_fp4) - gemm / (2250e12 * eff) + casts / activation_ops_Bps(B200)
     assert nvfp4 - bf16 == pytest.approx(expected)
 
 

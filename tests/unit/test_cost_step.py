@@ -40,6 +40,18 @@ def test_single_rank_group_costs_nothing():
 def test_gemm_efficiency_is_half_of_max_at_the_half_point():
     eff = A100.efficiency
     assert gemm_efficiency(np.array([eff.gemm_half_flops]), A100)[0] == pytest.approx(eff.gemm_max / 2)
+    # a GEMM at twice the rate (fp8) reaches half its efficiency at twice the FLOPs
+    assert gemm_efficiency(np.array([2 * eff.gemm_half_flops]), A100, 2.0)[0] == pytest.approx(eff.gemm_max / 2)
+
+
+def test_a_gemms_fixed_time_is_the_same_on_every_nvidia_gpu():
+    """The half point over the 16-bit peak, a GEMM's fixed time at that rate, is the A100's 2 GFLOP / 312 TFLOP/s on
+    every NVIDIA profile: 6.34 GFLOP on an H100 (989 TFLOP/s), 14.4 on a B200 (2250), 16.0 on a GB200 (2500)."""
+    for name, peak in (("dgx-a100-80g", 312e12), ("dgx-h100", 989e12), ("dgx-h200", 989e12), ("dgx-b200", 2250e12),
+                       ("gb200-nvl72", 2500e12), ("gb300-nvl72", 2500e12), ("l40s-8", 366e12), ("dgx2-v100", 125e12)):
+        cluster = BUILTIN_CLUSTERS[name]
+        assert max(cluster.gpu.peak_bf16_flops, cluster.gpu.peak_fp16_flops) == peak
+        assert cluster.efficiency.gemm_half_flops == pytest.approx(2e9 / 312e12 * peak)
 
 
 def _uniform_model(blocks=16) -> ModelNumbers:

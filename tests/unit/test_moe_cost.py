@@ -170,8 +170,9 @@ def test_routing_imbalance_slows_the_busiest_expert_parallel_rank_only():
 
 def test_experts_at_the_gemm_peak_save_their_flops_at_the_bf16_peak_less_those_at_the_fp8_peak():
     """ExpertsSummary.at_gemm_peak (a stack whose grouped GEMM runs the experts in fp8): the experts' forward + backward
-    FLOPs move from the bf16 peak to the fp8 peak at the same efficiency, and nothing else in the block changes;
-    under bf16 the flag changes nothing (both peaks are bf16's)."""
+    FLOPs move from the bf16 peak to the fp8 peak, at the efficiency of a GEMM whose half point is as much larger as
+    the peak (the same fixed time at that rate), and nothing else in the block changes; under bf16 the flag changes
+    nothing (both peaks are bf16's)."""
     from dataclasses import replace
 
     from zplan.planner.cost.compute import block_time_s, gemm_efficiency
@@ -179,9 +180,11 @@ def test_experts_at_the_gemm_peak_save_their_flops_at_the_bf16_peak_less_those_a
     cand = one(ep=8)
     as_linears, at_peak = moe_numbers(), replace(moe_numbers(), experts_at_gemm_peak=True)
     expert_tokens = S * K * 8 / E  # one expert's share of the tokens of the 8 ep ranks
-    eff = gemm_efficiency(np.array([2.0 * expert_tokens * H * F]), H100)[0]
+    x = np.array([2.0 * expert_tokens * H * F])
+    speedup = H100.gpu.peak_fp8_flops / H100.gpu.peak_bf16_flops
+    eff, eff_fp8 = gemm_efficiency(x, H100)[0], gemm_efficiency(x, H100, speedup)[0]
     flops = 3.0 * 2.0 * S * K * 3 * H * F  # forward + backward of the routed experts, one sample
-    saved = flops / eff * (1.0 / H100.gpu.peak_bf16_flops - 1.0 / H100.gpu.peak_fp8_flops)
+    saved = flops / eff / H100.gpu.peak_bf16_flops - flops / eff_fp8 / H100.gpu.peak_fp8_flops
     fp8_gain = block_time_s(as_linears, cand, H100, "fp8")[0] - block_time_s(at_peak, cand, H100, "fp8")[0]
     assert fp8_gain == pytest.approx(saved)
     bf16 = block_time_s(as_linears, cand, H100, "bf16")[0]
