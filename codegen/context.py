@@ -211,11 +211,14 @@ def interval_context(prediction) -> dict[str, str]:
     """The prediction's 80 % interval in words (planner/uncertainty.py); '' for plans without one."""
     interval = prediction.interval
     if interval is None:
-        return {"step_time_interval": "", "tokens_per_s_interval": "", "mfu_interval": "", "interval_note": ""}
+        return {"step_time_interval": "", "tokens_per_s_interval": "", "mfu_interval": "", "memory_interval": "",
+                "interval_note": ""}
     (t0, t1), (r0, r1), (m0, m1) = interval.step_time_s, interval.tokens_per_s, interval.mfu
+    b0, b1 = interval.memory_bytes
     return {"step_time_interval": f"{format_seconds(t0)} - {format_seconds(t1)}",
             "tokens_per_s_interval": f"{r0:,.0f} - {r1:,.0f}",
             "mfu_interval": f"{format_percent(m0)} - {format_percent(m1)}",
+            "memory_interval": f"{format_bytes(b0)} - {format_bytes(b1)}, the dry run's agreement",
             "interval_note": (f"{interval.level:.0%} intervals, regime '{interval.regime}' ({interval.basis}): "
                               f"{interval.note}.")}
 

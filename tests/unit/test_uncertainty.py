@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.plan_samples import sample_alternatives, sample_plan
+from zplan.codegen.context import format_bytes
 from zplan.codegen.near_ties import near_tie_rows
 from zplan.codegen.render import render_reports
 from zplan.planner.uncertainty import (
@@ -113,6 +114,10 @@ def test_the_report_names_the_alternatives_whose_intervals_overlap_and_how_to_te
     assert "overlaps the chosen plan's (" in reports["report.md"] and "1, the fastest 1 below" in reports["report.md"]
     assert "Near-ties" in reports["report.html"]
     assert not near_tie_rows(_with_interval(plan, step * 0.9, step), search)  # no overlap, no near-tie
+    # the memory peak's interval, the dry run's agreement, beside the step's
+    low, high = (format_bytes(b) for b in plan.prediction.interval.memory_bytes)
+    for name in ("report.md", "report.html"):
+        assert f"(80 %: {low} - {high}, the dry run" in reports[name]  # html escapes the apostrophe
 
 
 def test_pin_flags_name_every_choice_of_the_layout():
