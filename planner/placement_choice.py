@@ -38,7 +38,7 @@ from zplan.planner.cost.memory import (
     sixteen_bit_states,
     state_bytes,
 )
-from zplan.planner.cost.step import StepEstimate, gpu_adam_step_s, gradient_clip_s
+from zplan.planner.cost.step import StepEstimate, gpu_adam_step_s, gradient_clip_s, optimizer_phase_s
 from zplan.planner.placement import PlacementResult, place_model_states
 from zplan.schemas import legality
 from zplan.schemas.cluster import ClusterSpec
@@ -121,8 +121,9 @@ def place(cand: Candidates, est: StepEstimate, cluster: ClusterSpec, train: Trai
         cpu_bytes_per_node=result.cpu_bytes * cluster.gpus_per_node,
         nvme_bytes_per_node=result.nvme_bytes * cluster.gpus_per_node,
         offload_s=result.total_transfer_s,
-        optimizer_s=(float(gpu_adam_step_s(optim_params, cluster)) if on_gpu["optimizer"] else 0.0)
-        + (float(gradient_clip_s(grads, sixteen_bit, cluster)) if on_gpu["grads"] else 0.0),
+        optimizer_s=float(optimizer_phase_s(
+            (float(gpu_adam_step_s(optim_params, cluster)) if on_gpu["optimizer"] else 0.0)
+            + (float(gradient_clip_s(grads, sixteen_bit, cluster)) if on_gpu["grads"] else 0.0), cluster)),
         feasible=result.feasible,
     )
 

@@ -160,6 +160,12 @@ def gradient_clip_s(gradient_bytes: np.ndarray, sixteen_bit: np.ndarray | bool, 
     return passes * gradient_bytes / (cluster.gpu.hbm_bandwidth_Bps * cluster.efficiency.memory_bound)
 
 
+def optimizer_phase_s(device_s, cluster: ClusterSpec):
+    """The optimizer phase's seconds from its device work (clipping and AdamW on the GPU, 0 where the optimizer is
+    offloaded): with the host's OPTIMIZER_STEP_OPS dispatched ops, added on a CPU, a floor on a GPU (with_host_s)."""
+    return with_host_s(device_s, OPTIMIZER_STEP_OPS * cluster.host_overheads.op_s, cluster)
+
+
 def fsdp_units(model: ModelNumbers, cand: Candidates) -> np.ndarray:
     """FSDP2 units on the most loaded stage: one per block, plus the root of each of its v chunks."""
     return blocks_per_stage(model, cand) + cand.interleave
@@ -321,8 +327,8 @@ def estimate_step(
     shard = memory.stage_shard_params  # the parameters this rank's optimizer steps
     offload_s = offload_time_s(cand, params_gpu, m, cluster, precision, memory.parameters_offloaded)
     clip_s = gradient_clip_s(memory.gradients, sixteen_bit_states(cand.zero, precision, cand.grad_compress), cluster)
-    optimizer_s = with_host_s(np.where(cand.offload == 0, gpu_adam_step_s(shard, cluster) + clip_s, 0.0),
-                              OPTIMIZER_STEP_OPS * cluster.host_overheads.op_s, cluster)
+    optimizer_s = optimizer_phase_s(np.where(cand.offload == 0, gpu_adam_step_s(shard, cluster) + clip_s, 0.0),
+                                    cluster)
 
     compute_s = m * compute_mb
     tp_s = m * tp_mb

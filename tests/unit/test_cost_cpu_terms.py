@@ -177,3 +177,15 @@ def test_on_a_gpu_the_host_is_a_floor_under_each_blocks_device_time():
                          embed_act_bytes=0.0, head_act_bytes=0.0)
     priced = block_time_s(large, one, h200, "bf16")[0]
     assert priced == block_time_s(large, one, h200.without_host(), "bf16")[0] > BLOCK_OPS * op_s
+
+
+def test_a_compiled_gpu_plan_keeps_the_hosts_floor_under_its_optimizer_step():
+    """The placement that fixes the plan's model states re-prices its optimizer phase the same way as the search:
+    examples/tiny.py on one H200 steps in the host's 14 ops, not in its microseconds of GPU work."""
+    from zplan.api import compile_plan, prepare
+    from zplan.schemas.spec import Pins
+
+    plan = compile_plan(prepare(str(ROOT / "examples" / "tiny.py"), 1, "dgx-h200", None, None, None, Pins()))
+    op_s = BUILTIN_CLUSTERS["dgx-h200"].host_overheads.op_s
+    assert plan.prediction.time.optimizer == pytest.approx(OPTIMIZER_STEP_OPS * op_s)
+    assert plan.prediction.time.compute == pytest.approx((2 * BLOCK_OPS + EMBEDDING_OPS + HEAD_OPS) * op_s)
