@@ -28,7 +28,7 @@ TB = 1e12
 # (efficiency.attention) is set per GPU below.
 _NVIDIA_EFFICIENCY = EfficiencySpec(
     gemm_max=0.80,
-    gemm_half_flops=2.0e9,  # the A100's; each profile's from GEMM_HALF_TIME_S (nvidia_efficiency)
+    gemm_half_flops=2.0e9,  # the A100's; each profile scales it by its peak (GEMM_HALF_TIME_S, nvidia_efficiency)
     memory_bound=0.80,
     intra_node_link=0.80,
     inter_node_link=0.90,
@@ -40,7 +40,7 @@ _NVIDIA_EFFICIENCY = EfficiencySpec(
 # with the peak. The profiles' half point was 2 GFLOP on every GPU, an assumption without a source; it is kept for the
 # A100, the first profile (2 GFLOP at 312 TFLOP/s: 6.4 us of peak work, 8.0 us at gemm_max), and scaled by each GPU's
 # 16-bit peak: an H100 needs 6.3 GFLOP to reach half its efficiency, a B200 14.4 (and its fp8 GEMMs twice that).
-GEMM_HALF_TIME_S = 2.0e9 / (312 * TB)
+GEMM_HALF_TIME_S = _NVIDIA_EFFICIENCY.gemm_half_flops / (312 * TB)  # s: the A100's half point at its 16-bit peak
 
 
 def nvidia_efficiency(peak_16bit_flops: float, **update) -> EfficiencySpec:
